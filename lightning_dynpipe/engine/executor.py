@@ -1,0 +1,508 @@
+"""The stage executor: runs one stage's instruction lists, dispatching each instruction by its type.
+
+The executor never imports Lightning. What is user code on the first and last stage (extracting the pipeline
+input from a batch, running ``training_step`` to get the loss, firing optimizer hooks) reaches it as plain
+callables from the strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from lightning_dynpipe.engine.p2p import RecvChannel, SendChannel
+from lightning_dynpipe.engine.stash import WeightStash
+from lightning_dynpipe.engine.wire import MessageKind
+from lightning_dynpipe.errors import ConfigurationError, ScheduleError
+from lightning_dynpipe.schedule import (
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    StashWeights,
+    drain_instructions,
+    staleness,
+    step_instructions,
+)
+
+__all__ = ["StageExecutor", "StageChannels", "StepStats", "split_microbatches"]
+
+log = logging.getLogger(__name__)
+
+
+def _batch_len(obj: Any) -> int | None:
+    if isinstance(obj, Tensor):
+        return int(obj.shape[0]) if obj.dim() > 0 else None
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            n = _batch_len(v)
+            if n is not None:
+                return n
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            n = _batch_len(v)
+            if n is not None:
+                return n
+    return None
+
+
+def _split(obj: Any, sections: Sequence[int]) -> list[Any]:
+    if isinstance(obj, Tensor) and obj.dim() > 0:
+        return list(torch.split(obj, list(sections)))
+    if isinstance(obj, Mapping):
+        parts = {k: _split(v, sections) for k, v in obj.items()}
+        factory = type(obj) if isinstance(obj, dict) else dict
+        return [factory({k: parts[k][i] for k in obj}) for i in range(len(sections))]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        cols = [_split(v, sections) for v in obj]
+        return [type(obj)(*(c[i] for c in cols)) for i in range(len(sections))]
+    if isinstance(obj, (list, tuple)):
+        cols = [_split(v, sections) for v in obj]
+        return [type(obj)(c[i] for c in cols) for i in range(len(sections))]
+    return [obj] * len(sections)
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
+    """Splits every tensor of ``batch`` along dim 0 into ``num_microbatches`` near-equal parts.
+
+    Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
+    """
+    n = _batch_len(batch)
+    if n is None:
+        raise ConfigurationError(
+            "The batch holds no tensor with a batch dimension, so it cannot be split into micro-batches. "
+            "Return tensors (or tuples/dicts of tensors) from your dataloader."
+        )
+    if n < num_microbatches:
+        raise ConfigurationError(
+            f"A batch of size {n} cannot be split into num_microbatches={num_microbatches}: every micro-batch "
+            f"needs at least one sample. Use a batch size >= {num_microbatches} (or drop_last=True in the "
+            "dataloader), or lower num_microbatches."
+        )
+    base, extra = divmod(n, num_microbatches)
+    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    return _split(batch, sizes), sizes
+
+
+def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
+    if isinstance(value, Tensor):
+        return [value], False
+    if isinstance(value, (tuple, list)) and all(isinstance(v, Tensor) for v in value):
+        return list(value), True
+    raise ConfigurationError(
+        f"{what} must be a Tensor or a tuple of Tensors to cross a stage boundary; got {type(value).__name__}. "
+        "Make the layers at the partition boundary return tensors."
+    )
+
+
+@dataclass
+class StageChannels:
+    """The four channels a stage may have: activations in/out and gradients in/out."""
+
+    recv_activation: RecvChannel | None = None
+    send_activation: SendChannel | None = None
+    recv_grad: RecvChannel | None = None
+    send_grad: SendChannel | None = None
+
+    def flush(self) -> None:
+        """Waits for all outstanding sends."""
+        for ch in (self.send_activation, self.send_grad):
+            if ch is not None:
+                ch.flush()
+
+    def close(self) -> None:
+        """Stops the peers' receiver threads and joins ours."""
+        for ch in (self.send_activation, self.send_grad):
+            if ch is not None:
+                ch.close()
+        for rc in (self.recv_activation, self.recv_grad):
+            if rc is not None:
+                rc.join()
+
+
+@dataclass
+class StepStats:
+    """Where one stage's time went during one step (seconds), plus pipeline state at the step's end."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_s: float = 0.0
+    step_s: float = 0.0
+    num_forward: int = 0
+    num_backward: int = 0
+    num_updates: int = 0
+    in_flight: int = 0
+    stash_depth: int = 0
+    max_stash_depth: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward plus optimizer time."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass
+class _MicroBatch:
+    slot: int
+    batch: Any = None
+    inputs: list[Tensor | None] | None = None  # received leaves (stages > 0)
+    input_value: Any = None
+    output: Any = None
+    loss: Tensor | None = None
+    loss_value: float = float("nan")
+    version: int | None = None
+    input_grads: list[Tensor | None] = field(default_factory=list)
+    out_grads: list[Tensor | None] | None = None
+    scale: float = 1.0
+
+
+class StageExecutor:
+    """Runs one pipeline stage: its layers, its share of the schedule, and its optimizer updates.
+
+    Example::
+
+        executor = StageExecutor(stage_module=nn.Sequential(*my_layers), stage_idx=0, num_stages=2,
+                                 schedule="async", num_microbatches=4, channels=channels,
+                                 first_stage_input=lambda b: b[0], last_stage_loss=None,
+                                 optimizer_step=step_fn)
+        loss = executor.train_step(batch)    # one Lightning step; in-flight backwards carry over
+        executor.drain()                      # before validation, checkpoints, the end of fit
+
+    Args:
+        stage_module: the layers this stage owns, in order.
+        stage_idx: ``k``, position of the stage in the pipeline.
+        num_stages: ``S``.
+        schedule: ``"async"``, ``"sync"`` or ``"gpipe"``.
+        num_microbatches: ``M``, micro-batches per step.
+        channels: P2P channels to the neighbouring stages.
+        first_stage_input: on stage 0 (when ``S > 1``), maps a micro-batch to the pipeline input.
+        last_stage_loss: on the last stage, runs the user's step on a micro-batch (its ``self.pipeline(...)``
+            call reaching :meth:`local_forward`) and returns the loss.
+        optimizer_step: applies one update to this stage's parameters from their ``.grad`` and clears them.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage_module: nn.Module,
+        stage_idx: int,
+        num_stages: int,
+        schedule: str,
+        num_microbatches: int,
+        channels: StageChannels,
+        first_stage_input: Callable[[Any], Any] | None,
+        last_stage_loss: Callable[[Any, int], Tensor] | None,
+        optimizer_step: Callable[[], None],
+    ) -> None:
+        self.stage_module = stage_module
+        self.stage_idx = stage_idx
+        self.num_stages = num_stages
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.channels = channels
+        self._first_stage_input = first_stage_input
+        self._last_stage_loss = last_stage_loss
+        self._optimizer_step = optimizer_step
+        self.is_first = stage_idx == 0
+        self.is_last = stage_idx == num_stages - 1
+        self.staleness = staleness(schedule, stage_idx, num_stages)  # type: ignore[arg-type]
+        self.stash: WeightStash | None = WeightStash(stage_module) if self.staleness > 0 else None
+        self._names = [n for n, _ in stage_module.named_parameters()]
+        self._live = [p for _, p in stage_module.named_parameters()]
+        self._mbs: dict[int, _MicroBatch] = {}
+        self._current: _MicroBatch | None = None
+        self._steps_since_drain = 0
+        self._step_batches: list[Any] = []
+        self._step_sizes: list[int] = []
+        self._step_base = 0
+        self._step_losses: list[float] = []
+        self._eval_counter = 0
+        self.stats = StepStats()
+        self.last_loss = float("nan")
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            RecvActivation: self._recv_activation,
+            StashWeights: self._stash_weights,
+            Forward: self._forward,
+            SendActivation: self._send_activation,
+            RecvGrad: self._recv_grad,
+            Backward: self._backward,
+            SendGrad: self._send_grad,
+            OptimizerStep: self._update,
+        }
+        if self.is_last and last_stage_loss is None:
+            raise ConfigurationError("The last stage needs a last_stage_loss callable.")
+        if self.is_first and not self.is_last and first_stage_input is None:
+            raise ConfigurationError("Stage 0 of a multi-stage pipeline needs a first_stage_input callable.")
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded by this stage but not yet back-propagated."""
+        return len(self._mbs)
+
+    @property
+    def steps_since_drain(self) -> int:
+        """Steps run since the last drain (the schedule's step counter)."""
+        return self._steps_since_drain
+
+    def train_step(self, batch: Any) -> float:
+        """Runs this stage's instructions for one step on ``batch``; returns the mean loss known here.
+
+        The last stage returns the mean loss of the ``M`` micro-batches of this batch. Other stages return the
+        mean loss of the micro-batches they back-propagated during the step (the loss travels upstream with
+        the gradients), or NaN when they have not back-propagated any yet.
+        """
+        t0 = time.perf_counter()
+        self.stats = StepStats(max_stash_depth=self.stats.max_stash_depth)
+        if self.is_first or self.is_last:
+            self._step_batches, self._step_sizes = split_microbatches(batch, self.num_microbatches)
+        self._step_base = self._steps_since_drain * self.num_microbatches
+        self._step_losses = []
+        program = step_instructions(
+            self.schedule, self.stage_idx, self.num_stages, self.num_microbatches, self._steps_since_drain  # type: ignore[arg-type]
+        )
+        self._run(program)
+        self._steps_since_drain += 1
+        self._step_batches = []
+        self.stats.step_s = time.perf_counter() - t0
+        self.stats.in_flight = self.in_flight
+        self.stats.stash_depth = self.stash.depth if self.stash is not None else 0
+        if self._step_losses:
+            self.last_loss = sum(self._step_losses) / len(self._step_losses)
+            return self.last_loss
+        return float("nan")
+
+    def drain(self) -> None:
+        """Finishes every micro-batch in flight (their backwards and updates), then waits for all sends."""
+        if self._steps_since_drain == 0:
+            return
+        program = drain_instructions(
+            self.schedule, self.stage_idx, self.num_stages, self.num_microbatches, self._steps_since_drain  # type: ignore[arg-type]
+        )
+        self._run(program)
+        self.channels.flush()
+        if self._mbs:
+            raise ScheduleError(
+                f"Stage {self.stage_idx} still has micro-batches {sorted(self._mbs)} in flight after a drain; the "
+                "schedule's drain is inconsistent with its steps."
+            )
+        self._steps_since_drain = 0
+
+    def eval_step(self, batch: Any, step_fn: Callable[[], Any]) -> Any:
+        """Forward-only pass of a whole batch through the pipeline; returns ``step_fn()`` on the last stage.
+
+        ``step_fn`` runs the user's evaluation step; its ``self.pipeline(...)`` call reaches
+        :meth:`local_forward`. Other stages return ``None``. Must be called on a drained pipeline.
+        """
+        if self._mbs:
+            raise ScheduleError(f"eval_step needs a drained pipeline; stage {self.stage_idx} has {len(self._mbs)} in flight.")
+        idx = self._eval_counter
+        self._eval_counter += 1
+        mb = _MicroBatch(slot=0, batch=batch)
+        if not self.is_first:
+            assert self.channels.recv_activation is not None
+            msg = self.channels.recv_activation.get(MessageKind.EVAL_ACTIVATION, idx)
+            mb.input_value = self._rebuild(msg.tensors, msg.header.is_tuple)
+        if self.is_last:
+            self._current = mb
+            try:
+                return step_fn()
+            finally:
+                self._current = None
+        assert self._first_stage_input is not None or not self.is_first
+        value = self._first_stage_input(batch) if self.is_first else mb.input_value  # type: ignore[misc]
+        out = self.stage_module(value)
+        tensors, is_tuple = _flatten(out, f"The output of stage {self.stage_idx}")
+        assert self.channels.send_activation is not None
+        self.channels.send_activation.send(MessageKind.EVAL_ACTIVATION, idx, tensors, is_tuple=is_tuple)
+        return None
+
+    def local_forward(self, x: Any) -> Any:
+        """This stage's layers on the current micro-batch: the target of the redirected ``pipeline(...)`` call.
+
+        Stage 0 uses ``x`` (what the user passed); later stages ignore it and use the received activation.
+        """
+        mb = self._current
+        if mb is None:
+            raise ConfigurationError(
+                "self.pipeline(...) was called outside of a pipeline step. Under DynPipeStrategy the pipeline "
+                "can only be called once, from training_step/validation_step/test_step/predict_step."
+            )
+        value = x if self.is_first else mb.input_value
+        if mb.version is not None:
+            assert self.stash is not None
+            out = functional_call(self.stage_module, self.stash.params(mb.version), (value,))
+        else:
+            out = self.stage_module(value)
+        mb.output = out
+        return out
+
+    # ------------------------------------------------------------------ dispatch
+    def _run(self, program: Sequence[Instruction]) -> None:
+        for instr in program:
+            handler = self._handlers.get(type(instr))
+            if handler is None:
+                raise ScheduleError(
+                    f"Stage {self.stage_idx} cannot execute instruction {instr!s} of type {type(instr).__name__}; "
+                    f"known: {', '.join(t.__name__ for t in self._handlers)}."
+                )
+            handler(instr)
+
+    def _mb(self, mb_idx: int) -> _MicroBatch:
+        mb = self._mbs.get(mb_idx)
+        if mb is None:
+            mb = self._mbs[mb_idx] = _MicroBatch(slot=mb_idx - self._step_base)
+        return mb
+
+    @staticmethod
+    def _rebuild(tensors: list[Tensor | None], is_tuple: bool) -> Any:
+        if is_tuple:
+            return tuple(tensors)
+        return tensors[0]
+
+    def _recv_activation(self, instr: RecvActivation) -> None:
+        assert self.channels.recv_activation is not None
+        t0 = time.perf_counter()
+        msg = self.channels.recv_activation.get(MessageKind.ACTIVATION, instr.mb_idx)
+        self.stats.recv_wait_s += time.perf_counter() - t0
+        inputs: list[Tensor | None] = []
+        for t in msg.tensors:
+            if t is not None and t.is_floating_point() and msg.header.specs[len(inputs)].requires_grad:  # type: ignore[union-attr]
+                t.requires_grad_(True)
+            inputs.append(t)
+        mb = self._mb(instr.mb_idx)
+        mb.inputs = inputs
+        mb.input_value = self._rebuild(inputs, msg.header.is_tuple)
+
+    def _stash_weights(self, instr: StashWeights) -> None:
+        assert self.stash is not None, "StashWeights on a stage without staleness"
+        self._mb(instr.mb_idx).version = self.stash.acquire()
+        self.stats.max_stash_depth = max(self.stats.max_stash_depth, self.stash.depth)
+
+    def _forward(self, instr: Forward) -> None:
+        t0 = time.perf_counter()
+        mb = self._mb(instr.mb_idx)
+        if self.is_first or self.is_last:
+            mb.batch = self._step_batches[mb.slot]
+        with torch.enable_grad():
+            self._current = mb
+            try:
+                if self.is_last:
+                    assert self._last_stage_loss is not None
+                    if self.schedule != "async":
+                        mb.scale = self._step_sizes[mb.slot] / sum(self._step_sizes)
+                    mb.loss = self._last_stage_loss(mb.batch, mb.slot)
+                    mb.loss_value = float(mb.loss.detach())
+                    self._step_losses.append(mb.loss_value)
+                else:
+                    x = self._first_stage_input(mb.batch) if self.is_first else None  # type: ignore[misc]
+                    self.local_forward(x)
+            finally:
+                self._current = None
+        mb.batch = None
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.num_forward += 1
+
+    def _send_activation(self, instr: SendActivation) -> None:
+        t0 = time.perf_counter()
+        mb = self._mbs[instr.mb_idx]
+        tensors, is_tuple = _flatten(mb.output, f"The output of stage {self.stage_idx}")
+        assert self.channels.send_activation is not None
+        self.channels.send_activation.send(MessageKind.ACTIVATION, instr.mb_idx, tensors, is_tuple=is_tuple)
+        self.stats.send_s += time.perf_counter() - t0
+
+    def _recv_grad(self, instr: RecvGrad) -> None:
+        assert self.channels.recv_grad is not None
+        t0 = time.perf_counter()
+        msg = self.channels.recv_grad.get(MessageKind.GRADIENT, instr.mb_idx)
+        self.stats.recv_wait_s += time.perf_counter() - t0
+        mb = self._mbs[instr.mb_idx]
+        mb.out_grads = msg.tensors
+        mb.loss_value = msg.header.aux
+        if not math.isnan(msg.header.aux):
+            self._step_losses.append(msg.header.aux)
+
+    def _backward(self, instr: Backward) -> None:
+        t0 = time.perf_counter()
+        mb = self._mbs[instr.mb_idx]
+        if self.is_last:
+            assert mb.loss is not None
+            if not mb.loss.requires_grad:
+                raise ConfigurationError(
+                    "The loss returned by training_step does not require grad, so the pipeline cannot "
+                    "back-propagate it. Return the loss computed from self.pipeline(...)'s output."
+                )
+            outputs: list[Tensor] = [mb.loss * mb.scale if mb.scale != 1.0 else mb.loss]
+            grad_outputs: list[Tensor] | None = None
+        else:
+            outs, _ = _flatten(mb.output, "stage output")
+            assert mb.out_grads is not None
+            outputs, grad_outputs = [], []
+            for o, g in zip(outs, mb.out_grads):
+                if g is not None and o.requires_grad:
+                    outputs.append(o)
+                    grad_outputs.append(g)
+        if mb.version is not None:
+            assert self.stash is not None
+            snap = self.stash.params(mb.version)
+            params = [snap[n] for n in self._names]
+        else:
+            params = self._live
+        p_idx = [i for i, p in enumerate(params) if p.requires_grad]
+        in_idx = [i for i, t in enumerate(mb.inputs or []) if t is not None and t.requires_grad]
+        wrt = [params[i] for i in p_idx] + [mb.inputs[i] for i in in_idx]  # type: ignore[index,misc]
+        grads: Sequence[Tensor | None] = ()
+        if outputs and wrt:
+            grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+        if grads:
+            for i, g in zip(p_idx, grads[: len(p_idx)]):
+                if g is None:
+                    continue
+                live = self._live[i]
+                if live.grad is None:
+                    live.grad = g
+                else:
+                    live.grad.add_(g)
+        input_grads: list[Tensor | None] = [None] * len(mb.inputs or [])
+        if grads:
+            for i, g in zip(in_idx, grads[len(p_idx) :]):
+                input_grads[i] = g
+        mb.input_grads = input_grads
+        if mb.version is not None:
+            assert self.stash is not None
+            self.stash.release(mb.version)
+            mb.version = None
+        mb.output = mb.loss = mb.out_grads = mb.input_value = mb.inputs = None
+        if self.is_first:
+            del self._mbs[instr.mb_idx]
+        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.num_backward += 1
+
+    def _send_grad(self, instr: SendGrad) -> None:
+        t0 = time.perf_counter()
+        mb = self._mbs.pop(instr.mb_idx)
+        assert self.channels.send_grad is not None
+        self.channels.send_grad.send(MessageKind.GRADIENT, instr.mb_idx, mb.input_grads, aux=mb.loss_value)
+        self.stats.send_s += time.perf_counter() - t0
+
+    def _update(self, instr: OptimizerStep) -> None:
+        t0 = time.perf_counter()
+        self._optimizer_step()
+        if self.stash is not None:
+            self.stash.bump()
+        self.stats.optimizer_s += time.perf_counter() - t0
+        self.stats.num_updates += 1

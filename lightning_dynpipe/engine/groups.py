@@ -1,0 +1,97 @@
+"""Process groups of the pipeline: one per direction of each stage boundary, per pipeline, per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynpipe.engine.executor import StageChannels
+from lightning_dynpipe.engine.p2p import RecvChannel, SendChannel
+from lightning_dynpipe.engine.topology import PipelineTopology
+
+__all__ = ["PipelineGroups", "build_groups", "build_channels"]
+
+
+@dataclass
+class PipelineGroups:
+    """The process groups one rank belongs to. Built collectively by :func:`build_groups`."""
+
+    topology: PipelineTopology
+    rank: int
+    pipeline: Any = None
+    stage_dp: Any = None
+    last_stage_dp: Any = None
+    activation_in: Any = None
+    activation_out: Any = None
+    grad_in: Any = None
+    grad_out: Any = None
+    created: list[Any] = field(default_factory=list)
+
+    @property
+    def dp_rank(self) -> int:
+        """Which pipeline replica this rank is in."""
+        return self.topology.coords(self.rank)[0]
+
+    @property
+    def stage_idx(self) -> int:
+        """Which stage this rank runs."""
+        return self.topology.coords(self.rank)[1]
+
+    def destroy(self) -> None:
+        """Destroys every group this rank is a member of (not WORLD)."""
+        for g in self.created:
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(g)
+        self.created.clear()
+
+
+def build_groups(topology: PipelineTopology, rank: int, backend: str | None, timeout: timedelta) -> PipelineGroups:
+    """Creates all pipeline process groups. Collective: every rank of WORLD calls it with the same arguments."""
+    out = PipelineGroups(topology, rank)
+    S, D = topology.num_stages, topology.dp_size
+
+    def new(ranks: list[int]) -> Any:
+        g = dist.new_group(sorted(ranks), timeout=timeout, backend=backend)
+        out.created.append(g)
+        return g if rank in ranks else None
+
+    for d in range(D):
+        g = new(topology.pipeline_ranks(d))
+        if g is not None:
+            out.pipeline = g
+    for k in range(S):
+        g = new(topology.stage_ranks(k))
+        if g is not None:
+            out.stage_dp = g
+        if k == S - 1:
+            out.last_stage_dp = g
+    for d in range(D):
+        for b in range(S - 1):
+            lo, hi = topology.rank_of(d, b), topology.rank_of(d, b + 1)
+            act = new([lo, hi])
+            grad = new([lo, hi])
+            if rank == lo:
+                out.activation_out, out.grad_in = act, grad
+            elif rank == hi:
+                out.activation_in, out.grad_out = act, grad
+    return out
+
+
+def build_channels(groups: PipelineGroups, device: torch.device, timeout_s: float) -> StageChannels:
+    """Opens this rank's channels to its neighbouring stages."""
+    topo = groups.topology
+    d, k = groups.dp_rank, groups.stage_idx
+    ch = StageChannels()
+    if k > 0:
+        up = topo.rank_of(d, k - 1)
+        ch.recv_activation = RecvChannel(groups.activation_in, up, device, timeout_s, f"activations {k - 1}->{k}")
+        ch.send_grad = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
+    if k < topo.num_stages - 1:
+        down = topo.rank_of(d, k + 1)
+        ch.send_activation = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
+        ch.recv_grad = RecvChannel(groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}")
+    return ch

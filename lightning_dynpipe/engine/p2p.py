@@ -1,0 +1,199 @@
+"""Point-to-point channels between adjacent stages, on the pipeline's own process groups.
+
+Each direction of each stage boundary is a separate two-rank process group, so that activations going
+downstream and gradients going upstream never share a queue. A :class:`RecvChannel` runs a daemon thread that
+posts the next receive as soon as the previous message is in, so transfers overlap the stage's compute; a
+:class:`SendChannel` uses non-blocking sends and only waits for them when asked to (:meth:`SendChannel.flush`)
+or when too many are outstanding.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dynpipe.engine.wire import HEADER_LEN, Header, MessageKind, decode, encode
+from lightning_dynpipe.errors import CommunicationError, PipelineTimeoutError
+
+__all__ = ["SendChannel", "RecvChannel", "Message", "DelayInjector"]
+
+log = logging.getLogger(__name__)
+
+_MAX_OUTSTANDING = 64
+
+
+@dataclass
+class Message:
+    """A received message: its header and its tensors (``None`` where the sender had no tensor)."""
+
+    header: Header
+    tensors: list[Tensor | None]
+    arrived_at: float = field(default_factory=time.perf_counter)
+
+
+class DelayInjector:
+    """Adds a delay (and jitter) before each send on a channel: network interference for tests and what-ifs.
+
+    ``tc netem`` needs privileges we do not assume, so delay is injected in our own P2P layer.
+    """
+
+    def __init__(self, delay_s: float = 0.0, jitter_s: float = 0.0, seed: int = 0) -> None:
+        import random
+
+        self.delay_s = delay_s
+        self.jitter_s = jitter_s
+        self._rng = random.Random(seed)
+
+    def sample(self) -> float:
+        """Seconds to wait before the next send."""
+        if self.jitter_s <= 0:
+            return max(0.0, self.delay_s)
+        return max(0.0, self.delay_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
+
+
+class SendChannel:
+    """Sends messages to one peer stage with non-blocking sends.
+
+    Args:
+        group: the two-rank process group of this direction of the boundary.
+        peer: the peer's global rank.
+        name: for messages and logs, e.g. ``"activations 0->1"``.
+    """
+
+    def __init__(self, group: Any, peer: int, name: str) -> None:
+        self.group = group
+        self.peer = peer
+        self.name = name
+        self.delay: DelayInjector | None = None
+        self._pending: deque[tuple[Any, list[Tensor]]] = deque()
+        self.bytes_sent = 0
+
+    def send(
+        self,
+        kind: MessageKind,
+        mb_idx: int,
+        tensors: Sequence[Tensor | None],
+        aux: float = float("nan"),
+        is_tuple: bool = False,
+    ) -> None:
+        """Queues ``tensors`` for the peer; returns as soon as the transfers are started."""
+        if self.delay is not None:
+            wait = self.delay.sample()
+            if wait > 0:
+                time.sleep(wait)
+        header = encode(kind, mb_idx, tensors, aux, is_tuple)
+        payload = [t.detach().contiguous() for t in tensors if t is not None]
+        device = payload[0].device if payload else torch.device("cpu")
+        header = header.to(device)
+        works = [dist.isend(header, dst=self.peer, group=self.group)]
+        for t in payload:
+            works.append(dist.isend(t, dst=self.peer, group=self.group))
+            self.bytes_sent += t.numel() * t.element_size()
+        for w in works:
+            self._pending.append((w, [header, *payload]))
+        while len(self._pending) > _MAX_OUTSTANDING:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        work, _keepalive = self._pending.popleft()
+        work.wait()
+
+    def flush(self) -> None:
+        """Waits until every queued send has completed."""
+        while self._pending:
+            self._wait_one()
+
+    def close(self) -> None:
+        """Tells the peer's receiver thread to stop, then flushes."""
+        self.send(MessageKind.CLOSE, -1, [])
+        self.flush()
+
+
+class RecvChannel:
+    """Receives messages from one peer stage on a background thread.
+
+    Args:
+        group: the two-rank process group of this direction of the boundary.
+        peer: the peer's global rank.
+        device: where received tensors are placed.
+        timeout: seconds :meth:`get` waits for a message before raising :class:`PipelineTimeoutError`.
+        name: for messages and logs, e.g. ``"gradients 1->0"``.
+    """
+
+    def __init__(self, group: Any, peer: int, device: torch.device, timeout: float, name: str) -> None:
+        self.group = group
+        self.peer = peer
+        self.device = device
+        self.timeout = timeout
+        self.name = name
+        self._queue: queue.Queue[Message | BaseException | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"dynpipe-recv[{name}]", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            while True:
+                header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                dist.recv(header_t, src=self.peer, group=self.group)
+                header = decode(header_t.cpu())
+                if header.kind == MessageKind.CLOSE:
+                    self._queue.put(None)
+                    return
+                tensors: list[Tensor | None] = []
+                for spec in header.specs:
+                    if spec is None:
+                        tensors.append(None)
+                        continue
+                    t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                    dist.recv(t, src=self.peer, group=self.group)
+                    tensors.append(t)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                self._queue.put(Message(header, tensors))
+        except BaseException as exc:  # handed to the consumer, which raises it with context
+            self._queue.put(exc)
+
+    def get(self, kind: MessageKind, mb_idx: int) -> Message:
+        """Returns the next message, which must be ``kind`` for ``mb_idx``; waits at most ``timeout`` s."""
+        try:
+            item = self._queue.get(timeout=self.timeout)
+        except queue.Empty:
+            raise PipelineTimeoutError(
+                f"Waited {self.timeout:.0f} s for {kind.name.lower()} of micro-batch {mb_idx} on channel "
+                f"{self.name} (peer rank {self.peer}). Another stage probably failed first: check all ranks' "
+                "logs. If a stage is just slow, raise DynPipeStrategy(timeout=...)."
+            ) from None
+        if isinstance(item, BaseException):
+            raise CommunicationError(
+                f"Receiving on channel {self.name} from rank {self.peer} failed: {item!r}. The peer stage "
+                "probably stopped; check its log."
+            ) from item
+        if item is None:
+            self._closed = True
+            raise CommunicationError(f"Channel {self.name} was closed by rank {self.peer} while a message was expected.")
+        if item.header.kind != kind or item.header.mb_idx != mb_idx:
+            raise CommunicationError(
+                f"Pipeline schedules are out of step on channel {self.name}: expected {kind.name.lower()} of "
+                f"micro-batch {mb_idx}, received {item.header.kind.name.lower()} of micro-batch "
+                f"{item.header.mb_idx}. All stages must run the same schedule and num_microbatches."
+            )
+        return item
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Waits for the receiver thread to finish after the peer sent CLOSE; drops anything unread."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("Receiver thread of channel %s did not stop within %.0f s.", self.name, timeout)

@@ -1,0 +1,734 @@
+"""DynPipeStrategy: asynchronous pipeline-parallel training inside Lightning's Trainer.
+
+This module is the only heavy coupling to Lightning. It partitions the LightningModule's ``nn.Sequential``
+pipeline, builds one :class:`~lightning_dynpipe.engine.executor.StageExecutor` per rank, takes over the
+training step (micro-batching, per-micro-batch updates, weight stashing), routes evaluation through the
+pipeline, and keeps checkpoints partition-independent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dynpipe.engine.executor import StageExecutor
+from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
+from lightning_dynpipe.engine.topology import PipelineTopology
+from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.plan.partition import Partition, balance_by_weights
+from lightning_dynpipe.schedule import SCHEDULES
+
+__all__ = ["DynPipeStrategy"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class _Placeholder(nn.Module):
+    """Stands in for a layer that another stage owns."""
+
+    def __init__(self, layer_idx: int, stage_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.owner_stage = stage_idx
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Layer {self.layer_idx} of the pipeline lives on stage {self.owner_stage}, not on this process. Under "
+            "DynPipeStrategy call the whole pipeline once (self.pipeline(x)) from a *_step method; single layers "
+            "cannot be called during fit/validate/test/predict."
+        )
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, owner_stage={self.owner_stage}"
+
+
+class _MetricsMirror(Callback):
+    """Copies the last stage's ``callback_metrics`` to every rank before monitoring callbacks read them.
+
+    The user's steps run on the last stage only (global rank 0 of each pipeline), so ModelCheckpoint,
+    EarlyStopping and ReduceLROnPlateau on the other ranks would not see the monitored values otherwise.
+    """
+
+    def __init__(self, strategy: DynPipeStrategy) -> None:
+        self._strategy = strategy
+
+    def _mirror(self, trainer: Trainer) -> None:
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return
+        payload: list[Any] = [None]
+        if trainer.is_global_zero:
+            payload[0] = {
+                k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in trainer.callback_metrics.items()
+            }
+        dist.broadcast_object_list(payload, src=0)
+        if not trainer.is_global_zero:
+            device = self._strategy.root_device
+            trainer._logger_connector._callback_metrics.update(
+                {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in payload[0].items()}
+            )
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._mirror(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._mirror(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._mirror(trainer)
+
+
+class DynPipeStrategy(DDPStrategy):
+    """Pipeline-parallel training of a LightningModule's ``nn.Sequential`` with asynchronous 1F1B.
+
+    Example::
+
+        import lightning.pytorch as L
+        from lightning_dynpipe import DynPipeStrategy
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=200,
+                            strategy=DynPipeStrategy(num_microbatches=4))
+        trainer.fit(model, datamodule)      # model.pipeline is an nn.Sequential holding every trainable parameter
+
+    The user's ``training_step`` runs on the last stage, once per micro-batch, and calls ``self.pipeline(x)``
+    once; the strategy routes that call through the stages. ``schedule="async"`` (PipeDream 1F1B, weight
+    stashing, an update after every micro-batch, no flush between steps) trains with staleness ``S-1-k`` on
+    stage ``k``; ``"sync"`` and ``"gpipe"`` accumulate the gradients of the ``M`` micro-batches and update once
+    per step, exactly like single-device training on the whole batch.
+
+    Args:
+        num_stages: number of pipeline stages ``S``; default: all devices of a node, one stage each. With more
+            processes than stages, ``world_size / S`` pipeline replicas train data-parallel.
+        num_microbatches: micro-batches ``M`` each Lightning batch is split into (along dim 0).
+        schedule: ``"async"`` (default), ``"sync"`` or ``"gpipe"``.
+        balance: layers per stage, e.g. ``[5, 3]``; default: balanced by parameter count.
+        pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
+        start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
+            ``"spawn"`` (tests) or ``"fork"`` (notebooks).
+        timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);
+            default 30 minutes.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default: chosen from the device.
+        cluster_environment: Lightning's cluster environment plugin.
+        checkpoint_io: Lightning's checkpoint IO plugin.
+        precision_plugin: Lightning's precision plugin.
+    """
+
+    strategy_name = "dynpipe"
+
+    def __init__(
+        self,
+        *,
+        num_stages: int | None = None,
+        num_microbatches: int = 4,
+        schedule: Literal["async", "sync", "gpipe"] = "async",
+        balance: list[int] | None = None,
+        pipeline_attr: str = "pipeline",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: float | timedelta | None = None,
+        process_group_backend: str | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ConfigurationError(f"schedule must be one of {list(SCHEDULES)}; got {schedule!r}.")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ConfigurationError(
+                f"num_microbatches must be a positive integer; got {num_microbatches!r}. Use e.g. num_microbatches=4."
+            )
+        if num_stages is not None and num_stages < 1:
+            raise ConfigurationError(f"num_stages must be a positive integer or None; got {num_stages!r}.")
+        if balance is not None:
+            Partition.from_balance(balance)  # validates entries early, before any process starts
+            if num_stages is not None and len(balance) != num_stages:
+                raise PartitionError(
+                    f"balance has {len(balance)} entries but num_stages={num_stages}; give one entry per stage."
+                )
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=float(timeout))
+        super().__init__(
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout or _DEFAULT_TIMEOUT,
+            start_method=start_method,
+        )
+        self._requested_num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self._balance = list(balance) if balance is not None else None
+        self.pipeline_attr = pipeline_attr
+        self._topology: PipelineTopology | None = None
+        self._groups: PipelineGroups | None = None
+        self.partition: Partition | None = None
+        self.executor: StageExecutor | None = None
+        self._offloaded: dict[int, nn.Module] = {}
+        self._owned: list[int] = []
+        self._full_keys: list[str] = []
+        self._canonical: list[list[list[int]]] = []  # [optimizer][group] -> canonical index of each local param
+        self._full_group_sizes: list[list[int]] = []
+        self._mirror: _MetricsMirror | None = None
+        self._batch_idx = 0
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def num_stages(self) -> int:
+        """``S``: stages per pipeline."""
+        if self._requested_num_stages is not None:
+            return self._requested_num_stages
+        if self._balance is not None:
+            return len(self._balance)
+        return max(1, self.num_processes)
+
+    @property
+    def topology(self) -> PipelineTopology:
+        """Placement of stages and replicas on global ranks."""
+        if self._topology is None:
+            self._topology = PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
+        return self._topology
+
+    @property
+    def stage_idx(self) -> int:
+        """``k``: the stage this rank runs."""
+        return self.topology.coords(self.global_rank)[1]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which pipeline replica this rank belongs to."""
+        return self.topology.coords(self.global_rank)[0]
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0 (which reads the pipeline input from the batch)."""
+        return self.stage_idx == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (where the user's *_step code and logging run)."""
+        return self.stage_idx == self.num_stages - 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard data across pipelines only: every stage of a pipeline must see the same batches.
+        return {"num_replicas": self.topology.dp_size, "rank": self.dp_rank}
+
+    @property
+    def _timeout_s(self) -> float:
+        return float(self._timeout.total_seconds()) if self._timeout is not None else 1800.0
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._topology = None
+        self._groups = build_groups(
+            self.topology, self.global_rank, self._get_process_group_backend(), self._timeout or _DEFAULT_TIMEOUT
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _pipeline(self, module: LightningModule | None = None) -> nn.Sequential:
+        module = module if module is not None else self.lightning_module
+        obj: Any = module
+        for part in self.pipeline_attr.split("."):
+            if not hasattr(obj, part):
+                raise ConfigurationError(
+                    f"DynPipeStrategy needs the model's layers in `{type(module).__name__}.{self.pipeline_attr}`, an "
+                    f"nn.Sequential, but `{part}` does not exist. Put your layers in `self.{self.pipeline_attr} = "
+                    "nn.Sequential(...)` or pass DynPipeStrategy(pipeline_attr=...) naming where they are."
+                )
+            obj = getattr(obj, part)
+        if not isinstance(obj, nn.Sequential):
+            raise ConfigurationError(
+                f"`{self.pipeline_attr}` must be an nn.Sequential whose elements are the pipeline's layers; got "
+                f"{type(obj).__name__}. Wrap your layers: `self.{self.pipeline_attr} = nn.Sequential(...)`."
+            )
+        return obj
+
+    def _check_model(self, trainer: Trainer) -> nn.Sequential:
+        module = self.lightning_module
+        assert module is not None
+        pipeline = self._pipeline(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not module.automatic_optimization:
+                raise ConfigurationError(
+                    "DynPipeStrategy runs the optimizer itself (one update per micro-batch on each stage), so "
+                    "manual optimization (automatic_optimization=False) is not supported. Remove "
+                    "`self.automatic_optimization = False` and return the loss from training_step."
+                )
+            if trainer.accumulate_grad_batches != 1:
+                raise ConfigurationError(
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by DynPipeStrategy: "
+                    "the pipeline already splits each batch. Use DynPipeStrategy(num_microbatches=N) with "
+                    "schedule='sync' to accumulate gradients over N micro-batches, and accumulate_grad_batches=1."
+                )
+        pipeline_params = {id(p) for p in pipeline.parameters()}
+        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in pipeline_params]
+        if outside:
+            raise ConfigurationError(
+                f"All trainable parameters must live in `{self.pipeline_attr}`, but {outside[:5]} "
+                f"{'(and more) ' if len(outside) > 5 else ''}are outside it. Move those modules into the "
+                "nn.Sequential or freeze them (requires_grad=False)."
+            )
+        if self.num_stages > len(pipeline):
+            raise PartitionError(
+                f"Cannot run {self.num_stages} stages on a pipeline of {len(pipeline)} layers: every stage needs at "
+                f"least one layer. Use num_stages <= {len(pipeline)} (or fewer devices), or split the model into "
+                "more layers."
+            )
+        return pipeline
+
+    def _make_partition(self, pipeline: nn.Sequential) -> Partition:
+        if self._balance is not None:
+            return Partition.from_balance(self._balance, len(pipeline))
+        weights = [sum(p.numel() for p in layer.parameters()) for layer in pipeline]
+        return balance_by_weights(weights, self.num_stages)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        pipeline = self._check_model(trainer)
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._full_keys = list(self.lightning_module.state_dict().keys())
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) > 1:
+                raise ConfigurationError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers; DynPipeStrategy supports "
+                    "one (with any number of parameter groups). Use parameter groups instead."
+                )
+        self.partition = self._make_partition(pipeline)
+        self._partition_module(pipeline)
+        if fitting:
+            self._filter_optimizers()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._bind_metrics()
+        if self._mirror is None:
+            self._mirror = _MetricsMirror(self)
+            trainer.callbacks.insert(0, self._mirror)
+        self._build_executor(pipeline)
+        rank_zero_info(
+            f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {self.partition}, "
+            f"schedule={self.schedule}, num_microbatches={self.num_microbatches}"
+        )
+
+    def _partition_module(self, pipeline: nn.Sequential) -> None:
+        assert self.partition is not None
+        owned = list(self.partition.stage_layers(self.stage_idx))
+        self._owned = owned
+        for layer_idx in range(len(pipeline)):
+            if layer_idx in owned:
+                continue
+            layer = pipeline[layer_idx]
+            layer.to("meta")
+            self._offloaded[layer_idx] = layer
+            pipeline[layer_idx] = _Placeholder(layer_idx, self.partition.stage_of_layer(layer_idx))
+
+    def _filter_optimizers(self) -> None:
+        owned_ids = {id(p) for i in self._owned for p in self._pipeline()[i].parameters()}
+        self._canonical = []
+        self._full_group_sizes = []
+        for opt in self.optimizers:
+            canon, sizes, base = [], [], 0
+            for group in opt.param_groups:
+                params = group["params"]
+                keep = [j for j, p in enumerate(params) if id(p) in owned_ids]
+                canon.append([base + j for j in keep])
+                sizes.append(len(params))
+                base += len(params)
+                group["params"] = [params[j] for j in keep]  # in place: schedulers keep their groups
+            for p in list(opt.state.keys()):
+                if id(p) not in owned_ids:
+                    del opt.state[p]
+            self._canonical.append(canon)
+            self._full_group_sizes.append(sizes)
+
+    def _bind_metrics(self) -> None:
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics ships with lightning
+            return
+        groups = self._groups
+        for m in self.lightning_module.modules():
+            if isinstance(m, Metric):
+                # Only the last stage updates metrics; syncing over WORLD would wait for the other stages forever.
+                if self.topology.dp_size == 1 or groups is None:
+                    m.distributed_available_fn = lambda: False
+                else:
+                    m.process_group = groups.stage_dp
+
+    def _build_executor(self, pipeline: nn.Sequential) -> None:
+        assert self._groups is not None
+        stage_module = nn.Sequential(*[pipeline[i] for i in self._owned])
+        channels = build_channels(self._groups, self.root_device, self._timeout_s)
+        module = self.lightning_module
+        user_input = getattr(module, "pipeline_input", None)
+
+        def first_stage_input(batch: Any) -> Any:
+            if callable(user_input):
+                return user_input(batch)
+            return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+        self.executor = StageExecutor(
+            stage_module=stage_module,
+            stage_idx=self.stage_idx,
+            num_stages=self.num_stages,
+            schedule=self.schedule,
+            num_microbatches=self.num_microbatches,
+            channels=channels,
+            first_stage_input=first_stage_input,
+            last_stage_loss=self._last_stage_loss,
+            optimizer_step=self._stage_optimizer_step,
+        )
+        executor = self.executor
+        pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
+
+    def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
+        out = self.lightning_module.training_step(micro_batch, self._batch_idx)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise ConfigurationError(
+                f"training_step must return the loss (a Tensor, or a dict with key 'loss') on every micro-batch; "
+                f"got {type(out).__name__}. DynPipeStrategy cannot skip a micro-batch: the other stages are "
+                "already working on it."
+            )
+        return loss
+
+    def _stage_optimizer_step(self) -> None:
+        if not self.optimizers:
+            return
+        opt = self.optimizers[0]
+        # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
+        self.precision_plugin._after_closure(self.lightning_module, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ training step take-over
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        assert self.executor is not None
+        with self.precision_plugin.train_step_context():
+            loss = self.executor.train_step(batch)
+        return torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # The executor already back-propagated every micro-batch; only fire the hooks, once per step.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        # Lightning's closure must run (it calls training_step); the executor already applied the updates.
+        return closure()
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        """Finishes all in-flight micro-batches (a quiescent point). Collective over the pipeline."""
+        if self.executor is not None:
+            self.executor.drain()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.executor is not None
+        batch = args[0] if args else kwargs["batch"]
+        module = self.lightning_module
+        return self.executor.eval_step(batch, lambda: getattr(module, hook)(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval("predict_step", *args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_test_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_train_end(self) -> None:
+        self.drain()
+
+    # ------------------------------------------------------------------ collectives used by user code
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # User logging code runs on one stage only, so the default group is that stage's replicas.
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None:
+            if self._groups is None or self.topology.dp_size == 1:
+                return tensor
+            group = self._groups.stage_dp
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if group is None and self._groups is not None:
+            group = self._groups.stage_dp
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # The last stage (global rank 0) is authoritative: the monitored metrics are computed there.
+        t = torch.tensor(int(decision), device=self.root_device)
+        if self._groups is not None and self.topology.dp_size > 1 and self.is_last_stage:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups.last_stage_dp)
+            dp = self.topology.dp_size
+            t = torch.tensor(int(t.item() == dp) if all else int(t.item() > 0), device=self.root_device)
+        if self.world_size > 1:
+            dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    # ------------------------------------------------------------------ partition-independent state
+    def _layer_state_dicts(self) -> dict[int, dict[str, Tensor]]:
+        pipeline = self._pipeline()
+        return {i: pipeline[i].state_dict() for i in self._owned}
+
+    def _gather_layers(self, to_all: bool) -> dict[int, dict[str, Tensor]]:
+        """Collects every layer's state. ``to_all``: every rank of the pipeline gets it; else only rank 0.
+
+        Tensors move with plain sends/broadcasts; receivers allocate from the layers' meta skeletons, so no
+        shapes or pickles travel.
+        """
+        assert self.partition is not None and self._groups is not None
+        topo = self.topology
+        dp_rank = self.dp_rank
+        out: dict[int, dict[str, Tensor]] = {}
+        own = self._layer_state_dicts()
+        for layer_idx in range(self.partition.num_layers):
+            owner_stage = self.partition.stage_of_layer(layer_idx)
+            if to_all:
+                owner = topo.rank_of(dp_rank, owner_stage)
+                if layer_idx in own:
+                    sd = own[layer_idx]
+                else:
+                    sd = {k: torch.empty_like(v, device=self.root_device) for k, v in
+                          self._offloaded[layer_idx].state_dict().items()}
+                if self.num_stages > 1:
+                    for t in sd.values():
+                        dist.broadcast(t, src=owner, group=self._groups.pipeline)
+                out[layer_idx] = sd
+            else:
+                if dp_rank != 0:
+                    continue
+                owner = topo.rank_of(0, owner_stage)
+                if self.global_rank == 0:
+                    if owner == 0:
+                        out[layer_idx] = own[layer_idx]
+                    else:
+                        sd = {k: torch.empty_like(v, device=self.root_device) for k, v in
+                              self._offloaded[layer_idx].state_dict().items()}
+                        for t in sd.values():
+                            dist.recv(t, src=owner, group=self._groups.pipeline)
+                        out[layer_idx] = sd
+                elif owner == self.global_rank:
+                    for t in own[layer_idx].values():
+                        dist.send(t.contiguous(), dst=0, group=self._groups.pipeline)
+        return out
+
+    def _full_state_dict(self, layers: dict[int, dict[str, Tensor]]) -> dict[str, Any]:
+        local = self.lightning_module.state_dict()
+        prefix = self.pipeline_attr + "."
+        merged: dict[str, Any] = {k: v for k, v in local.items() if not k.startswith(prefix)}
+        for layer_idx, sd in layers.items():
+            for k, v in sd.items():
+                merged[f"{prefix}{layer_idx}.{k}"] = v
+        return {k: merged[k] for k in self._full_keys if k in merged}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.partition is None or self.num_stages == 1:
+            return super().lightning_module_state_dict()
+        self.drain()
+        layers = self._gather_layers(to_all=False)
+        return self._full_state_dict(layers) if self.global_rank == 0 else {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.partition is None or not self._canonical:
+            return super().optimizer_state(optimizer)
+        self.drain()
+        opt_idx = self.optimizers.index(optimizer)
+        local = optimizer.state_dict()
+        canon_flat = [c for g in self._canonical[opt_idx] for c in g]
+        mine = {canon_flat[i]: st for i, st in local["state"].items()}
+        gathered: list[Any] = [None] * self.num_stages
+        if self.num_stages > 1:
+            dist.all_gather_object(gathered, mine, group=self._groups.pipeline if self._groups else None)
+        else:
+            gathered = [mine]
+        if self.global_rank != 0:
+            return {}
+        state: dict[int, Any] = {}
+        for part in gathered:
+            state.update(part)
+        groups, base = [], 0
+        for g, n in zip(local["param_groups"], self._full_group_sizes[opt_idx]):
+            groups.append({**g, "params": list(range(base, base + n))})
+            base += n
+        return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._canonical:
+            return super().load_optimizer_state_dict(checkpoint)
+        for opt_idx, (opt, full) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            canon = self._canonical[opt_idx]
+            if len(full["param_groups"]) != len(canon):
+                raise ConfigurationError(
+                    f"The checkpoint's optimizer has {len(full['param_groups'])} parameter groups but "
+                    f"configure_optimizers built {len(canon)}; resume with the same optimizer set-up."
+                )
+            state, groups, local_i = {}, [], 0
+            for g_saved, g_canon in zip(full["param_groups"], canon):
+                idx = []
+                for c in g_canon:
+                    if c in full["state"]:
+                        state[local_i] = full["state"][c]
+                    idx.append(local_i)
+                    local_i += 1
+                groups.append({**g_saved, "params": idx})
+            opt.load_state_dict({"state": state, "param_groups": groups})
+            _optimizers_to_device([opt], self.root_device)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.partition is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        prefix = self.pipeline_attr + "."
+        owned = tuple(f"{prefix}{i}." for i in self._owned)
+        sd = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(prefix) or k.startswith(owned)}
+        self.lightning_module.load_state_dict(sd, strict=False)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.partition is not None:
+            checkpoint["dynpipe"] = {
+                "version": 1,
+                "num_stages": self.num_stages,
+                "balance": list(self.partition.balance),
+                "schedule": self.schedule,
+                "num_microbatches": self.num_microbatches,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    # ------------------------------------------------------------------ teardown
+    def _reassemble(self) -> None:
+        """Puts every layer back into the user's pipeline on every rank (collective over the pipeline)."""
+        pipeline = self._pipeline()
+        layers = self._gather_layers(to_all=True)
+        for layer_idx, layer in sorted(self._offloaded.items()):
+            layer.to_empty(device=self.root_device)
+            layer.load_state_dict(layers[layer_idx])
+            pipeline[layer_idx] = layer
+        self._offloaded.clear()
+
+    @override
+    def teardown(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if self.lightning_module is not None and self.partition is not None:
+            pipeline = self._pipeline()
+            if "forward" in pipeline.__dict__:
+                del pipeline.forward
+            if self.executor is not None and not interrupted:
+                self.executor.drain()
+                self.executor.channels.close()
+            if not interrupted:
+                if self._offloaded:
+                    self._reassemble()
+            else:
+                rank_zero_warn(
+                    "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
+                    "(other layers are placeholders). Load the last checkpoint for the full model."
+                )
+        if trainer is not None and self._mirror is not None and self._mirror in trainer.callbacks:
+            trainer.callbacks.remove(self._mirror)
+        self._mirror = None
+        self.executor = None
+        self.partition = None
+        if self._groups is not None:
+            if not interrupted:
+                self._groups.destroy()
+            self._groups = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = [
+            ("dynpipe", "popen"),
+            ("dynpipe_spawn", "spawn"),
+            ("dynpipe_fork", "fork"),
+        ]
+        for name, method in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"DynPipe pipeline parallelism ({method} launcher)", start_method=method
+                )
+        # A bare class path on the command line (--trainer.strategy=lightning_dynpipe.DynPipeStrategy) reaches
+        # the registry lower-cased.
+        for alias in ("lightning_dynpipe.dynpipestrategy", "lightning_dynpipe.strategy.dynpipestrategy", "dynpipestrategy"):
+            if alias not in strategy_registry:
+                strategy_registry.register(alias, cls, description="DynPipe pipeline parallelism")
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_groups"] = None
+        state["executor"] = None
+        return state
