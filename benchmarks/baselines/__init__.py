@@ -1,0 +1,1 @@
+"""Baselines that DynPipe's benchmarks compare against (run inside an initialised process group)."""
