@@ -1,0 +1,374 @@
+"""Per-stage schedules: pure functions from ``(kind, stage, step)`` to the instructions the stage runs.
+
+Notation: ``S = num_stages``, ``k = stage_idx``, ``M = num_microbatches`` (per Lightning step),
+``w = S - 1 - k`` (stage ``k``'s warm-up depth and, in ``"async"``, its staleness). Micro-batch indices
+``mb_idx`` count from 0 since the last drain: step ``t`` holds ``t*M .. t*M+M-1``.
+
+Communication is part of every schedule: a forward is preceded by ``RA`` (except on stage 0) and
+followed by ``SA`` (except on the last stage); a backward is preceded by ``RG`` (except on the last stage)
+and followed by ``SG`` (except on stage 0).
+
+``"async"`` -- PipeDream 1F1B, no flush, one update after every backward. Stage ``k``'s endless sequence
+is ``F0 .. F(w-1)``, then pairs ``F(j) B(j-w)``. Step ``t`` holds, for ``j = t*M .. t*M+M-1``::
+
+    [RA j] [W j] F j [SA j]    then, if j >= w:    [RG j-w] B j-w [SG j-w] U j-w
+
+``W`` appears on every stage but the last (``w > 0``); the last stage's forward and backward are
+adjacent, with no update between them. Stage 0 forwards all of batch ``t`` in step ``t``; the last stage
+forwards and backwards all of it; stage ``k`` carries ``min(w, t*M+M)`` backwards into the next step
+(or into :func:`drain_instructions`). Consequences, checked by the simulator:
+
+* stage ``k``'s forward of micro-batch ``i`` runs after exactly ``max(0, i - w)`` updates, and its
+  backward after ``i``: every update is ``w`` versions stale (:func:`staleness`);
+* at most ``S - k`` micro-batches are in flight on stage ``k`` and so at most ``S - k`` weight versions
+  are stashed there (:func:`max_stash`).
+
+``"sync"`` -- 1F1B with a flush every step: ``min(w, M)`` warm-up forwards, then one forward and one
+backward in turn, then the remaining backwards, then one ``U`` (gradients accumulated over the step).
+
+``"gpipe"`` -- all ``M`` forwards, then all ``M`` backwards, then one ``U``. Backwards run in ascending
+order ``t*M .. t*M+M-1`` on every stage: any order shared by all stages is deadlock-free, because every
+forward of the step precedes every backward; ascending keeps the order of 1F1B (and of the gradients
+each stage accumulates) and lets the last stage start backward on the micro-batch that reached it first.
+
+Example::
+
+    >>> from lightning_dynpipe.schedule import format_instructions
+    >>> format_instructions(step_instructions("async", 0, 2, 2, step=0))
+    'W0 F0 SA0 W1 F1 SA1 RG0 B0 U0'
+    >>> format_instructions(drain_instructions("async", 0, 2, 2, steps_done=1))
+    'RG1 B1 U1'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal, TypeVar, get_args
+
+from lightning_dynpipe.errors import ScheduleError
+from lightning_dynpipe.schedule.instructions import (
+    INSTRUCTION_TYPES,
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    StashWeights,
+)
+
+__all__ = [
+    "ScheduleKind",
+    "SCHEDULES",
+    "step_instructions",
+    "drain_instructions",
+    "iter_steps",
+    "in_flight_after",
+    "staleness",
+    "max_stash",
+]
+
+_I = TypeVar("_I", bound=Instruction)
+
+ScheduleKind = Literal["async", "sync", "gpipe"]
+"""Name of a pipeline schedule."""
+
+SCHEDULES: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
+"""Every schedule name, the default (``"async"``) first."""
+
+
+_SYNC_UPDATE = OptimizerStep(None)
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _check_kind(kind: object) -> None:
+    if kind not in SCHEDULES:
+        raise ScheduleError(
+            f"Unknown schedule {kind!r}. Valid schedules: {', '.join(repr(s) for s in SCHEDULES)} "
+            "('async' = PipeDream 1F1B without flush, 'sync' = 1F1B with a flush every step, "
+            "'gpipe' = all forwards then all backwards)."
+        )
+
+
+def _check_stage(kind: object, stage_idx: object, num_stages: object) -> None:
+    _check_kind(kind)
+    if not _is_int(num_stages) or num_stages < 1:  # type: ignore[operator]
+        raise ScheduleError(
+            f"num_stages must be a positive int; got num_stages={num_stages!r}. Pass the number of pipeline "
+            "stages, e.g. num_stages=2."
+        )
+    if not _is_int(stage_idx) or not 0 <= stage_idx < num_stages:  # type: ignore[operator]
+        raise ScheduleError(
+            f"stage_idx must be an int in [0, num_stages) = [0, {num_stages}); got stage_idx={stage_idx!r}. "
+            "Stages are numbered from 0 (the first layers) to num_stages - 1 (the loss)."
+        )
+
+
+def _check(kind: object, stage_idx: object, num_stages: object, num_microbatches: object) -> None:
+    _check_stage(kind, stage_idx, num_stages)
+    if not _is_int(num_microbatches) or num_microbatches < 1:  # type: ignore[operator]
+        raise ScheduleError(
+            f"num_microbatches must be a positive int; got num_microbatches={num_microbatches!r}. Pass how "
+            "many micro-batches each Lightning batch is split into, e.g. num_microbatches=4."
+        )
+
+
+def _check_count(name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ScheduleError(
+            f"{name} must be a non-negative int (steps are counted 0, 1, 2, ... since the last drain); "
+            f"got {name}={value!r}."
+        )
+
+
+def staleness(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
+    """Stage ``stage_idx``'s staleness: updates between a micro-batch's forward and its own update.
+
+    Equivalently, how many versions older than the live weights are the weights that the stage computes a
+    gradient with, in steady state.
+
+    Example::
+
+        >>> [staleness("async", k, 4) for k in range(4)]
+        [3, 2, 1, 0]
+        >>> staleness("sync", 0, 4)
+        0
+
+    Args:
+        kind: the schedule.
+        stage_idx: the stage ``k``, ``0 <= k < num_stages``.
+        num_stages: the number of stages ``S``.
+
+    Returns:
+        ``S - 1 - k`` for ``"async"``; 0 for ``"sync"`` and ``"gpipe"``.
+
+    Raises:
+        ScheduleError: unknown ``kind`` or a stage out of range.
+    """
+    _check_stage(kind, stage_idx, num_stages)
+    return num_stages - 1 - stage_idx if kind == "async" else 0
+
+
+def max_stash(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
+    """Most weight versions stage ``stage_idx`` keeps stashed (bound by ``W`` to in-flight micro-batches).
+
+    In ``"async"`` a stage with staleness ``w = S - 1 - k > 0`` has up to ``w + 1 = S - k`` micro-batches
+    forwarded but not yet backwarded, each bound to its own weight version (the newest of them being the
+    live weights). The last stage (``w = 0``) and the synchronous schedules stash nothing. The bound is
+    reached once at least ``2w + 1`` micro-batches have been forwarded since the last drain.
+
+    Example::
+
+        >>> [max_stash("async", k, 4) for k in range(4)]
+        [4, 3, 2, 0]
+
+    Args:
+        kind: the schedule.
+        stage_idx: the stage ``k``, ``0 <= k < num_stages``.
+        num_stages: the number of stages ``S``.
+
+    Returns:
+        ``S - k`` for ``"async"`` when ``S - 1 - k > 0``, else 0.
+
+    Raises:
+        ScheduleError: unknown ``kind`` or a stage out of range.
+    """
+    w = staleness(kind, stage_idx, num_stages)
+    return w + 1 if w > 0 else 0
+
+
+def in_flight_after(
+    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
+) -> int:
+    """Micro-batches forwarded but not yet backwarded on a stage after ``steps_done`` steps.
+
+    Example::
+
+        >>> in_flight_after("async", 0, 4, 2, steps_done=1), in_flight_after("async", 0, 4, 2, steps_done=5)
+        (2, 3)
+
+    Args:
+        kind: the schedule.
+        stage_idx: the stage ``k``.
+        num_stages: the number of stages ``S``.
+        num_microbatches: micro-batches per step ``M``.
+        steps_done: steps run since the last drain.
+
+    Returns:
+        ``min(S - 1 - k, steps_done * M)`` for ``"async"``; 0 for ``"sync"`` and ``"gpipe"`` (they flush).
+
+    Raises:
+        ScheduleError: an argument out of range.
+    """
+    _check(kind, stage_idx, num_stages, num_microbatches)
+    _check_count("steps_done", steps_done)
+    if kind != "async":
+        return 0
+    return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
+
+
+# Instructions are immutable, so schedules share them: regenerating a step (every Lightning step, and
+# thousands of times in validation) then costs a dict lookup per instruction instead of a construction.
+# Bounded because mb_idx grows without limit between drains.
+_CACHE_LIMIT = 4096
+_CACHES: dict[type, dict[int, Any]] = {cls: {} for cls in INSTRUCTION_TYPES}
+
+
+def _shared(cls: type[_I], mb_idx: int) -> _I:
+    cache = _CACHES[cls]
+    inst = cache.get(mb_idx)
+    if inst is None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        inst = cache[mb_idx] = cls(mb_idx)
+    return inst
+
+
+def _append_forward(out: list[Instruction], j: int, first: bool, last: bool, stash: bool) -> None:
+    if not first:
+        out.append(_shared(RecvActivation, j))
+    if stash:
+        out.append(_shared(StashWeights, j))
+    out.append(_shared(Forward, j))
+    if not last:
+        out.append(_shared(SendActivation, j))
+
+
+def _append_backward(out: list[Instruction], j: int, first: bool, last: bool, update: bool) -> None:
+    if not last:
+        out.append(_shared(RecvGrad, j))
+    out.append(_shared(Backward, j))
+    if not first:
+        out.append(_shared(SendGrad, j))
+    if update:
+        out.append(_shared(OptimizerStep, j))
+
+
+def step_instructions(
+    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, step: int
+) -> tuple[Instruction, ...]:
+    """The instructions stage ``stage_idx`` runs in step ``step`` (counted since the last drain).
+
+    Compute, weight stashing, updates and point-to-point communication are all included; see the module
+    docstring for the three schedules.
+
+    Example::
+
+        >>> from lightning_dynpipe.schedule import format_instructions
+        >>> format_instructions(step_instructions("sync", 1, 2, 2, step=1))
+        'RA2 F2 B2 SG2 RA3 F3 B3 SG3 U'
+
+    Args:
+        kind: ``"async"``, ``"sync"`` or ``"gpipe"``.
+        stage_idx: the stage ``k``, ``0 <= k < num_stages``.
+        num_stages: the number of stages ``S``.
+        num_microbatches: micro-batches per step ``M``.
+        step: the step ``t`` since the last drain; it covers micro-batches ``t*M .. t*M+M-1``.
+
+    Returns:
+        The stage's instructions for the step, in execution order.
+
+    Raises:
+        ScheduleError: unknown ``kind`` or an argument out of range.
+    """
+    _check(kind, stage_idx, num_stages, num_microbatches)
+    _check_count("step", step)
+    first = stage_idx == 0
+    last = stage_idx == num_stages - 1
+    w = num_stages - 1 - stage_idx
+    begin = step * num_microbatches
+    end = begin + num_microbatches
+    out: list[Instruction] = []
+    if kind == "async":
+        stash = w > 0
+        for j in range(begin, end):
+            _append_forward(out, j, first, last, stash)
+            if j >= w:
+                _append_backward(out, j - w, first, last, True)
+    elif kind == "sync":
+        warmup = min(w, num_microbatches)
+        for j in range(begin, begin + warmup):
+            _append_forward(out, j, first, last, False)
+        for j in range(begin + warmup, end):
+            _append_forward(out, j, first, last, False)
+            _append_backward(out, j - warmup, first, last, False)
+        for j in range(end - warmup, end):
+            _append_backward(out, j, first, last, False)
+        out.append(_SYNC_UPDATE)
+    else:  # gpipe
+        for j in range(begin, end):
+            _append_forward(out, j, first, last, False)
+        for j in range(begin, end):
+            _append_backward(out, j, first, last, False)
+        out.append(_SYNC_UPDATE)
+    return tuple(out)
+
+
+def drain_instructions(
+    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
+) -> tuple[Instruction, ...]:
+    """The instructions that finish the work still in flight on a stage after ``steps_done`` steps.
+
+    In ``"async"`` these are the backwards (and their updates) of the micro-batches
+    ``max(0, T*M - w) .. T*M - 1`` with ``T = steps_done``; the synchronous schedules flush every step,
+    so their drain is empty. After a drain the stage is quiescent (no stashed versions, nothing in
+    flight) and the caller restarts the step count (and so ``mb_idx``) at 0.
+
+    Example::
+
+        >>> from lightning_dynpipe.schedule import format_instructions
+        >>> format_instructions(drain_instructions("async", 1, 3, 4, steps_done=2))
+        'RG7 B7 SG7 U7'
+
+    Args:
+        kind: the schedule.
+        stage_idx: the stage ``k``.
+        num_stages: the number of stages ``S``.
+        num_microbatches: micro-batches per step ``M``.
+        steps_done: steps ``T`` run since the last drain.
+
+    Returns:
+        The stage's drain instructions, in execution order (empty when nothing is in flight).
+
+    Raises:
+        ScheduleError: unknown ``kind`` or an argument out of range.
+    """
+    pending = in_flight_after(kind, stage_idx, num_stages, num_microbatches, steps_done)
+    first = stage_idx == 0
+    last = stage_idx == num_stages - 1
+    end = steps_done * num_microbatches
+    out: list[Instruction] = []
+    for j in range(end - pending, end):
+        _append_backward(out, j, first, last, True)
+    return tuple(out)
+
+
+def iter_steps(
+    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int
+) -> Iterator[tuple[Instruction, ...]]:
+    """Yields :func:`step_instructions` for steps 0, 1, 2, ... without end (until the caller drains).
+
+    Example::
+
+        >>> from itertools import islice
+        >>> [len(s) for s in islice(iter_steps("gpipe", 0, 1, 2), 3)]
+        [5, 5, 5]
+
+    Raises:
+        ScheduleError: unknown ``kind`` or an argument out of range (raised on creation, not on first
+            ``next``).
+    """
+    _check(kind, stage_idx, num_stages, num_microbatches)
+
+    def _steps() -> Iterator[tuple[Instruction, ...]]:
+        step = 0
+        while True:
+            yield step_instructions(kind, stage_idx, num_stages, num_microbatches, step)
+            step += 1
+
+    return _steps()
