@@ -84,3 +84,28 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     )
     kw.update(overrides)
     return kw
+
+
+class ScheduledNet(TinyNet):
+    """TinyNet with Adam and a per-step StepLR, so resumption must restore optimizer and scheduler state."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(optimizer="adam", seed=seed)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def plain_scheduled_training(model: ScheduledNet, batches: list[Any]) -> ScheduledNet:
+    """Single-device reference for ScheduledNet: Adam, StepLR stepped after every batch."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(ref.pipeline(x), y).backward()
+        opt.step()
+        sched.step()
+    return ref
