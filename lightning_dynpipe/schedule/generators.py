@@ -43,11 +43,10 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal, TypeVar, get_args
+from typing import Literal, get_args
 
 from lightning_dynpipe.errors import ScheduleError
 from lightning_dynpipe.schedule.instructions import (
-    INSTRUCTION_TYPES,
     Backward,
     Forward,
     Instruction,
@@ -69,8 +68,6 @@ __all__ = [
     "staleness",
     "max_stash",
 ]
-
-_I = TypeVar("_I", bound=Instruction)
 
 ScheduleKind = Literal["async", "sync", "gpipe"]
 """Name of a pipeline schedule."""
@@ -212,41 +209,52 @@ def in_flight_after(
     return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
 
 
-# Instructions are immutable, so schedules share them: regenerating a step (every Lightning step, and
-# thousands of times in validation) then costs a dict lookup per instruction instead of a construction.
-# Bounded because mb_idx grows without limit between drains.
-_CACHE_LIMIT = 4096
-_CACHES: dict[type, dict[int, Any]] = {cls: {} for cls in INSTRUCTION_TYPES}
+# Instructions are immutable, so schedules share them: the instructions around one micro-batch's forward
+# (or backward) are built once as a block, and regenerating a step (every Lightning step, and thousands of
+# times in validation) costs a dict lookup per block. Bounded because mb_idx grows between drains.
+_BLOCK_LIMIT = 8192
+_BLOCKS: dict[int, tuple[Instruction, ...]] = {}
 
 
-def _shared(cls: type[_I], mb_idx: int) -> _I:
-    cache = _CACHES[cls]
-    inst = cache.get(mb_idx)
-    if inst is None:
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        inst = cache[mb_idx] = cls(mb_idx)
-    return inst
+def _store(key: int, block: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
+    if len(_BLOCKS) >= _BLOCK_LIMIT:
+        _BLOCKS.clear()
+    _BLOCKS[key] = block
+    return block
 
 
-def _append_forward(out: list[Instruction], j: int, first: bool, last: bool, stash: bool) -> None:
-    if not first:
-        out.append(_shared(RecvActivation, j))
-    if stash:
-        out.append(_shared(StashWeights, j))
-    out.append(_shared(Forward, j))
-    if not last:
-        out.append(_shared(SendActivation, j))
+def _forward_block(j: int, first: bool, last: bool, stash: bool) -> tuple[Instruction, ...]:
+    """``[RA j] [W j] F j [SA j]``."""
+    key = j << 4 | first | last << 1 | stash << 2
+    block = _BLOCKS.get(key)
+    if block is None:
+        out: list[Instruction] = []
+        if not first:
+            out.append(RecvActivation(j))
+        if stash:
+            out.append(StashWeights(j))
+        out.append(Forward(j))
+        if not last:
+            out.append(SendActivation(j))
+        block = _store(key, tuple(out))
+    return block
 
 
-def _append_backward(out: list[Instruction], j: int, first: bool, last: bool, update: bool) -> None:
-    if not last:
-        out.append(_shared(RecvGrad, j))
-    out.append(_shared(Backward, j))
-    if not first:
-        out.append(_shared(SendGrad, j))
-    if update:
-        out.append(_shared(OptimizerStep, j))
+def _backward_block(j: int, first: bool, last: bool, update: bool) -> tuple[Instruction, ...]:
+    """``[RG j] B j [SG j] [U j]``."""
+    key = j << 4 | first | last << 1 | update << 2 | 8
+    block = _BLOCKS.get(key)
+    if block is None:
+        out: list[Instruction] = []
+        if not last:
+            out.append(RecvGrad(j))
+        out.append(Backward(j))
+        if not first:
+            out.append(SendGrad(j))
+        if update:
+            out.append(OptimizerStep(j))
+        block = _store(key, tuple(out))
+    return block
 
 
 def step_instructions(
@@ -287,24 +295,24 @@ def step_instructions(
     if kind == "async":
         stash = w > 0
         for j in range(begin, end):
-            _append_forward(out, j, first, last, stash)
+            out.extend(_forward_block(j, first, last, stash))
             if j >= w:
-                _append_backward(out, j - w, first, last, True)
+                out.extend(_backward_block(j - w, first, last, True))
     elif kind == "sync":
         warmup = min(w, num_microbatches)
         for j in range(begin, begin + warmup):
-            _append_forward(out, j, first, last, False)
+            out.extend(_forward_block(j, first, last, False))
         for j in range(begin + warmup, end):
-            _append_forward(out, j, first, last, False)
-            _append_backward(out, j - warmup, first, last, False)
+            out.extend(_forward_block(j, first, last, False))
+            out.extend(_backward_block(j - warmup, first, last, False))
         for j in range(end - warmup, end):
-            _append_backward(out, j, first, last, False)
+            out.extend(_backward_block(j, first, last, False))
         out.append(_SYNC_UPDATE)
     else:  # gpipe
         for j in range(begin, end):
-            _append_forward(out, j, first, last, False)
+            out.extend(_forward_block(j, first, last, False))
         for j in range(begin, end):
-            _append_backward(out, j, first, last, False)
+            out.extend(_backward_block(j, first, last, False))
         out.append(_SYNC_UPDATE)
     return tuple(out)
 
@@ -344,7 +352,7 @@ def drain_instructions(
     end = steps_done * num_microbatches
     out: list[Instruction] = []
     for j in range(end - pending, end):
-        _append_backward(out, j, first, last, True)
+        out.extend(_backward_block(j, first, last, True))
     return tuple(out)
 
 
