@@ -100,7 +100,10 @@ class ArrayDataModule(pl.LightningDataModule):
 
     @abstractmethod
     def load_arrays(self) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """Returns all samples as ``(X, y)``: ``X`` of shape ``(N, C*H*W)`` (any real dtype), ``y`` of shape ``(N,)``."""
+        """Returns all samples as ``(X, y)``: ``X`` of shape ``(N, C*H*W)`` (any real dtype), ``y`` of shape ``(N,)``.
+
+        Called once, by :meth:`setup`, in every process.
+        """
 
     @property
     def input_shape(self) -> tuple[int, ...]:

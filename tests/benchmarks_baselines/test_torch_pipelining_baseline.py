@@ -88,7 +88,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 warmup_steps=1,
                 losses=losses,
             )
-            torch.save({"state": stage.state_dict(), "seconds": seconds, "losses": losses}, f"{out_dir}/{kind}_{rank}.pt")
+            result = {"state": stage.state_dict(), "seconds": seconds, "losses": losses}
+            torch.save(result, f"{out_dir}/{kind}_{rank}.pt")
         # A ragged last batch is refused before any communication, on every rank.
         ragged = batches[:2] + [(batches[2][0][:10], batches[2][1][:10])]
         with pytest.raises(ValueError, match="divisible by num_microbatches"):

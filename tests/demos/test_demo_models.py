@@ -12,6 +12,10 @@ from torch import nn
 from lightning_dynpipe.demos import CNN, MLP, DigitsDataModule, HeavyLayerMLP, PipelineClassifier
 from lightning_dynpipe.errors import ConfigurationError
 
+# Importing scikit-learn sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK; do it at collection time so the
+# conftest's environment-leak check does not blame whichever test first sets up a DigitsDataModule.
+pytest.importorskip("sklearn")
+
 
 def _all_params_in_pipeline(model: PipelineClassifier) -> bool:
     return {id(p) for p in model.parameters()} == {id(p) for p in model.pipeline.parameters()}
