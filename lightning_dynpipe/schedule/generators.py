@@ -19,7 +19,8 @@ forwards and backwards all of it; stage ``k`` carries ``min(w, t*M+M)`` backward
 (or into :func:`drain_instructions`). Consequences, checked by the simulator:
 
 * stage ``k``'s forward of micro-batch ``i`` runs after exactly ``max(0, i - w)`` updates, and its
-  backward after ``i``: every update is ``w`` versions stale (:func:`staleness`);
+  backward after ``i``: its update is ``w`` versions stale (:func:`staleness`; fewer for the first ``w``
+  micro-batches after a drain);
 * at most ``S - k`` micro-batches are in flight on stage ``k`` and so at most ``S - k`` weight versions
   are stashed there (:func:`max_stash`).
 
@@ -27,9 +28,11 @@ forwards and backwards all of it; stage ``k`` carries ``min(w, t*M+M)`` backward
 backward in turn, then the remaining backwards, then one ``U`` (gradients accumulated over the step).
 
 ``"gpipe"`` -- all ``M`` forwards, then all ``M`` backwards, then one ``U``. Backwards run in ascending
-order ``t*M .. t*M+M-1`` on every stage: any order shared by all stages is deadlock-free, because every
-forward of the step precedes every backward; ascending keeps the order of 1F1B (and of the gradients
-each stage accumulates) and lets the last stage start backward on the micro-batch that reached it first.
+order ``t*M .. t*M+M-1`` on every stage (not GPipe's usual reverse order). Any order is deadlock-free
+here, because every forward of the step precedes every backward and in the backward phase a stage only
+waits on the next one; stages that disagree on the order only add bubbles. Ascending was chosen because it
+accumulates the gradients in the same order as ``"sync"`` (so both give the same floats), and with uniform
+costs it is exactly as fast as the reverse order.
 
 Example::
 
