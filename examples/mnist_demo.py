@@ -1,0 +1,185 @@
+"""2-stage asynchronous pipeline training of an MLP on MNIST, on CPU: the script ``make demo`` runs.
+
+Two processes each run one pipeline stage (``DynPipeStrategy``, PipeDream-style 1F1B with weight stashing,
+an update after every micro-batch and no flush between steps). Every ``--print-every`` steps the ranks
+gather their stage's step statistics and rank 0 prints them per stage; after training, rank 0 prints the
+test accuracy.
+
+Run::
+
+    python examples/mnist_demo.py                       # the defaults of `make demo`
+    python examples/mnist_demo.py --schedule sync       # 1F1B with a flush and one update per step
+    python examples/mnist_demo.py --max-epochs 1 --width 64 --depth 1 --limit-train-batches 10   # tiny
+
+The default launcher starts rank 1 by running this script again with the same arguments, so everything
+below runs under ``if __name__ == "__main__":`` and is seeded: both processes build the same model and data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as L
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_dynpipe import DynPipeStrategy
+from lightning_dynpipe.demos import MLP, MNISTDataModule
+from lightning_dynpipe.engine.executor import StepStats
+
+# Columns of the per-stage table: (StepStats field, header). Times are printed in ms per step.
+_TIME_COLUMNS = (
+    ("step_s", "step"),
+    ("forward_s", "fwd"),
+    ("backward_s", "bwd"),
+    ("optimizer_s", "opt"),
+    ("recv_wait_s", "wait"),
+    ("send_s", "send"),
+)
+
+
+class StageTimes(Callback):
+    """Prints each pipeline stage's mean step-time breakdown on rank 0, every ``every_n_steps`` steps.
+
+    ``trainer.strategy.executor.stats`` is rank-local: it describes the stage this process runs, for the
+    last step only. This callback sums it over a window of steps on every rank and then gathers the sums with
+    ``all_gather_object``. That call is a collective over all ranks, so every rank must reach it at the same
+    step. ``on_train_batch_end`` runs on every rank after every step, and each rank counts its own steps, so
+    the ranks agree without talking to each other.
+    """
+
+    def __init__(self, every_n_steps: int = 100) -> None:
+        self.every_n_steps = every_n_steps
+        self._steps = 0
+        self._window: dict[str, float] = {}
+        self._window_steps = 0
+        self._max_stash = 0
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        executor = getattr(trainer.strategy, "executor", None)
+        if executor is None:
+            return
+        stats: StepStats = executor.stats
+        for name, value in asdict(stats).items():
+            self._window[name] = self._window.get(name, 0.0) + float(value)
+        self._window_steps += 1
+        self._max_stash = max(self._max_stash, stats.max_stash_depth)
+        self._steps += 1
+        if self._steps % self.every_n_steps == 0:
+            self._report(trainer, f"steps {self._steps - self._window_steps + 1}-{self._steps}")
+
+    def _report(self, trainer: Trainer, title: str) -> None:
+        strategy = trainer.strategy
+        mine = {
+            "stage": strategy.stage_idx,  # type: ignore[attr-defined]
+            "rank": trainer.global_rank,
+            "steps": self._window_steps,
+            "sums": dict(self._window),
+            "in_flight": strategy.executor.in_flight,  # type: ignore[attr-defined]
+            "max_stash": self._max_stash,
+        }
+        gathered: list[Any] = [None] * trainer.world_size
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        self._window, self._window_steps = {}, 0
+        if trainer.is_global_zero:
+            print(format_stage_table(gathered, title), flush=True)
+
+
+def format_stage_table(rows: list[dict[str, Any]], title: str) -> str:
+    """A compact table, one line per stage: mean milliseconds per step and pipeline state."""
+    head = f"{'stage':>5} {'rank':>4} " + " ".join(f"{h:>7}" for _, h in _TIME_COLUMNS)
+    head += f" {'F/step':>6} {'B/step':>6} {'U/step':>6} {'inflight':>8} {'stash':>5}"
+    lines = [f"[per-stage step times, ms/step, {title}]", head]
+    for r in sorted(rows, key=lambda r: (r["stage"], r["rank"])):
+        n = max(1, r["steps"])
+        s = r["sums"]
+        times = " ".join(f"{1000.0 * s[f] / n:7.2f}" for f, _ in _TIME_COLUMNS)
+        counts = f"{s['num_forward'] / n:6.1f} {s['num_backward'] / n:6.1f} {s['num_updates'] / n:6.1f}"
+        lines.append(f"{r['stage']:>5} {r['rank']:>4} {times} {counts} {r['in_flight']:>8} {r['max_stash']:>5}")
+    return "\n".join(lines)
+
+
+class EpochSummary(Callback):
+    """Prints the validation metrics of every epoch on rank 0 (where the last stage and the logging run)."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        m = trainer.callback_metrics
+        parts = [f"epoch {trainer.current_epoch}", f"step {trainer.global_step}"]
+        for key in ("train_loss", "val_loss", "val_acc"):
+            if key in m:
+                parts.append(f"{key} {float(m[key]):.4f}")
+        parts.append(f"elapsed {time.perf_counter() - self._start:.1f}s")
+        print(" | ".join(parts), flush=True)
+
+
+def _int_or_fraction(text: str) -> int | float:
+    # As in Lightning: an int counts batches, a float is a fraction of the epoch ("10" vs "0.5").
+    return float(text) if "." in text else int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--max-epochs", type=int, default=10)
+    p.add_argument("--num-microbatches", type=int, default=4, help="micro-batches M per Lightning batch")
+    p.add_argument("--schedule", choices=["async", "sync", "gpipe"], default="async")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--width", type=int, default=256, help="features of every hidden block of the MLP")
+    p.add_argument("--depth", type=int, default=3, help="hidden blocks; the pipeline has depth + 1 layers")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument(
+        "--limit-train-batches", type=_int_or_fraction, default=None,
+        help="batches per epoch (an int) or a fraction of the epoch (a float <= 1.0), as in Lightning",
+    )
+    p.add_argument("--print-every", type=int, default=100, help="steps between per-stage tables")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    L.seed_everything(args.seed, verbose=False)
+    # drop_last: every training batch must split into num_microbatches non-empty micro-batches.
+    datamodule = MNISTDataModule(batch_size=args.batch_size, drop_last=True)
+    model = MLP(in_features=784, width=args.width, depth=args.depth, lr=args.lr, momentum=args.momentum)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DynPipeStrategy(num_microbatches=args.num_microbatches, schedule=args.schedule),
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_train_batches,
+        callbacks=[StageTimes(every_n_steps=args.print_every), EpochSummary()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_s = time.perf_counter() - start
+    results = trainer.test(model, datamodule=datamodule, verbose=False)
+    if trainer.is_global_zero:
+        acc = results[0]["test_acc"]
+        print(
+            f"schedule={args.schedule} stages=2 microbatches={args.num_microbatches} "
+            f"fit_time={fit_s:.1f}s steps={trainer.global_step}"
+        )
+        print(f"test accuracy: {acc:.4f} ({len(datamodule.test_set)} MNIST test images)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
