@@ -679,7 +679,7 @@ class DynPipeStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         if self.lightning_module is not None and self.partition is not None:
             pipeline = self._pipeline()
@@ -703,6 +703,9 @@ class DynPipeStrategy(DDPStrategy):
         self.partition = None
         if self._groups is not None:
             if not interrupted:
+                # No rank may tear its channel groups down while a peer is still completing sends on them.
+                if self._groups.pipeline is not None and self.num_stages > 1:
+                    dist.barrier(group=self._groups.pipeline)
                 self._groups.destroy()
             self._groups = None
         super().teardown()
