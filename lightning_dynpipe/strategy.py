@@ -12,20 +12,20 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -195,6 +195,13 @@ class DynPipeStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ topology
     @property
+    def _lm(self) -> LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("DynPipeStrategy has no LightningModule attached yet (call trainer.fit/validate first).")
+        return module
+
+    @property
     def num_stages(self) -> int:
         """``S``: stages per pipeline."""
         if self._requested_num_stages is not None:
@@ -314,7 +321,7 @@ class DynPipeStrategy(DDPStrategy):
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._full_keys = list(self.lightning_module.state_dict().keys())
+        self._full_keys = list(self._lm.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -333,7 +340,7 @@ class DynPipeStrategy(DDPStrategy):
         self._bind_metrics()
         if self._mirror is None:
             self._mirror = _MetricsMirror(self)
-            trainer.callbacks.insert(0, self._mirror)
+            cast(Any, trainer).callbacks.insert(0, self._mirror)
         self._build_executor(pipeline)
         rank_zero_info(
             f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {self.partition}, "
@@ -377,7 +384,7 @@ class DynPipeStrategy(DDPStrategy):
         except ImportError:  # pragma: no cover - torchmetrics ships with lightning
             return
         groups = self._groups
-        for m in self.lightning_module.modules():
+        for m in self._lm.modules():
             if isinstance(m, Metric):
                 # Only the last stage updates metrics; syncing over WORLD would wait for the other stages forever.
                 if self.topology.dp_size == 1 or groups is None:
@@ -412,7 +419,7 @@ class DynPipeStrategy(DDPStrategy):
         pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
 
     def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
-        out = self.lightning_module.training_step(micro_batch, self._batch_idx)
+        out = self._lm.training_step(micro_batch, self._batch_idx)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise ConfigurationError(
@@ -427,7 +434,7 @@ class DynPipeStrategy(DDPStrategy):
             return
         opt = self.optimizers[0]
         # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
-        self.precision_plugin._after_closure(self.lightning_module, opt)
+        self.precision_plugin._after_closure(self._lm, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -444,7 +451,7 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # The executor already back-propagated every micro-batch; only fire the hooks, once per step.
-        module = self.lightning_module
+        module = self._lm
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -581,7 +588,7 @@ class DynPipeStrategy(DDPStrategy):
         return out
 
     def _full_state_dict(self, layers: dict[int, dict[str, Tensor]]) -> dict[str, Any]:
-        local = self.lightning_module.state_dict()
+        local = self._lm.state_dict()
         prefix = self.pipeline_attr + "."
         merged: dict[str, Any] = {k: v for k, v in local.items() if not k.startswith(prefix)}
         for layer_idx, sd in layers.items():
@@ -652,7 +659,7 @@ class DynPipeStrategy(DDPStrategy):
         prefix = self.pipeline_attr + "."
         owned = tuple(f"{prefix}{i}." for i in self._owned)
         sd = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(prefix) or k.startswith(owned)}
-        self.lightning_module.load_state_dict(sd, strict=False)
+        self._lm.load_state_dict(sd, strict=False)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -696,8 +703,9 @@ class DynPipeStrategy(DDPStrategy):
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
                     "(other layers are placeholders). Load the last checkpoint for the full model."
                 )
-        if trainer is not None and self._mirror is not None and self._mirror in trainer.callbacks:
-            trainer.callbacks.remove(self._mirror)
+        callbacks = cast(Any, trainer).callbacks if trainer is not None else []
+        if self._mirror is not None and self._mirror in callbacks:
+            callbacks.remove(self._mirror)
         self._mirror = None
         self.executor = None
         self.partition = None

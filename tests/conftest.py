@@ -9,7 +9,9 @@ import pytest
 import torch.distributed as dist
 
 _ENV_ALLOWED_TO_CHANGE = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "PL_GLOBAL_SEED", "OMP_NUM_THREADS",
-                          "PL_SEED_WORKERS", "MASTER_ADDR", "NODE_RANK", "RANK", "CUDA_MODULE_LOADING"}
+                          "PL_SEED_WORKERS", "MASTER_ADDR", "NODE_RANK", "RANK", "CUDA_MODULE_LOADING",
+                          # set by importing scikit-learn (OpenMP), not by the code under test
+                          "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
 
 @pytest.fixture(autouse=True)

@@ -222,7 +222,7 @@ class StageExecutor:
         self.staleness = staleness(schedule, stage_idx, num_stages)  # type: ignore[arg-type]
         self.stash: WeightStash | None = WeightStash(stage_module) if self.staleness > 0 else None
         self._names = [n for n, _ in stage_module.named_parameters()]
-        self._live = [p for _, p in stage_module.named_parameters()]
+        self._live: list[Tensor] = [p for _, p in stage_module.named_parameters()]
         self._mbs: dict[int, _MicroBatch] = {}
         self._current: _MicroBatch | None = None
         self._steps_since_drain = 0

@@ -7,11 +7,13 @@ most of it process start-up.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,10 +22,28 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 300
 
 
-def _run(script: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PL_"))}
+def _load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Loaded at collection: importing torch sets environment variables, which the suite's leak check would
+# otherwise blame on the test.
+schedule_timelines = _load_example("schedule_timelines")
+
+
+_LAUNCH_ENV = ("MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "TORCHELASTIC_", "PL_")
+
+
+def _run(script: str, *args: str, launcher: tuple[str, ...] = ()) -> str:
+    # A clean launch environment: rank variables inherited from a surrounding job would make Lightning think
+    # the processes were already created.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args],
+        [sys.executable, *launcher, str(EXAMPLES / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -74,3 +94,23 @@ def test_digits_quickstart_trains_to_a_useful_accuracy() -> None:
     # reaches > 0.9, so this catches a pipeline that does not learn, not small numeric differences.
     assert _test_accuracy(out) > 0.85
     assert "DynPipe: 2 stages" in out
+
+
+@pytest.mark.multiprocess
+def test_digits_quickstart_under_torchrun() -> None:
+    """An external launcher: torchrun creates both processes and Lightning launches nothing itself."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    out = _run("digits_quickstart.py", launcher=launcher)
+    assert _test_accuracy(out) > 0.85
+    assert out.count("test accuracy:") == 1  # rank 0 only
+
+
+def test_schedules_doc_embeds_the_current_timelines() -> None:
+    """docs/schedules.md shows the output of examples/schedule_timelines.py; regenerate it when this fails."""
+    doc = (ROOT / "docs" / "schedules.md").read_text()
+    m = re.search(r"<!-- schedule_timelines:begin -->\n```text\n(.*?)\n```\n<!-- schedule_timelines:end -->", doc, re.DOTALL)
+    assert m is not None, "docs/schedules.md lost its schedule_timelines block"
+    assert m.group(1) == schedule_timelines.report(), (
+        "docs/schedules.md is out of date: paste the output of `python examples/schedule_timelines.py` "
+        "between the schedule_timelines markers."
+    )

@@ -1,0 +1,93 @@
+"""Pure unit tests of the engine's parts: wire format, weight stash, topology, micro-batch split."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lightning_dynpipe.engine import PipelineTopology, WeightStash, split_microbatches
+from lightning_dynpipe.engine.wire import HEADER_LEN, MAX_TENSORS, MessageKind, decode, encode
+from lightning_dynpipe.errors import CommunicationError, ConfigurationError
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
+def test_header_round_trip(dtype: torch.dtype) -> None:
+    a = torch.zeros(2, 3, 4, dtype=dtype)
+    b = torch.randn(5, requires_grad=True)
+    h = encode(MessageKind.GRADIENT, 17, [a, None, b], aux=0.125, is_tuple=True)
+    assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
+    d = decode(h)
+    assert (d.kind, d.mb_idx, d.aux, d.is_tuple) == (MessageKind.GRADIENT, 17, 0.125, True)
+    assert d.specs[1] is None
+    assert d.specs[0] is not None and d.specs[0].dtype == dtype and d.specs[0].shape == (2, 3, 4)
+    assert d.specs[2] is not None and d.specs[2].requires_grad and d.specs[2].shape == (5,)
+
+
+def test_header_rejects_what_cannot_be_sent() -> None:
+    with pytest.raises(CommunicationError, match="At most 12 tensors"):
+        encode(MessageKind.ACTIVATION, 0, [torch.zeros(1)] * (MAX_TENSORS + 1))
+    with pytest.raises(CommunicationError, match="at most 7 dimensions"):
+        encode(MessageKind.ACTIVATION, 0, [torch.zeros([1] * 8)])
+    bad = encode(MessageKind.ACTIVATION, 0, [])
+    bad[0] = 0
+    with pytest.raises(CommunicationError, match="malformed pipeline header"):
+        decode(bad)
+
+
+def test_stash_keeps_the_forward_weights_for_the_backward() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    x = torch.randn(4, 3)
+    v0 = stash.acquire()
+    v0b = stash.acquire()  # two micro-batches between updates share one snapshot
+    assert v0 == v0b and stash.depth == 1
+    before = layer.weight.detach().clone()
+    out = functional_call(layer, stash.params(v0), (x,))
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # the live update that PipeDream applies before this backward
+    stash.bump()
+    v1 = stash.acquire()
+    assert v1 == 1 and stash.depth == 2 and stash.max_depth == 2
+    (g,) = torch.autograd.grad(out.sum(), [stash.params(v0)["weight"]])
+    assert torch.equal(stash.params(v0)["weight"], before)
+    assert torch.allclose(g, x.sum(0).expand(2, 3))
+    stash.release(v0)
+    stash.release(v0)
+    assert stash.depth == 1
+    stash.release(v1)
+    stash.reset()
+    assert stash.version == 0 and stash.depth == 0
+
+
+def test_topology_places_the_last_stage_on_rank_zero() -> None:
+    t = PipelineTopology(num_stages=4, world_size=8)
+    assert t.dp_size == 2
+    assert t.rank_of(0, 3) == 0 and t.rank_of(1, 3) == 4
+    assert all(t.coords(t.rank_of(d, k)) == (d, k) for d in range(2) for k in range(4))
+    assert t.pipeline_ranks(0) == [1, 2, 3, 0]
+    assert t.stage_ranks(0) == [1, 5]
+    with pytest.raises(ConfigurationError, match="must be divisible by num_stages=3"):
+        PipelineTopology(num_stages=3, world_size=4)
+
+
+def test_split_microbatches_handles_collections() -> None:
+    Pair = namedtuple("Pair", "x y")
+    batch = {"x": torch.arange(10), "meta": "keep", "pair": Pair(torch.ones(10, 2), [torch.zeros(10)])}
+    mbs, sizes = split_microbatches(batch, 4)
+    assert sizes == [3, 3, 2, 2]
+    assert [mb["x"].tolist() for mb in mbs][0] == [0, 1, 2]
+    assert all(mb["meta"] == "keep" for mb in mbs)
+    assert isinstance(mbs[1]["pair"], Pair) and mbs[3]["pair"].x.shape == (2, 2)
+    assert mbs[2]["pair"].y[0].shape == (2,)
+
+
+def test_split_microbatches_refuses_small_batches() -> None:
+    with pytest.raises(ConfigurationError, match="batch of size 3 cannot be split into num_microbatches=4"):
+        split_microbatches((torch.zeros(3, 2), torch.zeros(3)), 4)
+    with pytest.raises(ConfigurationError, match="no tensor with a batch dimension"):
+        split_microbatches({"a": 1}, 2)

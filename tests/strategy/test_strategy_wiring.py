@@ -1,0 +1,49 @@
+"""Registry, constructor refusals and connector wiring: no processes are started."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+import lightning_dynpipe
+from lightning_dynpipe import ConfigurationError, DynPipeStrategy, PartitionError
+
+
+def test_registered_names() -> None:
+    assert StrategyRegistry["dynpipe"]["strategy"] is DynPipeStrategy
+    assert StrategyRegistry["dynpipe_spawn"]["init_params"] == {"start_method": "spawn"}
+    assert StrategyRegistry["dynpipe_fork"]["init_params"] == {"start_method": "fork"}
+    DynPipeStrategy.register_strategies(StrategyRegistry)  # idempotent: a re-import must not raise
+    assert lightning_dynpipe.__version__
+
+
+@pytest.mark.parametrize(("name", "launcher"), [("dynpipe", _SubprocessScriptLauncher),
+                                                  ("dynpipe_spawn", _MultiProcessingLauncher),
+                                                  ("lightning_dynpipe.DynPipeStrategy", _SubprocessScriptLauncher)])
+def test_trainer_wiring(name: str, launcher: type) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    s = trainer.strategy
+    assert isinstance(s, DynPipeStrategy)
+    assert s.parallel_devices == [torch.device("cpu")] * 2
+    assert s.num_processes == 2 and s.world_size == 2 and s.root_device == torch.device("cpu")
+    assert isinstance(s.launcher, launcher)
+    assert s.num_stages == 2 and s.topology.dp_size == 1
+    assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+def test_constructor_refusals() -> None:
+    with pytest.raises(ConfigurationError, match=r"schedule must be one of \['async', 'sync', 'gpipe'\]"):
+        DynPipeStrategy(schedule="pipedream")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="num_microbatches must be a positive integer; got 0"):
+        DynPipeStrategy(num_microbatches=0)
+    with pytest.raises(PartitionError, match="Every stage must own at least one layer"):
+        DynPipeStrategy(balance=[3, 0])
+    with pytest.raises(PartitionError, match="balance has 2 entries but num_stages=3"):
+        DynPipeStrategy(balance=[3, 2], num_stages=3)
+
+
+def test_timeout_accepts_seconds() -> None:
+    assert DynPipeStrategy(timeout=12)._timeout_s == 12.0
