@@ -1,0 +1,85 @@
+"""Per-device memory of a pipeline stage: weight versions, optimizer state, in-flight activations.
+
+PipeDream-style asynchronous 1F1B keeps, on stage ``k`` of ``S``, ``S - k`` weight versions (the live
+weights plus one stashed version per micro-batch whose backward is still to come) and the activations of
+``S - k`` micro-batches in flight. With ``schedule="sync"`` (flush every step) one version suffices and at
+most ``min(S - k, M)`` micro-batches are in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.costs import ModelCost
+
+__all__ = ["Schedule", "weight_versions", "in_flight_microbatches", "stage_memory"]
+
+Schedule = Literal["async", "sync"]
+_SCHEDULES = ("async", "sync")
+
+
+def _check(stage_idx: int, num_stages: int, schedule: str, num_microbatches: int | None) -> None:
+    if schedule not in _SCHEDULES:
+        raise ConfigurationError(f"Unknown schedule {schedule!r}; valid options are {list(_SCHEDULES)}.")
+    if not 0 <= stage_idx < num_stages:
+        raise ConfigurationError(f"stage_idx must be in [0, {num_stages}); got stage_idx={stage_idx}.")
+    if schedule == "sync" and (num_microbatches is None or num_microbatches < 1):
+        raise ConfigurationError(
+            f'schedule="sync" needs num_microbatches >= 1 (micro-batches per step); got {num_microbatches!r}.'
+        )
+
+
+def weight_versions(stage_idx: int, num_stages: int, schedule: Schedule = "async") -> int:
+    """Weight versions stage ``stage_idx`` keeps: ``S - k`` for async (stashing), 1 for sync."""
+    _check(stage_idx, num_stages, schedule, 1)
+    return num_stages - stage_idx if schedule == "async" else 1
+
+
+def in_flight_microbatches(
+    stage_idx: int, num_stages: int, schedule: Schedule = "async", num_microbatches: int | None = None
+) -> int:
+    """Micro-batches whose activations stage ``stage_idx`` holds at once in steady-state 1F1B.
+
+    ``S - k`` for async; ``min(S - k, M)`` for sync, where ``M = num_microbatches`` per step.
+    """
+    _check(stage_idx, num_stages, schedule, num_microbatches)
+    if schedule == "async":
+        return num_stages - stage_idx
+    assert num_microbatches is not None
+    return min(num_stages - stage_idx, num_microbatches)
+
+
+def stage_memory(
+    model: ModelCost,
+    first: ArrayLike,
+    stop: ArrayLike,
+    *,
+    stage_idx: int,
+    num_stages: int,
+    schedule: Schedule = "async",
+    num_microbatches: int | None = None,
+) -> NDArray[np.int64]:
+    """Peak bytes on each device of the stage owning layers ``[first, stop)``, vectorised over ranges.
+
+    ``versions * params + optimizer_state + in_flight * activations + max(workspace)``. Replicas do not
+    change it: each replica holds the whole stage.
+
+    Example::
+
+        >>> model = ModelCost.from_arrays([1.0, 1.0], [1.0, 1.0], param_bytes=10, activation_bytes=3,
+        ...                               optimizer_state_bytes=20)
+        >>> stage_memory(model, [0], [2], stage_idx=0, num_stages=2).tolist()  # 2*20 + 40 + 2*6
+        [92]
+    """
+    versions = weight_versions(stage_idx, num_stages, schedule)
+    in_flight = in_flight_microbatches(stage_idx, num_stages, schedule, num_microbatches)
+    i = np.asarray(first, dtype=np.int64)
+    j = np.asarray(stop, dtype=np.int64)
+    params = model.param_prefix[j] - model.param_prefix[i]
+    optim = model.optimizer_prefix[j] - model.optimizer_prefix[i]
+    acts = model.activation_prefix[j] - model.activation_prefix[i]
+    return np.asarray(versions * params + optim + in_flight * acts + model.workspace_max(i, j), dtype=np.int64)
