@@ -1,0 +1,37 @@
+"""Stage memory: weight versions, optimizer state, in-flight activations, workspace."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan import ModelCost, in_flight_microbatches, stage_memory, weight_versions
+
+
+def test_versions_and_in_flight_follow_the_schedule() -> None:
+    assert [weight_versions(k, 4) for k in range(4)] == [4, 3, 2, 1]
+    assert [weight_versions(k, 4, "sync") for k in range(4)] == [1, 1, 1, 1]
+    assert [in_flight_microbatches(k, 4) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_microbatches(k, 4, "sync", num_microbatches=2) for k in range(4)] == [2, 2, 2, 1]
+
+
+def test_stage_memory_by_hand() -> None:
+    model = ModelCost.from_arrays(
+        [1.0] * 3, [1.0] * 3, activation_bytes=[5, 7, 11], param_bytes=[100, 0, 30],
+        optimizer_state_bytes=[200, 0, 60], workspace_bytes=[13, 50, 17],
+    )  # fmt: skip
+    # stage 1 of 3 owns layers 1..2: 2 versions, 2 micro-batches in flight
+    got = stage_memory(model, [1], [3], stage_idx=1, num_stages=3)
+    assert got.tolist() == [2 * 30 + 60 + 2 * (7 + 11) + 50]
+    got = stage_memory(model, [0, 0], [1, 3], stage_idx=0, num_stages=3, schedule="sync", num_microbatches=2)
+    assert got.tolist() == [100 + 200 + 2 * 5 + 13, 130 + 260 + 2 * 23 + 50]
+
+
+def test_stage_memory_errors() -> None:
+    model = ModelCost.from_arrays([1.0], [1.0])
+    with pytest.raises(ConfigurationError, match="num_microbatches"):
+        stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="sync")
+    with pytest.raises(ConfigurationError, match=r"valid options are \['async', 'sync'\]"):
+        stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="gpipe")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="stage_idx"):
+        weight_versions(3, 3)
