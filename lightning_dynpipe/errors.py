@@ -13,6 +13,7 @@ __all__ = [
     "ScheduleError",
     "CommunicationError",
     "PipelineTimeoutError",
+    "PeerFailure",
 ]
 
 
@@ -38,3 +39,17 @@ class CommunicationError(DynPipeError, RuntimeError):
 
 class PipelineTimeoutError(CommunicationError, TimeoutError):
     """A stage waited longer than the strategy's ``timeout`` for a peer stage."""
+
+
+class PeerFailure(CommunicationError):
+    """Another stage failed (an exception in its code, or its process died); raised on the stages that wait.
+
+    Attributes:
+        stage_idx: the stage that failed first.
+        rank: its global rank.
+    """
+
+    def __init__(self, message: str, stage_idx: int, rank: int) -> None:
+        super().__init__(message)
+        self.stage_idx = stage_idx
+        self.rank = rank

@@ -20,10 +20,12 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
@@ -31,6 +33,7 @@ from typing_extensions import override
 
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
+from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
@@ -191,6 +194,7 @@ class DynPipeStrategy(DDPStrategy):
         self._canonical: list[list[list[int]]] = []  # [optimizer][group] -> canonical index of each local param
         self._full_group_sizes: list[list[int]] = []
         self._mirror: _MetricsMirror | None = None
+        self._failure: FailureHandler | None = None
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ topology
@@ -248,7 +252,17 @@ class DynPipeStrategy(DDPStrategy):
         return float(self._timeout.total_seconds()) if self._timeout is not None else 1800.0
 
     @override
+    def _configure_launcher(self) -> None:
+        # Checked at Trainer construction, before any process is launched (and again in each launched process).
+        PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
+        # Refusals run before the process group exists, so a bad configuration fails fast on every rank.
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            self._check_model(module._trainer)
         super().setup_environment()
         self._topology = None
         self._groups = build_groups(
@@ -291,6 +305,41 @@ class DynPipeStrategy(DDPStrategy):
                     "the pipeline already splits each batch. Use DynPipeStrategy(num_microbatches=N) with "
                     "schedule='sync' to accumulate gradients over N micro-batches, and accumulate_grad_batches=1."
                 )
+        if trainer.state.fn == TrainerFn.FITTING and is_param_in_hook_signature(
+            module.training_step, "dataloader_iter", explicit=True
+        ):
+            raise ConfigurationError(
+                "training_step(dataloader_iter) is not supported by DynPipeStrategy: the pipeline splits each batch "
+                "into micro-batches itself. Use training_step(self, batch, batch_idx)."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ConfigurationError(
+                f"precision={self.precision_plugin.precision!r} uses a GradScaler, whose single scale cannot follow "
+                "per-stage, per-micro-batch updates. Use precision='bf16-mixed' (no scaler), 'bf16-true' or "
+                "'32-true' with DynPipeStrategy."
+            )
+        if type(self.precision_plugin).__name__ in ("TransformerEnginePrecision", "BitsandbytesPrecision"):
+            raise ConfigurationError(
+                f"{type(self.precision_plugin).__name__} is not supported by DynPipeStrategy; use precision="
+                "'bf16-mixed', 'bf16-true' or '32-true'."
+            )
+        if self._layer_sync is not None:
+            raise ConfigurationError(
+                "sync_batchnorm=True is not supported by DynPipeStrategy: SyncBatchNorm all-reduces over WORLD "
+                "from inside a layer, which only one stage runs. Set sync_batchnorm=False."
+            )
+        if getattr(module, "_compiler_ctx", None) is not None or any(
+            isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in pipeline
+        ):
+            raise ConfigurationError(
+                "A torch.compile'd model cannot be partitioned by DynPipeStrategy (the compiled graph spans all "
+                "layers). Pass the uncompiled LightningModule; compile inside a layer if you need it."
+            )
+        if is_overridden("backward", module, LightningModule):
+            rank_zero_warn(
+                f"{type(module).__name__}.backward is overridden but DynPipeStrategy does not call it: the pipeline "
+                "back-propagates each micro-batch itself (on_before_backward/on_after_backward still fire once per step)."
+            )
         pipeline_params = {id(p) for p in pipeline.parameters()}
         outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in pipeline_params]
         if outside:
@@ -316,7 +365,7 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
-        pipeline = self._check_model(trainer)
+        pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
         self.accelerator.setup(trainer)
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
@@ -395,7 +444,8 @@ class DynPipeStrategy(DDPStrategy):
     def _build_executor(self, pipeline: nn.Sequential) -> None:
         assert self._groups is not None
         stage_module = nn.Sequential(*[pipeline[i] for i in self._owned])
-        channels = build_channels(self._groups, self.root_device, self._timeout_s)
+        self._failure = FailureHandler(self.stage_idx, self.global_rank)
+        channels = build_channels(self._groups, self.root_device, self._timeout_s, self._failure)
         module = self.lightning_module
         user_input = getattr(module, "pipeline_input", None)
 
@@ -433,10 +483,31 @@ class DynPipeStrategy(DDPStrategy):
         if not self.optimizers:
             return
         opt = self.optimizers[0]
+        if self.topology.dp_size > 1:
+            self._average_replica_grads(opt)
         # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
         self.precision_plugin._after_closure(self._lm, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def _average_replica_grads(self, opt: Optimizer) -> None:
+        """Averages this stage's gradients over its data-parallel replicas: one all-reduce of a flat buffer."""
+        assert self._groups is not None
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        if not params:
+            return
+        for p in params:  # every replica must contribute the same buffer layout, even without a gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._groups.stage_dp)
+        flat /= self.topology.dp_size
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
 
     # ------------------------------------------------------------------ training step take-over
     @override
@@ -673,6 +744,13 @@ class DynPipeStrategy(DDPStrategy):
             }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Tell the other stages at once, so they end with an error naming this stage instead of waiting.
+        if self._failure is not None:
+            self._failure.local_failure(exception)
+        super().on_exception(exception)
+
     # ------------------------------------------------------------------ teardown
     def _reassemble(self) -> None:
         """Puts every layer back into the user's pipeline on every rank (collective over the pipeline)."""
@@ -742,4 +820,5 @@ class DynPipeStrategy(DDPStrategy):
         state = super().__getstate__()
         state["_groups"] = None
         state["executor"] = None
+        state["_failure"] = None
         return state

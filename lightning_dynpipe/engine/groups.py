@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynpipe.engine.executor import StageChannels
-from lightning_dynpipe.engine.p2p import RecvChannel, SendChannel
+from lightning_dynpipe.engine.p2p import FailureHandler, RecvChannel, SendChannel
 from lightning_dynpipe.engine.topology import PipelineTopology
 
 __all__ = ["PipelineGroups", "build_groups", "build_channels"]
@@ -81,17 +81,24 @@ def build_groups(topology: PipelineTopology, rank: int, backend: str | None, tim
     return out
 
 
-def build_channels(groups: PipelineGroups, device: torch.device, timeout_s: float) -> StageChannels:
-    """Opens this rank's channels to its neighbouring stages."""
+def build_channels(
+    groups: PipelineGroups, device: torch.device, timeout_s: float, failure: FailureHandler | None = None
+) -> StageChannels:
+    """Opens this rank's channels to its neighbouring stages; ``failure`` learns of peers that fail."""
     topo = groups.topology
     d, k = groups.dp_rank, groups.stage_idx
+    on_failure = failure.peer_failed if failure is not None else None
     ch = StageChannels()
     if k > 0:
         up = topo.rank_of(d, k - 1)
-        ch.recv_activation = RecvChannel(groups.activation_in, up, device, timeout_s, f"activations {k - 1}->{k}")
+        ch.recv_activation = RecvChannel(groups.activation_in, up, device, timeout_s, f"activations {k - 1}->{k}",
+                                         peer_stage=k - 1, on_failure=on_failure)
         ch.send_grad = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
     if k < topo.num_stages - 1:
         down = topo.rank_of(d, k + 1)
         ch.send_activation = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
-        ch.recv_grad = RecvChannel(groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}")
+        ch.recv_grad = RecvChannel(groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}",
+                                   peer_stage=k + 1, on_failure=on_failure)
+    if failure is not None:
+        failure.channels = [c for c in (ch.send_activation, ch.send_grad) if c is not None]
     return ch

@@ -10,22 +10,26 @@ or when too many are outstanding.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dynpipe.engine.wire import HEADER_LEN, Header, MessageKind, decode, encode
-from lightning_dynpipe.errors import CommunicationError, PipelineTimeoutError
+from lightning_dynpipe.errors import CommunicationError, PeerFailure, PipelineTimeoutError
 
-__all__ = ["SendChannel", "RecvChannel", "Message", "DelayInjector"]
+__all__ = ["SendChannel", "RecvChannel", "Message", "DelayInjector", "FailureHandler", "encode_text", "decode_text"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class SendChannel:
         self.name = name
         self.delay: DelayInjector | None = None
         self._pending: deque[tuple[Any, list[Tensor]]] = deque()
+        self._lock = threading.Lock()  # the failure path sends from a receiver thread
         self.bytes_sent = 0
 
     def send(
@@ -95,14 +100,15 @@ class SendChannel:
         payload = [t.detach().contiguous() for t in tensors if t is not None]
         device = payload[0].device if payload else torch.device("cpu")
         header = header.to(device)
-        works = [dist.isend(header, dst=self.peer, group=self.group)]
-        for t in payload:
-            works.append(dist.isend(t, dst=self.peer, group=self.group))
-            self.bytes_sent += t.numel() * t.element_size()
-        for w in works:
-            self._pending.append((w, [header, *payload]))
-        while len(self._pending) > _MAX_OUTSTANDING:
-            self._wait_one()
+        with self._lock:
+            works = [dist.isend(header, dst=self.peer, group=self.group)]
+            for t in payload:
+                works.append(dist.isend(t, dst=self.peer, group=self.group))
+                self.bytes_sent += t.numel() * t.element_size()
+            for w in works:
+                self._pending.append((w, [header, *payload]))
+            while len(self._pending) > _MAX_OUTSTANDING:
+                self._wait_one()
 
     def _wait_one(self) -> None:
         work, _keepalive = self._pending.popleft()
@@ -110,8 +116,22 @@ class SendChannel:
 
     def flush(self) -> None:
         """Waits until every queued send has completed."""
-        while self._pending:
-            self._wait_one()
+        with self._lock:
+            while self._pending:
+                self._wait_one()
+
+    def abort(self, stage_idx: int, rank: int, text: str, wait_s: float = 2.0) -> None:
+        """Tells the peer that ``stage_idx`` (global ``rank``) failed; waits at most ``wait_s`` for delivery."""
+        header = encode(MessageKind.ABORT, stage_idx, [encode_text(text)], aux=float(rank))
+        try:
+            with self._lock:
+                works = [dist.isend(header, dst=self.peer, group=self.group),
+                         dist.isend(encode_text(text), dst=self.peer, group=self.group)]
+            for w in works:
+                if w is not None:
+                    w.wait(timeout=timedelta(seconds=wait_s))
+        except Exception as exc:  # the peer may be gone already; nothing more to do
+            log.debug("abort on %s not delivered: %r", self.name, exc)
 
     def close(self) -> None:
         """Tells the peer's receiver thread to stop, then flushes."""
@@ -130,12 +150,23 @@ class RecvChannel:
         name: for messages and logs, e.g. ``"gradients 1->0"``.
     """
 
-    def __init__(self, group: Any, peer: int, device: torch.device, timeout: float, name: str) -> None:
+    def __init__(
+        self,
+        group: Any,
+        peer: int,
+        device: torch.device,
+        timeout: float,
+        name: str,
+        peer_stage: int = -1,
+        on_failure: Callable[[PeerFailure], None] | None = None,
+    ) -> None:
         self.group = group
         self.peer = peer
+        self.peer_stage = peer_stage
         self.device = device
         self.timeout = timeout
         self.name = name
+        self.on_failure = on_failure
         self._queue: queue.Queue[Message | BaseException | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dynpipe-recv[{name}]", daemon=True)
@@ -152,6 +183,15 @@ class RecvChannel:
                 if header.kind == MessageKind.CLOSE:
                     self._queue.put(None)
                     return
+                if header.kind == MessageKind.ABORT:
+                    spec = header.specs[0]
+                    assert spec is not None
+                    text_t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                    dist.recv(text_t, src=self.peer, group=self.group)
+                    self._fail(PeerFailure(
+                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text_t)}",
+                        header.mb_idx, int(header.aux)))
+                    return
                 tensors: list[Tensor | None] = []
                 for spec in header.specs:
                     if spec is None:
@@ -163,8 +203,18 @@ class RecvChannel:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 self._queue.put(Message(header, tensors))
-        except BaseException as exc:  # handed to the consumer, which raises it with context
-            self._queue.put(exc)
+        except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)
+            if self._closed:
+                return
+            self._fail(PeerFailure(
+                f"Lost the connection to stage {self.peer_stage} (rank {self.peer}) on channel {self.name}: that "
+                f"process stopped or was killed ({type(exc).__name__}: {exc}). Check its log for the cause.",
+                self.peer_stage, self.peer))
+
+    def _fail(self, failure: PeerFailure) -> None:
+        self._queue.put(failure)
+        if self.on_failure is not None:
+            self.on_failure(failure)
 
     def get(self, kind: MessageKind, mb_idx: int) -> Message:
         """Returns the next message, which must be ``kind`` for ``mb_idx``; waits at most ``timeout`` s."""
@@ -177,10 +227,8 @@ class RecvChannel:
                 "logs. If a stage is just slow, raise DynPipeStrategy(timeout=...)."
             ) from None
         if isinstance(item, BaseException):
-            raise CommunicationError(
-                f"Receiving on channel {self.name} from rank {self.peer} failed: {item!r}. The peer stage "
-                "probably stopped; check its log."
-            ) from item
+            self._queue.put(item)  # every later get fails the same way
+            raise item
         if item is None:
             self._closed = True
             raise CommunicationError(f"Channel {self.name} was closed by rank {self.peer} while a message was expected.")
@@ -194,6 +242,68 @@ class RecvChannel:
 
     def join(self, timeout: float = 5.0) -> None:
         """Waits for the receiver thread to finish after the peer sent CLOSE; drops anything unread."""
+        self._closed = True
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("Receiver thread of channel %s did not stop within %.0f s.", self.name, timeout)
+
+
+def encode_text(text: str, limit: int = 4000) -> Tensor:
+    """A UTF-8 string as a uint8 tensor (for failure messages: no pickle on the wire)."""
+    data = text.encode("utf-8", errors="replace")[:limit]
+    return torch.tensor(list(data) or [32], dtype=torch.uint8)
+
+
+def decode_text(t: Tensor) -> str:
+    """Inverse of :func:`encode_text`."""
+    return bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
+
+
+class FailureHandler:
+    """Spreads a stage failure along the pipeline and makes sure this process does not outlive it for long.
+
+    When a receiver thread learns that a peer failed (an ABORT message, or a lost connection), the handler
+    logs it, forwards the ABORT to the other neighbours (so a failure travels the whole pipeline), and arms a
+    watchdog: the main thread normally raises :class:`~lightning_dynpipe.errors.PeerFailure` from its next
+    receive and exits through Lightning's error path; if it is stuck in a collective instead, the watchdog ends
+    the process after ``grace_s`` seconds rather than letting it wait for the 30-minute collective timeout.
+    """
+
+    def __init__(self, stage_idx: int, rank: int, grace_s: float = 15.0) -> None:
+        self.stage_idx = stage_idx
+        self.rank = rank
+        self.grace_s = grace_s
+        self.channels: list[SendChannel] = []
+        self.failure: PeerFailure | None = None
+        self._lock = threading.Lock()
+
+    def peer_failed(self, failure: PeerFailure, source: SendChannel | None = None) -> None:
+        """Called from a receiver thread."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = failure
+        log.error("DynPipe stage %d (rank %d): %s", self.stage_idx, self.rank, failure)
+        for ch in self.channels:
+            if ch.peer != failure.rank and ch is not source:
+                ch.abort(failure.stage_idx, failure.rank, str(failure).split("failed first: ", 1)[-1])
+        timer = threading.Timer(self.grace_s, self._hard_exit, args=(failure,))
+        timer.daemon = True
+        timer.start()
+
+    def local_failure(self, exc: BaseException) -> None:
+        """This stage failed first: tell the neighbours (bounded wait), unless it only reacts to a peer's failure."""
+        with self._lock:
+            if self.failure is not None or isinstance(exc, PeerFailure):
+                return
+            self.failure = PeerFailure(f"{type(exc).__name__}: {exc}", self.stage_idx, self.rank)
+        for ch in self.channels:
+            ch.abort(self.stage_idx, self.rank, f"{type(exc).__name__}: {exc}")
+
+    def _hard_exit(self, failure: PeerFailure) -> None:
+        sys.stderr.write(
+            f"DynPipe stage {self.stage_idx} (rank {self.rank}) is ending its process: {failure} "
+            f"(still blocked {self.grace_s:.0f} s after the failure was detected)\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)

@@ -56,6 +56,7 @@ class MessageKind(enum.IntEnum):
     GRADIENT = 2
     EVAL_ACTIVATION = 3
     CLOSE = 4
+    ABORT = 5  # mb_idx = failed stage, aux = its global rank, one uint8 tensor = UTF-8 description
 
 
 @dataclass(frozen=True)

@@ -5,47 +5,55 @@ minimise the predicted time to reach a target accuracy::
 
     time_to_accuracy = iterations(staleness profile) * iteration_time
 
-For ``schedule="async"`` ``iteration_time = max_k T_k`` (steady-state 1F1B, the bottleneck stage) and
+For ``schedule="async"`` ``iteration_time = max_k T_k`` (steady-state 1F1B: the bottleneck stage) and
 ``iterations = I0 * (1 + beta * sum_k w_k (S-1-k))``; for ``"sync"`` there is no staleness and a step of
 ``M`` micro-batches takes ``(M-1) max_k T_k + sum_k T_k`` (fill and drain around the steady state).
 
-Why the solver is exact (async; sync is the same argument with ``A = sum_k T_k``)
-------------------------------------------------------------------------------------
-For a fixed ``S`` the staleness of stage ``k`` is known, and the staleness term is additive over the
-cuts: with ``P(c)`` the parameter bytes of layers ``[0, c)`` and cuts ``c_1 < ... < c_{S-1}``::
+Why the solver is exact
+-----------------------
+1. *The objective is a max term and an additive term.* For async, with ``P(c)`` the parameter bytes of
+   layers ``[0, c)`` and cuts ``c_1 < ... < c_{S-1}``::
 
-    sum_k (S-1-k) P_k = sum_m P(c_m)  =: A(partition)
+       sum_k (S-1-k) P_k  =  sum_m P(c_m)  =:  A(partition)
 
-so the objective is ``f(B, A) = I0 * B * (1 + beta * A / P_total)`` with ``B`` the bottleneck: a max term
-times an additive term, non-decreasing in both. For a cap ``tau`` let ``F(tau)`` be the least ``A`` over
-partitions whose every stage has ``T_k <= tau`` and fits in memory (a DP over layer ranges, below). Then
+   so ``time_to_accuracy = f(B, A) = I0 * B * (1 + beta * A / P_total)``, ``B = max_k T_k``. For sync,
+   ``f(B, A) = I0 * ((M-1) B + A) / M`` with ``A = sum_k T_k``. Both are non-decreasing in ``B`` and ``A``
+   (``beta >= 0``).
+2. *Reduction to a cap on the bottleneck.* Let ``F_S(tau)`` be the least ``A`` over ``S``-stage partitions
+   whose every stage has ``T_k <= tau`` and fits in memory (``inf`` if none). Then
+   ``min_partitions f(B, A) = min_tau f(tau, F_S(tau))``: the optimum ``p*`` is feasible at
+   ``tau = B(p*)``, so ``F_S(B(p*)) <= A(p*)``; conversely the partition achieving ``F_S(tau)`` has
+   ``B <= tau``, so its objective is at most ``f(tau, F_S(tau))``. ``F_S`` is non-increasing and changes
+   only at stage times ``tau = T(i, j)`` ("candidates"), so the minimum is over finitely many ``tau``.
+3. *``F_S(tau)`` is a DP.* Index stages from the end, ``m = S - k``: weight versions, in-flight micro-batches
+   (memory) and the async charge ``P(i)`` at a stage's start ``i`` depend on ``m``, not on ``S`` (``P(0) =
+   0`` for the first stage). With ``G_0(n) = 0``::
 
-    min over partitions of f(B, A)  =  min over tau of f(tau, F(tau)),
+       G_m(i) = P(i) + min { G_{m-1}(j) : i < j, stage m on [i, j) is allowed }     F_S(tau) = G_S(0)
 
-because (<=) the optimal partition p* is feasible at ``tau = B(p*)``, so ``F(B(p*)) <= A(p*)``; and (>=)
-the partition achieving ``F(tau)`` has ``B <= tau``, so its objective is at most ``f(tau, F(tau))``. Only
-the finitely many stage times ``tau = T_k(i, j)`` ("candidates") need checking, since ``F`` changes only
-there. ``F`` is non-increasing, which gives a lower bound on an interval of candidates: for
-``tau in (lo, hi]``, ``f(tau, F(tau)) >= f(lo, F(hi))``. The solver runs best-first branch and bound over
-``(S, dp, interval)`` nodes with that bound, splitting an interval at a candidate or at its midpoint, and
-stops when no node's bound is below the best objective found (within a relative 1e-12 for float rounding).
-Every evaluation of ``F`` also yields a real partition whose objective updates the incumbent; a node whose
-interval holds no candidate is finished. So the answer is the minimum of ``f`` over all partitions (and
-all ``S``, ``dp``), up to that rounding.
-
-The DP for ``F(tau)``: ``g_k(j)`` = least ``A`` of stages ``0..k`` on layers ``[0, j)``::
-
-    g_k(j) = min over i in W_k(j) of g_{k-1}(i) + P(i) [k >= 1]
-
-where ``W_k(j)`` are the starts ``i`` for which stage ``k`` on ``[i, j)`` is fast enough and fits. The
-default cost model is ``T(i, j) = (q[j] - q[i]) + r[j]`` with ``q`` non-decreasing and memory grows with the
-range, so ``W_k(j)`` is an interval ``[lo_k(j), j-1]`` found by binary search, and the minimum is a range
-minimum (sparse table): ``O(S n log n)`` numpy work per evaluation. Any other :class:`CostModel` is handled
-by enumerating all ranges densely (``O(S n^2)``), with no assumption on its shape.
+   (sync: ``G_m(i) = min_j G_{m-1}(j) + T_m(i, j)``). One pass over ``m = 1 .. S_max`` yields ``F_S`` for
+   every ``S`` whose stages (counted from the end) run on the same kind of device: with identical devices
+   all ``S`` of one ``dp`` share it. For the default cost model ``T(i, j) = (q[j] - q[i]) + r[j]`` with
+   ``q`` non-decreasing, and memory grows with the range, so the allowed starts for a stop ``j`` are an
+   interval ``[lo_m(j), j-1]`` (a binary search); pushing each ``G_{m-1}(j)`` to its interval is an
+   offline range-chmin (a sparse table in reverse): ``O(S n log n)`` numpy work per pass. Any other
+   :class:`CostModel` is handled by enumerating all ranges densely (``O(S n^2)``), assuming nothing about
+   its shape.
+4. *Branch and bound over ``tau``.* A node is an interval ``(lo, hi]`` of caps with ``F_S(hi)`` known; for
+   ``tau`` in it, ``f(tau, F_S(tau)) >= f(lo, F_S(hi))`` (and ``F_S = inf`` below any cap where ``S`` was
+   found infeasible). Best-first on that bound: evaluate ``F`` at a split point (the geometric midpoint, or
+   the largest candidate below the node's useful top), which also yields real partitions that update the
+   incumbent; children are ``(lo, mid]`` and ``(mid, hi]``, the latter dropped when ``F`` did not change
+   (everything in it is dominated by a point of the former) or when it holds no candidate. Caps above
+   ``tau_limit`` (where ``f(tau, F_S(hi))`` reaches the incumbent) cannot win. The search stops when no
+   node's bound is below the incumbent, within a relative 1e-12 (float rounding). Every candidate lies in
+   some node until it is proven unable to beat the incumbent, so the result is the minimum of ``f`` over
+   all partitions, ``S`` and ``dp`` (``tests/plan`` checks it against brute force on every small case).
 
 Devices: with per-device slowdowns the plan uses the ``S * dp`` least slowed devices, keeping their order,
 ``dp`` consecutive ones per stage (see :func:`assign_devices`); optimality is over partitions for that
-assignment.
+assignment. Distinct devices split the single DP pass into one pass per ``S`` (slower); re-planning at run
+time with ``fixed_num_stages`` keeps one pass.
 """
 
 from __future__ import annotations
@@ -406,7 +414,7 @@ class _Problem:
                 "Express param_bytes in a coarser unit (e.g. KiB): only their ratios matter to the planner."
             )
         self.fast = isinstance(cost_model, PrefixCostModel)
-        self._prefix: dict[tuple[int, float], tuple[FloatArray, FloatArray]] = {}
+        self._prefix: dict[tuple[int, DeviceSpec], tuple[FloatArray, FloatArray]] = {}
         self._lo_mem: dict[tuple[int, int, float], IntArray] = {}
         self.log2 = np.zeros(self.n + 2, dtype=np.int64)
         for length in range(2, self.n + 2):
@@ -448,7 +456,7 @@ class _Problem:
         return np.where(finite, out, -np.inf)
 
     def prefix(self, dp: int, device: DeviceSpec) -> tuple[FloatArray, FloatArray]:
-        key = (dp, device.slowdown)
+        key = (dp, device)
         if key not in self._prefix:
             assert isinstance(self.cost_model, PrefixCostModel)
             q, r = self.cost_model.prefix_form(
@@ -591,10 +599,12 @@ class _PrefixGroup:
         self.specs = list(specs[: self.smax])  # specs[m-1]: the device of stage m (from the end)
         n = prob.n
         self.J = np.arange(1, n + 1, dtype=np.int64)
-        keys: dict[float, int] = {}
-        self.key_of = [keys.setdefault(sp.slowdown, len(keys)) for sp in self.specs]
-        self.key_qr = [prob.prefix(dp, DeviceSpec(slowdown=s)) for s in keys]
-        self.lo_mem = np.stack([prob.lo_mem(m, self.specs[m - 1].memory_cap_bytes)[1:] for m in range(1, self.smax + 1)])
+        keys: dict[DeviceSpec, int] = {}
+        self.key_of = [keys.setdefault(sp, len(keys)) for sp in self.specs]
+        self.key_qr = [prob.prefix(dp, sp) for sp in keys]
+        self.lo_mem = np.stack(
+            [prob.lo_mem(m, self.specs[m - 1].memory_cap_bytes)[1:] for m in range(1, self.smax + 1)]
+        )
         self._lo_mem_min: dict[tuple[int, int], IntArray] = {}
         c_total = float(prob.model.compute_prefix[-1])
         inv = np.cumsum([1.0 / sp.slowdown for sp in self.specs])
@@ -700,14 +710,13 @@ class _DenseGroup:
         self.T: list[FloatArray] = []
         for k in range(S):
             lo_mem = prob.lo_mem(S - k, self.stage_dev[k].memory_cap_bytes)
-            pairs = [
-                (i, j)
-                for j in (range(k + 1, n - S + k + 2) if k < S - 1 else [n])
-                for i in (range(max(k, int(lo_mem[j])), j) if k > 0 else ([0] if lo_mem[j] == 0 else []))
-            ]
+            I, Jm = (x.astype(np.int64) for x in np.triu_indices(n + 1, 1))
+            # stage k starts at >= k (0 for the first), ends by n - (S-1-k) (n for the last), fits memory
+            keep = (I >= lo_mem[Jm]) & ((I == 0) if k == 0 else (I >= k))
+            keep &= (Jm == n) if k == S - 1 else (Jm <= n - S + k + 1)
+            I, Jm = I[keep], Jm[keep]
             out = np.full((n + 1, n + 1), np.inf)
-            if pairs:
-                I, Jm = (np.asarray(x, dtype=np.int64) for x in zip(*pairs, strict=True))
+            if I.size:
                 t = prob.cost_model.stage_time(
                     prob.model, I, Jm, stage_idx=k, num_stages=S, replicas=dp, device=self.stage_dev[k],
                     microbatches_per_update=prob.mpu,

@@ -1,0 +1,64 @@
+"""A 2-stage fit (popen launcher) in which one stage fails at step 3.
+
+Usage: python failing_fit.py {last-exception,first-exception,first-sigkill}
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipeline_models import TinyNet, loader, trainer_kwargs  # noqa: E402
+
+from lightning_dynpipe import DynPipeStrategy  # noqa: E402
+
+FAIL_STEP = 3
+
+
+class Bomb(nn.Module):
+    """Identity that raises in its forward once the stage reaches FAIL_STEP (runs on stage 0 only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > FAIL_STEP * 4:
+            raise RuntimeError("boom in stage 0's layer")
+        return x
+
+
+class FailingNet(TinyNet):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        if mode == "first-exception":
+            self.pipeline.insert(0, Bomb())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.mode == "last-exception" and batch_idx == FAIL_STEP:
+            raise ValueError("boom in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+class KillStageZero(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == FAIL_STEP and trainer.strategy.stage_idx == 0:  # type: ignore[attr-defined]
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    callbacks = [KillStageZero()] if mode == "first-sigkill" else []
+    balance = [3, 3] if mode == "first-exception" else [2, 3]
+    trainer = L.Trainer(devices=2, max_epochs=2, strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
+                        **trainer_kwargs(callbacks=callbacks))
+    trainer.fit(FailingNet(mode), loader())

@@ -1,0 +1,53 @@
+"""Failures end cleanly: every rank stops within 60 s (not at the 30-minute collective timeout), and the error
+names the stage and rank that failed first. Runs the real popen launcher through a script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
+
+
+def _run(mode: str) -> tuple[int, str, float]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    t0 = time.monotonic()
+    # a new session, so that the whole process group can be inspected and killed
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), mode], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def _no_survivors(marker: str) -> None:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if "failing_fit.py" in line and marker in line]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("last-exception", "Stage 1 (rank 0) failed first: ValueError: boom in training_step"),
+        ("first-exception", "Stage 0 (rank 1) failed first: RuntimeError: boom in stage 0's layer"),
+        ("first-sigkill", "stage 0 (rank 1)"),
+    ],
+)
+def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
+    code, out, elapsed = _run(mode)
+    assert code != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert expected in out, out[-4000:]
+    _no_survivors(mode)
