@@ -1,0 +1,154 @@
+"""Helpers shared by the benchmark scripts: machine and version records, robust statistics, tables.
+
+Benchmarks on a shared or small machine are noisy, so every script here interleaves its systems, repeats
+them, and reports medians, inter-quartile ranges and *paired* ratios (two systems measured back to back
+in the same repeat), rather than means of a single pass.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO_ROOT",
+    "command_line",
+    "format_table",
+    "free_port",
+    "iqr",
+    "machine_info",
+    "median",
+    "quartiles",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``init_process_group``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - Python < 3.8
+        return None
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    head = REPO_ROOT / ".git" / "HEAD"
+    try:
+        ref = head.read_text(encoding="utf-8").strip()
+        if ref.startswith("ref: "):
+            return (REPO_ROOT / ".git" / ref[5:]).read_text(encoding="utf-8").strip()
+        return ref
+    except OSError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge a number: CPU, cores, load, OS, Python, torch and Lightning versions."""
+    import torch
+
+    try:
+        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        load = None
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        affinity = None
+    return {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": affinity,
+        "load_average_1_5_15": load,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_num_threads_default": torch.get_num_threads(),
+        "lightning": _package_version("lightning"),
+        "lightning_dynpipe": _package_version("lightning-dynpipe"),
+        "git_commit": _git_commit(),
+    }
+
+
+def command_line() -> str:
+    """The command that reproduces this run, as typed in a shell from the repository root."""
+    exe = sys.executable
+    try:
+        exe = os.path.relpath(exe, REPO_ROOT)
+    except ValueError:  # pragma: no cover - different drive on Windows
+        pass
+    script = sys.argv[0]
+    try:
+        script = os.path.relpath(script, REPO_ROOT)
+    except ValueError:  # pragma: no cover
+        pass
+    return shlex.join([exe, script, *sys.argv[1:]])
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, NaN for no values."""
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """First and third quartile (inclusive method, so one or two values still give a range)."""
+    if not values:
+        return float("nan"), float("nan")
+    if len(values) == 1:
+        return float(values[0]), float(values[0])
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return float(q1), float(q3)
+
+
+def iqr(values: Sequence[float]) -> float:
+    """Inter-quartile range ``q3 - q1``."""
+    q1, q3 = quartiles(values)
+    return q3 - q1
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool = False) -> str:
+    """A fixed-width text table (right-aligned except the first column), or a GitHub markdown table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return ("| " + " | ".join(parts) + " |") if markdown else "  ".join(parts)
+
+    out = [line(headers)]
+    if markdown:
+        out.append("|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|")
+    else:
+        out.append("  ".join("-" * w for w in widths))
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)

@@ -1,0 +1,818 @@
+"""Throughput of a 2-stage pipeline: DynPipe ``async`` / ``sync`` / ``gpipe`` vs torch's 1F1B and GPipe.
+
+Every system trains the same model (the MNIST :class:`~lightning_dynpipe.demos.MLP`), split into the same
+two stages, on the same fixed random batches of MNIST shape, with the same ``M`` micro-batches per batch and
+the same SGD learning rate. The script launches two worker processes itself (gloo on 127.0.0.1, one CPU
+thread per worker, i.e. one core per stage). Inside the workers it loops::
+
+    for rep in range(repeats):
+        for system in systems rotated by rep:    # interleaved, so slow phases of a shared machine hit all
+            train warmup + steps batches, time the last `steps`
+
+* DynPipe runs through the real Lightning ``Trainer`` (hooks, ``self.log``, the per-step WORLD broadcast
+  from global rank 0), exactly what a user gets. The workers set ``LOCAL_RANK`` / ``NODE_RANK`` /
+  ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, so Lightning's ``LightningEnvironment`` treats them as
+  externally launched and reuses the process group they already initialised. The clock runs on global
+  rank 0 (DynPipe's last stage) from ``on_train_batch_start`` of the first timed step to
+  ``on_train_batch_end`` of the last; each stage's :class:`~lightning_dynpipe.engine.executor.StepStats`
+  give the compute / wait breakdown.
+* torch runs ``torch.distributed.pipelining``'s ``Schedule1F1B`` and ``ScheduleGPipe`` through
+  :func:`benchmarks.baselines.torch_pipelining.time_torch_schedule` (no Lightning; clock between barriers).
+
+It prints a table (median samples/s, IQR, paired ratios to ``sync`` and to torch 1F1B), the per-stage
+breakdown, and the dry-run simulator's prediction of the ratios from the measured per-micro-batch times;
+it writes raw repeats (JSON + CSV, with machine, versions and the command line) to ``benchmarks/out/`` and a
+plot to ``docs/img/throughput.png``.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/throughput.py                 # the documented run (a few minutes)
+    .venv/bin/python benchmarks/throughput.py --quick         # smoke run: tiny model, 1 repeat (~20 s)
+    .venv/bin/python benchmarks/throughput.py --repeats 9 --steps 30 --width 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    format_table,
+    free_port,
+    machine_info,
+    median,
+    quartiles,
+)
+
+SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
+"""Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
+
+LABELS = {
+    "async": "DynPipe async",
+    "sync": "DynPipe sync",
+    "gpipe": "DynPipe gpipe",
+    "torch-1f1b": "torch Schedule1F1B",
+    "torch-gpipe": "torch ScheduleGPipe",
+}
+NUM_STAGES = 2
+WORLD_SIZE = NUM_STAGES
+
+_DEFAULT_PLOT = _ROOT / "docs" / "img" / "throughput.png"
+_DEFAULT_OUT = _ROOT / "benchmarks" / "out"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a worker needs; also recorded in the JSON output."""
+
+    repeats: int = 7
+    steps: int = 20
+    warmup: int = 3
+    width: int = 512
+    depth: int = 8
+    batch_size: int = 256
+    num_microbatches: int = 4
+    lr: float = 0.05
+    balance: tuple[int, ...] = ()
+    systems: tuple[str, ...] = SYSTEMS
+    seed: int = 0
+    timeout_s: float = 300.0
+    sim_steps: int = 12
+
+
+# ---------------------------------------------------------------------------------------------- model / data
+def _model(cfg: Config) -> Any:
+    from lightning_dynpipe.demos import MLP
+
+    torch.manual_seed(cfg.seed)  # identical initial weights for every system
+    return MLP(in_features=784, width=cfg.width, depth=cfg.depth, num_classes=10, lr=cfg.lr, optimizer="sgd")
+
+
+def default_balance(width: int, depth: int) -> tuple[int, ...]:
+    """The split DynPipe chooses by default (balanced parameter counts), made explicit for every system."""
+    from lightning_dynpipe.plan.partition import balance_by_weights
+
+    cfg = Config(width=width, depth=depth)
+    weights = [sum(p.numel() for p in layer.parameters()) for layer in _model(cfg).pipeline]
+    return tuple(balance_by_weights(weights, NUM_STAGES).balance)
+
+
+def _batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``warmup + steps`` fixed random batches of MNIST shape, identical in every process and system."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return [
+        (torch.randn(cfg.batch_size, 1, 28, 28, generator=g), torch.randint(0, 10, (cfg.batch_size,), generator=g))
+        for _ in range(cfg.warmup + cfg.steps)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- probes
+class _CpuProbe:
+    """CPU accounting of this process over a window: all threads' CPU time, and the main thread's run-queue wait.
+
+    On a shared machine the run-queue wait (``/proc/self/task/<tid>/schedstat``, Linux) says how long this
+    stage wanted a core but another process had it: the interference the interleaving cannot remove.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self._path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._t = self._cpu = 0.0
+        self._sched: tuple[int, int] | None = None
+        self.result: dict[str, float] = {}
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            with open(self._path, encoding="ascii") as f:
+                run_ns, wait_ns, _ = (int(v) for v in f.read().split())
+            return run_ns, wait_ns
+        except (OSError, ValueError):
+            return None
+
+    def start(self) -> None:
+        self._t, self._cpu, self._sched = time.perf_counter(), time.process_time(), self._read()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self._t
+        self.result = {"wall_s": wall, "process_cpu_s": time.process_time() - self._cpu}
+        end = self._read()
+        if self._sched is not None and end is not None:
+            self.result["main_run_s"] = (end[0] - self._sched[0]) / 1e9
+            self.result["main_runqueue_wait_s"] = (end[1] - self._sched[1]) / 1e9
+        return self.result
+
+
+def _stage_module(cfg: Config, stage_idx: int) -> Any:
+    pipeline = _model(cfg).pipeline
+    cut = cfg.balance[0]
+    return pipeline[:cut] if stage_idx == 0 else pipeline[cut:]
+
+
+def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]:
+    """CPU seconds of one micro-batch's forward, backward and one SGD update of ``stage_idx``, alone.
+
+    No pipeline, no communication, no Lightning: the cost of the arithmetic itself. It is measured in the
+    calling thread's CPU time (``time.thread_time``), not wall time, so that time this process spends
+    descheduled by other load on a shared machine does not count; the simulator fed with these costs predicts
+    what each schedule would reach with a dedicated core per stage and zero framework overhead. The last
+    stage's forward includes the loss, as DynPipe's (which runs ``training_step``) does.
+    """
+    import statistics
+
+    import torch.nn.functional as F
+
+    stage = _stage_module(cfg, stage_idx)
+    opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
+    mb = cfg.batch_size // cfg.num_microbatches
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    if stage_idx == 0:
+        x = torch.randn(mb, 1, 28, 28, generator=g)
+    else:
+        x = torch.randn(mb, cfg.width, generator=g).requires_grad_(True)  # stage 1 starts after a hidden block
+    y = torch.randint(0, 10, (mb,), generator=g)
+    clock = time.thread_time
+    fwd, bwd, upd = [], [], []
+    for i in range(iters + 2):
+        t0 = clock()
+        out = stage(x)
+        if stage_idx == NUM_STAGES - 1:
+            out = F.cross_entropy(out, y)
+        t1 = clock()
+        if stage_idx == NUM_STAGES - 1:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        t2 = clock()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = clock()
+        if i >= 2:  # the first iterations allocate
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            upd.append(t3 - t2)
+    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd), "update": statistics.median(upd)}
+
+
+# ---------------------------------------------------------------------------------------------- runners
+def _run_torch(kind: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    from benchmarks.baselines.torch_pipelining import time_torch_schedule
+
+    stage = _stage_module(cfg, rank)  # torch: stage k runs on rank k
+    probe = _CpuProbe()
+    probe.start()  # the whole call, warm-up included: only its rates (CPU and wait per second) are compared
+    seconds = time_torch_schedule(
+        "1f1b" if kind == "torch-1f1b" else "gpipe",
+        stage,
+        rank,
+        NUM_STAGES,
+        cfg.num_microbatches,
+        batches,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup,
+    )
+    cpu = probe.stop()
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, {"rank": rank, "stage": rank, "cpu": cpu})
+    return {"seconds": seconds, "stages": None, "cpu": sorted(gathered, key=lambda g: g["stage"])}
+
+
+def _step_timer(warmup: int, steps: int) -> Any:
+    """A callback timing steps ``warmup .. warmup+steps-1`` and keeping this stage's StepStats of each."""
+    from lightning.pytorch import Callback
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.start = self.end = float("nan")
+            self.stage_idx = -1
+            self.stats: list[dict[str, Any]] = []
+            self.probe = _CpuProbe()
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.stage_idx = int(trainer.strategy.stage_idx)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == warmup:
+                self.probe.start()
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx >= warmup:
+                self.stats.append(asdict(trainer.strategy.executor.stats))
+            if batch_idx == warmup + steps - 1:
+                self.end = time.perf_counter()
+                self.probe.stop()
+
+    return StepTimer()
+
+
+def _run_dynpipe(
+    schedule: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_dynpipe import DynPipeStrategy
+
+    timer = _step_timer(cfg.warmup, cfg.steps)
+    strategy = DynPipeStrategy(
+        num_microbatches=cfg.num_microbatches,
+        schedule=schedule,  # type: ignore[arg-type]
+        balance=list(cfg.balance),
+        timeout=cfg.timeout_s,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_steps=cfg.warmup + cfg.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+    )
+    # batch_size=None: the loader hands out the pre-made batches unchanged (no collation cost).
+    trainer.fit(_model(cfg), train_dataloaders=DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "The default process group was destroyed by trainer.fit; the benchmark relies on it surviving "
+            "between systems (Lightning 2.6 leaves an externally initialised group alone)."
+        )
+    mine = {"rank": rank, "stage": timer.stage_idx, "wall_s": timer.end - timer.start, "steps": timer.stats,
+            "cpu": timer.probe.result}
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, mine)
+    stages = sorted(gathered, key=lambda g: g["stage"])
+    cpu = [{"rank": g["rank"], "stage": g["stage"], "cpu": g.pop("cpu")} for g in stages]
+    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu}
+
+
+def _quiet() -> None:
+    import lightning.pytorch  # noqa: F401  (it sets its loggers' levels on import; override them after)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_dynpipe"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined.*")
+    warnings.filterwarnings("ignore", message=r".*srun.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*defined a `validation_step` but have no `val_dataloader`.*")
+
+
+def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    os.environ.update(
+        {
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    torch.set_num_threads(1)  # one core per stage
+    _quiet()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    runs: list[dict[str, Any]] = []
+    calibration: list[Any] = []
+    try:
+        batches = _batches(cfg)
+        systems = list(cfg.systems)
+        for rep in range(cfg.repeats):
+            shift = rep % len(systems)
+            order = systems[shift:] + systems[:shift]  # rotate: every system takes every position
+            dist.barrier()
+            costs: list[Any] = [None] * WORLD_SIZE
+            dist.all_gather_object(costs, _calibrate(cfg, rank))  # rank k calibrates stage k, both at once
+            calibration.append({"rep": rep, "stages": costs})
+            for position, system in enumerate(order):
+                load = os.getloadavg()[0]
+                dist.barrier()
+                if system.startswith("torch-"):
+                    res = _run_torch(system, cfg, rank, batches)
+                else:
+                    res = _run_dynpipe(system, cfg, rank, batches)
+                samples = cfg.steps * cfg.batch_size
+                runs.append(
+                    {
+                        "rep": rep,
+                        "position": position,
+                        "system": system,
+                        "seconds": res["seconds"],
+                        "steps": cfg.steps,
+                        "samples": samples,
+                        "samples_per_s": samples / res["seconds"],
+                        "load1": load,
+                        "stages": res["stages"],
+                        "cpu": res["cpu"],
+                    }
+                )
+                if rank == 0:
+                    print(
+                        f"  rep {rep + 1}/{cfg.repeats}  {LABELS[system]:<20} {samples / res['seconds']:8.1f} samples/s"
+                        f"  (load {load:.1f})",
+                        flush=True,
+                    )
+        if rank == 0:
+            Path(result_path).write_text(json.dumps({"runs": runs, "calibration": calibration}), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+_STAT_KEYS = ("forward_s", "backward_s", "optimizer_s", "recv_wait_s", "send_s", "step_s",
+              "num_forward", "num_backward", "num_updates")
+
+
+def _per_step(stages: list[dict[str, Any]] | None) -> list[dict[str, float]] | None:
+    """Per stage: mean per step of each StepStats field over the timed steps of one run."""
+    if not stages:
+        return None
+    out = []
+    for st in stages:
+        steps = st["steps"]
+        mean = {k: sum(s[k] for s in steps) / len(steps) for k in _STAT_KEYS}
+        mean["stage"] = st["stage"]
+        mean["wall_per_step_s"] = st["wall_s"] / len(steps)
+        out.append(mean)
+    return out
+
+
+def _costs_from_runs(runs: list[dict[str, Any]], system: str) -> dict[str, list[float]] | None:
+    """Median over repeats of each stage's seconds per forward, backward and update inside DynPipe's executor."""
+    per_rep = [p for p in (_per_step(r["stages"]) for r in runs if r["system"] == system) if p]
+    if not per_rep:
+        return None
+    out: dict[str, list[float]] = {"forward": [], "backward": [], "update": []}
+    for k in range(NUM_STAGES):
+        out["forward"].append(median([p[k]["forward_s"] / max(p[k]["num_forward"], 1) for p in per_rep]))
+        out["backward"].append(median([p[k]["backward_s"] / max(p[k]["num_backward"], 1) for p in per_rep]))
+        out["update"].append(median([p[k]["optimizer_s"] / max(p[k]["num_updates"], 1) for p in per_rep]))
+    return out
+
+
+def _costs_from_calibration(calibration: list[dict[str, Any]]) -> dict[str, list[float]] | None:
+    """Median over repeats of each stage's isolated seconds per forward, backward and update."""
+    if not calibration:
+        return None
+    return {
+        what: [median([c["stages"][k][what] for c in calibration]) for k in range(NUM_STAGES)]
+        for what in ("forward", "backward", "update")
+    }
+
+
+def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: str) -> float:
+    """Steady-state step time (s) of schedule ``kind`` in the dry-run simulator."""
+    from lightning_dynpipe.schedule import simulate
+
+    r = simulate(
+        kind,  # type: ignore[arg-type]
+        NUM_STAGES,
+        cfg.num_microbatches,
+        cfg.sim_steps,
+        forward_time=costs["forward"],
+        backward_time=costs["backward"],
+        update_time=costs["update"],
+        step_sync=step_sync,  # type: ignore[arg-type]
+    )
+    return r.steady_state_step_time
+
+
+# What each system is in the simulator: (schedule, step coupling). torch's runner has no per-step broadcast.
+_SIM_MODEL = {
+    "async": ("async", "last_stage_broadcast"),
+    "sync": ("sync", "last_stage_broadcast"),
+    "gpipe": ("gpipe", "last_stage_broadcast"),
+    "torch-1f1b": ("sync", "none"),
+    "torch-gpipe": ("gpipe", "none"),
+}
+
+
+def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """Medians, IQRs and paired ratios per system; per-stage breakdown; CPU use; simulator predictions."""
+    systems = [s for s in cfg.systems if any(r["system"] == s for r in runs)]
+    by = {s: {r["rep"]: r for r in runs if r["system"] == s} for s in systems}
+    table: dict[str, Any] = {}
+    for s in systems:
+        sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
+        q1, q3 = quartiles(sps)
+        row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
+        for ref in ("sync", "torch-1f1b"):
+            if ref in by:
+                # Paired: the two systems ran back to back in the same repeat, under about the same load.
+                ratios = [by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]]
+                rq1, rq3 = quartiles(ratios)
+                row[f"vs_{ref}"] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_rep": ratios}
+        table[s] = row
+
+    breakdown: dict[str, Any] = {}
+    for s in systems:
+        per_rep = [p for p in (_per_step(by[s][rep]["stages"]) for rep in sorted(by[s])) if p]
+        if not per_rep:
+            continue
+        stages = []
+        for k in range(NUM_STAGES):
+            fields = per_rep[0][k].keys() - {"stage"}
+            stages.append({f: median([p[k][f] for p in per_rep]) for f in fields} | {"stage": k})
+        breakdown[s] = stages
+
+    cpu: dict[str, Any] = {}
+    for s in systems:
+        stages = []
+        for k in range(NUM_STAGES):
+            samples = [next(c["cpu"] for c in by[s][rep]["cpu"] if c["stage"] == k) for rep in sorted(by[s])]
+            entry = {"stage": k, "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples])}
+            if all("main_runqueue_wait_s" in c for c in samples):
+                entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
+                entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
+            stages.append(entry)
+        cpu[s] = stages
+
+    predictions: dict[str, Any] = {}
+    sources = {
+        "isolated": _costs_from_calibration(calibration),
+        "inside_sync": _costs_from_runs(runs, "sync"),
+    }
+    for name, costs in sources.items():
+        if costs is None:
+            continue
+        step = {s: _simulate(_SIM_MODEL[s][0], costs, cfg, _SIM_MODEL[s][1]) for s in _SIM_MODEL}
+        pred = {"costs_s": costs, "step_time_s": step,
+                "samples_per_s": {s: cfg.batch_size / t for s, t in step.items()}}
+        pred["async_vs_sync"] = step["sync"] / step["async"]
+        pred["async_vs_torch_1f1b"] = step["torch-1f1b"] / step["async"]
+        predictions[name] = pred
+    own = {kind: c for kind in ("async", "sync", "gpipe") if (c := _costs_from_runs(runs, kind)) is not None}
+    if "async" in own and "sync" in own:
+        t_async = _simulate("async", own["async"], cfg, "last_stage_broadcast")
+        t_sync = _simulate("sync", own["sync"], cfg, "last_stage_broadcast")
+        predictions["own_costs"] = {"costs_s": own, "step_time_s": {"async": t_async, "sync": t_sync},
+                                    "async_vs_sync": t_sync / t_async}
+    return {"table": table, "breakdown": breakdown, "cpu": cpu, "predictions": predictions,
+            "calibration": calibration}
+
+
+def _ratio_cell(row: dict[str, Any], ref: str) -> str:
+    r = row.get(f"vs_{ref}")
+    if r is None:
+        return "-"
+    if r["q1"] == r["q3"]:
+        return f"{r['median']:.3f}x"
+    return f"{r['median']:.3f}x [{r['q1']:.2f}-{r['q3']:.2f}]"
+
+
+def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """The main table: system, median samples/s, IQR, paired ratios to sync and to torch 1F1B."""
+    rows = []
+    for s, row in summary["table"].items():
+        rows.append([
+            LABELS[s],
+            f"{row['median']:.1f}",
+            f"{row['q1']:.1f}-{row['q3']:.1f}",
+            _ratio_cell(row, "sync"),
+            _ratio_cell(row, "torch-1f1b"),
+        ])
+    headers = ["system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F1B"]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """Per stage and DynPipe schedule, milliseconds per step: compute, receive wait, send, the rest."""
+    rows = []
+    for s, stages in summary["breakdown"].items():
+        for st in stages:
+            compute = st["forward_s"] + st["backward_s"] + st["optimizer_s"]
+            other = st["step_s"] - compute - st["recv_wait_s"] - st["send_s"]
+            outside = st["wall_per_step_s"] - st["step_s"]
+            rows.append([
+                f"{LABELS[s]} / stage {st['stage']}",
+                f"{st['forward_s'] * 1e3:.1f}",
+                f"{st['backward_s'] * 1e3:.1f}",
+                f"{st['optimizer_s'] * 1e3:.1f}",
+                f"{st['recv_wait_s'] * 1e3:.1f}",
+                f"{st['send_s'] * 1e3:.1f}",
+                f"{other * 1e3:.1f}",
+                f"{st['step_s'] * 1e3:.1f}",
+                f"{outside * 1e3:.1f}",
+                f"{st['wall_per_step_s'] * 1e3:.1f}",
+            ])
+    headers = ["schedule / stage", "fwd", "bwd", "opt", "recv wait", "send", "other", "executor step",
+               "outside executor", "wall/step"]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """Per system and stage: cores the process used, and the share of time its main thread sat runnable."""
+    rows = []
+    for s, stages in summary["cpu"].items():
+        cells = [LABELS[s]]
+        for st in stages:
+            cells.append(f"{st['cores_used']:.2f}")
+            w = st.get("main_runqueue_wait_share")
+            cells.append("-" if w is None else f"{w * 100:.0f}%")
+        rows.append(cells)
+    headers = ["system", "stage 0 cores", "stage 0 run-queue wait", "stage 1 cores", "stage 1 run-queue wait"]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """Simulated samples/s from the isolated per-op costs, next to the measured medians, and the ratios."""
+    p = summary["predictions"]
+    t = summary["table"]
+    ms = lambda xs: "/".join(f"{x * 1e3:.2f}" for x in xs)  # noqa: E731
+    lines = []
+    iso = p.get("isolated")
+    if iso is not None:
+        c = iso["costs_s"]
+        lines.append(
+            f"isolated per-micro-batch CPU costs, stage 0/1 (ms): forward {ms(c['forward'])}, backward "
+            f"{ms(c['backward'])}, update {ms(c['update'])}"
+        )
+        rows = []
+        for s, row in t.items():
+            pred = iso["samples_per_s"][s]
+            kind, sync = _SIM_MODEL[s]
+            rows.append([LABELS[s], f"{kind}, {sync}", f"{pred:.1f}", f"{row['median']:.1f}",
+                         f"{row['median'] / pred:.2f}"])
+        lines.append(format_table(["system", "simulated as", "predicted samples/s", "measured", "measured/predicted"],
+                                  rows, markdown=markdown))
+    if "inside_sync" in p:
+        c = p["inside_sync"]["costs_s"]
+        lines.append(
+            f"costs measured inside DynPipe sync, stage 0/1 (ms): forward {ms(c['forward'])}, backward "
+            f"{ms(c['backward'])}, update {ms(c['update'])}"
+        )
+    ratio_rows = []
+    measured_vs_sync = t.get("async", {}).get("vs_sync", {}).get("median")
+    measured_vs_torch = t.get("async", {}).get("vs_torch-1f1b", {}).get("median")
+    for name, label in (("isolated", "simulator, isolated costs"), ("inside_sync", "simulator, costs inside DynPipe sync"),
+                        ("own_costs", "simulator, each schedule's own costs")):
+        if name in p:
+            vt = p[name].get("async_vs_torch_1f1b")
+            ratio_rows.append([label, f"{p[name]['async_vs_sync']:.3f}x", "-" if vt is None else f"{vt:.3f}x"])
+    if measured_vs_sync is not None:
+        ratio_rows.append(["measured (median of paired ratios)", f"{measured_vs_sync:.3f}x",
+                           "-" if measured_vs_torch is None else f"{measured_vs_torch:.3f}x"])
+    if ratio_rows:
+        lines.append(format_table(["async ratio", "vs DynPipe sync", "vs torch 1F1B"], ratio_rows, markdown=markdown))
+    return "\n\n".join(lines)
+
+
+def render_targets(summary: dict[str, Any]) -> str:
+    t = summary["table"]
+    out = []
+    a = t.get("async", {})
+    for ref, target, name in (("sync", 1.10, "DynPipe sync"), ("torch-1f1b", 1.0, "torch Schedule1F1B")):
+        r = a.get(f"vs_{ref}")
+        if r is None:
+            continue
+        verdict = "met" if r["median"] >= target else "MISSED"
+        out.append(f"target async >= {target:.2f}x {name}: measured {r['median']:.3f}x -> {verdict}")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machine: dict[str, Any], path: Path) -> None:
+    """Bar chart of median samples/s per system with every repeat as a point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no plot was written: pip install 'lightning-dynpipe[plot]'")
+        return
+    systems = list(summary["table"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = ["#1f77b4" if not s.startswith("torch") else "#7f7f7f" for s in systems]
+    medians = [summary["table"][s]["median"] for s in systems]
+    xs = list(range(len(systems)))
+    ax.bar(xs, medians, color=colors, alpha=0.75, width=0.6)
+    for i, s in enumerate(systems):
+        pts = [r["samples_per_s"] for r in runs if r["system"] == s]
+        n = len(pts)
+        jitter = [(j - (n - 1) / 2) * (0.3 / max(n, 1)) for j in range(n)]
+        ax.scatter([i + d for d in jitter], pts, color="black", s=12, zorder=3)
+        vs = summary["table"][s].get("vs_sync")
+        label = f"{medians[i]:.0f}" + (f"\n{vs['median']:.2f}x sync" if vs else "")
+        ax.annotate(label, (i, medians[i]), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_xticks(xs, [LABELS[s].replace(" ", "\n", 1) for s in systems], fontsize=9)
+    ax.set_ylabel("samples/s (bars: median; points: repeats)")
+    top = max(r["samples_per_s"] for r in runs)
+    ax.set_ylim(0, top * 1.2)
+    ax.set_title(
+        f"2-stage pipeline, MLP width {cfg.width} depth {cfg.depth}, batch {cfg.batch_size}, "
+        f"M={cfg.num_microbatches}, balance {list(cfg.balance)}\n"
+        f"{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
+        f"lightning {machine['lightning']}, {cfg.repeats} repeats x {cfg.steps} steps",
+        fontsize=9,
+    )
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(payload: dict[str, Any], json_path: Path) -> Path:
+    """Writes the JSON record and, next to it, a CSV with one row per run (system x repeat)."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    csv_path = json_path.with_suffix(".csv")
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["rep", "position", "system", "steps", "samples", "seconds", "samples_per_s", "load1"])
+        for r in payload["runs"]:
+            w.writerow([r["rep"], r["position"], r["system"], r["steps"], r["samples"], f"{r['seconds']:.6f}",
+                        f"{r['samples_per_s']:.3f}", f"{r['load1']:.2f}"])
+    return csv_path
+
+
+def _config_from_json(d: dict[str, Any]) -> Config:
+    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Config()
+    p.add_argument("--repeats", type=int, default=None, help=f"interleaved repeats of every system (default {d.repeats})")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per run (default {d.steps})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps before them (default {d.warmup})")
+    p.add_argument("--width", type=int, default=None, help=f"MLP hidden width (default {d.width})")
+    p.add_argument("--depth", type=int, default=None, help=f"MLP hidden blocks; layers = depth + 1 (default {d.depth})")
+    p.add_argument("--batch-size", type=int, default=None, help=f"samples per step (default {d.batch_size})")
+    p.add_argument("--microbatches", "-M", type=int, default=None, help=f"micro-batches per step (default {d.num_microbatches})")
+    p.add_argument("--lr", type=float, default=None, help=f"SGD learning rate (default {d.lr})")
+    p.add_argument("--balance", type=str, default=None,
+                   help="layers per stage, e.g. 4,5 (default: balanced by parameter count, as DynPipe does)")
+    p.add_argument("--systems", type=str, default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: width 64, depth 3, batch 32, 1 repeat, 3 steps; plot goes to --out-dir")
+    p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT, help="raw results (default benchmarks/out/)")
+    p.add_argument("--plot", type=Path, default=None, help="plot path (default docs/img/throughput.png; "
+                   "with --quick: OUT_DIR/throughput-quick.png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-analyse a previous run's JSON (tables, predictions, plot) without measuring")
+    a = p.parse_args(argv)
+
+    cfg = Config()
+    if a.quick:
+        cfg = replace(cfg, repeats=1, steps=3, warmup=2, width=64, depth=3, batch_size=32, timeout_s=60.0, sim_steps=6)
+    overrides = {
+        "repeats": a.repeats, "steps": a.steps, "warmup": a.warmup, "width": a.width, "depth": a.depth,
+        "batch_size": a.batch_size, "num_microbatches": a.microbatches, "lr": a.lr, "seed": a.seed,
+    }
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if a.systems:
+        systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
+        unknown = [s for s in systems if s not in SYSTEMS]
+        if unknown:
+            p.error(f"unknown systems {unknown}; valid: {list(SYSTEMS)}")
+        cfg = replace(cfg, systems=systems)
+    balance = tuple(int(x) for x in a.balance.split(",")) if a.balance else default_balance(cfg.width, cfg.depth)
+    if len(balance) != NUM_STAGES or sum(balance) != cfg.depth + 1 or min(balance) < 1:
+        p.error(f"--balance needs {NUM_STAGES} positive entries summing to depth + 1 = {cfg.depth + 1}; got {balance}")
+    cfg = replace(cfg, balance=balance)
+    if cfg.batch_size % cfg.num_microbatches:
+        p.error(f"--batch-size ({cfg.batch_size}) must be divisible by --microbatches ({cfg.num_microbatches}): "
+                "torch's schedules split batches with tensor_split and infer shapes once")
+    if cfg.num_microbatches < NUM_STAGES:
+        p.error(f"torch's Schedule1F1B needs --microbatches >= {NUM_STAGES}")
+    if min(cfg.repeats, cfg.steps) < 1 or cfg.warmup < 1:
+        p.error("--repeats and --steps must be >= 1 and --warmup >= 1 (the first step fills the pipeline)")
+    return cfg, a
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg, a = _parse(argv)
+    machine = machine_info()
+    cmd = command_line()
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
+    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(
+        f"model: MLP width {cfg.width} depth {cfg.depth} ({cfg.depth + 1} layers), balance {list(cfg.balance)}, "
+        f"batch {cfg.batch_size}, M={cfg.num_microbatches}, SGD lr {cfg.lr}; {cfg.repeats} repeats x "
+        f"({cfg.warmup} warm-up + {cfg.steps} timed steps) per system"
+    )
+    print(f"command: {cmd}", flush=True)
+
+    if a.from_json is not None:
+        payload = json.loads(a.from_json.read_text(encoding="utf-8"))
+        cfg, machine = _config_from_json(payload["config"]), payload["machine"]
+        json_path = a.from_json
+        print(f"re-analysing {json_path} (measured {machine['date_utc']} with: {payload['command']})")
+    else:
+        from torch.multiprocessing.spawn import spawn
+
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = os.path.join(tmp, "runs.json")
+            spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
+            raw = json.loads(Path(result_path).read_text(encoding="utf-8"))
+        machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
+        payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
+                   "elapsed_s": time.perf_counter() - t0, **raw}
+        json_path = a.out_dir / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        write_outputs(payload, json_path)  # raw first: a failing analysis must not lose a long measurement
+    runs, calibration = payload["runs"], payload["calibration"]
+
+    summary = summarise(runs, calibration, cfg)
+    print()
+    print(render_table(summary))
+    print()
+    print("DynPipe per stage, ms per step (medians over repeats; the last stage is global rank 0, whose clock "
+          "times the run):")
+    print(render_breakdown(summary))
+    print()
+    print("CPU per stage process (cores used = CPU time of all threads / wall; run-queue wait = share of wall time "
+          "the main thread was runnable but another process had the core):")
+    print(render_cpu(summary))
+    print()
+    print(render_predictions(summary))
+    print()
+    print(render_targets(summary))
+
+    if not a.no_plot:
+        quick = a.quick or payload["config"]["repeats"] == 1
+        plot_path = a.plot or (json_path.parent / "throughput-quick.png" if quick else _DEFAULT_PLOT)
+        plot(runs, summary, cfg, machine, plot_path)
+        print(f"\nplot: {plot_path}")
+    payload["summary"] = summary
+    payload["markdown"] = {
+        "table": render_table(summary, markdown=True),
+        "breakdown": render_breakdown(summary, markdown=True),
+        "cpu": render_cpu(summary, markdown=True),
+        "predictions": render_predictions(summary, markdown=True),
+    }
+    csv_path = write_outputs(payload, json_path)
+    print(f"raw repeats: {json_path} and {csv_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Smoke test of ``benchmarks/throughput.py --quick``: it runs end to end and prints the table of all five systems.
+
+This is not a performance test and asserts no speed (STYLE.md: a benchmark is a script that prints a table, not
+a timed unit test). It runs the script as a user would, in a subprocess: two spawned gloo workers, a tiny MLP,
+one repeat of three timed steps per system (about 20-40 s on two cores). Outputs go to a temporary directory,
+so the documented plot in docs/img/ is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "throughput.py"
+LABELS = ("DynPipe async", "DynPipe sync", "DynPipe gpipe", "torch Schedule1F1B", "torch ScheduleGPipe")
+HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F1B")
+
+
+@pytest.mark.multiprocess
+def test_quick_run_prints_table_of_all_systems(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+    lines = proc.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]
+    assert starts, f"no results table in the output:\n{proc.stdout}"
+    rows = lines[starts[0] + 2 : starts[0] + 2 + len(LABELS)]
+    assert [r[: len(max(LABELS, key=len))].strip() for r in rows] == list(LABELS), "\n".join(rows)
+    for row in rows:
+        cells = row.split()
+        assert any(c.endswith("x") for c in cells), f"no ratio in row {row!r}"
+
+    assert "target async >= 1.10x DynPipe sync" in proc.stdout
+    assert "simulator, isolated costs" in proc.stdout
+
+    records = list(tmp_path.glob("throughput-*.json"))
+    assert len(records) == 1
+    payload = json.loads(records[0].read_text())
+    assert {r["system"] for r in payload["runs"]} == {"async", "sync", "gpipe", "torch-1f1b", "torch-gpipe"}
+    assert payload["machine"]["torch"] and payload["machine"]["lightning"] and payload["command"]
+    assert records[0].with_suffix(".csv").is_file()
+    assert (tmp_path / "throughput-quick.png").is_file()
