@@ -348,6 +348,8 @@ class DynPipeStrategy(DDPStrategy):
                 f"{'(and more) ' if len(outside) > 5 else ''}are outside it. Move those modules into the "
                 "nn.Sequential or freeze them (requires_grad=False)."
             )
+        if self._balance is not None:
+            Partition.from_balance(self._balance, len(pipeline))
         if self.num_stages > len(pipeline):
             raise PartitionError(
                 f"Cannot run {self.num_stages} stages on a pipeline of {len(pipeline)} layers: every stage needs at "

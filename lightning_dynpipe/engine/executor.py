@@ -79,6 +79,13 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
 
     Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
     """
+    n = _check_batch_size(batch, num_microbatches)
+    base, extra = divmod(n, num_microbatches)
+    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    return _split(batch, sizes), sizes
+
+
+def _check_batch_size(batch: Any, num_microbatches: int) -> int:
     n = _batch_len(batch)
     if n is None:
         raise ConfigurationError(
@@ -91,9 +98,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
             f"needs at least one sample. Use a batch size >= {num_microbatches} (or drop_last=True in the "
             "dataloader), or lower num_microbatches."
         )
-    base, extra = divmod(n, num_microbatches)
-    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
-    return _split(batch, sizes), sizes
+    return n
 
 
 def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
@@ -270,6 +275,8 @@ class StageExecutor:
         self.stats = StepStats(max_stash_depth=self.stats.max_stash_depth)
         if self.is_first or self.is_last:
             self._step_batches, self._step_sizes = split_microbatches(batch, self.num_microbatches)
+        else:  # middle stages do not need the data, but must refuse the same batches as their neighbours
+            _check_batch_size(batch, self.num_microbatches)
         self._step_base = self._steps_since_drain * self.num_microbatches
         self._step_losses = []
         program = step_instructions(

@@ -544,18 +544,16 @@ def _leftmost_time(q: FloatArray, r: FloatArray, J: IntArray, tau: float, strict
 
 
 def _range_chmin(n: int, lo: IntArray, hi: IntArray, v: FloatArray, log2: IntArray) -> FloatArray:
-    """out[x] = min of v[t] over the t with lo[t] <= x <= hi[t] (inf if none), for x in [0, n).
+    """out[x] = min of v[t] over the t with lo[t] <= x <= hi[t] (inf if none), for x in [0, n); lo <= hi.
 
     Offline range-chmin: each interval is two (possibly overlapping) power-of-two blocks; block minima are
     pushed down level by level, a sparse table in reverse. O(n log n).
     """
-    if lo.size == 0:
-        return np.full(n, np.inf)
     lev = log2[hi - lo + 1]
     depth = int(lev.max())
     table = np.full((depth + 1) * n, np.inf)
-    np.minimum.at(table, lev * n + lo, v)
-    np.minimum.at(table, lev * n + (hi - (np.int64(1) << lev) + 1), v)
+    base = lev * n
+    np.minimum.at(table, np.concatenate((base + lo, base + hi + 1 - np.left_shift(1, lev))), np.concatenate((v, v)))
     grid = table.reshape(depth + 1, n)
     for level in range(depth, 0, -1):
         half = 1 << (level - 1)
@@ -633,11 +631,12 @@ class _PrefixGroup:
                 lo_time[key] = _leftmost_time(q, r, J, tau, strict=False)
             lo = np.maximum(lo_time[key], self.lo_mem[m - 1])
             v = G[1:] + (q[1:] + r[1:]) if prob.sync else G[1:]
-            ok = np.flatnonzero((lo < J) & np.isfinite(v))
-            if ok.size == 0:
+            ok = lo < J
+            v_ok = np.where(ok, v, np.inf)  # a stop without an allowed start pushes nothing
+            if not np.isfinite(v_ok).any():
                 break
-            pushed = _range_chmin(n, lo[ok], J[ok] - 1, v[ok], prob.log2)
-            self._pushed.append((v, lo))
+            pushed = _range_chmin(n, np.minimum(lo, J - 1), J - 1, v_ok, prob.log2)
+            self._pushed.append((v_ok, lo))
             G = np.empty(n + 1)
             G[:n] = pushed - q[:n] if prob.sync else pushed + prob.cut_cost[:n]
             G[n] = np.inf

@@ -1,0 +1,156 @@
+"""Every refusal: a bad configuration fails before any process group exists, with a message that states the
+rule, the value and the fix. Single-process (devices=1, popen: nothing is launched) unless a rule needs two."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel
+from lightning.pytorch.plugins.precision import MixedPrecision
+from pipeline_models import TinyNet, loader, trainer_kwargs
+from torch import nn
+
+from lightning_dynpipe import ConfigurationError, DynPipeStrategy, PartitionError
+
+
+def _fit(model: L.LightningModule, strategy: DynPipeStrategy | None = None, **kw: Any) -> None:
+    trainer = L.Trainer(devices=1, max_steps=2, strategy=strategy or DynPipeStrategy(), **trainer_kwargs(**kw))
+    trainer.fit(model, loader())
+
+
+def _refused(model: L.LightningModule, match: str, strategy: DynPipeStrategy | None = None, **kw: Any) -> None:
+    with pytest.raises((ConfigurationError, PartitionError), match=match):
+        _fit(model, strategy, **kw)
+    assert not dist.is_initialized(), "the refusal must come before the process group is created"
+
+
+class ManualPipe(ManualOptimBoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = nn.Sequential(self.layer)
+
+
+class NoPipeline(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = self.pipeline
+        del self.pipeline
+
+
+class ListPipeline(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = nn.ModuleList(list(self.pipeline))  # type: ignore[assignment]
+
+
+class ParamOutside(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(2, 2)
+
+
+class IterStep(TinyNet):
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        x, y = next(dataloader_iter)[0]
+        return torch.nn.functional.cross_entropy(self.pipeline(x), y)
+
+
+class NoneStep(TinyNet):
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        self.pipeline(batch[0])
+        return None
+
+
+class OneLayer(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = nn.Sequential(nn.Linear(8, 3))
+
+
+class OwnBackward(TinyNet):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward()
+
+
+def test_manual_optimization() -> None:
+    _refused(ManualPipe(), r"manual optimization \(automatic_optimization=False\) is not supported")
+
+
+def test_accumulate_grad_batches() -> None:
+    _refused(TinyNet(), r"accumulate_grad_batches=2 is not supported.*num_microbatches", accumulate_grad_batches=2)
+
+
+def test_grad_scaler_precision() -> None:
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _refused(TinyNet(), r"precision='16-mixed' uses a GradScaler.*bf16-mixed", plugins=[plugin])
+
+
+def test_sync_batchnorm() -> None:
+    _refused(TinyNet(), r"sync_batchnorm=True is not supported.*sync_batchnorm=False", sync_batchnorm=True)
+
+
+def test_compiled_model() -> None:
+    _refused(torch.compile(TinyNet()), r"torch.compile'd model cannot be partitioned")  # type: ignore[arg-type]
+
+
+def test_missing_pipeline_attribute() -> None:
+    _refused(NoPipeline(), r"needs the model's layers in `NoPipeline.pipeline`.*pipeline_attr")
+
+
+def test_pipeline_must_be_sequential() -> None:
+    _refused(ListPipeline(), r"`pipeline` must be an nn.Sequential.*got ModuleList")
+
+
+def test_parameters_outside_the_pipeline() -> None:
+    _refused(ParamOutside(), r"All trainable parameters must live in `pipeline`.*'extra.weight'")
+
+
+def test_balance_must_sum_to_layer_count() -> None:
+    _refused(TinyNet(), r"balance must sum to the number of layers.*= 4, but the pipeline has 5",
+             DynPipeStrategy(balance=[4]))
+
+
+def test_balance_without_zero_entries() -> None:
+    with pytest.raises(PartitionError, match=r"Every stage must own at least one layer; got balance=\[5, 0\]"):
+        DynPipeStrategy(balance=[5, 0])
+
+
+def test_num_microbatches_positive() -> None:
+    with pytest.raises(ConfigurationError, match="num_microbatches must be a positive integer; got 0"):
+        DynPipeStrategy(num_microbatches=0)
+
+
+def test_batch_smaller_than_num_microbatches() -> None:
+    with pytest.raises(ConfigurationError, match=r"batch of size 12 cannot be split into num_microbatches=16"):
+        _fit(TinyNet(), DynPipeStrategy(num_microbatches=16))
+
+
+def test_world_size_divisible_by_num_stages() -> None:
+    with pytest.raises(ConfigurationError, match=r"\(3 = devices x num_nodes\) must be divisible by num_stages=2"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=DynPipeStrategy(num_stages=2))
+
+
+def test_dataloader_iter_training_step() -> None:
+    _refused(IterStep(), r"training_step\(dataloader_iter\) is not supported")
+
+
+def test_training_step_returning_none() -> None:
+    with pytest.raises(ConfigurationError, match=r"training_step must return the loss .* got NoneType"):
+        _fit(NoneStep())
+
+
+def test_overridden_backward_warns() -> None:
+    with pytest.warns(UserWarning, match="OwnBackward.backward is overridden but DynPipeStrategy does not call it"):
+        _fit(OwnBackward())
+
+
+@pytest.mark.multiprocess
+def test_more_stages_than_layers_refused_on_every_rank() -> None:
+    """Two processes: both raise the refusal (spawn re-raises the first), none hangs."""
+    with pytest.raises(Exception, match=r"Cannot run 2 stages on a pipeline of 1 layers"):
+        L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="spawn"),
+                  **trainer_kwargs()).fit(OneLayer(), loader())
