@@ -553,7 +553,8 @@ def _range_chmin(n: int, lo: IntArray, hi: IntArray, v: FloatArray, log2: IntArr
     depth = int(lev.max())
     table = np.full((depth + 1) * n, np.inf)
     base = lev * n
-    np.minimum.at(table, np.concatenate((base + lo, base + hi + 1 - np.left_shift(1, lev))), np.concatenate((v, v)))
+    blocks = np.concatenate((base + lo, base + hi + 1 - np.left_shift(1, lev)))
+    np.minimum.at(table, blocks, np.concatenate((v, v)))
     grid = table.reshape(depth + 1, n)
     for level in range(depth, 0, -1):
         half = 1 << (level - 1)
