@@ -410,7 +410,15 @@ class PrefixCostModel(Protocol):
     """A cost model whose stage time is ``(q[stop] - q[first]) + r[stop]`` for two prefix arrays.
 
     With ``q`` non-decreasing this makes a stage no slower when it gains layers at its start, which is what
-    lets the solver find the feasible ranges by binary search instead of enumerating them.
+    lets the solver find the feasible ranges by binary search instead of enumerating them. ``stage_time``
+    must compute exactly that expression, so that the solver and the plan agree to the last bit.
+
+    Example::
+
+        >>> model = ModelCost.from_arrays([1.0, 2.0], [1.0, 2.0])
+        >>> q, r = DefaultCostModel().prefix_form(model, replicas=1, device=DeviceSpec(), microbatches_per_update=1)
+        >>> q.tolist(), r.tolist()
+        ([0.0, 2.0, 6.0], [0.0, 0.0, 0.0])
     """
 
     def prefix_form(
