@@ -38,12 +38,12 @@ schedule_timelines = _load_example("schedule_timelines")
 _LAUNCH_ENV = ("MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "TORCHELASTIC_", "PL_")
 
 
-def _run(script: str, *args: str, launcher: tuple[str, ...] = ()) -> str:
+def _run(script: str, *args: str) -> str:
     # A clean launch environment: rank variables inherited from a surrounding job would make Lightning think
     # the processes were already created.
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     proc = subprocess.run(
-        [sys.executable, *launcher, str(EXAMPLES / script), *args],
+        [sys.executable, str(EXAMPLES / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -94,15 +94,6 @@ def test_digits_quickstart_trains_to_a_useful_accuracy() -> None:
     # reaches > 0.9, so this catches a pipeline that does not learn, not small numeric differences.
     assert _test_accuracy(out) > 0.85
     assert "DynPipe: 2 stages" in out
-
-
-@pytest.mark.multiprocess
-def test_digits_quickstart_under_torchrun() -> None:
-    """An external launcher: torchrun creates both processes and Lightning launches nothing itself."""
-    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    out = _run("digits_quickstart.py", launcher=launcher)
-    assert _test_accuracy(out) > 0.85
-    assert out.count("test accuracy:") == 1  # rank 0 only
 
 
 def test_schedules_doc_embeds_the_current_timelines() -> None:
