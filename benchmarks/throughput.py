@@ -19,16 +19,22 @@ thread per worker, i.e. one core per stage). Inside the workers it loops::
 * torch runs ``torch.distributed.pipelining``'s ``Schedule1F1B`` and ``ScheduleGPipe`` through
   :func:`benchmarks.baselines.torch_pipelining.time_torch_schedule` (no Lightning; clock between barriers).
 
+At the start of every repeat both workers also time their stage's forward, backward and update of one
+micro-batch alone (thread CPU time: no pipeline, no Lightning, no descheduling), and each run records its
+processes' CPU use and run-queue wait (how long a stage was runnable while other processes had the core).
+
 It prints a table (median samples/s, IQR, paired ratios to ``sync`` and to torch 1F1B), the per-stage
-breakdown, and the dry-run simulator's prediction of the ratios from the measured per-micro-batch times;
-it writes raw repeats (JSON + CSV, with machine, versions and the command line) to ``benchmarks/out/`` and a
+breakdown, the CPU table, and the dry-run simulator's prediction of every system's samples/s and of the
+ratios from the isolated costs (:func:`lightning_dynpipe.schedule.simulate`, ``step_sync=
+"last_stage_broadcast"`` for DynPipe); it writes raw repeats (JSON + CSV, with machine, versions and the command line) to ``benchmarks/out/`` and a
 plot to ``docs/img/throughput.png``.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/throughput.py                 # the documented run (a few minutes)
-    .venv/bin/python benchmarks/throughput.py --quick         # smoke run: tiny model, 1 repeat (~20 s)
-    .venv/bin/python benchmarks/throughput.py --repeats 9 --steps 30 --width 1024
+    .venv/bin/python benchmarks/throughput.py                 # the documented run (about 5 minutes)
+    .venv/bin/python benchmarks/throughput.py --quick         # smoke run: tiny model, 1 repeat (~30 s)
+    .venv/bin/python benchmarks/throughput.py --repeats 5 --steps 30 --width 1024
+    .venv/bin/python benchmarks/throughput.py --from-json benchmarks/out/throughput-<stamp>.json  # re-analyse
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +88,18 @@ _DEFAULT_OUT = _ROOT / "benchmarks" / "out"
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a worker needs; also recorded in the JSON output."""
+    """Everything a worker needs; also recorded in the JSON output.
 
-    repeats: int = 7
+    Why this model (chosen once, before measuring): the demo MLP with width 512 and depth 8 has 9 layers and
+    2.4 M parameters; DynPipe's default parameter-count balance splits it [4, 5], which also balances compute
+    (stage 0 owns the 784-wide first layer but skips its input gradient). With a batch of 256 in M=4
+    micro-batches of 64, one micro-batch costs a few ms of forward and about twice that of backward per stage,
+    so a step is tens of ms of compute per stage on one core, while a message between the stages is 128 KiB:
+    compute-bound, as pipeline parallelism assumes, and short enough for ten interleaved repeats in minutes.
+    Ten repeats put each of the five systems in each position of the rotation exactly twice.
+    """
+
+    repeats: int = 10
     steps: int = 20
     warmup: int = 3
     width: int = 512
@@ -580,7 +595,10 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
     """Simulated samples/s from the isolated per-op costs, next to the measured medians, and the ratios."""
     p = summary["predictions"]
     t = summary["table"]
-    ms = lambda xs: "/".join(f"{x * 1e3:.2f}" for x in xs)  # noqa: E731
+
+    def ms(xs: Sequence[float]) -> str:
+        return "/".join(f"{x * 1e3:.2f}" for x in xs)
+
     lines = []
     iso = p.get("isolated")
     if iso is not None:
@@ -656,17 +674,20 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
         ax.scatter([i + d for d in jitter], pts, color="black", s=12, zorder=3)
         vs = summary["table"][s].get("vs_sync")
         label = f"{medians[i]:.0f}" + (f"\n{vs['median']:.2f}x sync" if vs else "")
-        ax.annotate(label, (i, medians[i]), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
-                    fontsize=8)
+        ax.annotate(label, (i, max(pts + [medians[i]])), xytext=(0, 5), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8)
     ax.set_xticks(xs, [LABELS[s].replace(" ", "\n", 1) for s in systems], fontsize=9)
     ax.set_ylabel("samples/s (bars: median; points: repeats)")
     top = max(r["samples_per_s"] for r in runs)
-    ax.set_ylim(0, top * 1.2)
+    ax.set_ylim(0, top * 1.25)
+    ax.text(0.01, 0.98, "ratio: median of per-repeat ratios to DynPipe sync (paired, same repeat)",
+            transform=ax.transAxes, fontsize=7, va="top", color="#555555")
     ax.set_title(
         f"2-stage pipeline, MLP width {cfg.width} depth {cfg.depth}, batch {cfg.batch_size}, "
         f"M={cfg.num_microbatches}, balance {list(cfg.balance)}\n"
         f"{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
-        f"lightning {machine['lightning']}, {cfg.repeats} repeats x {cfg.steps} steps",
+        f"lightning {machine['lightning']}, {cfg.repeats} repeats x {cfg.steps} steps, "
+        f"load avg {machine['load_average_1_5_15'][0] if machine.get('load_average_1_5_15') else '?'} at start",
         fontsize=9,
     )
     ax.grid(axis="y", alpha=0.3)
@@ -691,7 +712,8 @@ def write_outputs(payload: dict[str, Any], json_path: Path) -> Path:
 
 
 def _config_from_json(d: dict[str, Any]) -> Config:
-    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return Config(**fields)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -748,10 +770,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     return cfg, a
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg, a = _parse(argv)
-    machine = machine_info()
-    cmd = command_line()
+def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
     print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
     print(
@@ -761,18 +780,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(f"command: {cmd}", flush=True)
 
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg, a = _parse(argv)
     if a.from_json is not None:
         payload = json.loads(a.from_json.read_text(encoding="utf-8"))
         cfg, machine = _config_from_json(payload["config"]), payload["machine"]
         json_path = a.from_json
-        print(f"re-analysing {json_path} (measured {machine['date_utc']} with: {payload['command']})")
+        print(f"re-analysing {json_path}, measured {machine['date_utc']}:")
+        _print_header(cfg, machine, payload["command"])
     else:
+        machine = machine_info()
+        cmd = command_line()
+        _print_header(cfg, machine, cmd)
         from torch.multiprocessing.spawn import spawn
 
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "runs.json")
-            spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
+            spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
             raw = json.loads(Path(result_path).read_text(encoding="utf-8"))
         machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
         payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
