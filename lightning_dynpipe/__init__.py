@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dynpipe.errors import (
+    PeerFailure,
     CommunicationError,
     ConfigurationError,
     DynPipeError,
@@ -30,6 +31,7 @@ __all__ = [
     "ScheduleError",
     "CommunicationError",
     "PipelineTimeoutError",
+    "PeerFailure",
     "__version__",
 ]
 

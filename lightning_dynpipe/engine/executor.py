@@ -508,6 +508,8 @@ class StageExecutor:
 
     def _update(self, instr: OptimizerStep) -> None:
         t0 = time.perf_counter()
+        if self.stash is not None:
+            self.stash.before_update()
         self._optimizer_step()
         if self.stash is not None:
             self.stash.bump()

@@ -8,54 +8,66 @@ __all__ = ["WeightStash"]
 
 
 class WeightStash:
-    """Weight versions of one stage (PipeDream weight stashing).
+    """Weight versions of one stage (PipeDream weight stashing), copy-on-write.
 
     ``version`` counts the optimizer updates applied to the live weights. :meth:`acquire` binds a micro-batch
-    to the current version, taking a detached snapshot the first time that version is needed (micro-batches
-    forwarded between two updates share one snapshot). The forward runs on the snapshot through
-    ``torch.func.functional_call`` and the backward differentiates with respect to it, so the in-place update
-    of the live weights never touches a tensor that a pending backward needs. :meth:`release` drops the
-    snapshot when its last micro-batch has been back-propagated.
+    to the current version. The forward runs through ``torch.func.functional_call`` on that version's tensors,
+    and the backward differentiates with respect to them. For the current version those tensors are aliases of
+    the live parameters' storage (``p.data``: same memory, own autograd version counter), so stashing costs
+    nothing until an update: :meth:`before_update` then moves the live parameters to fresh storage if a
+    micro-batch in flight still uses the current version, and the alias keeps the values its forward saw.
+    A stage therefore holds exactly as many copies of its weights as it has versions in use (at most ``S-k``),
+    the live weights included; :meth:`release` frees a version when its last micro-batch was back-propagated.
 
     Example::
 
         stash = WeightStash(stage)
-        v = stash.acquire()                     # before the forward of a micro-batch
+        v = stash.acquire()                      # before the forward of a micro-batch
         out = functional_call(stage, stash.params(v), (x,))
-        ...                                     # backward w.r.t. stash.params(v).values()
-        stash.release(v); stash.bump()          # after the update
+        ...
+        stash.before_update(); optimizer.step(); stash.bump()
+        ...                                      # backward w.r.t. stash.params(v).values()
+        stash.release(v)
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
+        self._live = [p for _, p in module.named_parameters()]
         self.version = 0
-        self._snapshots: dict[int, dict[str, Tensor]] = {}
+        self._versions: dict[int, dict[str, Tensor]] = {}
         self._refs: dict[int, int] = {}
         self.max_depth = 0
+        self.copies_made = 0
 
     def acquire(self) -> int:
         """Binds one micro-batch to the current version and returns that version."""
         v = self.version
-        if v not in self._snapshots:
-            self._snapshots[v] = {
-                name: p.detach().clone().requires_grad_(p.requires_grad)
-                for name, p in self._module.named_parameters()
+        if v not in self._versions:
+            self._versions[v] = {
+                name: p.data.requires_grad_(p.requires_grad) for name, p in self._module.named_parameters()
             }
             self._refs[v] = 0
         self._refs[v] += 1
-        self.max_depth = max(self.max_depth, len(self._snapshots))
+        self.max_depth = max(self.max_depth, len(self._versions))
         return v
 
     def params(self, version: int) -> dict[str, Tensor]:
-        """The snapshot of ``version`` (name -> leaf tensor), as ``functional_call`` takes it."""
-        return self._snapshots[version]
+        """The tensors of ``version`` (name -> leaf tensor), as ``functional_call`` takes them."""
+        return self._versions[version]
+
+    def before_update(self) -> None:
+        """Must run right before the live weights are updated in place (the optimizer step)."""
+        if self.version in self._versions:
+            for p in self._live:
+                p.data = p.data.clone()  # the stashed alias keeps the old storage
+            self.copies_made += 1
 
     def release(self, version: int) -> None:
-        """Ends one micro-batch's use of ``version``; frees the snapshot when nobody uses it any more."""
+        """Ends one micro-batch's use of ``version``; frees it when nobody uses it any more."""
         self._refs[version] -= 1
         if self._refs[version] == 0:
             del self._refs[version]
-            del self._snapshots[version]
+            del self._versions[version]
 
     def bump(self) -> None:
         """Records one optimizer update of the live weights."""
@@ -63,11 +75,11 @@ class WeightStash:
 
     def reset(self) -> None:
         """Forgets everything; only legal when no micro-batch is in flight (after a drain)."""
-        if self._snapshots:
-            raise RuntimeError(f"WeightStash.reset with {len(self._snapshots)} versions still in use")
+        if self._versions:
+            raise RuntimeError(f"WeightStash.reset with {len(self._versions)} versions still in use")
         self.version = 0
 
     @property
     def depth(self) -> int:
-        """Number of versions currently stashed."""
-        return len(self._snapshots)
+        """Number of weight versions in use (each one copy of the stage's weights, the live one included)."""
+        return len(self._versions)

@@ -44,13 +44,17 @@ def test_stash_keeps_the_forward_weights_for_the_backward() -> None:
     stash = WeightStash(layer)
     x = torch.randn(4, 3)
     v0 = stash.acquire()
-    v0b = stash.acquire()  # two micro-batches between updates share one snapshot
+    v0b = stash.acquire()  # two micro-batches between updates share one version
     assert v0 == v0b and stash.depth == 1
+    assert stash.params(v0)["weight"].data_ptr() == layer.weight.data_ptr()  # no copy until an update
     before = layer.weight.detach().clone()
     out = functional_call(layer, stash.params(v0), (x,))
+    stash.before_update()  # PipeDream updates the live weights before this micro-batch's backward
     with torch.no_grad():
-        layer.weight.add_(1.0)  # the live update that PipeDream applies before this backward
+        layer.weight.add_(1.0)
     stash.bump()
+    assert stash.copies_made == 1
+    assert stash.params(v0)["weight"].data_ptr() != layer.weight.data_ptr()
     v1 = stash.acquire()
     assert v1 == 1 and stash.depth == 2 and stash.max_depth == 2
     (g,) = torch.autograd.grad(out.sum(), [stash.params(v0)["weight"]])
@@ -59,9 +63,21 @@ def test_stash_keeps_the_forward_weights_for_the_backward() -> None:
     stash.release(v0)
     stash.release(v0)
     assert stash.depth == 1
+    stash.before_update()  # v1 (the live version) is still in use, so the live weights move again
+    assert stash.copies_made == 2
     stash.release(v1)
     stash.reset()
     assert stash.version == 0 and stash.depth == 0
+
+
+def test_stash_without_users_copies_nothing() -> None:
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    v = stash.acquire()
+    stash.release(v)
+    stash.before_update()
+    stash.bump()
+    assert stash.copies_made == 0
 
 
 def test_topology_places_the_last_stage_on_rank_zero() -> None:
