@@ -190,7 +190,9 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
     calling thread's CPU time (``time.thread_time``), not wall time, so that time this process spends
     descheduled by other load on a shared machine does not count; the simulator fed with these costs predicts
     what each schedule would reach with a dedicated core per stage and zero framework overhead. The last
-    stage's forward includes the loss, as DynPipe's (which runs ``training_step``) does.
+    stage's forward includes the loss, as DynPipe's (which runs ``training_step``) does. ``stash`` is the
+    cost of one detached copy of the stage's parameters: what DynPipe's ``WeightStash.acquire`` does for
+    every new weight version, i.e. once per micro-batch on a stage with staleness > 0 under ``async``.
     """
     import statistics
 
@@ -206,7 +208,7 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
         x = torch.randn(mb, cfg.width, generator=g).requires_grad_(True)  # stage 1 starts after a hidden block
     y = torch.randint(0, 10, (mb,), generator=g)
     clock = time.thread_time
-    fwd, bwd, upd = [], [], []
+    fwd, bwd, upd, stash = [], [], [], []
     for i in range(iters + 2):
         t0 = clock()
         out = stage(x)
@@ -221,11 +223,16 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = clock()
+        snapshot = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        t4 = clock()
+        del snapshot
         if i >= 2:  # the first iterations allocate
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             upd.append(t3 - t2)
-    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd), "update": statistics.median(upd)}
+            stash.append(t4 - t3)
+    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd), "update": statistics.median(upd),
+            "stash": statistics.median(stash)}
 
 
 # ---------------------------------------------------------------------------------------------- runners
@@ -431,10 +438,8 @@ def _costs_from_calibration(calibration: list[dict[str, Any]]) -> dict[str, list
     """Median over repeats of each stage's isolated seconds per forward, backward and update."""
     if not calibration:
         return None
-    return {
-        what: [median([c["stages"][k][what] for c in calibration]) for k in range(NUM_STAGES)]
-        for what in ("forward", "backward", "update")
-    }
+    kinds = [w for w in ("forward", "backward", "update", "stash") if w in calibration[0]["stages"][0]]
+    return {what: [median([c["stages"][k][what] for c in calibration]) for k in range(NUM_STAGES)] for what in kinds}
 
 
 def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: str) -> float:
@@ -518,6 +523,17 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         pred["async_vs_sync"] = step["sync"] / step["async"]
         pred["async_vs_torch_1f1b"] = step["torch-1f1b"] / step["async"]
         predictions[name] = pred
+        if "stash" in costs:
+            # async's own bookkeeping: one weight snapshot per micro-batch on every stage with staleness > 0.
+            from lightning_dynpipe.schedule import staleness
+
+            fwd = [f + (costs["stash"][k] if staleness("async", k, NUM_STAGES) > 0 else 0.0)
+                   for k, f in enumerate(costs["forward"])]
+            t = _simulate("async", {**costs, "forward": fwd}, cfg, "last_stage_broadcast")
+            predictions[name + "_with_stash"] = {
+                "step_time_s": {"async": t}, "samples_per_s": {"async": cfg.batch_size / t},
+                "async_vs_sync": step["sync"] / t, "async_vs_torch_1f1b": step["torch-1f1b"] / t,
+            }
     own = {kind: c for kind in ("async", "sync", "gpipe") if (c := _costs_from_runs(runs, kind)) is not None}
     if "async" in own and "sync" in own:
         t_async = _simulate("async", own["async"], cfg, "last_stage_broadcast")
@@ -606,6 +622,7 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
         lines.append(
             f"isolated per-micro-batch CPU costs, stage 0/1 (ms): forward {ms(c['forward'])}, backward "
             f"{ms(c['backward'])}, update {ms(c['update'])}"
+            + (f", weight snapshot {ms(c['stash'])}" if "stash" in c else "")
         )
         rows = []
         for s, row in t.items():
@@ -624,7 +641,9 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
     ratio_rows = []
     measured_vs_sync = t.get("async", {}).get("vs_sync", {}).get("median")
     measured_vs_torch = t.get("async", {}).get("vs_torch-1f1b", {}).get("median")
-    for name, label in (("isolated", "simulator, isolated costs"), ("inside_sync", "simulator, costs inside DynPipe sync"),
+    for name, label in (("isolated", "simulator, isolated costs"),
+                        ("isolated_with_stash", "simulator, isolated costs + async weight snapshots"),
+                        ("inside_sync", "simulator, costs inside DynPipe sync"),
                         ("own_costs", "simulator, each schedule's own costs")):
         if name in p:
             vt = p[name].get("async_vs_torch_1f1b")
