@@ -31,12 +31,16 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dynpipe.engine.executor import StageExecutor
+from lightning_dynpipe.engine.executor import StageExecutor, _batch_len, split_microbatches
 from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.plan.costs import CommModel
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
+from lightning_dynpipe.plan.auto import best_plan
+from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.schedule import SCHEDULES
 
 __all__ = ["DynPipeStrategy"]
@@ -44,6 +48,11 @@ __all__ = ["DynPipeStrategy"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def _batch_len_or_one(x: Any) -> int:
+    n = _batch_len(x)
+    return n if n is not None and n > 0 else 1
 
 
 class _Placeholder(nn.Module):
@@ -123,10 +132,17 @@ class DynPipeStrategy(DDPStrategy):
 
     Args:
         num_stages: number of pipeline stages ``S``; default: all devices of a node, one stage each. With more
-            processes than stages, ``world_size / S`` pipeline replicas train data-parallel.
+            processes than stages, ``world_size / S`` pipeline replicas train data-parallel. ``"auto"``: the
+            planner chooses ``S`` among the divisors of the process count (needs ``balance="auto"``).
         num_microbatches: micro-batches ``M`` each Lightning batch is split into (along dim 0).
         schedule: ``"async"`` (default), ``"sync"`` or ``"gpipe"``.
-        balance: layers per stage, e.g. ``[5, 3]``; default: balanced by parameter count.
+        balance: layers per stage, e.g. ``[5, 3]``; ``"auto"`` (default): profile the layers on a sample
+            micro-batch, probe the link between ranks 0 and 1, and let the time-to-accuracy planner choose the
+            partition (and, with ``num_stages="auto"``, the number of stages); ``"parameters"``: balance by
+            parameter count.
+            Evaluation-only runs (validate/test/predict) balance by parameter count unless a list is given.
+        convergence: the planner's staleness model (iterations to accuracy vs. staleness); default
+            :class:`~lightning_dynpipe.plan.convergence.ConvergenceModel` with its default ``beta``.
         pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
@@ -143,10 +159,11 @@ class DynPipeStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        num_stages: int | None = None,
+        num_stages: int | Literal["auto"] | None = None,
         num_microbatches: int = 4,
         schedule: Literal["async", "sync", "gpipe"] = "async",
-        balance: list[int] | None = None,
+        balance: list[int] | Literal["auto", "parameters"] = "auto",
+        convergence: ConvergenceModel | None = None,
         pipeline_attr: str = "pipeline",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
@@ -161,11 +178,21 @@ class DynPipeStrategy(DDPStrategy):
             raise ConfigurationError(
                 f"num_microbatches must be a positive integer; got {num_microbatches!r}. Use e.g. num_microbatches=4."
             )
-        if num_stages is not None and num_stages < 1:
-            raise ConfigurationError(f"num_stages must be a positive integer or None; got {num_stages!r}.")
-        if balance is not None:
+        if num_stages is not None and num_stages != "auto" and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ConfigurationError(f"num_stages must be a positive integer, 'auto' or None; got {num_stages!r}.")
+        if num_stages == "auto" and balance != "auto":
+            raise ConfigurationError(
+                f"num_stages='auto' lets the planner choose the number of stages, which needs balance='auto'; got "
+                f"balance={balance!r}. Use balance='auto' or give num_stages as a number."
+            )
+        if isinstance(balance, str):
+            if balance not in ("auto", "parameters"):
+                raise ConfigurationError(
+                    f"balance must be a list of layers per stage, 'auto' or 'parameters'; got {balance!r}."
+                )
+        else:
             Partition.from_balance(balance)  # validates entries early, before any process starts
-            if num_stages is not None and len(balance) != num_stages:
+            if isinstance(num_stages, int) and len(balance) != num_stages:
                 raise PartitionError(
                     f"balance has {len(balance)} entries but num_stages={num_stages}; give one entry per stage."
                 )
@@ -179,10 +206,16 @@ class DynPipeStrategy(DDPStrategy):
             timeout=timeout or _DEFAULT_TIMEOUT,
             start_method=start_method,
         )
-        self._requested_num_stages = num_stages
+        self._stages_auto = num_stages == "auto"
+        self._requested_num_stages: int | None = num_stages if isinstance(num_stages, int) else None
         self.num_microbatches = num_microbatches
         self.schedule = schedule
-        self._balance = list(balance) if balance is not None else None
+        self._balance: list[int] | None = list(balance) if not isinstance(balance, str) else None
+        self.balance_mode: str = "list" if self._balance is not None else str(balance)
+        self.convergence = convergence
+        self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
+        self.plan_table: str | None = None
+        self._planned_num_stages: int | None = None
         self.pipeline_attr = pipeline_attr
         self._topology: PipelineTopology | None = None
         self._groups: PipelineGroups | None = None
@@ -208,6 +241,8 @@ class DynPipeStrategy(DDPStrategy):
     @property
     def num_stages(self) -> int:
         """``S``: stages per pipeline."""
+        if self._planned_num_stages is not None:
+            return self._planned_num_stages
         if self._requested_num_stages is not None:
             return self._requested_num_stages
         if self._balance is not None:
@@ -254,7 +289,8 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Checked at Trainer construction, before any process is launched (and again in each launched process).
-        PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
+        if not self._stages_auto:
+            PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     @override
@@ -265,9 +301,7 @@ class DynPipeStrategy(DDPStrategy):
             self._check_model(module._trainer)
         super().setup_environment()
         self._topology = None
-        self._groups = build_groups(
-            self.topology, self.global_rank, self._get_process_group_backend(), self._timeout or _DEFAULT_TIMEOUT
-        )
+        self._planned_num_stages = None
 
     # ------------------------------------------------------------------ set-up
     def _pipeline(self, module: LightningModule | None = None) -> nn.Sequential:
@@ -350,7 +384,7 @@ class DynPipeStrategy(DDPStrategy):
             )
         if self._balance is not None:
             Partition.from_balance(self._balance, len(pipeline))
-        if self.num_stages > len(pipeline):
+        if not self._stages_auto and self.num_stages > len(pipeline):
             raise PartitionError(
                 f"Cannot run {self.num_stages} stages on a pipeline of {len(pipeline)} layers: every stage needs at "
                 f"least one layer. Use num_stages <= {len(pipeline)} (or fewer devices), or split the model into "
@@ -358,11 +392,71 @@ class DynPipeStrategy(DDPStrategy):
             )
         return pipeline
 
-    def _make_partition(self, pipeline: nn.Sequential) -> Partition:
+    def _choose_partition(self, trainer: Trainer, pipeline: nn.Sequential) -> Partition:
+        """The partition for this run; with ``balance="auto"`` a collective decision taken on rank 0."""
         if self._balance is not None:
             return Partition.from_balance(self._balance, len(pipeline))
+        world = self.num_nodes * self.num_processes
+        if self.balance_mode == "auto" and trainer.state.fn == TrainerFn.FITTING:
+            comm = self._probe_link()
+            decision: list[Any] = [None]
+            if self.global_rank == 0:
+                try:
+                    plan = self._plan(trainer, pipeline, comm, world)
+                    self.plan = plan
+                    decision[0] = (list(plan.partition.balance), plan.table(), None)
+                except Exception as exc:  # the run must not die because a heuristic failed; say why
+                    decision[0] = (None, None, f"{type(exc).__name__}: {exc}")
+            if world > 1:
+                dist.broadcast_object_list(decision, src=0)
+            balance, table, error = decision[0]
+            if balance is not None:
+                self.plan_table = table
+                rank_zero_info(f"DynPipe plan (balance='auto'):\n{table}")
+                return Partition.from_balance(balance, len(pipeline))
+            rank_zero_warn(f"DynPipe's planner could not plan this run ({error}); balancing by parameter count.")
         weights = [sum(p.numel() for p in layer.parameters()) for layer in pipeline]
         return balance_by_weights(weights, self.num_stages)
+
+    def _probe_link(self) -> CommModel:
+        """Latency and bandwidth between global ranks 0 and 1 (collective: every rank joins the group)."""
+        world = self.num_nodes * self.num_processes
+        if world == 1:
+            return CommModel()
+        from lightning_dynpipe.engine.probe import probe_p2p
+
+        group = dist.new_group([0, 1], timeout=self._timeout or _DEFAULT_TIMEOUT)
+        try:
+            if self.global_rank in (0, 1):
+                return probe_p2p(group, 1 - self.global_rank, initiator=self.global_rank == 0,
+                                 device=self.root_device)
+            return CommModel()
+        finally:
+            if self.global_rank in (0, 1):
+                dist.destroy_process_group(group)
+
+    def _plan(self, trainer: Trainer, pipeline: nn.Sequential, comm: CommModel, world: int) -> Plan:
+        """Profiles the layers on a sample micro-batch and solves for the best partition (rank 0 only)."""
+        from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
+
+        sample = self._sample_microbatch(trainer)
+        factor = optimizer_state_factor(self.optimizers[0]) if self.optimizers else 0.0
+        profile = profile_layers(pipeline, sample, device=self.root_device,
+                                 optimizer_state_bytes_per_param_byte=factor)
+        schedule: Literal["async", "sync"] = "async" if self.schedule == "async" else "sync"
+        num_stages = None if self._stages_auto else self.num_stages
+        return best_plan(profile.to_model_cost(), world, num_stages=num_stages, schedule=schedule,
+                         convergence=self.convergence, comm=comm, num_microbatches=self.num_microbatches)
+
+    def _sample_microbatch(self, trainer: Trainer) -> Any:
+        """Stage 0's input for one micro-batch of the first training batch."""
+        loader = trainer.fit_loop._data_source.dataloader()
+        batch = self.batch_to_device(next(iter(cast(Any, loader))))
+        module = self._lm
+        user_input = getattr(module, "pipeline_input", None)
+        x = user_input(batch) if callable(user_input) else (batch[0] if isinstance(batch, (tuple, list)) else batch)
+        micro, _ = split_microbatches(x, min(self.num_microbatches, _batch_len_or_one(x)))
+        return micro[0]
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -381,7 +475,12 @@ class DynPipeStrategy(DDPStrategy):
                     f"configure_optimizers returned {len(self.optimizers)} optimizers; DynPipeStrategy supports "
                     "one (with any number of parameter groups). Use parameter groups instead."
                 )
-        self.partition = self._make_partition(pipeline)
+        self.partition = self._choose_partition(trainer, pipeline)
+        self._planned_num_stages = self.partition.num_stages
+        self._topology = PipelineTopology(self.partition.num_stages, self.num_nodes * self.num_processes)
+        self._groups = build_groups(
+            self._topology, self.global_rank, self._get_process_group_backend(), self._timeout or _DEFAULT_TIMEOUT
+        )
         self._partition_module(pipeline)
         if fitting:
             self._filter_optimizers()
@@ -789,6 +888,8 @@ class DynPipeStrategy(DDPStrategy):
         self._mirror = None
         self.executor = None
         self.partition = None
+        self._planned_num_stages = None
+        self._topology = None
         if self._groups is not None:
             if not interrupted:
                 # No rank may tear its channel groups down while a peer is still completing sends on them.

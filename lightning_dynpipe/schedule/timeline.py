@@ -1,0 +1,54 @@
+"""A timeline picture of a simulated run (matplotlib, imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_dynpipe.schedule.simulator import SimResult
+
+__all__ = ["plot_timeline"]
+
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "U": "#55A868", "R": "#D0D0D0"}
+
+
+def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = None, max_events: int = 4000) -> None:
+    """Writes a Gantt chart of ``result`` (one row per stage: forwards, backwards, updates, receive waits).
+
+    Example::
+
+        plot_timeline(simulate("async", 2, 4, 3), "timeline.png")
+
+    Args:
+        result: a simulation from :func:`~lightning_dynpipe.schedule.simulator.simulate`.
+        path: the PNG to write.
+        title: the figure title; default names the schedule and its shape.
+        max_events: draw at most this many events per stage (the first ones), so huge runs stay legible.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("plot_timeline needs matplotlib: pip install 'lightning-dynpipe[plot]'") from exc
+    fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * result.num_stages))
+    for k, events in enumerate(result.events):
+        for ev in events[:max_events]:
+            kind = ev.instruction[0]
+            if kind == "S" or kind == "W" or ev.end <= ev.start:
+                continue  # sends and stashing take no simulated time
+            colour = _COLOURS.get(kind, "#999999")
+            ax.barh(k, ev.end - ev.start, left=ev.start, color=colour, edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(result.num_stages), [f"stage {k}" for k in range(result.num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    handles: list[Any] = [
+        plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()  # type: ignore[attr-defined]
+    ]
+    ax.legend(handles, ["forward", "backward", "update", "waiting to receive"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title or f"{result.kind} schedule, S={result.num_stages}, M={result.num_microbatches}, "
+                          f"{result.num_steps} steps (makespan {result.makespan:.3g})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
