@@ -51,3 +51,27 @@ def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert expected in out, out[-4000:]
     _no_survivors(mode)
+
+
+def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "long"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the children exist and training runs
+            if "TRAINING STARTED" in line:
+                break
+        time.sleep(8)
+        proc.send_signal(2)  # SIGINT to the main process only, as Ctrl-C on a non-interactive run
+        t0 = time.monotonic()
+        proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    assert elapsed < 30, f"took {elapsed:.0f} s"
+    time.sleep(1)
+    _no_survivors("long")

@@ -80,6 +80,15 @@ class RankChecks(L.Callback):
         self.validations += 1
         assert "val_loss" in trainer.callback_metrics, f"rank {trainer.global_rank} misses val_loss"
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        s = trainer.strategy
+        assert isinstance(s, DynPipeStrategy) and s.partition is not None
+        assert s.balance_mode == "auto" and s.plan_table and "time to accuracy" in s.plan_table
+        balances: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(balances, s.partition.balance)
+        assert len(set(balances)) == 1, f"ranks disagree on the planned partition: {balances}"
+        assert trainer.model is pl_module  # no wrapper around the LightningModule
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         lrs: list[Any] = [None] * trainer.world_size

@@ -1,6 +1,6 @@
-"""A 2-stage fit (popen launcher) in which one stage fails at step 3.
+"""A 2-stage fit (popen launcher) in which one stage fails at step 3, or (``long``) that trains until interrupted.
 
-Usage: python failing_fit.py {last-exception,first-exception,first-sigkill}
+Usage: python failing_fit.py {last-exception,first-exception,first-sigkill,long}
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     callbacks = [KillStageZero()] if mode == "first-sigkill" else []
     balance = [3, 3] if mode == "first-exception" else [2, 3]
-    trainer = L.Trainer(devices=2, max_epochs=2, strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
+    epochs = 10_000 if mode == "long" else 2
+    if mode == "long":
+        print("TRAINING STARTED", flush=True)
+    trainer = L.Trainer(devices=2, max_epochs=epochs, strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
                         **trainer_kwargs(callbacks=callbacks))
     trainer.fit(FailingNet(mode), loader())
