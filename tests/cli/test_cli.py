@@ -9,8 +9,9 @@ command in a fresh interpreter, so the default popen launcher re-runs it for ran
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib
 import importlib.util
+import json
 import inspect
 import os
 import re
@@ -22,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 import lightning_dynpipe.__main__ as entry
-from lightning_dynpipe import DynPipeStrategy
+from lightning_dynpipe import ConfigurationError, DynPipeStrategy
 from lightning_dynpipe.cli import main
 
 # Lightning 2.6's LightningCLI calls jsonargparse APIs deprecated in jsonargparse 4.49; not ours to fix.
@@ -215,35 +217,40 @@ def test_dispatch_sends_lightning_subcommands_to_the_cli(capsys: pytest.CaptureF
     assert config["model"]["class_path"] == "lightning_dynpipe.demos.MLP"
 
 
-def test_dispatch_plan_without_plan_cli_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_plan_command_prints_the_plan_and_writes_the_timeline(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(entry, "PLAN_MODULE", "lightning_dynpipe._no_such_plan_cli")
-    assert entry.dispatch(["plan", "--help"]) == 2
-    err = capsys.readouterr().err
-    assert "the 'plan' command needs the module lightning_dynpipe._no_such_plan_cli" in err
-    assert "fit, validate, test, predict" in err
+    """``python -m lightning_dynpipe plan``: profile, plan and simulate without starting any process."""
+    timeline, trace = tmp_path / "timeline.png", tmp_path / "trace.json"
+    status = entry.dispatch([
+        "plan", "--model", "lightning_dynpipe.demos:MLP", "--init-args", '{"width": 64, "depth": 3}',
+        "--devices", "2", "--batch-size", "32", "--num-microbatches", "4", "--timeline", str(timeline),
+        "--trace", str(trace), "--latency-us", "50", "--bandwidth-gbps", "1",
+    ])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "Per-layer profile (micro-batch of 8)" in out
+    assert "stages=2" in out and "partition=[" in out and "time to accuracy" in out
+    assert "simulated async step" in out
+    assert timeline.stat().st_size > 1000 and json.loads(trace.read_text())["traceEvents"]
 
 
-@pytest.fixture
-def fake_plan_cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
-    calls: list[list[str]] = []
-    module = types.ModuleType("fake_plan_cli")
-    module.__spec__ = importlib.machinery.ModuleSpec("fake_plan_cli", loader=None)
+class NoExampleInput(torch.nn.Module):
+    """A model with a pipeline but no way to tell its input shape."""
 
-    def fake_main(argv: list[str]) -> int:
-        calls.append(argv)
-        return 3
-
-    module.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fake_plan_cli", module)
-    monkeypatch.setattr(entry, "PLAN_MODULE", "fake_plan_cli")
-    yield calls
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
 
 
-def test_dispatch_plan_routes_to_plan_cli_when_it_exists(fake_plan_cli: list[list[str]]) -> None:
-    assert entry.dispatch(["plan", "--devices", "2"]) == 3
-    assert fake_plan_cli == [["--devices", "2"]]
+def test_plan_command_explains_a_missing_input_shape(tmp_path: Path) -> None:
+    args = ["plan", "--model", f"{__name__}:NoExampleInput", "--devices", "2", "--batch-size", "8",
+            "--timeline", str(tmp_path / "t.png")]
+    with pytest.raises(ConfigurationError, match="give --input-shape"):
+        entry.dispatch(args)
+    assert entry.dispatch([*args, "--input-shape", "4"]) == 0
+    with pytest.raises(ConfigurationError, match="has no attribute `layers`"):
+        entry.dispatch([*args, "--pipeline-attr", "layers"])
 
 
 # ---------------------------------------------------------------------------------------------- real runs
