@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
