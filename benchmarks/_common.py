@@ -72,6 +72,20 @@ def _git_commit() -> str | None:
         return None
 
 
+def _git_dirty() -> list[str] | None:
+    """Tracked files with uncommitted changes (the numbers belong to the working tree, not only the commit)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def machine_info() -> dict[str, Any]:
     """What a reader needs to judge a number: CPU, cores, load, OS, Python, torch and Lightning versions."""
     import torch
@@ -98,6 +112,7 @@ def machine_info() -> dict[str, Any]:
         "lightning": _package_version("lightning"),
         "lightning_dynpipe": _package_version("lightning-dynpipe"),
         "git_commit": _git_commit(),
+        "git_modified_files": _git_dirty(),
     }
 
 

@@ -502,7 +502,10 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         stages = []
         for k in range(NUM_STAGES):
             samples = [next(c["cpu"] for c in by[s][rep]["cpu"] if c["stage"] == k) for rep in sorted(by[s])]
-            entry = {"stage": k, "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples])}
+            # DynPipe's probe covers the timed steps; torch's the whole call (warm-up and stage set-up included).
+            per_step = cfg.steps if not s.startswith("torch-") else cfg.steps + cfg.warmup
+            entry = {"stage": k, "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
+                     "cpu_per_step_s": median([c["process_cpu_s"] / per_step for c in samples])}
             if all("main_runqueue_wait_s" in c for c in samples):
                 entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
                 entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
@@ -510,6 +513,15 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         cpu[s] = stages
 
     predictions: dict[str, Any] = {}
+    if "async" in cpu and "sync" in cpu:
+        # If the stages are CPU-starved (oversubscribed machine), throughput follows CPU work per step, and the
+        # bottleneck stage's work sets the pace.
+        work = {s: max(st["cpu_per_step_s"] for st in cpu[s]) for s in cpu}
+        predictions["cpu_work"] = {
+            "bottleneck_cpu_per_step_s": work,
+            "async_vs_sync": work["sync"] / work["async"],
+            "async_vs_torch_1f1b": work["torch-1f1b"] / work["async"] if "torch-1f1b" in work else None,
+        }
     sources = {
         "isolated": _costs_from_calibration(calibration),
         "inside_sync": _costs_from_runs(runs, "sync"),
@@ -599,11 +611,13 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
     for s, stages in summary["cpu"].items():
         cells = [LABELS[s]]
         for st in stages:
+            cells.append(f"{st['cpu_per_step_s'] * 1e3:.1f}")
             cells.append(f"{st['cores_used']:.2f}")
             w = st.get("main_runqueue_wait_share")
             cells.append("-" if w is None else f"{w * 100:.0f}%")
         rows.append(cells)
-    headers = ["system", "stage 0 cores", "stage 0 run-queue wait", "stage 1 cores", "stage 1 run-queue wait"]
+    headers = ["system", "stage 0 CPU ms/step", "cores", "run-queue wait",
+               "stage 1 CPU ms/step", "cores", "run-queue wait"]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -644,9 +658,10 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
     for name, label in (("isolated", "simulator, isolated costs"),
                         ("isolated_with_stash", "simulator, isolated costs + async weight snapshots"),
                         ("inside_sync", "simulator, costs inside DynPipe sync"),
-                        ("own_costs", "simulator, each schedule's own costs")):
+                        ("own_costs", "simulator, each schedule's own costs"),
+                        ("cpu_work", "CPU work per step (bottleneck stage), if CPU-starved")):
         if name in p:
-            vt = p[name].get("async_vs_torch_1f1b")
+            vt = p[name].get("async_vs_torch_1f1b")  # torch's CPU work includes its set-up: a lower bound
             ratio_rows.append([label, f"{p[name]['async_vs_sync']:.3f}x", "-" if vt is None else f"{vt:.3f}x"])
     if measured_vs_sync is not None:
         ratio_rows.append(["measured (median of paired ratios)", f"{measured_vs_sync:.3f}x",
@@ -797,6 +812,9 @@ def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
         f"batch {cfg.batch_size}, M={cfg.num_microbatches}, SGD lr {cfg.lr}; {cfg.repeats} repeats x "
         f"({cfg.warmup} warm-up + {cfg.steps} timed steps) per system"
     )
+    dirty = machine.get("git_modified_files")
+    commit = (machine.get("git_commit") or "?")[:10]
+    print(f"code: commit {commit}" + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
     print(f"command: {cmd}", flush=True)
 
 
@@ -834,8 +852,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           "times the run):")
     print(render_breakdown(summary))
     print()
-    print("CPU per stage process (cores used = CPU time of all threads / wall; run-queue wait = share of wall time "
-          "the main thread was runnable but another process had the core):")
+    print("CPU per stage process: CPU time of all threads per step (torch: averaged over warm-up and set-up too), "
+          "cores used = CPU time / wall time, run-queue wait = share of wall time the main thread was runnable "
+          "but another process had the core:")
     print(render_cpu(summary))
     print()
     print(render_predictions(summary))
