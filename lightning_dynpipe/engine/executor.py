@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_dynpipe.engine.p2p import RecvChannel, SendChannel
+from lightning_dynpipe.engine.p2p import Message, RecvChannel, SendChannel
 from lightning_dynpipe.engine.stash import WeightStash
 from lightning_dynpipe.engine.wire import MessageKind
 from lightning_dynpipe.errors import ConfigurationError, ScheduleError
@@ -146,6 +146,8 @@ class StepStats:
     optimizer_s: float = 0.0
     recv_wait_s: float = 0.0
     send_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
     step_s: float = 0.0
     num_forward: int = 0
     num_backward: int = 0
@@ -158,6 +160,15 @@ class StepStats:
     def compute_s(self) -> float:
         """Forward plus backward plus optimizer time."""
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def comm_overlap(self) -> float:
+        """Measured share of incoming transfer time hidden behind compute (1: all hidden; 1 with no transfers).
+
+        A transfer is exposed for as long as the stage waited for it after asking: the receiver thread times
+        each payload from its header's arrival, and the executor knows when it asked for the message.
+        """
+        return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
 
 
 @dataclass
@@ -381,11 +392,16 @@ class StageExecutor:
             return tuple(tensors)
         return tensors[0]
 
+    def _account_recv(self, msg: Message, wanted_at: float) -> None:
+        self.stats.recv_wait_s += time.perf_counter() - wanted_at
+        self.stats.comm_s += msg.transfer_s
+        self.stats.exposed_comm_s += msg.exposed_transfer_s(wanted_at)
+
     def _recv_activation(self, instr: RecvActivation) -> None:
         assert self.channels.recv_activation is not None
         t0 = time.perf_counter()
         msg = self.channels.recv_activation.get(MessageKind.ACTIVATION, instr.mb_idx)
-        self.stats.recv_wait_s += time.perf_counter() - t0
+        self._account_recv(msg, t0)
         inputs: list[Tensor | None] = []
         for t in msg.tensors:
             if t is not None and t.is_floating_point() and msg.header.specs[len(inputs)].requires_grad:  # type: ignore[union-attr]
@@ -436,7 +452,7 @@ class StageExecutor:
         assert self.channels.recv_grad is not None
         t0 = time.perf_counter()
         msg = self.channels.recv_grad.get(MessageKind.GRADIENT, instr.mb_idx)
-        self.stats.recv_wait_s += time.perf_counter() - t0
+        self._account_recv(msg, t0)
         mb = self._mbs[instr.mb_idx]
         mb.out_grads = msg.tensors
         mb.loss_value = msg.header.aux

@@ -38,11 +38,20 @@ _MAX_OUTSTANDING = 64
 
 @dataclass
 class Message:
-    """A received message: its header and its tensors (``None`` where the sender had no tensor)."""
+    """A received message: its header and its tensors (``None`` where the sender had no tensor).
+
+    ``transfer_s`` is how long the payload took to arrive once its header was in (the link's share of the
+    message); ``arrived_at`` is when the whole message was ready (``time.perf_counter``).
+    """
 
     header: Header
     tensors: list[Tensor | None]
     arrived_at: float = field(default_factory=time.perf_counter)
+    transfer_s: float = 0.0
+
+    def exposed_transfer_s(self, wanted_at: float) -> float:
+        """The part of the transfer the consumer waited for, having asked for the message at ``wanted_at``."""
+        return min(self.transfer_s, max(0.0, self.arrived_at - wanted_at))
 
 
 class DelayInjector:
@@ -193,6 +202,7 @@ class RecvChannel:
                         header.mb_idx, int(header.aux)))
                     return
                 tensors: list[Tensor | None] = []
+                t_header = time.perf_counter()
                 for spec in header.specs:
                     if spec is None:
                         tensors.append(None)
@@ -202,7 +212,8 @@ class RecvChannel:
                     tensors.append(t)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                self._queue.put(Message(header, tensors))
+                now = time.perf_counter()
+                self._queue.put(Message(header, tensors, arrived_at=now, transfer_s=now - t_header))
         except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)
             if self._closed:
                 return

@@ -107,3 +107,16 @@ def test_split_microbatches_refuses_small_batches() -> None:
         split_microbatches((torch.zeros(3, 2), torch.zeros(3)), 4)
     with pytest.raises(ConfigurationError, match="no tensor with a batch dimension"):
         split_microbatches({"a": 1}, 2)
+
+
+def test_exposed_transfer_and_measured_overlap() -> None:
+    from lightning_dynpipe.engine.executor import StepStats
+    from lightning_dynpipe.engine.p2p import Message
+    from lightning_dynpipe.engine.wire import Header
+
+    msg = Message(Header(MessageKind.ACTIVATION, 0, (), 0.0), [], arrived_at=10.0, transfer_s=2.0)
+    assert msg.exposed_transfer_s(wanted_at=11.0) == 0.0  # ready before it was asked for: hidden
+    assert msg.exposed_transfer_s(wanted_at=9.5) == 0.5  # asked mid-transfer: the rest was waited for
+    assert msg.exposed_transfer_s(wanted_at=5.0) == 2.0  # asked before it started: all exposed
+    stats = StepStats(comm_s=4.0, exposed_comm_s=1.0)
+    assert stats.comm_overlap == 0.75 and StepStats().comm_overlap == 1.0
