@@ -91,8 +91,9 @@ class Config:
     """Everything a worker needs; also recorded in the JSON output.
 
     Why this model (chosen once, before measuring): the demo MLP with width 512 and depth 8 has 9 layers and
-    2.4 M parameters; DynPipe's default parameter-count balance splits it [4, 5], which also balances compute
-    (stage 0 owns the 784-wide first layer but skips its input gradient). With a batch of 256 in M=4
+    2.4 M parameters; balancing parameter counts (DynPipe's ``balance="parameters"``) splits it [4, 5], which
+    also balances compute (stage 0 owns the 784-wide first layer but skips its input gradient). The split is
+    passed to every system as an explicit list, so DynPipe's planner (``balance="auto"``) plays no part. With a batch of 256 in M=4
     micro-batches of 64, one micro-batch costs a few ms of forward and about twice that of backward per stage,
     so a step is tens of ms of compute per stage on one core, while a message between the stages is 128 KiB:
     compute-bound, as pipeline parallelism assumes, and short enough for ten interleaved repeats in minutes.
@@ -123,7 +124,7 @@ def _model(cfg: Config) -> Any:
 
 
 def default_balance(width: int, depth: int) -> tuple[int, ...]:
-    """The split DynPipe chooses by default (balanced parameter counts), made explicit for every system."""
+    """DynPipe's ``balance="parameters"`` split (balanced parameter counts), made explicit for every system."""
     from lightning_dynpipe.plan.partition import balance_by_weights
 
     cfg = Config(width=width, depth=depth)
@@ -417,6 +418,10 @@ def _per_step(stages: list[dict[str, Any]] | None) -> list[dict[str, float]] | N
         mean = {k: sum(s[k] for s in steps) / len(steps) for k in _STAT_KEYS}
         mean["stage"] = st["stage"]
         mean["wall_per_step_s"] = st["wall_s"] / len(steps)
+        # Derived per run, before any median over repeats (a difference of medians need not be a median).
+        compute = mean["forward_s"] + mean["backward_s"] + mean["optimizer_s"]
+        mean["other_s"] = mean["step_s"] - compute - mean["recv_wait_s"] - mean["send_s"]
+        mean["outside_s"] = mean["wall_per_step_s"] - mean["step_s"]
         out.append(mean)
     return out
 
@@ -581,13 +586,16 @@ def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
 
 
 def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
-    """Per stage and DynPipe schedule, milliseconds per step: compute, receive wait, send, the rest."""
+    """Per stage and DynPipe schedule, milliseconds per step: compute, receive wait, send, the rest.
+
+    Every column is a median over repeats on its own, so the columns need not add up to ``executor step``.
+    ``other`` is executor time outside the timed instructions (splitting the batch, weight snapshots,
+    dispatch); ``outside executor`` is the rest of the Lightning step (hooks, logging, the broadcasts).
+    """
     rows = []
     for s, stages in summary["breakdown"].items():
         for st in stages:
-            compute = st["forward_s"] + st["backward_s"] + st["optimizer_s"]
-            other = st["step_s"] - compute - st["recv_wait_s"] - st["send_s"]
-            outside = st["wall_per_step_s"] - st["step_s"]
+            other, outside = st["other_s"], st["outside_s"]
             rows.append([
                 f"{LABELS[s]} / stage {st['stage']}",
                 f"{st['forward_s'] * 1e3:.1f}",
@@ -763,7 +771,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--microbatches", "-M", type=int, default=None, help=f"micro-batches per step (default {d.num_microbatches})")
     p.add_argument("--lr", type=float, default=None, help=f"SGD learning rate (default {d.lr})")
     p.add_argument("--balance", type=str, default=None,
-                   help="layers per stage, e.g. 4,5 (default: balanced by parameter count, as DynPipe does)")
+                   help="layers per stage, e.g. 4,5 (default: balanced by parameter count, DynPipe's "
+                        "balance='parameters')")
     p.add_argument("--systems", type=str, default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quick", action="store_true",
