@@ -428,8 +428,8 @@ class DynPipeStrategy(DDPStrategy):
         group = dist.new_group([0, 1], timeout=self._timeout or _DEFAULT_TIMEOUT)
         try:
             if self.global_rank in (0, 1):
-                return probe_p2p(group, 1 - self.global_rank, initiator=self.global_rank == 0,
-                                 device=self.root_device)
+                # device=None: the probe picks what the backend can send (CPU tensors for gloo)
+                return probe_p2p(group, 1 - self.global_rank, initiator=self.global_rank == 0)
             return CommModel()
         finally:
             if self.global_rank in (0, 1):
