@@ -31,7 +31,7 @@ plot to ``docs/img/throughput.png``.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/throughput.py                 # the documented run (about 5 minutes)
+    .venv/bin/python benchmarks/throughput.py                 # the documented run (about 2 minutes on 2 cores)
     .venv/bin/python benchmarks/throughput.py --quick         # smoke run: tiny model, 1 repeat (~30 s)
     .venv/bin/python benchmarks/throughput.py --repeats 5 --steps 30 --width 1024
     .venv/bin/python benchmarks/throughput.py --from-json benchmarks/out/throughput-<stamp>.json  # re-analyse
