@@ -91,7 +91,7 @@ class Config:
     """Everything a worker needs; also recorded in the JSON output.
 
     Why this model (chosen once, before measuring): the demo MLP with width 512 and depth 8 has 9 layers and
-    2.4 M parameters; balancing parameter counts (DynPipe's ``balance="parameters"``) splits it [4, 5], which
+    2.25 M parameters; balancing parameter counts (DynPipe's ``balance="parameters"``) splits it [4, 5], which
     also balances compute (stage 0 owns the 784-wide first layer but skips its input gradient). The split is
     passed to every system as an explicit list, so DynPipe's planner (``balance="auto"``) plays no part. With a batch of 256 in M=4
     micro-batches of 64, one micro-batch costs a few ms of forward and about twice that of backward per stage,
