@@ -155,6 +155,10 @@ def _strictly_increasing(values: Sequence[float]) -> bool:
     return all(a < b for a, b in zip(values, values[1:]))
 
 
+def _fmt(v: float | None, spec: str = ".0f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, Any]:
     """Medians per profile, the three predictions, and the ranking verdicts."""
     profiles: list[Profile] = list(args.profile_list) + list(args.extra_list)
@@ -174,17 +178,17 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
     loo: dict[Profile, float | None] = {}
     loo_beta: dict[Profile, float | None] = {}
     if complete:
-        ranking_obs = [obs[p] for p in ranking if obs[p] is not None]
+        ranking_obs = [o for p in ranking if (o := obs[p]) is not None]
         try:
             fit_all = fit_beta(ranking_obs)
         except ValueError as err:
             logging.warning("fit on all profiles failed: %s", err)
         for p in ranking:
-            rest = [obs[q] for q in ranking if q != p and obs[q] is not None]
+            rest = [o for q in ranking if q != p and (o := obs[q]) is not None]
             try:
                 m = fit_beta(rest)
-                o = by_profile[p][0]
-                loo[p], loo_beta[p] = m.iterations(o.staleness, o.stage_parameters), m.beta
+                r0 = by_profile[p][0]
+                loo[p], loo_beta[p] = m.iterations(r0.staleness, r0.stage_parameters), m.beta
             except ValueError as err:
                 logging.warning("leave-one-out fit without %s failed: %s", _name(p), err)
                 loo[p], loo_beta[p] = None, None
@@ -205,7 +209,7 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
                     ratios.append(r.steps / base.steps)
         pred_default = default_model.iterations(r0.staleness, r0.stage_parameters)
         pred_fit = fit_all.iterations(r0.staleness, r0.stage_parameters) if fit_all else None
-        entry = {
+        entry: dict[str, Any] = {
             "profile": p if isinstance(p, int) else list(p),
             "name": _name(p),
             "in_ranking": p in ranking,
@@ -223,21 +227,17 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
             "loo_beta": loo_beta.get(p),
         }
         table.append(entry)
-
-        def fmt(v: float | None, spec: str = ".0f") -> str:
-            return "-" if v is None else format(v, spec)
-
         rows.append([
             _name(p) + ("" if p in ranking else " *"),
             str(list(r0.balance)),
             f"{x[p]:.2f}",
             f"{len(reached)}/{len(steps)}",
-            fmt(entry["median_steps"]) + (f" [{min(reached)}-{max(reached)}]" if reached else ""),
-            fmt(entry["median_iterations"]),
-            fmt(entry["paired_ratio_to_1_stage"], ".3f"),
-            fmt(pred_default),
-            fmt(pred_fit),
-            fmt(loo.get(p)) if p in ranking else "",
+            _fmt(entry["median_steps"]) + (f" [{min(reached)}-{max(reached)}]" if reached else ""),
+            _fmt(entry["median_iterations"]),
+            _fmt(entry["paired_ratio_to_1_stage"], ".3f"),
+            _fmt(pred_default),
+            _fmt(pred_fit),
+            _fmt(loo.get(p)) if p in ranking else "",
         ])
     headers = ["profile", "balance", "sum w*s", "reached", "steps: median [range]", "iters (median)",
                "paired ratio", f"pred beta={DEFAULT_BETA:g}", "pred fit(all)", "pred LOO"]
