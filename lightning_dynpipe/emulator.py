@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ def replay_async(
     staleness: Sequence[int] | None = None,
     input_fn: Callable[[Any], Any] = _default_input,
     drain_after_steps: Collection[int] = (),
+    repartitions: Mapping[int, Sequence[int]] | None = None,
     on_step_end: Callable[[int, list[float]], None] | None = None,
 ) -> list[float]:
     """Trains ``pipeline`` in place with PipeDream semantics; returns the loss of every micro-batch.
@@ -59,7 +60,8 @@ def replay_async(
     Args:
         pipeline: the layers; its parameters are updated in place.
         balance: layers per stage.
-        make_optimizer: builds one stage's optimizer from its parameters (same hyper-parameters for all).
+        make_optimizer: builds the optimizer of a group of parameters (called once per layer; the optimizers
+            of the supported kind, element-wise like SGD and Adam, then behave as one per stage).
         batches: the Lightning batches, in order.
         num_microbatches: ``M``.
         loss_fn: ``loss_fn(output, micro_batch)``, the loss of one micro-batch.
@@ -67,6 +69,8 @@ def replay_async(
         input_fn: maps a micro-batch to the pipeline input.
         drain_after_steps: step indices (0-based) after which the pipeline drains (validation, checkpoints):
             the micro-batch counter restarts there.
+        repartitions: ``{step: balance}``: after that step the pipeline drains and continues with the new
+            balance (what :meth:`DynPipeStrategy.repartition` does; the optimizer state moves with the layers).
         on_step_end: called with ``(step, losses of that step)`` after each step.
     """
     part = Partition.from_balance(balance, len(pipeline))
@@ -74,10 +78,17 @@ def replay_async(
     stale = list(staleness) if staleness is not None else default_staleness(S)
     if len(stale) != S or any(s < 0 for s in stale):
         raise ConfigurationError(f"staleness needs {S} non-negative entries, one per stage; got {stale}.")
-    stages = [nn.Sequential(*[pipeline[i] for i in part.stage_layers(k)]) for k in range(S)]
-    names = [[n for n, _ in st.named_parameters()] for st in stages]
-    live = [[p for _, p in st.named_parameters()] for st in stages]
-    opts = [make_optimizer(ps) for ps in live]
+    layer_opts = [make_optimizer(ps) if (ps := list(layer.parameters())) else None for layer in pipeline]
+
+    def build(part: Partition) -> tuple[list[nn.Sequential], list[list[str]], list[list[nn.Parameter]],
+                                         list[list[Optimizer]]]:
+        stages = [nn.Sequential(*[pipeline[i] for i in part.stage_layers(k)]) for k in range(S)]
+        names = [[n for n, _ in st.named_parameters()] for st in stages]
+        live = [[p for _, p in st.named_parameters()] for st in stages]
+        opts = [[o for i in part.stage_layers(k) if (o := layer_opts[i]) is not None] for k in range(S)]
+        return stages, names, live, opts
+
+    stages, names, live, opts = build(part)
 
     def snapshot(k: int) -> dict[str, Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(names[k], live[k])}
@@ -102,8 +113,9 @@ def replay_async(
                     if t.requires_grad:
                         g = next(grads)
                         p.grad = None if g is None else g.clone()
-                opts[k].step()
-                opts[k].zero_grad(set_to_none=True)
+                for opt in opts[k]:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
                 history[k][i + 1] = snapshot(k)
                 for v in [v for v in history[k] if v < i + 1 - stale[k]]:
                     del history[k][v]
@@ -112,7 +124,9 @@ def replay_async(
         losses.extend(step_losses)
         if on_step_end is not None:
             on_step_end(step, step_losses)
-        if step in drain_after_steps:
+        if repartitions and step in repartitions:
+            stages, names, live, opts = build(Partition.from_balance(repartitions[step], len(pipeline)))
+        if step in drain_after_steps or (repartitions and step in repartitions):
             i = 0
             history = [{0: snapshot(k)} for k in range(S)]
     return losses

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -31,7 +33,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dynpipe.engine.executor import StageExecutor, _batch_len, split_microbatches
+from lightning_dynpipe.engine.executor import StageChannels, StageExecutor, _batch_len, split_microbatches
 from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
@@ -41,9 +43,11 @@ from lightning_dynpipe.plan.costs import CommModel
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.repartition.migrate import recv_layer, send_layer
+from lightning_dynpipe.repartition.plan import plan_moves
 from lightning_dynpipe.schedule import SCHEDULES
 
-__all__ = ["DynPipeStrategy"]
+__all__ = ["DynPipeStrategy", "MigrationRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,18 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)
 def _batch_len_or_one(x: Any) -> int:
     n = _batch_len(x)
     return n if n is not None and n > 0 else 1
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """One live repartition: when, from which partition to which, what moved and how long training paused."""
+
+    step: int
+    old: Partition
+    new: Partition
+    moved: tuple[int, ...]
+    bytes_sent: int
+    pause_s: float
 
 
 class _Placeholder(nn.Module):
@@ -225,6 +241,9 @@ class DynPipeStrategy(DDPStrategy):
         self._owned: list[int] = []
         self._full_keys: list[str] = []
         self._canonical: list[list[list[int]]] = []  # [optimizer][group] -> canonical index of each local param
+        self._param_slots: list[dict[tuple[int, str], tuple[int, int]]] = []  # (layer, name) -> (group, canonical)
+        self._pending_partition: Partition | None = None
+        self.migrations: list[MigrationRecord] = []
         self._full_group_sizes: list[list[int]] = []
         self._mirror: _MetricsMirror | None = None
         self._failure: FailureHandler | None = None
@@ -481,9 +500,11 @@ class DynPipeStrategy(DDPStrategy):
         self._groups = build_groups(
             self._topology, self.global_rank, self._get_process_group_backend(), self._timeout or _DEFAULT_TIMEOUT
         )
+        if fitting:
+            self._record_param_slots(pipeline)  # before partitioning: offloading may replace Parameter objects
         self._partition_module(pipeline)
         if fitting:
-            self._filter_optimizers()
+            self._refilter_optimizers()
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -509,24 +530,46 @@ class DynPipeStrategy(DDPStrategy):
             self._offloaded[layer_idx] = layer
             pipeline[layer_idx] = _Placeholder(layer_idx, self.partition.stage_of_layer(layer_idx))
 
-    def _filter_optimizers(self) -> None:
-        owned_ids = {id(p) for i in self._owned for p in self._pipeline()[i].parameters()}
-        self._canonical = []
+    def _record_param_slots(self, pipeline: nn.Sequential) -> None:
+        """Records every pipeline parameter's (group, canonical index) in the optimizers built on the full model."""
+        names = {id(p): (i, n) for i in range(len(pipeline)) for n, p in pipeline[i].named_parameters()}
+        self._param_slots = []
         self._full_group_sizes = []
         for opt in self.optimizers:
-            canon, sizes, base = [], [], 0
-            for group in opt.param_groups:
-                params = group["params"]
-                keep = [j for j, p in enumerate(params) if id(p) in owned_ids]
-                canon.append([base + j for j in keep])
-                sizes.append(len(params))
-                base += len(params)
-                group["params"] = [params[j] for j in keep]  # in place: schedulers keep their groups
-            for p in list(opt.state.keys()):
-                if id(p) not in owned_ids:
-                    del opt.state[p]
-            self._canonical.append(canon)
+            slots, sizes, base = {}, [], 0
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) in names:
+                        slots[names[id(p)]] = (g, base + j)
+                sizes.append(len(group["params"]))
+                base += len(group["params"])
+            self._param_slots.append(slots)
             self._full_group_sizes.append(sizes)
+
+    def _refilter_optimizers(self) -> None:
+        """Puts exactly the owned layers' parameters in the optimizer groups, in canonical order.
+
+        Groups are edited in place and never removed, so LR schedulers and ``LightningOptimizer`` wrappers keep
+        working; the state of parameters that left this stage is dropped (they travelled with their layer).
+        """
+        pipeline = self._pipeline()
+        self._canonical = []
+        for opt, slots in zip(self.optimizers, self._param_slots):
+            per_group: list[list[tuple[int, nn.Parameter]]] = [[] for _ in opt.param_groups]
+            for i in self._owned:
+                for n, p in pipeline[i].named_parameters():
+                    if (i, n) in slots:
+                        g, c = slots[(i, n)]
+                        per_group[g].append((c, p))
+            canon = []
+            for group, items in zip(opt.param_groups, per_group):
+                items.sort(key=lambda item: item[0])
+                group["params"] = [p for _, p in items]
+                canon.append([c for c, _ in items])
+            live = {id(q) for group in opt.param_groups for q in group["params"]}
+            for stale in [q for q in opt.state if id(q) not in live]:
+                del opt.state[stale]
+            self._canonical.append(canon)
 
     def _bind_metrics(self) -> None:
         try:
@@ -544,11 +587,13 @@ class DynPipeStrategy(DDPStrategy):
 
     def _build_executor(self, pipeline: nn.Sequential) -> None:
         assert self._groups is not None
-        stage_module = nn.Sequential(*[pipeline[i] for i in self._owned])
         self._failure = FailureHandler(self.stage_idx, self.global_rank)
         channels = build_channels(self._groups, self.root_device, self._timeout_s, self._failure)
-        module = self.lightning_module
-        user_input = getattr(module, "pipeline_input", None)
+        self._make_executor(pipeline, channels)
+
+    def _make_executor(self, pipeline: nn.Sequential, channels: StageChannels) -> None:
+        stage_module = nn.Sequential(*[pipeline[i] for i in self._owned])
+        user_input = getattr(self.lightning_module, "pipeline_input", None)
 
         def first_stage_input(batch: Any) -> Any:
             if callable(user_input):
@@ -568,6 +613,71 @@ class DynPipeStrategy(DDPStrategy):
         )
         executor = self.executor
         pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ live repartitioning
+    def repartition(self, balance: list[int] | Partition) -> None:
+        """Moves layers between stages at the start of the next training step, without a restart.
+
+        Call it with the same ``balance`` on every rank (from a callback, say); the pipeline drains, the layers
+        that change stage travel with their optimizer state, and training resumes. A run that migrates equals
+        a run with the same drains and no migration. The pause is recorded in :attr:`migrations`.
+
+        Example::
+
+            class MoveOneLayer(L.Callback):
+                def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                    if batch_idx == 100:
+                        trainer.strategy.repartition([3, 6])
+        """
+        if self.partition is None:
+            raise ConfigurationError("repartition() needs a running pipeline: call it during fit.")
+        new = balance if isinstance(balance, Partition) else Partition.from_balance(balance, self.partition.num_layers)
+        plan_moves(self.partition, new)  # validates the shape of the new partition
+        self._pending_partition = new
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._pending_partition is not None:
+            new, self._pending_partition = self._pending_partition, None
+            self._migrate(new, step=batch_idx)
+
+    def _migrate(self, new: Partition, step: int) -> MigrationRecord:
+        """Drains, moves the layers that change stage (collective over each pipeline), rebuilds the stage."""
+        assert self.partition is not None and self._groups is not None and self.executor is not None
+        t0 = time.perf_counter()
+        old = self.partition
+        moves = plan_moves(old, new)
+        self.drain()
+        pipeline = self._pipeline()
+        optimizer = self.optimizers[0] if self.optimizers else None
+        sent = 0
+        for move in moves:
+            src = self.topology.rank_of(self.dp_rank, move.src)
+            dst = self.topology.rank_of(self.dp_rank, move.dst)
+            if self.global_rank == src:
+                layer = pipeline[move.layer_idx]
+                sent += send_layer(layer, optimizer, dst, self._groups.pipeline)
+                layer.to("meta")
+                self._offloaded[move.layer_idx] = layer
+                pipeline[move.layer_idx] = _Placeholder(move.layer_idx, move.dst)
+            elif self.global_rank == dst:
+                skeleton = self._offloaded.pop(move.layer_idx)
+                recv_layer(skeleton, optimizer, src, self._groups.pipeline, self.root_device)
+                pipeline[move.layer_idx] = skeleton
+        for i, layer in enumerate(pipeline):
+            if isinstance(layer, _Placeholder):
+                layer.owner_stage = new.stage_of_layer(i)
+        self.partition = new
+        self._owned = list(new.stage_layers(self.stage_idx))
+        if self.optimizers:
+            self._refilter_optimizers()
+        self._make_executor(pipeline, self.executor.channels)
+        record = MigrationRecord(step=step, old=old, new=new, moved=tuple(m.layer_idx for m in moves),
+                                 bytes_sent=sent, pause_s=time.perf_counter() - t0)
+        self.migrations.append(record)
+        rank_zero_info(f"DynPipe repartition at step {step}: {old} -> {new}, moved layers {list(record.moved)}, "
+                       f"pause {record.pause_s * 1e3:.1f} ms")
+        return record
 
     def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
         out = self._lm.training_step(micro_batch, self._batch_idx)

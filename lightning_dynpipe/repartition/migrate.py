@@ -1,0 +1,92 @@
+"""Moving one layer's weights, buffers and optimizer state between two ranks as tensors (no pickle).
+
+Both sides hold the layer's module structure: the sender the live layer, the receiver a ``meta`` skeleton
+with the same parameter and buffer shapes, so the weights travel as bare tensors in ``state_dict`` order.
+The optimizer state of each parameter travels as one message of the engine's wire format: a uint8 tensor
+with the state's key names, then one tensor per key (Python numbers as 0-d float64 tensors, keys marked
+``#``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_dynpipe.engine.p2p import decode_text, encode_text
+from lightning_dynpipe.engine.wire import HEADER_LEN, MessageKind, decode, encode
+
+__all__ = ["send_layer", "recv_layer"]
+
+
+def _send_tensors(tensors: list[Tensor], dst: int, group: Any) -> int:
+    header = encode(MessageKind.ACTIVATION, -1, tensors)
+    dist.send(header, dst=dst, group=group)
+    sent = 0
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst, group=group)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def _recv_tensors(src: int, group: Any, device: torch.device) -> list[Tensor]:
+    header_t = torch.empty(HEADER_LEN, dtype=torch.int64)
+    dist.recv(header_t, src=src, group=group)
+    out = []
+    for spec in decode(header_t).specs:
+        assert spec is not None
+        t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        dist.recv(t, src=src, group=group)
+        out.append(t)
+    return out
+
+
+def send_layer(layer: nn.Module, optimizer: Optimizer | None, dst: int, group: Any) -> int:
+    """Sends ``layer``'s state and its parameters' optimizer state to ``dst``; returns the bytes sent."""
+    sent = 0
+    for t in layer.state_dict().values():
+        dist.send(t.detach().contiguous(), dst=dst, group=group)
+        sent += t.numel() * t.element_size()
+    if optimizer is None:
+        return sent
+    for p in layer.parameters():
+        state = optimizer.state.get(p, {})
+        names, values = [], []
+        for key, value in state.items():
+            if isinstance(value, Tensor):
+                names.append(str(key))
+                values.append(value)
+            else:
+                names.append("#" + str(key))
+                values.append(torch.tensor(float(value), dtype=torch.float64))
+        sent += _send_tensors([encode_text("\n".join(names)), *values], dst, group)
+    return sent
+
+
+def recv_layer(skeleton: nn.Module, optimizer: Optimizer | None, src: int, group: Any, device: torch.device) -> None:
+    """Materialises ``skeleton`` on ``device`` with the state ``src`` sends, and its optimizer state."""
+    skeleton.to_empty(device=device)
+    for t in skeleton.state_dict().values():
+        dist.recv(t, src=src, group=group)  # state_dict tensors share storage with the module's
+    if optimizer is None:
+        return
+    for p in skeleton.parameters():
+        names_t, *values = _recv_tensors(src, group, device)
+        text = decode_text(names_t).strip()
+        state: dict[str, Any] = {}
+        for name, value in zip(text.split("\n") if text else [], values):
+            if name.startswith("#"):
+                state[name[1:]] = value.item()
+            elif name == "step" and value.dim() == 0:
+                state[name] = value.cpu() if value.device.type != "cpu" and not _capturable(optimizer) else value
+            else:
+                state[name] = value
+        if state:
+            optimizer.state[p] = state
+
+
+def _capturable(optimizer: Optimizer) -> bool:
+    return any(bool(g.get("capturable", False)) or bool(g.get("fused", False)) for g in optimizer.param_groups)
