@@ -28,7 +28,7 @@ from lightning_dynpipe.plan.auto import best_plan, simulate_plan
 from lightning_dynpipe.plan.convergence import DEFAULT_BETA, ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel
 from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
-from lightning_dynpipe.schedule.timeline import plot_timeline
+from lightning_dynpipe.plotting import plot_timeline
 
 __all__ = ["main", "build_parser"]
 

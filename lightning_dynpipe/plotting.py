@@ -1,4 +1,4 @@
-"""A timeline picture of a simulated run (matplotlib, imported lazily)."""
+"""Plots of simulated and measured pipelines (matplotlib, imported lazily, so the package runs without it)."""
 
 from __future__ import annotations
 
