@@ -17,6 +17,7 @@ FORBIDDEN = {
     "schedule": {"torch", "lightning", "pytorch_lightning", "sklearn", "lightning_dynpipe.engine",
                  "lightning_dynpipe.strategy"},
     "engine": {"lightning", "pytorch_lightning", "lightning_dynpipe.strategy"},
+    "repartition": {"lightning", "pytorch_lightning", "lightning_dynpipe.strategy"},
     "profiling": {"lightning", "pytorch_lightning", "torch.distributed", "sklearn", "lightning_dynpipe.engine",
                   "lightning_dynpipe.strategy"},
 }

@@ -1,0 +1,150 @@
+"""When to repartition: a pure, public decision rule, replaceable by any object with a ``decide`` method.
+
+A repartition pays when the time it saves over the coming steps exceeds what it costs (a drain, the transfer
+of the moved layers, the warm-up of the pipeline after it). Interference comes and goes, so the default
+policy also wants the gain to persist over several checks (hysteresis) and waits after each migration
+(cool-down) before it considers another, so a short spike does not cause churn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.partition import Partition
+
+__all__ = ["PolicyInputs", "Decision", "RepartitionPolicy", "GainOverCostPolicy"]
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """Everything a policy sees at one check (identical on every rank, so every rank decides the same).
+
+    Attributes:
+        step: the Lightning step (``global_step``).
+        current: the partition in use.
+        candidate: the best partition the planner found under the measured slowdowns.
+        current_step_s: predicted seconds per step with ``current`` under the measured slowdowns.
+        candidate_step_s: predicted seconds per step with ``candidate``.
+        measured_step_s: measured seconds per step (median of the monitor's window).
+        migration_cost_s: measured (or estimated) pause of one migration.
+        remaining_steps: steps left in the run (``None`` if unknown).
+        slowdowns: per-stage slowdown factors the prediction used.
+    """
+
+    step: int
+    current: Partition
+    candidate: Partition
+    current_step_s: float
+    candidate_step_s: float
+    measured_step_s: float
+    migration_cost_s: float
+    remaining_steps: int | None
+    slowdowns: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer, with its reason; logged for every check so a user can see why it (did not) move."""
+
+    repartition: bool
+    partition: Partition
+    predicted_gain_s: float
+    reason: str
+    inputs: PolicyInputs
+
+    def __str__(self) -> str:
+        i = self.inputs
+        verb = f"repartition {i.current} -> {self.partition}" if self.repartition else f"keep {i.current}"
+        return (
+            f"step {i.step}: {verb} ({self.reason}; slowdowns {[round(s, 2) for s in i.slowdowns]}, predicted "
+            f"step {i.current_step_s * 1e3:.1f} -> {i.candidate_step_s * 1e3:.1f} ms, measured "
+            f"{i.measured_step_s * 1e3:.1f} ms, predicted gain {self.predicted_gain_s:.2f} s vs migration "
+            f"{i.migration_cost_s:.2f} s)"
+        )
+
+
+@runtime_checkable
+class RepartitionPolicy(Protocol):
+    """Decides whether to move to the planner's candidate partition. Called on every rank with equal inputs."""
+
+    def decide(self, inputs: PolicyInputs) -> Decision:
+        """The decision for this check."""
+        ...
+
+    def migrated(self, step: int) -> None:
+        """Told when a migration happened (for cool-downs)."""
+        ...
+
+
+@dataclass
+class GainOverCostPolicy:
+    """Repartition when the predicted gain over a horizon beats the migration cost by a margin, persistently.
+
+    Example::
+
+        policy = GainOverCostPolicy(horizon_steps=200, margin=2.0, patience=2, cooldown_steps=50)
+        DynPipeStrategy(adaptive=policy)
+
+    The gain is ``(current_step_s - candidate_step_s) * min(horizon_steps, remaining_steps)``. A move needs
+    ``gain > margin * migration_cost_s`` and a relative step-time improvement of at least
+    ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate, and not within
+    ``cooldown_steps`` of the previous migration.
+
+    Args:
+        horizon_steps: how far ahead the gain is counted.
+        margin: how many times the migration cost the gain must be.
+        min_relative_gain: ignore improvements smaller than this fraction of the step time.
+        patience: consecutive checks that must agree (hysteresis).
+        cooldown_steps: steps after a migration during which nothing moves.
+    """
+
+    horizon_steps: int = 200
+    margin: float = 2.0
+    min_relative_gain: float = 0.05
+    patience: int = 2
+    cooldown_steps: int = 30
+    _streak: int = field(default=0, init=False, repr=False)
+    _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
+    _last_migration: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.horizon_steps < 1 or self.margin < 0 or self.patience < 1 or self.cooldown_steps < 0:
+            raise ConfigurationError(
+                f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, cooldown_steps >= 0; got "
+                f"{self.horizon_steps}, {self.margin}, {self.patience}, {self.cooldown_steps}."
+            )
+
+    def decide(self, inputs: PolicyInputs) -> Decision:
+        """See the class docstring."""
+        horizon = self.horizon_steps if inputs.remaining_steps is None else min(self.horizon_steps,
+                                                                                 inputs.remaining_steps)
+        saving = inputs.current_step_s - inputs.candidate_step_s
+        gain = saving * max(horizon, 0)
+
+        def no(reason: str) -> Decision:
+            self._streak, self._streak_candidate = 0, None
+            return Decision(False, inputs.current, gain, reason, inputs)
+
+        if inputs.candidate == inputs.current:
+            return no("the current partition is already the best")
+        if self._last_migration is not None and inputs.step - self._last_migration < self.cooldown_steps:
+            return no(f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move")
+        if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:
+            return no(f"gain below {self.min_relative_gain:.0%} of the step time")
+        if gain <= self.margin * inputs.migration_cost_s:
+            return no(f"gain over {horizon} steps does not pay {self.margin:g}x the migration cost")
+        if inputs.candidate == self._streak_candidate:
+            self._streak += 1
+        else:
+            self._streak, self._streak_candidate = 1, inputs.candidate
+        if self._streak < self.patience:
+            return Decision(False, inputs.current, gain, f"waiting for {self.patience} checks in a row "
+                                                         f"({self._streak} so far)", inputs)
+        self._streak, self._streak_candidate = 0, None
+        return Decision(True, inputs.candidate, gain, "predicted gain pays the migration", inputs)
+
+    def migrated(self, step: int) -> None:
+        """Starts the cool-down."""
+        self._last_migration = step
