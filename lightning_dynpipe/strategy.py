@@ -39,12 +39,13 @@ from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.convergence import ConvergenceModel
-from lightning_dynpipe.plan.costs import CommModel
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.repartition.migrate import recv_layer, send_layer
 from lightning_dynpipe.repartition.plan import plan_moves
+from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
@@ -52,6 +53,19 @@ __all__ = ["DynPipeStrategy", "MigrationRecord"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def _cost_arrays(cost: ModelCost) -> dict[str, list[Any]]:
+    """A ModelCost as plain lists (what ModelCost.from_arrays takes), to broadcast to every rank."""
+    layers = cost.layers
+    return {
+        "forward_s": [c.forward_s for c in layers],
+        "backward_s": [c.backward_s for c in layers],
+        "activation_bytes": [c.activation_bytes for c in layers],
+        "param_bytes": [c.param_bytes for c in layers],
+        "optimizer_state_bytes": [c.optimizer_state_bytes for c in layers],
+        "workspace_bytes": [c.workspace_bytes for c in layers],
+    }
 
 
 def _batch_len_or_one(x: Any) -> int:
@@ -159,6 +173,13 @@ class DynPipeStrategy(DDPStrategy):
             Evaluation-only runs (validate/test/predict) balance by parameter count unless a list is given.
         convergence: the planner's staleness model (iterations to accuracy vs. staleness); default
             :class:`~lightning_dynpipe.plan.convergence.ConvergenceModel` with its default ``beta``.
+        adaptive: runtime adaptation: ``True`` (default) uses
+            :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy`; pass a
+            :class:`~lightning_dynpipe.repartition.policy.RepartitionPolicy` to decide differently, or ``False``
+            to keep the partition fixed. Every ``monitor_every_n_steps`` the stage statistics are gathered, each
+            stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
+        monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
+            ``dynpipe/stage{k}/...``.
         pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
@@ -180,6 +201,8 @@ class DynPipeStrategy(DDPStrategy):
         schedule: Literal["async", "sync", "gpipe"] = "async",
         balance: list[int] | Literal["auto", "parameters"] = "auto",
         convergence: ConvergenceModel | None = None,
+        adaptive: bool | RepartitionPolicy = True,
+        monitor_every_n_steps: int = 10,
         pipeline_attr: str = "pipeline",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
@@ -229,6 +252,14 @@ class DynPipeStrategy(DDPStrategy):
         self._balance: list[int] | None = list(balance) if not isinstance(balance, str) else None
         self.balance_mode: str = "list" if self._balance is not None else str(balance)
         self.convergence = convergence
+        if monitor_every_n_steps < 1:
+            raise ConfigurationError(f"monitor_every_n_steps must be >= 1; got {monitor_every_n_steps}.")
+        self.monitor_every_n_steps = monitor_every_n_steps
+        self.adaptive_policy: RepartitionPolicy | None = (
+            GainOverCostPolicy() if adaptive is True else (adaptive if adaptive is not False else None)
+        )
+        self.model_cost: ModelCost | None = None  # per-layer costs from the set-up profile (every rank)
+        self.comm: CommModel = CommModel()
         self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
         self.plan_table: str | None = None
         self._planned_num_stages: int | None = None
@@ -412,28 +443,44 @@ class DynPipeStrategy(DDPStrategy):
         return pipeline
 
     def _choose_partition(self, trainer: Trainer, pipeline: nn.Sequential) -> Partition:
-        """The partition for this run; with ``balance="auto"`` a collective decision taken on rank 0."""
-        if self._balance is not None:
-            return Partition.from_balance(self._balance, len(pipeline))
+        """The partition for this run.
+
+        When fitting with ``balance="auto"`` or with adaptation on, rank 0 profiles the layers on a sample
+        micro-batch (and plans, for ``"auto"``); the per-layer costs, the measured link and the decision are
+        broadcast so that every rank holds the same :attr:`model_cost` and :attr:`comm` for re-planning.
+        """
         world = self.num_nodes * self.num_processes
-        if self.balance_mode == "auto" and trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and (self.balance_mode == "auto" or self.adaptive_policy is not None):
             comm = self._probe_link()
             decision: list[Any] = [None]
             if self.global_rank == 0:
                 try:
-                    plan = self._plan(trainer, pipeline, comm, world)
-                    self.plan = plan
-                    decision[0] = (list(plan.partition.balance), plan.table(), None)
+                    cost = self._profile(trainer, pipeline)
+                    balance, table = self._balance, None
+                    if self.balance_mode == "auto":
+                        self.plan = self._plan(cost, comm, world)
+                        balance, table = list(self.plan.partition.balance), self.plan.table()
+                    decision[0] = (balance, table, _cost_arrays(cost), (comm.latency_s, comm.bandwidth_Bps), None)
                 except Exception as exc:  # the run must not die because a heuristic failed; say why
-                    decision[0] = (None, None, f"{type(exc).__name__}: {exc}")
+                    decision[0] = (self._balance, None, None, None, f"{type(exc).__name__}: {exc}")
             if world > 1:
                 dist.broadcast_object_list(decision, src=0)
-            balance, table, error = decision[0]
-            if balance is not None:
+            balance, table, arrays, link, error = decision[0]
+            if arrays is not None:
+                self.model_cost = ModelCost.from_arrays(**arrays)
+                self.comm = CommModel(latency_s=link[0], bandwidth_Bps=link[1])
+            if error is not None:
+                rank_zero_warn(f"DynPipe could not profile/plan this run ({error}); "
+                               f"{'balancing by parameter count' if balance is None else 'using the given balance'}"
+                               f"{' and not adapting' if self.adaptive_policy is not None else ''}.")
+            if table is not None:
                 self.plan_table = table
                 rank_zero_info(f"DynPipe plan (balance='auto'):\n{table}")
+            if balance is not None:
                 return Partition.from_balance(balance, len(pipeline))
-            rank_zero_warn(f"DynPipe's planner could not plan this run ({error}); balancing by parameter count.")
+        if self._balance is not None:
+            return Partition.from_balance(self._balance, len(pipeline))
         weights = [sum(p.numel() for p in layer.parameters()) for layer in pipeline]
         return balance_by_weights(weights, self.num_stages)
 
@@ -454,18 +501,21 @@ class DynPipeStrategy(DDPStrategy):
             if self.global_rank in (0, 1):
                 dist.destroy_process_group(group)
 
-    def _plan(self, trainer: Trainer, pipeline: nn.Sequential, comm: CommModel, world: int) -> Plan:
-        """Profiles the layers on a sample micro-batch and solves for the best partition (rank 0 only)."""
+    def _profile(self, trainer: Trainer, pipeline: nn.Sequential) -> ModelCost:
+        """Per-layer costs measured on one micro-batch of the first training batch (rank 0 only)."""
         from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
 
-        sample = self._sample_microbatch(trainer)
         factor = optimizer_state_factor(self.optimizers[0]) if self.optimizers else 0.0
-        profile = profile_layers(pipeline, sample, device=self.root_device,
+        profile = profile_layers(pipeline, self._sample_microbatch(trainer), device=self.root_device,
                                  optimizer_state_bytes_per_param_byte=factor)
+        return profile.to_model_cost()
+
+    def _plan(self, cost: ModelCost, comm: CommModel, world: int) -> Plan:
+        """The time-to-accuracy plan for this run."""
         schedule: Literal["async", "sync"] = "async" if self.schedule == "async" else "sync"
         num_stages = None if self._stages_auto else self.num_stages
-        return best_plan(profile.to_model_cost(), world, num_stages=num_stages, schedule=schedule,
-                         convergence=self.convergence, comm=comm, num_microbatches=self.num_microbatches)
+        return best_plan(cost, world, num_stages=num_stages, schedule=schedule, convergence=self.convergence,
+                         comm=comm, num_microbatches=self.num_microbatches)
 
     def _sample_microbatch(self, trainer: Trainer) -> Any:
         """Stage 0's input for one micro-batch of the first training batch."""
