@@ -1,0 +1,157 @@
+"""CPU hogs pinned to chosen cores, and pinning a stage's process to its cores.
+
+A hog is one busy-loop process per core, pinned with ``sched_setaffinity``, that spins for
+``duty_cycle * period_s`` (wall time) and sleeps for the rest of each period. On a core it shares with a busy
+stage, the default scheduler splits the core evenly while the hog spins, so the stage keeps roughly
+``1 - duty_cycle / 2`` of it: the co-located-job interference DynPipe adapts to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+from lightning_dynpipe.interference.base import ChildProcesses, InterferenceConfigError, Lifecycle, check_fraction
+
+__all__ = ["CpuHog", "pin_current_process", "pin_process", "allowed_cores"]
+
+log = logging.getLogger(__name__)
+
+# Runs in each helper: argv = [core, duty_cycle, period_s, parent_pid]. Exits when the parent is gone.
+_HOG_CODE = r"""
+import os, sys, time
+core, duty, period, parent = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+try:
+    os.sched_setaffinity(0, {core})
+except OSError as exc:
+    sys.stderr.write(f"cannot pin to core {core}: {exc}")
+    sys.exit(3)
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+busy = duty * period
+idle = period - busy
+clock = time.perf_counter
+while os.getppid() == parent:
+    end = clock() + busy
+    while clock() < end:
+        pass
+    if idle > 0:
+        time.sleep(idle)
+"""
+
+
+def allowed_cores(pid: int = 0) -> list[int]:
+    """The cores ``pid`` (0: this process) may run on, sorted."""
+    return sorted(os.sched_getaffinity(pid))
+
+
+def _check_cores(cores: Iterable[int], what: str) -> list[int]:
+    cores = list(cores)
+    existing = os.cpu_count() or 1
+    fix = f"Pass distinct core ids in [0, {existing - 1}] (this process may use {allowed_cores()})."
+    if not cores:
+        raise InterferenceConfigError(f"{what} needs at least one core; got an empty list. {fix}", field="cores")
+    bad = [c for c in cores if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < existing]
+    if bad:
+        raise InterferenceConfigError(f"{what}: cores {bad} do not exist on this machine ({existing} cores). {fix}",
+                                      field="cores")
+    if len(set(cores)) != len(cores):
+        raise InterferenceConfigError(f"{what}: cores must be distinct; got {cores}. {fix}", field="cores")
+    return cores
+
+
+def pin_process(pid: int, cores: Sequence[int]) -> list[int]:
+    """Restricts every thread of process ``pid`` to ``cores``; returns the cores it was allowed on before.
+
+    ``os.sched_setaffinity(pid, ...)`` only changes the thread whose id is ``pid``; threads that already run
+    (intra-op pools, P2P receiver threads) keep their mask, so this sets it on each thread in ``/proc/pid/task``.
+    Threads started later inherit the mask of the thread that starts them.
+    """
+    cores = _check_cores(cores, "pin_process")
+    real_pid = pid or os.getpid()
+    before = allowed_cores(real_pid)
+    mask = set(cores)
+    for tid in os.listdir(f"/proc/{real_pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), mask)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return before
+
+
+def pin_current_process(cores: Sequence[int]) -> list[int]:
+    """Pins every thread of this process to ``cores`` (benchmarks pin each stage to its own core).
+
+    Returns the previous cores, so the pinning can be undone with ``pin_current_process(previous)``.
+
+    Example::
+
+        >>> previous = pin_current_process([0])
+        >>> allowed_cores()
+        [0]
+        >>> _ = pin_current_process(previous)
+    """
+    return pin_process(0, cores)
+
+
+class CpuHog(Lifecycle):
+    """Busy-loop processes pinned to ``cores``: a co-located job stealing CPU from a stage.
+
+    Example::
+
+        with CpuHog(cores=[1], duty_cycle=0.5):
+            train_some_steps()          # the stage pinned to core 1 now shares it with the hog
+
+        hog = CpuHog(cores=allowed_cores())    # or explicitly
+        hog.start(); ...; hog.stop()
+
+    One helper process per core (a ``sys.executable -c`` subprocess: nothing of the parent is imported or
+    inherited), pinned to that core, busy for ``duty_cycle * period_s`` then asleep for the rest of each period.
+    :meth:`stop` is idempotent, sends SIGTERM then SIGKILL after ``stop_timeout_s``, and also runs when the
+    object is garbage-collected and at interpreter exit; a helper whose parent died exits within one period.
+
+    Args:
+        cores: the cores to burn, one process each.
+        duty_cycle: share of each period the helper spins, in (0, 1].
+        period_s: length of one busy + idle cycle in seconds.
+        stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, cores: Sequence[int], duty_cycle: float = 1.0, period_s: float = 0.05,
+                 stop_timeout_s: float = 2.0) -> None:
+        self.cores = _check_cores(cores, "CpuHog")
+        self.duty_cycle = check_fraction("duty_cycle", duty_cycle, 0.0, 1.0,
+                                         "Use 1.0 for a core fully busy, 0.5 for half of each period.")
+        self.period_s = check_fraction("period_s", period_s, 0.0, 60.0, "Use e.g. 0.05 (50 ms).")
+        self._children = ChildProcesses("CpuHog", stop_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"CpuHog(cores={self.cores}, duty_cycle={self.duty_cycle:g}, period_s={self.period_s:g})"
+
+    @property
+    def active(self) -> bool:
+        """Whether the helper processes are running."""
+        return bool(self._children.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running helpers (one per core, in the order of ``cores``)."""
+        return self._children.pids
+
+    def start(self) -> None:
+        """Starts one pinned busy-loop process per core; a no-op if already running.
+
+        Raises:
+            InterferenceError: a helper could not start (e.g. pinning refused); none is left running.
+        """
+        if self._children.procs:
+            return
+        self._children.spawn(_HOG_CODE, [[str(c), repr(self.duty_cycle), repr(self.period_s)] for c in self.cores])
+        log.debug("%r started: pids %s", self, self.pids)
+
+    def stop(self) -> None:
+        """Stops every helper process (SIGTERM, then SIGKILL); idempotent."""
+        if self._children.procs:
+            log.debug("%r stopping: pids %s", self, self.pids)
+        self._children.stop()
