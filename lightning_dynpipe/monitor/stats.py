@@ -1,0 +1,476 @@
+"""Stage statistics as plain data: one stage's numbers for one step, rolling medians, and a pipeline snapshot.
+
+Pure (standard library only): no torch, no torch.distributed, no Lightning. The executor's
+:class:`~lightning_dynpipe.engine.executor.StepStats` reach :meth:`StageSample.from_step` through the
+:class:`StepTimes` protocol, and the process/GPU readings through :class:`SystemReading`, which
+:mod:`lightning_dynpipe.monitor.system` fills in. The Lightning side (gathering, logging) lives in
+:mod:`lightning_dynpipe.monitor.callback`.
+
+Vocabulary of one stage's step (seconds, wall clock, as the executor measures them)::
+
+    step_s = forward_s + backward_s + optimizer_s   (compute_s: the stage's own work)
+           + send_s                                 (handing tensors to the next/previous stage)
+           + recv_wait_s                            (blocked until a neighbour's message was there)
+           + idle_s                                 (the rest: schedule bookkeeping, Python, hooks)
+
+    busy_s = compute_s + send_s      the time the stage *needs* per step; in a pipeline every stage's
+                                     step_s converges to the slowest stage's busy_s, so busy_s (not
+                                     step_s) is what tells the stages apart.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+__all__ = [
+    "METRIC_NAMES",
+    "PipelineSnapshot",
+    "StageReport",
+    "StageSample",
+    "StageStatsAccumulator",
+    "StageSummary",
+    "StepTimes",
+    "SystemReading",
+    "idle_time",
+]
+
+_MIB = float(1 << 20)
+
+
+class StepTimes(Protocol):
+    """What :meth:`StageSample.from_step` reads from a step: the executor's ``StepStats`` satisfy it."""
+
+    @property
+    def forward_s(self) -> float: ...
+    @property
+    def backward_s(self) -> float: ...
+    @property
+    def optimizer_s(self) -> float: ...
+    @property
+    def recv_wait_s(self) -> float: ...
+    @property
+    def send_s(self) -> float: ...
+    @property
+    def comm_s(self) -> float: ...
+    @property
+    def exposed_comm_s(self) -> float: ...
+    @property
+    def step_s(self) -> float: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def stash_depth(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SystemReading:
+    """The stage process's resource use over one sampling window (see :class:`~.system.ProcessSampler`).
+
+    Attributes:
+        wall_s: length of the window.
+        cpu_s: CPU time of this process (all threads, user + system) in the window.
+        cpu_share: ``cpu_s / wall_s``: cores this process kept busy (1.0 = one full core; above 1 with
+            several busy threads).
+        steal_share: share of the machine's CPU time stolen by the hypervisor (0 where not reported).
+        rss_bytes: resident set size at the end of the window.
+        cuda_allocated_bytes / cuda_reserved_bytes: the CUDA caching allocator's current numbers (None when
+            the stage is not on a CUDA device).
+        gpu_util: GPU utilisation from NVML, 0..1 (None without CUDA or without ``pynvml``).
+        gpu_mem_used_bytes: device memory in use from NVML, all processes (None likewise).
+    """
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    cpu_share: float = 0.0
+    steal_share: float = 0.0
+    rss_bytes: int = 0
+    cuda_allocated_bytes: int | None = None
+    cuda_reserved_bytes: int | None = None
+    gpu_util: float | None = None
+    gpu_mem_used_bytes: int | None = None
+
+
+def idle_time(step_s: float, compute_s: float, recv_wait_s: float, send_s: float) -> float:
+    """The part of a step that is neither compute, nor waiting for a message, nor sending (never negative)."""
+    return max(0.0, step_s - compute_s - recv_wait_s - send_s)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSample:
+    """One stage's numbers for one step.
+
+    Example::
+
+        sample = StageSample.from_step(trainer.strategy.executor.stats, sampler.sample())
+        accumulator.add(sample)
+
+    Times are in seconds. ``idle_s`` is derived (:func:`idle_time`); build samples with :meth:`from_step`
+    so that it is consistent with the other times.
+    """
+
+    step_s: float
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_s: float = 0.0
+    idle_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    in_flight: int = 0
+    stash_depth: int = 0
+    rss_bytes: int = 0
+    cpu_share: float = 0.0
+    steal_share: float = 0.0
+    cuda_allocated_bytes: int | None = None
+    cuda_reserved_bytes: int | None = None
+    gpu_util: float | None = None
+    gpu_mem_used_bytes: int | None = None
+
+    @classmethod
+    def from_step(cls, step: StepTimes, system: SystemReading | None = None) -> StageSample:
+        """Combines the executor's times for one step with the process readings over it."""
+        compute = step.forward_s + step.backward_s + step.optimizer_s
+        sys_ = system if system is not None else SystemReading()
+        return cls(
+            step_s=step.step_s,
+            forward_s=step.forward_s,
+            backward_s=step.backward_s,
+            optimizer_s=step.optimizer_s,
+            recv_wait_s=step.recv_wait_s,
+            send_s=step.send_s,
+            idle_s=idle_time(step.step_s, compute, step.recv_wait_s, step.send_s),
+            comm_s=step.comm_s,
+            exposed_comm_s=step.exposed_comm_s,
+            in_flight=step.in_flight,
+            stash_depth=step.stash_depth,
+            rss_bytes=sys_.rss_bytes,
+            cpu_share=sys_.cpu_share,
+            steal_share=sys_.steal_share,
+            cuda_allocated_bytes=sys_.cuda_allocated_bytes,
+            cuda_reserved_bytes=sys_.cuda_reserved_bytes,
+            gpu_util=sys_.gpu_util,
+            gpu_mem_used_bytes=sys_.gpu_mem_used_bytes,
+        )
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward plus optimizer time."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+_SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSample))
+_OPTIONAL_FIELDS = frozenset(
+    {"cuda_allocated_bytes", "cuda_reserved_bytes", "gpu_util", "gpu_mem_used_bytes"}
+)
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """Medians of one stage's samples over a window (the fields of :class:`StageSample`), plus their count.
+
+    Medians, not means: one step that waited for a checkpoint or a validation drain should not move the
+    picture. Optional readings (CUDA, NVML) are the median of the samples that had them, None if none did.
+    A summary of no samples (``count == 0``) holds NaN times.
+    """
+
+    count: int
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    recv_wait_s: float
+    send_s: float
+    idle_s: float
+    comm_s: float
+    exposed_comm_s: float
+    in_flight: float
+    stash_depth: float
+    rss_bytes: float
+    cpu_share: float
+    steal_share: float
+    cuda_allocated_bytes: float | None = None
+    cuda_reserved_bytes: float | None = None
+    gpu_util: float | None = None
+    gpu_mem_used_bytes: float | None = None
+
+    @classmethod
+    def of(cls, samples: Iterable[StageSample]) -> StageSummary:
+        """The summary of ``samples`` (any order)."""
+        items = list(samples)
+        values: dict[str, float | None] = {}
+        for name in _SAMPLE_FIELDS:
+            if name in _OPTIONAL_FIELDS:
+                present = [v for v in (getattr(s, name) for s in items) if v is not None]
+                values[name] = float(statistics.median(present)) if present else None
+            else:
+                values[name] = float(statistics.median([getattr(s, name) for s in items])) if items else math.nan
+        return cls(count=len(items), **values)  # type: ignore[arg-type]
+
+    @classmethod
+    def combine(cls, summaries: Sequence[StageSummary]) -> StageSummary:
+        """The aggregate of one stage's data-parallel replicas: each field's maximum, the smallest count.
+
+        Replicas of a stage all-reduce their gradients at every update, so they advance in lockstep and the
+        slowest replica sets the stage's pace; the maximum also bounds memory per process.
+        """
+        if not summaries:
+            raise ValueError("combine() needs at least one StageSummary; got none.")
+        if len(summaries) == 1:
+            return summaries[0]
+        values: dict[str, float | None] = {}
+        for name in _SAMPLE_FIELDS:
+            got = [getattr(s, name) for s in summaries]
+            present = [v for v in got if v is not None and not math.isnan(v)]
+            if present:
+                values[name] = max(present)
+            else:
+                values[name] = None if name in _OPTIONAL_FIELDS else math.nan
+        return cls(count=min(s.count for s in summaries), **values)  # type: ignore[arg-type]
+
+    @property
+    def compute_s(self) -> float:
+        """Median forward + median backward + median optimizer time."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def busy_s(self) -> float:
+        """Compute plus send time: what the stage needs per step, its waits excluded."""
+        return self.compute_s + self.send_s
+
+    @property
+    def comm_overlap(self) -> float:
+        """Share of incoming transfer time hidden behind compute (1 with no transfers)."""
+        return 1.0 if not self.comm_s > 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
+
+
+class StageStatsAccumulator:
+    """A rolling window of one stage's samples; :meth:`summary` gives their medians.
+
+    Example::
+
+        acc = StageStatsAccumulator(window=20)
+        for step in range(100):
+            acc.add(StageSample.from_step(executor.stats, sampler.sample()))
+        acc.summary().busy_s          # median over the last 20 steps
+
+    ``add`` is O(1) (a bounded deque); ``summary`` sorts the window once per field.
+
+    Args:
+        window: how many of the most recent samples to keep (>= 1).
+    """
+
+    def __init__(self, window: int) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be a positive number of steps; got {window!r}. Use e.g. window=20.")
+        self.window = window
+        self._samples: deque[StageSample] = deque(maxlen=window)
+        self.total = 0
+
+    def add(self, sample: StageSample) -> None:
+        """Appends one step's sample, dropping the oldest once the window is full."""
+        self._samples.append(sample)
+        self.total += 1
+
+    def reset(self) -> None:
+        """Forgets every sample (e.g. after a repartition: old samples describe the old stage)."""
+        self._samples.clear()
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @property
+    def samples(self) -> tuple[StageSample, ...]:
+        """The samples in the window, oldest first."""
+        return tuple(self._samples)
+
+    @property
+    def last(self) -> StageSample | None:
+        """The most recent sample, if any."""
+        return self._samples[-1] if self._samples else None
+
+    def summary(self) -> StageSummary:
+        """Medians of the samples in the window."""
+        return StageSummary.of(self._samples)
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One process's summary, tagged with where it runs: what every rank contributes to a snapshot."""
+
+    dp_rank: int
+    stage_idx: int
+    summary: StageSummary
+
+
+# (metric name, StageSummary attribute or property, scale). Times in ms; bytes in MiB (2**20).
+_METRICS: tuple[tuple[str, str, float], ...] = (
+    ("step_ms", "step_s", 1e3),
+    ("compute_ms", "compute_s", 1e3),
+    ("busy_ms", "busy_s", 1e3),
+    ("forward_ms", "forward_s", 1e3),
+    ("backward_ms", "backward_s", 1e3),
+    ("optimizer_ms", "optimizer_s", 1e3),
+    ("recv_wait_ms", "recv_wait_s", 1e3),
+    ("send_ms", "send_s", 1e3),
+    ("idle_ms", "idle_s", 1e3),
+    ("comm_ms", "comm_s", 1e3),
+    ("exposed_comm_ms", "exposed_comm_s", 1e3),
+    ("comm_overlap", "comm_overlap", 1.0),
+    ("in_flight", "in_flight", 1.0),
+    ("stash_depth", "stash_depth", 1.0),
+    ("cpu_share", "cpu_share", 1.0),
+    ("steal_share", "steal_share", 1.0),
+    ("rss_mb", "rss_bytes", 1.0 / _MIB),
+    ("cuda_allocated_mb", "cuda_allocated_bytes", 1.0 / _MIB),
+    ("cuda_reserved_mb", "cuda_reserved_bytes", 1.0 / _MIB),
+    ("gpu_util", "gpu_util", 1.0),
+    ("gpu_mem_used_mb", "gpu_mem_used_bytes", 1.0 / _MIB),
+    ("samples", "count", 1.0),
+)
+
+METRIC_NAMES: tuple[str, ...] = tuple(name for name, _, _ in _METRICS)
+"""Per-stage metric names of :meth:`PipelineSnapshot.to_metrics` (``dynpipe/stage{k}/<name>``)."""
+
+
+def _summary_metrics(prefix: str, summary: StageSummary) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, attr, scale in _METRICS:
+        value = getattr(summary, attr)
+        if value is None:
+            continue
+        out[f"{prefix}/{name}"] = float(value) * scale
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineSnapshot:
+    """Every stage's summary at one step: identical on every rank after the monitor's gather.
+
+    Example::
+
+        snap = PipelineSnapshot.from_reports(step=120, reports=gathered)
+        snap.stages[snap.bottleneck_stage].busy_s
+        trainer.logger.log_metrics(snap.to_metrics(), step=snap.step)
+
+    Attributes:
+        step: the trainer's ``global_step`` when the snapshot was taken.
+        stages: per-stage aggregate, index ``k`` = stage ``k`` (with several pipeline replicas, the
+            field-wise maximum over the replicas of the stage, see :meth:`StageSummary.combine`).
+        replicas: every process's own summary, ordered by ``(stage_idx, dp_rank)``.
+    """
+
+    step: int
+    stages: tuple[StageSummary, ...]
+    replicas: tuple[StageReport, ...]
+
+    @classmethod
+    def from_reports(cls, step: int, reports: Iterable[StageReport]) -> PipelineSnapshot:
+        """Builds a snapshot from each process's report; every stage ``0..S-1`` must be present."""
+        ordered = sorted(reports, key=lambda r: (r.stage_idx, r.dp_rank))
+        if not ordered:
+            raise ValueError("A PipelineSnapshot needs at least one StageReport; got none.")
+        seen = [(r.dp_rank, r.stage_idx) for r in ordered]
+        if len(set(seen)) != len(seen):
+            raise ValueError(
+                f"Each (dp_rank, stage_idx) may report once; got {seen}. Gather exactly one report per process."
+            )
+        stage_ids = sorted({r.stage_idx for r in ordered})
+        if stage_ids != list(range(len(stage_ids))):
+            raise ValueError(
+                f"Reports must cover stages 0..S-1 without gaps; got stages {stage_ids}. Gather the reports of "
+                "every process of the pipeline (all ranks of WORLD)."
+            )
+        stages = tuple(
+            StageSummary.combine([r.summary for r in ordered if r.stage_idx == k]) for k in stage_ids
+        )
+        return cls(step=step, stages=stages, replicas=tuple(ordered))
+
+    @property
+    def num_stages(self) -> int:
+        """``S``."""
+        return len(self.stages)
+
+    @property
+    def dp_size(self) -> int:
+        """Pipeline replicas that reported."""
+        return len({r.dp_rank for r in self.replicas})
+
+    def replica(self, dp_rank: int, stage_idx: int) -> StageSummary:
+        """The summary of stage ``stage_idx`` in pipeline replica ``dp_rank``."""
+        for r in self.replicas:
+            if r.dp_rank == dp_rank and r.stage_idx == stage_idx:
+                return r.summary
+        known = [(r.dp_rank, r.stage_idx) for r in self.replicas]
+        raise KeyError(f"No report from dp_rank={dp_rank}, stage_idx={stage_idx}; known (dp_rank, stage_idx): {known}.")
+
+    @property
+    def bottleneck_stage(self) -> int | None:
+        """The stage with the largest median busy time (compute + send): the one the others wait for.
+
+        Ties go to the lower stage index. None only when no stage has samples.
+        """
+        best: int | None = None
+        best_busy = -math.inf
+        for k, s in enumerate(self.stages):
+            busy = s.busy_s
+            if not math.isnan(busy) and busy > best_busy:
+                best, best_busy = k, busy
+        return best
+
+    @property
+    def step_s(self) -> float:
+        """The pipeline's step time: the largest median step time of any stage."""
+        times = [s.step_s for s in self.stages if not math.isnan(s.step_s)]
+        return max(times) if times else math.nan
+
+    @property
+    def imbalance(self) -> float:
+        """Largest busy time over the mean busy time of the stages (1.0: perfectly balanced)."""
+        busy = [s.busy_s for s in self.stages if not math.isnan(s.busy_s)]
+        mean = sum(busy) / len(busy) if busy else math.nan
+        return max(busy) / mean if busy and mean > 0 else math.nan
+
+    def to_metrics(self, prefix: str = "dynpipe", *, per_replica: bool = False) -> dict[str, float]:
+        """Flat metrics for Lightning loggers.
+
+        Keys: ``{prefix}/stage{k}/<name>`` for each name of :data:`METRIC_NAMES` whose value exists (times in
+        ms, memory in MiB, shares in 0..1), plus ``{prefix}/step_ms``, ``{prefix}/bottleneck_stage`` and
+        ``{prefix}/imbalance``. ``per_replica=True`` adds ``{prefix}/stage{k}/replica{d}/<name>``.
+        """
+        out: dict[str, float] = {}
+        for k, summary in enumerate(self.stages):
+            out.update(_summary_metrics(f"{prefix}/stage{k}", summary))
+        if per_replica:
+            for r in self.replicas:
+                out.update(_summary_metrics(f"{prefix}/stage{r.stage_idx}/replica{r.dp_rank}", r.summary))
+        out[f"{prefix}/step_ms"] = self.step_s * 1e3
+        bottleneck = self.bottleneck_stage
+        if bottleneck is not None:
+            out[f"{prefix}/bottleneck_stage"] = float(bottleneck)
+        out[f"{prefix}/imbalance"] = self.imbalance
+        return out
+
+    def table(self) -> str:
+        """A fixed-width text table, one row per stage (ms, MiB), the bottleneck marked with ``*``."""
+        headers = ("stage", "step", "busy", "fwd", "bwd", "opt", "recv wait", "send", "idle", "exp. comm",
+                   "in flight", "cpu", "rss MiB", "n")
+        rows = []
+        bottleneck = self.bottleneck_stage
+        for k, s in enumerate(self.stages):
+            ms = [s.step_s, s.busy_s, s.forward_s, s.backward_s, s.optimizer_s, s.recv_wait_s, s.send_s, s.idle_s,
+                  s.exposed_comm_s]
+            rows.append(
+                [f"{k}{'*' if k == bottleneck else ''}", *(f"{v * 1e3:.1f}" for v in ms), f"{s.in_flight:g}",
+                 f"{s.cpu_share:.2f}", f"{s.rss_bytes / _MIB:.0f}", str(s.count)]
+            )
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        return f"DynPipe stages at step {self.step} (medians, ms; * = bottleneck)\n" + "\n".join(lines)

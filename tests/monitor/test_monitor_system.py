@@ -1,0 +1,225 @@
+"""ProcessSampler: CPU share of a busy loop and of a sleep, RSS, steal arithmetic, CUDA and NVML readings
+(with stand-ins: these tests run on CPU machines), and tolerance of a missing or failing ``pynvml``."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import types
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from lightning_dynpipe.monitor import system as system_mod
+from lightning_dynpipe.monitor.system import ProcessSampler
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+
+
+def test_cpu_share_of_a_busy_loop_is_high_and_of_a_sleep_low() -> None:
+    proc = psutil.Process()
+    sampler = ProcessSampler()
+    before = proc.cpu_times()
+    sampler.mark()
+    _spin(0.3)
+    busy = sampler.sample()
+    after = proc.cpu_times()
+    time.sleep(0.2)
+    idle = sampler.sample()
+    sampler.close()
+    # psutil counts the same CPU time in clock ticks: agreement within a few ticks, whatever the machine's load
+    reference = (after.user + after.system - before.user - before.system) / busy.wall_s
+    assert busy.cpu_share == pytest.approx(reference, abs=0.1)
+    # loose absolute bounds: on a shared machine the busy loop may lose its core for a while
+    assert busy.cpu_share > 0.15, busy
+    assert idle.cpu_share < 0.1, idle
+    assert busy.cpu_share > 3 * idle.cpu_share
+    assert busy.wall_s >= 0.3 and idle.wall_s >= 0.2
+    assert busy.cpu_s == pytest.approx(busy.cpu_share * busy.wall_s)
+
+
+def test_sample_measures_since_the_last_mark() -> None:
+    sampler = ProcessSampler()
+    time.sleep(0.05)
+    sampler.mark()
+    first = sampler.sample()
+    assert first.wall_s < 0.05
+
+
+def test_rss_agrees_with_psutil() -> None:
+    reading = ProcessSampler().sample()
+    rss = psutil.Process().memory_info().rss
+    assert reading.rss_bytes == pytest.approx(rss, rel=0.1)
+
+
+def test_cpu_device_has_no_cuda_or_gpu_readings() -> None:
+    r = ProcessSampler("cpu").sample()
+    assert r.cuda_allocated_bytes is None and r.cuda_reserved_bytes is None
+    assert r.gpu_util is None and r.gpu_mem_used_bytes is None
+    assert 0.0 <= r.steal_share <= 1.0
+
+
+def test_steal_share_is_the_delta_over_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = iter([(10.0, 1000.0), (30.0, 1400.0), (30.0, 1400.0)])
+    monkeypatch.setattr(ProcessSampler, "_steal_counters", lambda self: next(counters))
+    sampler = ProcessSampler(steal_interval_s=0.0)
+    assert sampler.sample().steal_share == pytest.approx(20.0 / 400.0)
+    assert sampler.sample().steal_share == pytest.approx(20.0 / 400.0)  # no new ticks: keep the last share
+
+
+def test_steal_is_read_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def counters(self: ProcessSampler) -> tuple[float, float]:
+        calls.append(1)
+        return 0.0, float(len(calls))
+
+    monkeypatch.setattr(ProcessSampler, "_steal_counters", counters)
+    sampler = ProcessSampler(steal_interval_s=60.0)
+    for _ in range(50):
+        sampler.sample()
+    assert len(calls) == 1  # the construction's reading only
+
+
+def test_steal_counters_parse_proc_stat() -> None:
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    steal, total = ProcessSampler()._steal_counters()
+    assert 0.0 <= steal <= total and total > 0
+
+
+def test_proc_files_are_reopened_after_a_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc")
+    f = system_mod._ProcFile("/proc/self/statm")
+    assert f.read(64)
+    fd = f._fd
+    assert fd is not None
+    monkeypatch.setattr(os, "getpid", lambda: -12345)  # as if we were a forked child
+    assert f.read(64)
+    assert f._pid == -12345
+    os.close(fd)  # the "parent's" descriptor, which a child leaves open by design
+    monkeypatch.undo()
+    f.close()
+
+
+def test_sample_is_cheap() -> None:
+    """A few microseconds on CPU (the design target); the bound is loose because the machine is shared."""
+    sampler = ProcessSampler()
+    for _ in range(100):
+        sampler.sample()
+    times = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        sampler.sample()
+        times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 100e-6, f"median {statistics.median(times) * 1e6:.1f} us"
+
+
+# ---------------------------------------------------------------------------------------------- CUDA / NVML
+class _FakeNVML(types.ModuleType):
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, *, fail_query: bool = False) -> None:
+        super().__init__("pynvml")
+        self.queries = 0
+        self.inits = 0
+        self.fail_query = fail_query
+        self.index: int | None = None
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        self.index = index
+        return f"handle{index}"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
+        self.queries += 1
+        if self.fail_query:
+            raise self.NVMLError("GPU is lost")
+        return types.SimpleNamespace(gpu=37, memory=12)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str) -> Any:
+        return types.SimpleNamespace(used=3 << 30, total=80 << 30, free=77 << 30)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    nested = {"allocated_bytes": {"all": {"current": 1000}}, "reserved_bytes": {"all": {"current": 4096}}}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: nested)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda index: index + 2, raising=False)
+
+
+def test_cuda_allocator_and_nvml_readings(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    nvml = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    sampler = ProcessSampler("cuda:1", nvml_interval_s=60.0)
+    r = sampler.sample()
+    assert (r.cuda_allocated_bytes, r.cuda_reserved_bytes) == (1000, 4096)
+    assert r.gpu_util == pytest.approx(0.37)
+    assert r.gpu_mem_used_bytes == 3 << 30
+    assert nvml.index == 3  # torch's NVML index of cuda:1, not 1
+    for _ in range(10):
+        again = sampler.sample()
+    assert nvml.queries == 1 and nvml.inits == 1  # throttled; the last values are reused
+    assert again.gpu_util == pytest.approx(0.37)
+
+
+def test_missing_pynvml_gives_none(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    r = ProcessSampler("cuda:0").sample()
+    assert r.cuda_allocated_bytes == 1000
+    assert r.gpu_util is None and r.gpu_mem_used_bytes is None
+
+
+def test_failing_nvml_query_gives_none(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML(fail_query=True))
+    r = ProcessSampler("cuda:0", nvml_interval_s=0.0).sample()
+    assert r.gpu_util is None and r.gpu_mem_used_bytes is None
+
+
+def test_nvml_switched_off(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    nvml = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    r = ProcessSampler("cuda:0", nvml=False).sample()
+    assert r.gpu_util is None and nvml.inits == 0
+
+
+def test_uninitialised_cuda_gives_no_allocator_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    r = ProcessSampler("cuda:0").sample()
+    assert r.cuda_allocated_bytes is None and r.cuda_reserved_bytes is None
+
+
+def test_load_pynvml_silences_the_wrapper_deprecation(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The old ``pynvml`` wrapper distribution warns on import; the monitor must not spread that warning."""
+    import warnings
+
+    (tmp_path / "pynvml.py").write_text(
+        "import warnings\n"
+        "warnings.warn('The pynvml package is deprecated. Please install nvidia-ml-py instead.', FutureWarning)\n"
+        "inits = 0\n"
+        "def nvmlInit():\n"
+        "    global inits\n"
+        "    inits += 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = system_mod.load_pynvml()
+    assert module is not None and module.inits == 1
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
