@@ -1,0 +1,162 @@
+"""CpuQuota (cgroup), CpuThrottle (SIGSTOP/SIGCONT) and CpuLimit hold a busy process to about its CPU share."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lightning_dynpipe.interference import quota as quota_module
+from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError, InterferenceUnavailable
+from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota, _Mount
+from lightning_dynpipe.interference.throttle import CpuThrottle
+
+from tests.interference.helpers import cpu_shares, gone
+
+FRACTION = 0.3
+
+
+@pytest.fixture
+def busy() -> Iterator[int]:
+    """A process spinning on one core for as long as the test needs it."""
+    proc = subprocess.Popen([sys.executable, "-I", "-c", "while True: pass"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _share(pid: int, seconds: float = 1.5) -> float:
+    return cpu_shares([pid], seconds)[0][0]
+
+
+def _running(pid: int) -> bool:
+    return psutil.Process(pid).status() != psutil.STATUS_STOPPED
+
+
+def test_cgroup_quota_limits_a_busy_process(busy: int) -> None:
+    before = Path(f"/proc/{busy}/cgroup").read_text()
+    quota = CpuQuota(busy, FRACTION)
+    try:
+        quota.start()
+    except InterferenceUnavailable as exc:
+        pytest.skip(f"no cgroup CPU controller here: {exc}")
+    try:
+        cgroup = quota.cgroup
+        assert cgroup is not None and cgroup.is_dir() and quota.backend in ("cgroup v1", "cgroup v2")
+        assert str(busy) in (cgroup / "cgroup.procs").read_text().split()
+        share = _share(busy)
+    finally:
+        quota.stop()
+    assert 0.1 < share < FRACTION + 0.1, share
+    assert not cgroup.exists()
+    assert Path(f"/proc/{busy}/cgroup").read_text() == before
+    quota.stop()  # idempotent
+
+
+def test_cgroup_quota_is_removed_when_garbage_collected(busy: int) -> None:
+    quota = CpuQuota(busy, 0.5)
+    try:
+        quota.start()
+    except InterferenceUnavailable as exc:
+        pytest.skip(f"no cgroup CPU controller here: {exc}")
+    cgroup = quota.cgroup
+    assert cgroup is not None
+    del quota
+    gc.collect()
+    assert not cgroup.exists()
+
+
+def test_throttle_limits_a_busy_process(busy: int) -> None:
+    with CpuThrottle(busy, FRACTION) as throttle:
+        helper = throttle.helper_pid
+        assert helper is not None
+        share = _share(busy)
+    assert 0.1 < share < FRACTION + 0.1, share
+    assert gone(helper)
+    assert _running(busy)
+
+
+def test_throttle_leaves_the_target_running_however_it_ends(busy: int) -> None:
+    throttle = CpuThrottle(busy, 0.1)
+    throttle.start()
+    helper = throttle.helper_pid
+    assert helper is not None
+    time.sleep(0.3)
+    os.kill(helper, signal.SIGTERM)  # killed from outside, maybe while the target is stopped
+    psutil.Process(helper).wait(5)
+    assert _running(busy)
+    throttle.stop()
+    throttle.start()
+    helper = throttle.helper_pid
+    assert helper is not None
+    del throttle  # garbage collection stops the helper too
+    gc.collect()
+    assert gone(helper) and _running(busy)
+
+
+def test_cpu_limit_prefers_cgroups_and_falls_back_to_the_throttle(busy: int, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    with CpuLimit(busy, 0.5) as limit:
+        assert limit.backend in ("cgroup v1", "cgroup v2", "throttle")
+    assert limit.backend is None and not limit.active
+    with CpuLimit(busy, 0.5, backend="throttle") as limit:
+        assert limit.backend == "throttle"
+    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: [])
+    with caplog.at_level(logging.INFO, logger="lightning_dynpipe.interference.quota"):
+        with CpuLimit(busy, 0.5) as limit:
+            assert limit.backend == "throttle"
+    assert "cgroups unavailable, using CpuThrottle" in caplog.text
+    with pytest.raises(InterferenceUnavailable):
+        CpuLimit(busy, 0.5, backend="cgroup").start()
+
+
+def test_unavailable_cgroups_say_why_and_what_to_use_instead(busy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: [])
+    with pytest.raises(InterferenceUnavailable, match="no cgroup filesystem is mounted.*CpuHog"):
+        CpuQuota(busy, 0.5).start()
+    read_only = [_Mount("cgroup2", "/", Path("/sys/fs/cgroup"), True, frozenset()),
+                 _Mount("cgroup", "/", Path("/sys/fs/cgroup/cpu"), True, frozenset({"rw", "cpu"}))]
+    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: read_only)
+    monkeypatch.setattr(quota_module, "_process_cgroups", lambda pid: {"": "/", "cpu": "/"})
+    with pytest.raises(InterferenceUnavailable) as info:
+        CpuQuota(busy, 0.5).start()
+    message = str(info.value)
+    assert "cgroup v2: /sys/fs/cgroup is mounted read-only" in message
+    assert "cgroup v1: /sys/fs/cgroup/cpu is mounted read-only" in message
+    assert "CpuThrottle" in message and "CpuLimit" in message
+
+
+def test_a_v2_hierarchy_without_the_cpu_controller_is_reported(busy: int, monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("memory pids\n")
+    monkeypatch.setattr(quota_module, "_cgroup_mounts",
+                        lambda: [_Mount("cgroup2", "/", tmp_path, False, frozenset())])
+    monkeypatch.setattr(quota_module, "_process_cgroups", lambda pid: {"": "/"})
+    with pytest.raises(InterferenceUnavailable, match="has no cpu controller .controllers: memory pids"):
+        CpuQuota(busy, 0.5).start()
+
+
+def test_quota_arguments_are_checked() -> None:
+    with pytest.raises(InterferenceConfigError, match=r"fraction must be in \(0, "):
+        CpuQuota(os.getpid(), 0.0)
+    with pytest.raises(InterferenceConfigError, match="at least 1 ms .* Raise period_s"):
+        CpuQuota(os.getpid(), 0.005, period_s=0.1)
+    with pytest.raises(InterferenceConfigError, match="backend must be one of"):
+        CpuLimit(os.getpid(), 0.5, backend="nice")  # type: ignore[arg-type]
+    gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              check=True).stdout.strip()
+    with pytest.raises(InterferenceError, match="does not exist"):
+        CpuThrottle(int(gone_pid), 0.5).start()
+    with pytest.raises(InterferenceError, match="does not exist"):
+        CpuQuota(int(gone_pid), 0.5).start()
