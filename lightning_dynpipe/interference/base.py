@@ -109,7 +109,8 @@ def check_fraction(name: str, value: float, low: float, high: float, fix: str, *
     ok = (low < v if low_open else low <= v) and v <= high
     if not ok:
         bracket = "(" if low_open else "["
-        raise InterferenceConfigError(f"{name} must be in {bracket}{low:g}, {high:g}]; got {value!r}. {fix}", field=name)
+        raise InterferenceConfigError(f"{name} must be in {bracket}{low:g}, {high:g}]; got {value!r}. {fix}",
+                                      field=name)
     return v
 
 
@@ -197,7 +198,8 @@ class ChildProcesses:
             ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = p.stdout.readline() if ready else b""
             if line.strip() != b"ready":
-                reason = _stderr_of(p) or (f"no reply within {ready_timeout_s:.0f} s" if not ready else "no reason given")
+                silent = f"no reply within {ready_timeout_s:.0f} s" if not ready else "no reason given"
+                reason = _stderr_of(p) or silent
                 args = [str(a) for a in p.args][4:-1]  # type: ignore[union-attr]
                 self.stop()
                 raise InterferenceError(

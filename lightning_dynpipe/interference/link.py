@@ -125,7 +125,9 @@ class LinkDelay:
                 "with kind 'link_delay' does this).")
         k = strategy.stage_idx
         channels = executor.channels
-        targets = ([channels.send_activation] if k == boundary else []) + ([channels.send_grad] if k == boundary + 1 else [])
+        targets = [channels.send_activation] if k == boundary else []
+        if k == boundary + 1:
+            targets.append(channels.send_grad)
         for ch in targets:
             if ch is None:  # pragma: no cover - a stage next to a boundary always has that channel
                 raise InterferenceError(f"Stage {k} has no send channel across boundary {boundary}; this is a bug.")

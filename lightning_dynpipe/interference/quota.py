@@ -246,7 +246,8 @@ class CpuQuota(Lifecycle):
             raise InterferenceConfigError(
                 f"CpuQuota: fraction * period_s must be at least 1 ms (the kernel's smallest quota); got "
                 f"{self.fraction:g} * {self.period_s:g} s = {self.fraction * self.period_s * 1e3:.3g} ms. Raise "
-                f"period_s to {min(1.0, 0.001 / self.fraction):.3g} s or more, or raise the fraction.", field="fraction")
+                f"period_s to {min(1.0, 0.001 / self.fraction):.3g} s or more, or raise the fraction.",
+                field="fraction")
         self.backend: str | None = None
         self._made: _Made | None = None
         self._finalizer: weakref.finalize[..., CpuQuota] | None = None
@@ -354,7 +355,8 @@ class CpuLimit(Lifecycle):
         self._running: CpuQuota | CpuThrottle | None = None
 
     def __repr__(self) -> str:
-        return f"CpuLimit(pid={self.pid}, fraction={self.fraction:g}, backend={self.backend or self.requested_backend!r})"
+        backend = self.backend or self.requested_backend
+        return f"CpuLimit(pid={self.pid}, fraction={self.fraction:g}, backend={backend!r})"
 
     @property
     def backend(self) -> str | None:
