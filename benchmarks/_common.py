@@ -21,12 +21,15 @@ from typing import Any
 __all__ = [
     "REPO_ROOT",
     "command_line",
+    "external_launch_env",
+    "fit_dynpipe",
     "format_table",
     "free_port",
     "iqr",
     "machine_info",
     "median",
     "quartiles",
+    "rotated",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +170,77 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markd
         out.append("  ".join("-" * w for w in widths))
     out.extend(line(r) for r in rows)
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------- running DynPipe inside workers
+# A generalisation of what throughput.py's workers do for the MLP, for any model, strategy and batches. The
+# timing callback and the CPU probe stay in throughput.py (``_step_timer``); callers pass the timer in.
+
+
+def rotated(items: Sequence[Any], rep: int) -> list[Any]:
+    """``items`` rotated left by ``rep``: interleaving that puts every item in every position over repeats."""
+    shift = rep % len(items) if items else 0
+    return list(items[shift:]) + list(items[:shift])
+
+
+def external_launch_env(rank: int, world_size: int, port: int) -> None:
+    """Environment under which Lightning treats a spawned worker as externally launched (single node).
+
+    With these set, Lightning's ``LightningEnvironment`` reuses a process group the worker has already
+    initialised on ``tcp://127.0.0.1:port`` instead of launching processes itself.
+    """
+    os.environ.update(
+        {
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+
+
+def fit_dynpipe(
+    model: Any, batches: Sequence[Any], strategy: Any, timer: Any, *, world_size: int, callbacks: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """``Trainer.fit`` of ``model`` with ``strategy`` on pre-made ``batches``, timed by ``timer``; collective.
+
+    The Trainer is configured as in ``throughput.py``'s DynPipe runs (CPU, ``devices=world_size``, no logger,
+    checkpoints, progress bar, model summary or sanity check; the loader hands out the batches unchanged), and
+    ``max_steps`` is ``len(batches)``. ``timer`` is the callback of ``throughput._step_timer(warmup, steps)``:
+    it clocks the timed steps on each rank and keeps that stage's ``StepStats`` and CPU probe. ``callbacks`` are
+    added after it (e.g. one that records what the strategy decided at set-up, which teardown clears).
+
+    Returns the same record as ``throughput.py``'s DynPipe runner: ``seconds`` (this rank's clock; global rank 0
+    hosts the last stage), ``stages`` (every stage's timing and StepStats, by stage) and ``cpu`` (per stage).
+    """
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[timer, *callbacks],
+    )
+    trainer.fit(model, train_dataloaders=DataLoader(list(batches), batch_size=None))  # type: ignore[arg-type]
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "The default process group was destroyed by trainer.fit; the benchmark relies on it surviving "
+            "between runs (Lightning 2.6 leaves an externally initialised group alone)."
+        )
+    mine = {"rank": dist.get_rank(), "stage": timer.stage_idx, "wall_s": timer.end - timer.start,
+            "steps": timer.stats, "cpu": timer.probe.result}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    stages = sorted(gathered, key=lambda g: g["stage"])
+    cpu = [{"rank": g["rank"], "stage": g["stage"], "cpu": g.pop("cpu")} for g in stages]
+    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu}
