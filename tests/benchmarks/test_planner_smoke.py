@@ -1,0 +1,77 @@
+"""Smoke tests of ``benchmarks/simulator_accuracy.py --quick`` and ``benchmarks/planner.py --quick``.
+
+Not performance tests: no speed is asserted (STYLE.md: a benchmark is a script that prints a table, not a timed
+unit test). Each runs the script as a user would, in a subprocess, with tiny models and sizes (two spawned gloo
+workers for the measured parts; about 15-30 s each on two cores), writing into a temporary directory so the
+documented plots in docs/img/ are left alone. They check that the tables and verdict lines print and that the
+raw JSON record and the plots are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, tmp_path: Path, *extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out-dir", str(tmp_path), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if all(h in line for h in header)]
+    assert starts, f"no table with columns {header} in the output:\n{out}"
+    return lines[starts[0] + 2 : starts[0] + 2 + count]
+
+
+@pytest.mark.multiprocess
+def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path) -> None:
+    out = _run("simulator_accuracy.py", tmp_path)
+
+    rows = _table_rows(out, ("model", "partition", "predicted samples/s", "measured (median)", "error"), 3)
+    assert [r.split()[0] for r in rows] == ["MLP", "CNN", "HeavyLayerMLP"], "\n".join(rows)
+    for row in rows:
+        assert "%" in row, f"no error percentage in row {row!r}"
+    assert "target |predicted/measured - 1| <= 15% on every model" in out
+    assert "sim: costs inside the runs" in out
+    assert "run-queue wait" in out
+
+    records = list(tmp_path.glob("simulator_accuracy-*-quick.json"))
+    assert len(records) == 1
+    payload = json.loads(records[0].read_text())
+    assert {r["system"] for r in payload["runs"]} == {"MLP", "CNN", "HeavyLayerMLP"}
+    assert payload["machine"]["torch"] and payload["machine"]["lightning"] and payload["command"]
+    assert set(payload["summary"]) == {"MLP", "CNN", "HeavyLayerMLP"}
+    assert (tmp_path / "simulator_accuracy-quick.png").is_file()
+
+
+@pytest.mark.multiprocess
+def test_planner_quick_prints_all_three_parts(tmp_path: Path) -> None:
+    out = _run("planner.py", tmp_path)
+
+    rows = _table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
+    assert [r.split()[0] for r in rows] == ["auto", "parameters", "uniform"], "\n".join(rows)
+    assert "target (a) auto >= 1.10x the better of parameters/uniform" in out
+    assert "(b) planning time, 100 layers x 8 stages" in out
+    assert "best_plan(num_stages=8)" in out and "target (b) planning < 1 s" in out
+    assert "(c) simulation time, 8 stages" in out and "target (c) simulate < 5 s" in out
+
+    records = list(tmp_path.glob("planner-*-quick.json"))
+    assert len(records) == 1
+    payload = json.loads(records[0].read_text())
+    assert {"a", "b", "c", "summary", "machine", "command"} <= set(payload)
+    for name in ("planner_throughput", "planner_timeline", "planner_timeline_uniform", "planner_speed"):
+        assert (tmp_path / f"{name}-quick.png").is_file(), name
