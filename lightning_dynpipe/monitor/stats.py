@@ -163,6 +163,11 @@ class StageSample:
         """Forward plus backward plus optimizer time."""
         return self.forward_s + self.backward_s + self.optimizer_s
 
+    @property
+    def busy_s(self) -> float:
+        """Compute plus send time: what the stage needed in this step, its waits excluded."""
+        return self.compute_s + self.send_s
+
 
 _SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSample))
 _OPTIONAL_FIELDS = frozenset(
@@ -177,9 +182,14 @@ class StageSummary:
     Medians, not means: one step that waited for a checkpoint or a validation drain should not move the
     picture. Optional readings (CUDA, NVML) are the median of the samples that had them, None if none did.
     A summary of no samples (``count == 0``) holds NaN times.
+
+    ``compute_s`` (forward + backward + optimizer) and ``busy_s`` (compute + send) are the medians of the
+    per-step sums, so they compare with ``step_s`` step by step (a sum of medians need not).
     """
 
     count: int
+    compute_s: float
+    busy_s: float
     step_s: float
     forward_s: float
     backward_s: float
@@ -210,6 +220,9 @@ class StageSummary:
                 values[name] = float(statistics.median(present)) if present else None
             else:
                 values[name] = float(statistics.median([getattr(s, name) for s in items])) if items else math.nan
+        for name, per_step in (("compute_s", [s.compute_s for s in items]),
+                               ("busy_s", [s.busy_s for s in items])):
+            values[name] = float(statistics.median(per_step)) if items else math.nan
         return cls(count=len(items), **values)  # type: ignore[arg-type]
 
     @classmethod
@@ -224,7 +237,7 @@ class StageSummary:
         if len(summaries) == 1:
             return summaries[0]
         values: dict[str, float | None] = {}
-        for name in _SAMPLE_FIELDS:
+        for name in (*_SAMPLE_FIELDS, "compute_s", "busy_s"):
             got = [getattr(s, name) for s in summaries]
             present = [v for v in got if v is not None and not math.isnan(v)]
             if present:
@@ -232,16 +245,6 @@ class StageSummary:
             else:
                 values[name] = None if name in _OPTIONAL_FIELDS else math.nan
         return cls(count=min(s.count for s in summaries), **values)  # type: ignore[arg-type]
-
-    @property
-    def compute_s(self) -> float:
-        """Median forward + median backward + median optimizer time."""
-        return self.forward_s + self.backward_s + self.optimizer_s
-
-    @property
-    def busy_s(self) -> float:
-        """Compute plus send time: what the stage needs per step, its waits excluded."""
-        return self.compute_s + self.send_s
 
     @property
     def comm_overlap(self) -> float:
