@@ -1,0 +1,233 @@
+"""StageMonitor: the thin Lightning callback around :class:`~lightning_dynpipe.monitor.stats.StageStatsAccumulator`.
+
+Every rank adds one :class:`~lightning_dynpipe.monitor.stats.StageSample` per training step (its executor's
+``StepStats`` plus a :class:`~lightning_dynpipe.monitor.system.ProcessSampler` reading) to its own rolling
+window. Every ``every_n_steps`` steps the ranks exchange their window summaries in ONE small collective
+(``all_gather_object`` on WORLD), so every rank holds the same
+:class:`~lightning_dynpipe.monitor.stats.PipelineSnapshot`; listeners (the adaptive policy) run on it,
+global rank 0 sends it to the loggers, and a few numbers go to the progress bar.
+
+The monitor does not import the strategy (the strategy imports the monitor); it recognises a DynPipe
+strategy by what it reads from it (:class:`_PipelineStrategy`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_dynpipe.monitor.stats import (
+    PipelineSnapshot,
+    StageReport,
+    StageSample,
+    StageStatsAccumulator,
+)
+from lightning_dynpipe.monitor.system import ProcessSampler
+
+__all__ = ["SnapshotListener", "StageMonitor"]
+
+log = logging.getLogger(__name__)
+
+SnapshotListener = Callable[[PipelineSnapshot, Trainer], None]
+"""Called on every rank with each new snapshot (identical on every rank) and the trainer."""
+
+
+@runtime_checkable
+class _PipelineStrategy(Protocol):
+    """What the monitor reads from the strategy (DynPipeStrategy provides it)."""
+
+    @property
+    def executor(self) -> Any: ...
+    @property
+    def stage_idx(self) -> int: ...
+    @property
+    def dp_rank(self) -> int: ...
+
+
+class StageMonitor(Callback):
+    """Collects per-stage step statistics on every rank and shares a pipeline snapshot every N steps.
+
+    Example::
+
+        monitor = StageMonitor(every_n_steps=10, window=20)
+        monitor.add_listener(lambda snap, trainer: print(snap.table()) if trainer.is_global_zero else None)
+        trainer = L.Trainer(strategy=DynPipeStrategy(), callbacks=[monitor], ...)
+        trainer.fit(model)
+        monitor.latest.stages[0].busy_s      # in the worker processes (with spawn: not in the launching one)
+
+    Logged (global rank 0, to every logger in ``trainer.loggers``): :meth:`PipelineSnapshot.to_metrics`,
+    i.e. ``dynpipe/stage{k}/step_ms``, ``.../compute_ms``, ``.../busy_ms``, ``.../recv_wait_ms``,
+    ``.../idle_ms``, ``.../exposed_comm_ms``, ``.../cpu_share``, ``.../rss_mb``, ... and
+    ``dynpipe/step_ms``, ``dynpipe/bottleneck_stage``, ``dynpipe/imbalance``.
+
+    Progress bar: ``dynpipe/step_ms`` (the pipeline's step time) and, for pipelines of up to four stages,
+    ``dynpipe/s{k}_busy_ms`` (stage ``k``'s compute + send time per step, which is what differs between
+    stages: their step times converge to the slowest stage's); with more stages ``dynpipe/bottleneck_stage``
+    and ``dynpipe/bottleneck_busy_ms`` instead. They are logged
+    with ``self.log`` on every rank with the same values, so ``callback_metrics`` agree across ranks and any
+    of them may be monitored by ModelCheckpoint or EarlyStopping; they do not go to the loggers twice.
+
+    Under another strategy the monitor does nothing (and warns once). It keeps nothing from one fit to the
+    next except its listeners; :attr:`latest` stays readable after a fit until the next one starts.
+
+    Args:
+        every_n_steps: steps between two snapshots (each costs one small collective over WORLD).
+        window: steps whose medians a snapshot reports (per process).
+        log: send each snapshot's metrics to the trainer's loggers.
+        prog_bar: show the compact summary in the progress bar.
+    """
+
+    PROG_BAR_MAX_STAGES = 4
+
+    def __init__(self, every_n_steps: int = 10, window: int = 20, log: bool = True, prog_bar: bool = True) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("window", window)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StageMonitor({name}=...) must be a positive integer; got {value!r}.")
+        self.every_n_steps = every_n_steps
+        self.window = window
+        self.log_metrics = log
+        self.prog_bar = prog_bar
+        self.latest: PipelineSnapshot | None = None
+        self.snapshots_taken = 0
+        self.overhead_s = 0.0
+        """Time spent inside this callback's hooks during the current fit (collectives included)."""
+        self._listeners: list[SnapshotListener] = []
+        self._acc: StageStatsAccumulator | None = None
+        self._sampler: ProcessSampler | None = None
+        self._active = False
+        self._warned = False
+        self._steps = 0
+        self._partition: Any = None
+
+    # ------------------------------------------------------------------ listeners
+    def add_listener(self, fn: SnapshotListener) -> None:
+        """Calls ``fn(snapshot, trainer)`` on every rank after each snapshot (in the order added).
+
+        With ``start_method="spawn"`` the callback, listeners included, is pickled into the workers: use a
+        module-level function or a picklable object.
+        """
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: SnapshotListener) -> None:
+        """Stops calling ``fn``."""
+        self._listeners.remove(fn)
+
+    @property
+    def accumulator(self) -> StageStatsAccumulator | None:
+        """This process's rolling window (None outside a fit)."""
+        return self._acc
+
+    # ------------------------------------------------------------------ hooks
+    def _reset(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+        self._acc = None
+        self._sampler = None
+        self._active = False
+        self._steps = 0
+        self._partition = None
+        self.latest = None
+        self.snapshots_taken = 0
+        self.overhead_s = 0.0
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+        strategy = trainer.strategy
+        executor = getattr(strategy, "executor", None)
+        if not isinstance(strategy, _PipelineStrategy) or executor is None or not hasattr(executor, "stats"):
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"StageMonitor measures pipeline stages of DynPipeStrategy, but the trainer runs "
+                    f"{type(strategy).__name__}; the monitor does nothing in this fit. Remove it from the "
+                    "callbacks or use strategy=DynPipeStrategy(...)."
+                )
+            return
+        self._acc = StageStatsAccumulator(self.window)
+        self._sampler = ProcessSampler(getattr(strategy, "root_device", None) or pl_module.device)
+        self._partition = getattr(strategy, "partition", None)
+        self._active = True
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._active:
+            assert self._sampler is not None
+            self._sampler.mark()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        t0 = time.perf_counter()
+        assert self._acc is not None and self._sampler is not None
+        strategy: Any = trainer.strategy
+        executor = strategy.executor
+        if executor is None:  # torn down mid-fit (failure): nothing to read
+            return
+        partition = getattr(strategy, "partition", None)
+        if partition is not self._partition and partition != self._partition:
+            self._acc.reset()  # the window described the old stage; a repartition starts a new one
+            self._partition = partition
+        self._acc.add(StageSample.from_step(executor.stats, self._sampler.sample()))
+        self._steps += 1
+        if self._steps % self.every_n_steps == 0:
+            self._snapshot(trainer, pl_module, strategy)
+        self.overhead_s += time.perf_counter() - t0
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        self._active = False
+
+    # ------------------------------------------------------------------ snapshot
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule, strategy: Any) -> None:
+        assert self._acc is not None
+        mine = StageReport(dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx),
+                           summary=self._acc.summary())
+        reports: list[Any] = [mine]
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, mine)
+        snapshot = PipelineSnapshot.from_reports(trainer.global_step, reports)
+        self.latest = snapshot
+        self.snapshots_taken += 1
+        for fn in list(self._listeners):
+            fn(snapshot, trainer)
+        if self.log_metrics and trainer.is_global_zero and trainer.loggers:
+            metrics = snapshot.to_metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if self.prog_bar:
+            for key, value in self._prog_bar_values(snapshot).items():
+                if not math.isnan(value):
+                    pl_module.log(key, value, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                                  batch_size=1, sync_dist=False)
+
+    def _prog_bar_values(self, snapshot: PipelineSnapshot) -> dict[str, float]:
+        values = {"dynpipe/step_ms": snapshot.step_s * 1e3}
+        if snapshot.num_stages <= self.PROG_BAR_MAX_STAGES:
+            for k, s in enumerate(snapshot.stages):
+                values[f"dynpipe/s{k}_busy_ms"] = s.busy_s * 1e3
+        else:
+            bottleneck = snapshot.bottleneck_stage
+            if bottleneck is not None:
+                values["dynpipe/bottleneck_stage"] = float(bottleneck)
+                values["dynpipe/bottleneck_busy_ms"] = snapshot.stages[bottleneck].busy_s * 1e3
+        return values
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # stateless between fits: nothing to checkpoint

@@ -1,0 +1,244 @@
+"""StageMonitor: cadence, listeners and window resets with a stand-in trainer; real fits in one process
+(DynPipe with one stage, and another strategy); and a 2-process DynPipe fit that logs per-stage metrics."""
+
+from __future__ import annotations
+
+import csv
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategy"))
+from pipeline_models import TinyNet, loader, trainer_kwargs  # noqa: E402
+
+from lightning_dynpipe import DynPipeStrategy  # noqa: E402
+from lightning_dynpipe.engine.executor import StepStats  # noqa: E402
+from lightning_dynpipe.monitor import PipelineSnapshot, StageMonitor  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- stand-in trainer
+class _FakeStrategy:
+    def __init__(self) -> None:
+        self.executor = SimpleNamespace(stats=StepStats(step_s=0.01, forward_s=0.004, backward_s=0.004))
+        self.stage_idx = 0
+        self.dp_rank = 0
+        self.partition: Any = "[5]"
+        self.root_device = torch.device("cpu")
+
+
+class _FakeModule:
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.logged: dict[str, float] = {}
+
+    def log(self, name: str, value: float, **kw: Any) -> None:
+        assert kw["prog_bar"] and not kw["logger"] and not kw["sync_dist"]
+        self.logged[name] = value
+
+
+class _FakeLogger:
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], int]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append((metrics, step))
+
+
+def _fake_trainer() -> Any:
+    return SimpleNamespace(strategy=_FakeStrategy(), world_size=1, global_step=0, is_global_zero=True,
+                           loggers=[_FakeLogger()])
+
+
+def _steps(monitor: StageMonitor, trainer: Any, module: Any, n: int, step_s: float | None = None) -> None:
+    for _ in range(n):
+        monitor.on_train_batch_start(trainer, module, None, 0)
+        trainer.global_step += 1
+        if step_s is not None:
+            trainer.strategy.executor.stats = StepStats(step_s=step_s, forward_s=step_s / 2)
+        monitor.on_train_batch_end(trainer, module, None, None, 0)
+
+
+def test_snapshot_every_n_steps_listeners_logging_and_prog_bar() -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    monitor = StageMonitor(every_n_steps=3, window=4)
+    seen: list[tuple[int, int]] = []
+    monitor.add_listener(lambda snap, tr: seen.append((snap.step, snap.stages[0].count)))
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 7)
+    assert seen == [(3, 3), (6, 4)]  # snapshots at steps 3 and 6; the window holds at most 4 samples
+    assert monitor.snapshots_taken == 2 and monitor.latest is not None and monitor.latest.step == 6
+    calls = trainer.loggers[0].calls
+    assert [step for _, step in calls] == [3, 6]
+    assert calls[0][0]["dynpipe/stage0/step_ms"] == pytest.approx(10.0)
+    assert calls[0][0]["dynpipe/stage0/compute_ms"] == pytest.approx(8.0)
+    assert module.logged["dynpipe/step_ms"] == pytest.approx(10.0)
+    assert module.logged["dynpipe/s0_busy_ms"] == pytest.approx(8.0)
+    assert "dynpipe/bottleneck_stage" not in module.logged  # the per-stage numbers show it
+    assert monitor.overhead_s > 0
+
+
+def test_log_and_prog_bar_switches_and_non_zero_ranks() -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    trainer.is_global_zero = False
+    monitor = StageMonitor(every_n_steps=1, log=True, prog_bar=False)
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 2)
+    assert trainer.loggers[0].calls == []  # only global rank 0 writes to the loggers
+    assert module.logged == {}
+    assert monitor.latest is not None
+
+
+def test_listener_removal_and_order() -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    monitor = StageMonitor(every_n_steps=1, prog_bar=False)
+    order: list[str] = []
+
+    def a(snap: PipelineSnapshot, tr: Any) -> None:
+        order.append("a")
+
+    def b(snap: PipelineSnapshot, tr: Any) -> None:
+        order.append("b")
+
+    monitor.add_listener(a)
+    monitor.add_listener(b)
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 1)
+    monitor.remove_listener(a)
+    _steps(monitor, trainer, module, 1)
+    assert order == ["a", "b", "b"]
+
+
+def test_window_restarts_when_the_partition_changes() -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    monitor = StageMonitor(every_n_steps=100, window=10, prog_bar=False)
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 5, step_s=0.05)
+    assert monitor.accumulator is not None and len(monitor.accumulator) == 5
+    trainer.strategy.partition = "[3, 2]"  # a repartition replaced it
+    _steps(monitor, trainer, module, 2, step_s=0.01)
+    assert len(monitor.accumulator) == 2
+    assert monitor.accumulator.summary().step_s == pytest.approx(0.01)
+
+
+def test_a_new_fit_starts_from_scratch_but_keeps_listeners() -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    monitor = StageMonitor(every_n_steps=2, prog_bar=False)
+    calls: list[int] = []
+    monitor.add_listener(lambda snap, tr: calls.append(snap.step))
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 3)
+    monitor.teardown(trainer, module, "fit")  # type: ignore[arg-type]
+    assert monitor.latest is not None  # readable after the fit
+    trainer.global_step = 0
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    assert monitor.latest is None and monitor.snapshots_taken == 0 and monitor.overhead_s == 0.0
+    _steps(monitor, trainer, module, 1)
+    assert monitor.latest is None  # the step counter restarted too
+    _steps(monitor, trainer, module, 1)
+    assert calls == [2, 2]
+
+
+@pytest.mark.parametrize("kw", [{"every_n_steps": 0}, {"window": -1}, {"every_n_steps": 1.5}, {"window": True}])
+def test_arguments_must_be_positive_integers(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        StageMonitor(**kw)
+
+
+def test_state_dict_is_empty() -> None:
+    assert StageMonitor().state_dict() == {}
+
+
+# ---------------------------------------------------------------------------------------------- real fits, 1 process
+def test_other_strategy_warns_once_and_does_nothing() -> None:
+    monitor = StageMonitor(every_n_steps=1)
+    per_fit = []
+    for _ in range(2):
+        trainer = L.Trainer(devices=1, max_steps=3, **trainer_kwargs(callbacks=[monitor]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyNet(), loader(n=48))
+        per_fit.append([str(w.message) for w in caught if "StageMonitor" in str(w.message)])
+        assert monitor.latest is None and monitor.accumulator is None
+    assert len(per_fit[0]) == 1 and not per_fit[1], per_fit
+    assert "SingleDeviceStrategy" in per_fit[0][0] and "does nothing" in per_fit[0][0]
+
+
+def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> None:
+    monitor = StageMonitor(every_n_steps=2, window=3)
+    snaps: list[PipelineSnapshot] = []
+    monitor.add_listener(lambda snap, tr: snaps.append(snap))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="dynpipe/step_ms", mode="min", save_top_k=1)
+    trainer = L.Trainer(
+        devices=1, max_steps=6, log_every_n_steps=1,
+        strategy=DynPipeStrategy(balance=[5], num_microbatches=2),
+        **trainer_kwargs(logger=CSVLogger(tmp_path, name="csv"), enable_checkpointing=True,
+                         callbacks=[monitor, ckpt, EarlyStopping(monitor="train_loss", patience=100)]),
+    )
+    trainer.fit(TinyNet(), loader(n=72))
+    assert [s.step for s in snaps] == [2, 4, 6]
+    assert all(s.num_stages == 1 and s.bottleneck_stage == 0 for s in snaps)
+    assert snaps[-1].stages[0].count == 3
+    assert snaps[-1].stages[0].rss_bytes > 0 and snaps[-1].stages[0].compute_s > 0
+    for key in ("dynpipe/step_ms", "dynpipe/s0_busy_ms"):
+        assert key in trainer.progress_bar_metrics, trainer.progress_bar_metrics
+        assert key in trainer.callback_metrics
+    assert ckpt.best_model_path  # monitoring a monitor metric works
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
+    logged = [r for r in rows if r.get("dynpipe/stage0/step_ms")]
+    assert [int(r["step"]) for r in logged] == [2, 4, 6]
+    assert all(float(r["dynpipe/stage0/step_ms"]) > 0 for r in logged)
+    assert "dynpipe/s0_busy_ms" not in rows[0]  # the progress-bar values do not reach the loggers twice
+
+
+# ---------------------------------------------------------------------------------------------- 2 processes
+class _CheckInWorkers(L.Callback):
+    """Runs inside every worker, after the monitor (it comes later in the callback list)."""
+
+    def __init__(self, monitor: StageMonitor) -> None:
+        self.monitor = monitor
+        self.snapshots = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        snap = self.monitor.latest
+        if trainer.global_step < 4:
+            assert snap is None
+            return
+        assert snap is not None, f"rank {trainer.global_rank} has no snapshot at step {trainer.global_step}"
+        assert snap.num_stages == 2 and snap.dp_size == 1
+        assert snap.step == trainer.global_step - trainer.global_step % 4
+        assert all(s.count >= 1 and s.step_s > 0 and s.compute_s > 0 for s in snap.stages)
+        assert snap.bottleneck_stage in (0, 1)
+        if snap.step == trainer.global_step:
+            self.snapshots += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self.snapshots == 3, self.snapshots
+        assert self.monitor.snapshots_taken == 3
+
+
+@pytest.mark.multiprocess
+def test_two_stage_fit_logs_every_stage(tmp_path: Path) -> None:
+    monitor = StageMonitor(every_n_steps=4, window=4)
+    trainer = L.Trainer(
+        devices=2, max_steps=12, log_every_n_steps=1,
+        strategy=DynPipeStrategy(start_method="spawn", balance=[2, 3], num_microbatches=3),
+        **trainer_kwargs(logger=CSVLogger(tmp_path, name="csv"), callbacks=[monitor, _CheckInWorkers(monitor)]),
+    )
+    trainer.fit(TinyNet(), loader(n=144))
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
+    for k in (0, 1):
+        logged = [r for r in rows if r.get(f"dynpipe/stage{k}/step_ms")]
+        assert [int(r["step"]) for r in logged] == [4, 8, 12], rows
+        assert all(float(r[f"dynpipe/stage{k}/compute_ms"]) > 0 for r in logged)
+        assert all(float(r[f"dynpipe/stage{k}/rss_mb"]) > 0 for r in logged)
+    assert {r["dynpipe/bottleneck_stage"] for r in rows if r.get("dynpipe/bottleneck_stage")} <= {"0.0", "1.0"}
