@@ -221,7 +221,9 @@ class CpuQuota(Lifecycle):
     :meth:`start` creates ``dynpipe-quota-<pid>-<token>`` under the process's current cgroup (cgroup v2: or the
     hierarchy root when the current one may not hold controllers), writes the limit, and moves the process in;
     processes it forks later are limited with it. :meth:`stop` (idempotent; also run when the object is
-    garbage-collected and at exit) moves every member back and removes the cgroup.
+    garbage-collected and at exit) moves every member back and removes the cgroup. If the owning process is
+    killed with SIGKILL, nothing runs: the limited process stays limited until it exits, and an empty
+    ``dynpipe-quota-*`` directory is left behind (harmless; ``rmdir`` removes it).
 
     Args:
         pid: the process to limit (0: this one).
