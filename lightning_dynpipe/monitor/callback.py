@@ -3,9 +3,13 @@
 Every rank adds one :class:`~lightning_dynpipe.monitor.stats.StageSample` per training step (its executor's
 ``StepStats`` plus a :class:`~lightning_dynpipe.monitor.system.ProcessSampler` reading) to its own rolling
 window. Every ``every_n_steps`` steps the ranks exchange their window summaries in ONE small collective
-(``all_gather_object`` on WORLD), so every rank holds the same
+(an all-gather over WORLD of a fixed vector of floats per rank), so every rank holds the same
 :class:`~lightning_dynpipe.monitor.stats.PipelineSnapshot`; listeners (the adaptive policy) run on it,
 global rank 0 sends it to the loggers, and a few numbers go to the progress bar.
+
+The gather is started at the end of step ``t`` and completed at the end of step ``t + 1`` (``overlap=True``):
+it travels while the pipeline computes, so no rank waits for a slower one at the step boundary, and every
+rank publishes the snapshot at the same step, which keeps decisions taken in listeners in step.
 
 The monitor does not import the strategy (the strategy imports the monitor); it recognises a DynPipe
 strategy by what it reads from it (:class:`_PipelineStrategy`).
@@ -17,8 +21,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -38,6 +44,13 @@ log = logging.getLogger(__name__)
 
 SnapshotListener = Callable[[PipelineSnapshot, Trainer], None]
 """Called on every rank with each new snapshot (identical on every rank) and the trainer."""
+
+
+@dataclass
+class _PendingGather:
+    step: int
+    parts: list[torch.Tensor]
+    work: Any  # the async collective's handle; None once complete (or with a single process)
 
 
 @runtime_checkable
@@ -63,17 +76,22 @@ class StageMonitor(Callback):
         trainer.fit(model)
         monitor.latest.stages[0].busy_s      # in the worker processes (with spawn: not in the launching one)
 
+    A snapshot's ``step`` is the ``global_step`` at which the summaries were taken (a multiple of
+    ``every_n_steps``); with ``overlap=True`` it is published (``latest``, listeners, loggers, progress bar)
+    one step later, when the gather started at ``step`` has completed, and at the end of training for the
+    last one.
+
     Logged (global rank 0, to every logger in ``trainer.loggers``): :meth:`PipelineSnapshot.to_metrics`,
     i.e. ``dynpipe/stage{k}/step_ms``, ``.../compute_ms``, ``.../busy_ms``, ``.../recv_wait_ms``,
     ``.../idle_ms``, ``.../exposed_comm_ms``, ``.../cpu_share``, ``.../rss_mb``, ... and
     ``dynpipe/step_ms``, ``dynpipe/bottleneck_stage``, ``dynpipe/imbalance``.
 
-    Progress bar: ``dynpipe/step_ms`` (the pipeline's step time) and, for pipelines of up to four stages,
-    ``dynpipe/s{k}_busy_ms`` (stage ``k``'s compute + send time per step, which is what differs between
-    stages: their step times converge to the slowest stage's); with more stages ``dynpipe/bottleneck_stage``
-    and ``dynpipe/bottleneck_busy_ms`` instead. They are logged
-    with ``self.log`` on every rank with the same values, so ``callback_metrics`` agree across ranks and any
-    of them may be monitored by ModelCheckpoint or EarlyStopping; they do not go to the loggers twice.
+    Progress bar (global rank 0): for pipelines of up to four stages ``dynpipe/s{k}_busy_ms``, stage ``k``'s
+    median compute + send time per step (what differs between stages: their step times all converge to the
+    slowest stage's, and the bar already shows the step rate); with more stages ``dynpipe/bottleneck_stage``
+    and ``dynpipe/bottleneck_busy_ms``. They are logged with ``self.log`` (DynPipe's metrics mirror copies
+    ``callback_metrics`` to the other ranks, so ModelCheckpoint or EarlyStopping may monitor them) and do not
+    reach the loggers a second time.
 
     Under another strategy the monitor does nothing (and warns once). It keeps nothing from one fit to the
     next except its listeners; :attr:`latest` stays readable after a fit until the next one starts.
@@ -83,11 +101,14 @@ class StageMonitor(Callback):
         window: steps whose medians a snapshot reports (per process).
         log: send each snapshot's metrics to the trainer's loggers.
         prog_bar: show the compact summary in the progress bar.
+        overlap: complete each gather one step after starting it (default), instead of waiting for it at once.
     """
 
     PROG_BAR_MAX_STAGES = 4
 
-    def __init__(self, every_n_steps: int = 10, window: int = 20, log: bool = True, prog_bar: bool = True) -> None:
+    def __init__(
+        self, every_n_steps: int = 10, window: int = 20, log: bool = True, prog_bar: bool = True, overlap: bool = True
+    ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"StageMonitor({name}=...) must be a positive integer; got {value!r}.")
@@ -95,6 +116,7 @@ class StageMonitor(Callback):
         self.window = window
         self.log_metrics = log
         self.prog_bar = prog_bar
+        self.overlap = overlap
         self.latest: PipelineSnapshot | None = None
         self.snapshots_taken = 0
         self.overhead_s = 0.0
@@ -106,6 +128,9 @@ class StageMonitor(Callback):
         self._warned = False
         self._steps = 0
         self._partition: Any = None
+        self._pending: _PendingGather | None = None
+        self._group: Any = None  # None: WORLD
+        self._own_group = False
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn: SnapshotListener) -> None:
@@ -127,16 +152,27 @@ class StageMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     def _reset(self) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
+        self._release()
         self._acc = None
-        self._sampler = None
-        self._active = False
         self._steps = 0
         self._partition = None
         self.latest = None
         self.snapshots_taken = 0
         self.overhead_s = 0.0
+
+    def _release(self) -> None:
+        """Drops what a fit held: the sampler's descriptors, an unfinished gather, our process group."""
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        self._pending = None  # after a failure a peer may never contribute: do not wait for it
+        if self._own_group and self._group is not None:
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception as exc:  # the default group may already be gone
+                log.debug("Could not destroy the monitor's process group: %s", exc)
+        self._group, self._own_group = None, False
+        self._active = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -155,6 +191,9 @@ class StageMonitor(Callback):
         self._acc = StageStatsAccumulator(self.window)
         self._sampler = ProcessSampler(getattr(strategy, "root_device", None) or pl_module.device)
         self._partition = getattr(strategy, "partition", None)
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+            # a CPU group for the gather: reading a device tensor back would synchronise the device every time
+            self._group, self._own_group = dist.new_group(backend="gloo"), True
         self._active = True
 
     @override
@@ -181,27 +220,47 @@ class StageMonitor(Callback):
             self._partition = partition
         self._acc.add(StageSample.from_step(executor.stats, self._sampler.sample()))
         self._steps += 1
+        if self._pending is not None:
+            self._finish(trainer, pl_module, in_loop=True)
         if self._steps % self.every_n_steps == 0:
-            self._snapshot(trainer, pl_module, strategy)
+            self._start(trainer, strategy)
+            if self._pending is not None and self._pending.work is None:
+                self._finish(trainer, pl_module, in_loop=True)
         self.overhead_s += time.perf_counter() - t0
 
     @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._active and self._pending is not None:
+            t0 = time.perf_counter()
+            self._finish(trainer, pl_module, in_loop=False)  # every rank started it: it completes
+            self.overhead_s += time.perf_counter() - t0
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
-            self._sampler = None
-        self._active = False
+        self._release()
 
     # ------------------------------------------------------------------ snapshot
-    def _snapshot(self, trainer: Trainer, pl_module: LightningModule, strategy: Any) -> None:
+    def _start(self, trainer: Trainer, strategy: Any) -> None:
+        """Starts gathering every rank's report of its window (one all-gather of a few dozen floats)."""
         assert self._acc is not None
         mine = StageReport(dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx),
                            summary=self._acc.summary())
-        reports: list[Any] = [mine]
+        vector = torch.tensor(mine.to_vector(), dtype=torch.float64)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, mine)
-        snapshot = PipelineSnapshot.from_reports(trainer.global_step, reports)
+            parts = [torch.empty_like(vector) for _ in range(dist.get_world_size(self._group))]
+            work = dist.all_gather(parts, vector, group=self._group, async_op=self.overlap)
+            self._pending = _PendingGather(trainer.global_step, parts, work if self.overlap else None)
+        else:
+            self._pending = _PendingGather(trainer.global_step, [vector], None)
+
+    def _finish(self, trainer: Trainer, pl_module: LightningModule, *, in_loop: bool) -> None:
+        """Completes the pending gather and publishes the snapshot (``in_loop``: inside a batch hook)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        if pending.work is not None:
+            pending.work.wait()
+        reports = [StageReport.from_vector(p.tolist()) for p in pending.parts]
+        snapshot = PipelineSnapshot.from_reports(pending.step, reports)
         self.latest = snapshot
         self.snapshots_taken += 1
         for fn in list(self._listeners):
@@ -209,24 +268,22 @@ class StageMonitor(Callback):
         if self.log_metrics and trainer.is_global_zero and trainer.loggers:
             metrics = snapshot.to_metrics()
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        if self.prog_bar:
+                logger.log_metrics(metrics, step=snapshot.step)
+        if self.prog_bar and in_loop and trainer.is_global_zero:
             for key, value in self._prog_bar_values(snapshot).items():
                 if not math.isnan(value):
                     pl_module.log(key, value, prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                                  batch_size=1, sync_dist=False)
+                                  batch_size=1, sync_dist=False, rank_zero_only=True)
 
     def _prog_bar_values(self, snapshot: PipelineSnapshot) -> dict[str, float]:
-        values = {"dynpipe/step_ms": snapshot.step_s * 1e3}
+        # Few keys: each self.log call costs a few hundred microseconds in Lightning's result collection.
         if snapshot.num_stages <= self.PROG_BAR_MAX_STAGES:
-            for k, s in enumerate(snapshot.stages):
-                values[f"dynpipe/s{k}_busy_ms"] = s.busy_s * 1e3
-        else:
-            bottleneck = snapshot.bottleneck_stage
-            if bottleneck is not None:
-                values["dynpipe/bottleneck_stage"] = float(bottleneck)
-                values["dynpipe/bottleneck_busy_ms"] = snapshot.stages[bottleneck].busy_s * 1e3
-        return values
+            return {f"dynpipe/s{k}_busy_ms": s.busy_s * 1e3 for k, s in enumerate(snapshot.stages)}
+        bottleneck = snapshot.bottleneck_stage
+        if bottleneck is None:
+            return {}
+        return {"dynpipe/bottleneck_stage": float(bottleneck),
+                "dynpipe/bottleneck_busy_ms": snapshot.stages[bottleneck].busy_s * 1e3}
 
     @override
     def state_dict(self) -> dict[str, Any]:

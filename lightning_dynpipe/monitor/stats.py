@@ -30,6 +30,7 @@ from typing import Protocol
 __all__ = [
     "METRIC_NAMES",
     "PipelineSnapshot",
+    "REPORT_LENGTH",
     "StageReport",
     "StageSample",
     "StageStatsAccumulator",
@@ -305,11 +306,41 @@ class StageStatsAccumulator:
 
 @dataclass(frozen=True)
 class StageReport:
-    """One process's summary, tagged with where it runs: what every rank contributes to a snapshot."""
+    """One process's summary, tagged with where it runs: what every rank contributes to a snapshot.
+
+    It travels as a fixed-length vector of floats (:meth:`to_vector` / :meth:`from_vector`), so the gather
+    is one plain all-gather of :data:`REPORT_LENGTH` numbers per rank: no pickling, no size exchange.
+    """
 
     dp_rank: int
     stage_idx: int
     summary: StageSummary
+
+    def to_vector(self) -> list[float]:
+        """``[dp_rank, stage_idx, count, <summary fields>]``; None travels as NaN."""
+        s = self.summary
+        values = [getattr(s, name) for name in _SUMMARY_FIELDS]
+        return [float(self.dp_rank), float(self.stage_idx), float(s.count),
+                *(math.nan if v is None else float(v) for v in values)]
+
+    @classmethod
+    def from_vector(cls, vector: Sequence[float]) -> StageReport:
+        """The inverse of :meth:`to_vector` (optional readings that were None come back as None)."""
+        if len(vector) != REPORT_LENGTH:
+            raise ValueError(
+                f"A StageReport vector has {REPORT_LENGTH} entries; got {len(vector)}. Every rank must run the "
+                "same version of lightning_dynpipe."
+            )
+        values: dict[str, float | None] = {}
+        for name, v in zip(_SUMMARY_FIELDS, vector[3:]):
+            values[name] = None if name in _OPTIONAL_FIELDS and math.isnan(v) else float(v)
+        summary = StageSummary(count=int(vector[2]), **values)  # type: ignore[arg-type]
+        return cls(dp_rank=int(vector[0]), stage_idx=int(vector[1]), summary=summary)
+
+
+_SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSummary) if f.name != "count")
+REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS)
+"""Entries of :meth:`StageReport.to_vector`."""
 
 
 # (metric name, StageSummary attribute or property, scale). Times in ms; bytes in MiB (2**20).

@@ -80,9 +80,7 @@ def test_snapshot_every_n_steps_listeners_logging_and_prog_bar() -> None:
     assert [step for _, step in calls] == [3, 6]
     assert calls[0][0]["dynpipe/stage0/step_ms"] == pytest.approx(10.0)
     assert calls[0][0]["dynpipe/stage0/compute_ms"] == pytest.approx(8.0)
-    assert module.logged["dynpipe/step_ms"] == pytest.approx(10.0)
-    assert module.logged["dynpipe/s0_busy_ms"] == pytest.approx(8.0)
-    assert "dynpipe/bottleneck_stage" not in module.logged  # the per-stage numbers show it
+    assert module.logged == {"dynpipe/s0_busy_ms": pytest.approx(8.0)}  # one key per stage, up to 4 stages
     assert monitor.overhead_s > 0
 
 
@@ -147,6 +145,98 @@ def test_a_new_fit_starts_from_scratch_but_keeps_listeners() -> None:
     assert calls == [2, 2]
 
 
+class _FakeWork:
+    def __init__(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.parts, self.tensor, self.done = parts, tensor, False
+
+    def wait(self) -> bool:
+        for i, p in enumerate(self.parts):  # a second rank running stage 1 with the same numbers
+            p.copy_(self.tensor)
+            p[1] = float(i)
+        self.done = True
+        return True
+
+    def is_done(self) -> bool:
+        return self.done
+
+
+@pytest.fixture
+def two_fake_ranks(monkeypatch: pytest.MonkeyPatch) -> list[_FakeWork]:
+    works: list[_FakeWork] = []
+
+    def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        work = _FakeWork(parts, tensor)
+        works.append(work)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    return works
+
+
+def _latest(monitor: StageMonitor) -> PipelineSnapshot | None:
+    return monitor.latest  # read through a call, so that mypy does not keep an earlier narrowing
+
+
+def test_gather_overlaps_the_next_step(two_fake_ranks: list[_FakeWork]) -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    trainer.world_size = 2
+    monitor = StageMonitor(every_n_steps=3, window=4)
+    steps: list[int] = []
+    monitor.add_listener(lambda snap, tr: steps.append(tr.global_step))
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 3)
+    assert len(two_fake_ranks) == 1 and not two_fake_ranks[0].is_done() and _latest(monitor) is None
+    _steps(monitor, trainer, module, 1)
+    snap = _latest(monitor)
+    assert two_fake_ranks[0].is_done() and snap is not None
+    assert snap.step == 3 and snap.num_stages == 2  # taken at step 3, published at 4
+    assert steps == [4]
+    assert trainer.loggers[0].calls[0][1] == 3  # logged at the step it describes
+    assert module.logged["dynpipe/s1_busy_ms"] == pytest.approx(8.0)
+    _steps(monitor, trainer, module, 2)  # step 6 starts the next gather
+    monitor.on_train_end(trainer, module)  # type: ignore[arg-type]
+    snap = _latest(monitor)
+    assert snap is not None and snap.step == 6 and monitor.snapshots_taken == 2 and steps == [4, 6]
+
+
+def test_without_overlap_the_snapshot_is_published_at_once(two_fake_ranks: list[_FakeWork]) -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    trainer.world_size = 2
+    monitor = StageMonitor(every_n_steps=2, overlap=False, prog_bar=False)
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 2)
+    assert monitor.latest is not None and monitor.latest.step == 2
+
+
+def test_teardown_after_a_failure_does_not_wait(two_fake_ranks: list[_FakeWork]) -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    trainer.world_size = 2
+    monitor = StageMonitor(every_n_steps=1, prog_bar=False)
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 1)
+    monitor.teardown(trainer, module, "fit")  # type: ignore[arg-type]
+    assert not two_fake_ranks[0].done and monitor.latest is None
+
+
+def test_prog_bar_shows_the_bottleneck_of_long_pipelines() -> None:
+    from lightning_dynpipe.monitor import StageReport, StageStatsAccumulator
+    from lightning_dynpipe.monitor.stats import StageSample
+
+    reports = []
+    for k in range(6):
+        acc = StageStatsAccumulator(1)
+        acc.add(StageSample(step_s=0.05, forward_s=0.01 * (1 + (k == 3))))
+        reports.append(StageReport(0, k, acc.summary()))
+    values = StageMonitor()._prog_bar_values(PipelineSnapshot.from_reports(1, reports))
+    assert values == {"dynpipe/bottleneck_stage": 3.0, "dynpipe/bottleneck_busy_ms": pytest.approx(20.0)}
+
+
 @pytest.mark.parametrize("kw", [{"every_n_steps": 0}, {"window": -1}, {"every_n_steps": 1.5}, {"window": True}])
 def test_arguments_must_be_positive_integers(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be a positive integer"):
@@ -176,7 +266,7 @@ def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> Non
     monitor = StageMonitor(every_n_steps=2, window=3)
     snaps: list[PipelineSnapshot] = []
     monitor.add_listener(lambda snap, tr: snaps.append(snap))
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="dynpipe/step_ms", mode="min", save_top_k=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="dynpipe/s0_busy_ms", mode="min", save_top_k=1)
     trainer = L.Trainer(
         devices=1, max_steps=6, log_every_n_steps=1,
         strategy=DynPipeStrategy(balance=[5], num_microbatches=2),
@@ -188,7 +278,7 @@ def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> Non
     assert all(s.num_stages == 1 and s.bottleneck_stage == 0 for s in snaps)
     assert snaps[-1].stages[0].count == 3
     assert snaps[-1].stages[0].rss_bytes > 0 and snaps[-1].stages[0].compute_s > 0
-    for key in ("dynpipe/step_ms", "dynpipe/s0_busy_ms"):
+    for key in ("dynpipe/s0_busy_ms",):
         assert key in trainer.progress_bar_metrics, trainer.progress_bar_metrics
         assert key in trainer.callback_metrics
     assert ckpt.best_model_path  # monitoring a monitor metric works
@@ -201,29 +291,39 @@ def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------------------------------------- 2 processes
 class _CheckInWorkers(L.Callback):
-    """Runs inside every worker, after the monitor (it comes later in the callback list)."""
+    """Runs inside every worker, after the monitor (it comes later in the callback list).
+
+    Gathers start at steps 4, 8 and 12 and complete one step later (overlap), the last one at the end of
+    training, so at step g the latest snapshot is the one taken at the largest multiple of 4 below g.
+    """
 
     def __init__(self, monitor: StageMonitor) -> None:
         self.monitor = monitor
-        self.snapshots = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        snap = self.monitor.latest
-        if trainer.global_step < 4:
+        snap, g = self.monitor.latest, trainer.global_step
+        if g <= 4:
             assert snap is None
             return
-        assert snap is not None, f"rank {trainer.global_rank} has no snapshot at step {trainer.global_step}"
-        assert snap.num_stages == 2 and snap.dp_size == 1
-        assert snap.step == trainer.global_step - trainer.global_step % 4
-        assert all(s.count >= 1 and s.step_s > 0 and s.compute_s > 0 for s in snap.stages)
-        assert snap.bottleneck_stage in (0, 1)
-        if snap.step == trainer.global_step:
-            self.snapshots += 1
+        assert snap is not None, f"rank {trainer.global_rank} has no snapshot at step {g}"
+        assert snap.step == 4 * ((g - 1) // 4), (snap.step, g)
+        self._check(snap)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        assert self.snapshots == 3, self.snapshots
+        snap = self.monitor.latest
+        assert snap is not None and snap.step == 12, snap
         assert self.monitor.snapshots_taken == 3
+        self._check(snap)
+        snaps: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(snaps, snap)
+        assert snaps[0] == snaps[1], "ranks hold different snapshots"
+
+    @staticmethod
+    def _check(snap: PipelineSnapshot) -> None:
+        assert snap.num_stages == 2 and snap.dp_size == 1
+        assert all(s.count >= 1 and s.step_s > 0 and s.compute_s > 0 and s.rss_bytes > 0 for s in snap.stages)
+        assert snap.bottleneck_stage in (0, 1)
 
 
 @pytest.mark.multiprocess

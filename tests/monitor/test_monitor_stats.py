@@ -14,6 +14,7 @@ import pytest
 from lightning_dynpipe.engine.executor import StepStats
 from lightning_dynpipe.monitor.stats import (
     METRIC_NAMES,
+    REPORT_LENGTH,
     PipelineSnapshot,
     StageReport,
     StageSample,
@@ -286,6 +287,21 @@ def test_table_has_one_row_per_stage_and_marks_the_bottleneck() -> None:
     assert "step 40" in lines[0]
     assert len(lines) == 4
     assert lines[3].split()[0] == "1*" and lines[2].split()[0] == "0"
+
+
+def test_report_travels_as_a_fixed_vector_of_floats() -> None:
+    full = StageReport(1, 2, _summary(12.0, cuda_allocated_bytes=5.0, cuda_reserved_bytes=6.0, gpu_util=0.5,
+                                      gpu_mem_used_bytes=7.0))
+    bare = StageReport(0, 0, _summary(3.0))
+    empty = StageReport(0, 1, StageStatsAccumulator(2).summary())
+    for report in (full, bare):
+        vector = report.to_vector()
+        assert len(vector) == REPORT_LENGTH and all(isinstance(v, float) for v in vector)
+        assert StageReport.from_vector(vector) == report
+    back = StageReport.from_vector(empty.to_vector())
+    assert back.summary.count == 0 and math.isnan(back.summary.step_s) and back.summary.gpu_util is None
+    with pytest.raises(ValueError, match=f"has {REPORT_LENGTH} entries; got 3"):
+        StageReport.from_vector([0.0, 0.0, 1.0])
 
 
 def test_snapshot_is_picklable() -> None:  # it crosses processes in all_gather_object
