@@ -33,6 +33,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dynpipe.adaptive import AdaptiveController, StageTimes
 from lightning_dynpipe.engine.executor import StageChannels, StageExecutor, _batch_len, split_microbatches
 from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
 from lightning_dynpipe.engine.p2p import FailureHandler
@@ -41,6 +42,9 @@ from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
+from lightning_dynpipe.interference.schedule import InterferenceSchedule
+from lightning_dynpipe.monitor.callback import StageMonitor
+from lightning_dynpipe.monitor.stats import PipelineSnapshot
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.repartition.migrate import recv_layer, send_layer
@@ -180,6 +184,9 @@ class DynPipeStrategy(DDPStrategy):
             stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
         monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
             ``dynpipe/stage{k}/...``.
+        interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
+            entries or the path of a YAML file; see :mod:`lightning_dynpipe.interference`), e.g.
+            ``[{"kind": "cpu_hog", "stage": 0, "start_step": 100}]``.
         pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
@@ -203,6 +210,7 @@ class DynPipeStrategy(DDPStrategy):
         convergence: ConvergenceModel | None = None,
         adaptive: bool | RepartitionPolicy = True,
         monitor_every_n_steps: int = 10,
+        interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
@@ -255,10 +263,15 @@ class DynPipeStrategy(DDPStrategy):
         if monitor_every_n_steps < 1:
             raise ConfigurationError(f"monitor_every_n_steps must be >= 1; got {monitor_every_n_steps}.")
         self.monitor_every_n_steps = monitor_every_n_steps
+        self.interference = InterferenceSchedule.from_config(interference) if interference is not None else None
+        self._interference_cb: Callback | None = None
         self.adaptive_policy: RepartitionPolicy | None = (
             GainOverCostPolicy() if adaptive is True else (adaptive if adaptive is not False else None)
         )
         self.model_cost: ModelCost | None = None  # per-layer costs from the set-up profile (every rank)
+        self.monitor: StageMonitor | None = None
+        self._own_monitor: StageMonitor | None = None
+        self.controller: AdaptiveController | None = None
         self.comm: CommModel = CommModel()
         self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
         self.plan_table: str | None = None
@@ -562,6 +575,14 @@ class DynPipeStrategy(DDPStrategy):
         if self._mirror is None:
             self._mirror = _MetricsMirror(self)
             cast(Any, trainer).callbacks.insert(0, self._mirror)
+        if fitting:
+            self._attach_monitor(trainer)
+            if self.interference is not None and self._interference_cb is None:
+                from lightning_dynpipe.interference.callback import InterferenceCallback
+
+                self.interference.validate(self.num_stages)
+                self._interference_cb = InterferenceCallback(self.interference)
+                cast(Any, trainer).callbacks.append(self._interference_cb)
         self._build_executor(pipeline)
         rank_zero_info(
             f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {self.partition}, "
@@ -635,6 +656,37 @@ class DynPipeStrategy(DDPStrategy):
                 else:
                     m.process_group = groups.stage_dp
 
+    def _attach_monitor(self, trainer: Trainer) -> None:
+        """Adds the stage monitor (unless the user added one) and, with adaptation on, the adaptive loop."""
+        callbacks = cast(Any, trainer).callbacks
+        monitor = next((c for c in callbacks if isinstance(c, StageMonitor)), None)
+        if monitor is None:
+            monitor = self._own_monitor = StageMonitor(every_n_steps=self.monitor_every_n_steps)
+            callbacks.insert(1, monitor)  # after the metrics mirror, before the user's callbacks
+        self.monitor = monitor
+        if self.adaptive_policy is not None and self.model_cost is not None and self.num_stages > 1:
+            self.controller = AdaptiveController(self, self.adaptive_policy)
+            monitor.add_listener(self._on_snapshot)
+
+    def _on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
+        """Runs on every rank with the same snapshot, so every rank takes the same decision."""
+        if self.controller is None or any(st.count == 0 or math.isnan(st.step_s) for st in snapshot.stages):
+            return
+        times = [StageTimes(compute_s=st.forward_s + st.backward_s, step_s=st.step_s, comm_s=st.comm_s,
+                            exposed_comm_s=st.exposed_comm_s) for st in snapshot.stages]
+        remaining = max(0, int(trainer.estimated_stepping_batches) - trainer.global_step)
+        decision = self.controller.check(trainer.global_step, times, remaining)
+        if decision is not None and decision.repartition:
+            rank_zero_info(f"DynPipe adaptation: {decision}")
+
+    def _detach_monitor(self, trainer: Trainer | None) -> None:
+        if self.monitor is not None and self.controller is not None:
+            self.monitor.remove_listener(self._on_snapshot)
+        if trainer is not None and self._own_monitor is not None and self._own_monitor in cast(Any, trainer).callbacks:
+            cast(Any, trainer).callbacks.remove(self._own_monitor)
+        self.monitor = self._own_monitor = None
+        self.controller = None
+
     def _build_executor(self, pipeline: nn.Sequential) -> None:
         assert self._groups is not None
         self._failure = FailureHandler(self.stage_idx, self.global_rank)
@@ -689,7 +741,7 @@ class DynPipeStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pending_partition is not None:
             new, self._pending_partition = self._pending_partition, None
-            self._migrate(new, step=batch_idx)
+            self._migrate(new, step=self._lm.trainer.global_step)
 
     def _migrate(self, new: Partition, step: int) -> MigrationRecord:
         """Drains, moves the layers that change stage (collective over each pipeline), rebuilds the stage."""
@@ -722,8 +774,12 @@ class DynPipeStrategy(DDPStrategy):
         if self.optimizers:
             self._refilter_optimizers()
         self._make_executor(pipeline, self.executor.channels)
+        # Every rank must see the same pause: policies use it, and ranks that decide differently deadlock.
+        agreed = torch.tensor([time.perf_counter() - t0, float(sent)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         record = MigrationRecord(step=step, old=old, new=new, moved=tuple(m.layer_idx for m in moves),
-                                 bytes_sent=sent, pause_s=time.perf_counter() - t0)
+                                 bytes_sent=int(agreed[1]), pause_s=float(agreed[0]))
         self.migrations.append(record)
         rank_zero_info(f"DynPipe repartition at step {step}: {old} -> {new}, moved layers {list(record.moved)}, "
                        f"pause {record.pause_s * 1e3:.1f} ms")
@@ -1045,6 +1101,11 @@ class DynPipeStrategy(DDPStrategy):
         callbacks = cast(Any, trainer).callbacks if trainer is not None else []
         if self._mirror is not None and self._mirror in callbacks:
             callbacks.remove(self._mirror)
+        self._detach_monitor(trainer)
+        if self._interference_cb is not None and self._interference_cb in callbacks:
+            self._interference_cb.teardown(cast(Trainer, trainer), self._lm, "fit")  # stops what is still running
+            callbacks.remove(self._interference_cb)
+        self._interference_cb = None
         self._mirror = None
         self.executor = None
         self.partition = None

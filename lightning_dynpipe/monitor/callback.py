@@ -51,6 +51,12 @@ class _PendingGather:
     step: int
     parts: list[torch.Tensor]
     work: Any  # the async collective's handle; None once complete (or with a single process)
+    partition: Any  # the strategy's partition when the gather started
+
+
+def _balance(partition: Any) -> tuple[int, ...] | None:
+    balance = getattr(partition, "balance", None)
+    return tuple(int(b) for b in balance) if balance is not None else None
 
 
 @runtime_checkable
@@ -79,7 +85,9 @@ class StageMonitor(Callback):
     A snapshot's ``step`` is the ``global_step`` at which the summaries were taken (a multiple of
     ``every_n_steps``); with ``overlap=True`` it is published (``latest``, listeners, loggers, progress bar)
     one step later, when the gather started at ``step`` has completed, and at the end of training for the
-    last one.
+    last one. ``snapshot.balance`` is the partition it was measured under. After a repartition the window
+    starts again (its samples described the old stages), and a snapshot that was travelling during the
+    repartition is logged but not given to the listeners.
 
     Logged (global rank 0, to every logger in ``trainer.loggers``): :meth:`PipelineSnapshot.to_metrics`,
     i.e. ``dynpipe/stage{k}/step_ms``, ``.../compute_ms``, ``.../busy_ms``, ``.../recv_wait_ms``,
@@ -249,9 +257,9 @@ class StageMonitor(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             parts = [torch.empty_like(vector) for _ in range(dist.get_world_size(self._group))]
             work = dist.all_gather(parts, vector, group=self._group, async_op=self.overlap)
-            self._pending = _PendingGather(trainer.global_step, parts, work if self.overlap else None)
+            self._pending = _PendingGather(trainer.global_step, parts, work if self.overlap else None, self._partition)
         else:
-            self._pending = _PendingGather(trainer.global_step, [vector], None)
+            self._pending = _PendingGather(trainer.global_step, [vector], None, self._partition)
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, *, in_loop: bool) -> None:
         """Completes the pending gather and publishes the snapshot (``in_loop``: inside a batch hook)."""
@@ -260,11 +268,14 @@ class StageMonitor(Callback):
         if pending.work is not None:
             pending.work.wait()
         reports = [StageReport.from_vector(p.tolist()) for p in pending.parts]
-        snapshot = PipelineSnapshot.from_reports(pending.step, reports)
+        snapshot = PipelineSnapshot.from_reports(pending.step, reports, balance=_balance(pending.partition))
         self.latest = snapshot
         self.snapshots_taken += 1
-        for fn in list(self._listeners):
-            fn(snapshot, trainer)
+        if pending.partition is self._partition:
+            for fn in list(self._listeners):
+                fn(snapshot, trainer)
+        # else: the pipeline was repartitioned while the gather travelled; the snapshot still goes to the
+        # loggers (it describes the steps before), but a policy must not act on the old partition's numbers.
         if self.log_metrics and trainer.is_global_zero and trainer.loggers:
             metrics = snapshot.to_metrics()
             for logger in trainer.loggers:

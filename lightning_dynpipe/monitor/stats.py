@@ -398,14 +398,18 @@ class PipelineSnapshot:
         stages: per-stage aggregate, index ``k`` = stage ``k`` (with several pipeline replicas, the
             field-wise maximum over the replicas of the stage, see :meth:`StageSummary.combine`).
         replicas: every process's own summary, ordered by ``(stage_idx, dp_rank)``.
+        balance: layers per stage of the partition the samples were taken under (None when unknown).
     """
 
     step: int
     stages: tuple[StageSummary, ...]
     replicas: tuple[StageReport, ...]
+    balance: tuple[int, ...] | None = None
 
     @classmethod
-    def from_reports(cls, step: int, reports: Iterable[StageReport]) -> PipelineSnapshot:
+    def from_reports(
+        cls, step: int, reports: Iterable[StageReport], balance: Sequence[int] | None = None
+    ) -> PipelineSnapshot:
         """Builds a snapshot from each process's report; every stage ``0..S-1`` must be present."""
         ordered = sorted(reports, key=lambda r: (r.stage_idx, r.dp_rank))
         if not ordered:
@@ -424,7 +428,13 @@ class PipelineSnapshot:
         stages = tuple(
             StageSummary.combine([r.summary for r in ordered if r.stage_idx == k]) for k in stage_ids
         )
-        return cls(step=step, stages=stages, replicas=tuple(ordered))
+        if balance is not None and len(balance) != len(stages):
+            raise ValueError(
+                f"balance has {len(balance)} entries but the reports cover {len(stages)} stages; pass the "
+                "partition the reports were measured under."
+            )
+        return cls(step=step, stages=stages, replicas=tuple(ordered),
+                   balance=tuple(int(b) for b in balance) if balance is not None else None)
 
     @property
     def num_stages(self) -> int:

@@ -102,7 +102,7 @@ class GainOverCostPolicy:
 
     horizon_steps: int = 200
     margin: float = 2.0
-    min_relative_gain: float = 0.05
+    min_relative_gain: float = 0.10
     patience: int = 2
     cooldown_steps: int = 30
     _streak: int = field(default=0, init=False, repr=False)

@@ -205,6 +205,28 @@ def test_gather_overlaps_the_next_step(two_fake_ranks: list[_FakeWork]) -> None:
     assert snap is not None and snap.step == 6 and monitor.snapshots_taken == 2 and steps == [4, 6]
 
 
+def test_a_snapshot_overtaken_by_a_repartition_is_logged_but_not_acted_on(two_fake_ranks: list[_FakeWork]) -> None:
+    trainer, module = _fake_trainer(), _FakeModule()
+    trainer.world_size = 2
+    trainer.strategy.partition = SimpleNamespace(balance=(2, 3))
+    monitor = StageMonitor(every_n_steps=2, prog_bar=False)
+    heard: list[PipelineSnapshot] = []
+    monitor.add_listener(lambda snap, tr: heard.append(snap))
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 3)  # gather started at 2, published at 3
+    assert [s.balance for s in heard] == [(2, 3)]
+    _steps(monitor, trainer, module, 1)  # gather started at 4 ...
+    trainer.strategy.partition = SimpleNamespace(balance=(3, 2))  # ... and the pipeline moves a layer
+    _steps(monitor, trainer, module, 1)
+    snap = _latest(monitor)
+    assert snap is not None and snap.step == 4 and snap.balance == (2, 3)
+    assert len(heard) == 1  # the listeners did not see the old partition's numbers again
+    assert [step for _, step in trainer.loggers[0].calls] == [2, 4]
+    assert monitor.accumulator is not None and len(monitor.accumulator) == 1  # the window restarted
+    _steps(monitor, trainer, module, 2)  # gather at 6 under the new partition, published at 7
+    assert [s.balance for s in heard] == [(2, 3), (3, 2)]
+
+
 def test_without_overlap_the_snapshot_is_published_at_once(two_fake_ranks: list[_FakeWork]) -> None:
     trainer, module = _fake_trainer(), _FakeModule()
     trainer.world_size = 2

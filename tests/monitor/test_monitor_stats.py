@@ -240,6 +240,14 @@ def test_snapshot_refuses_gaps_and_duplicates() -> None:
         PipelineSnapshot.from_reports(0, [])
 
 
+def test_snapshot_records_the_partition_it_describes() -> None:
+    reports = [StageReport(0, 0, _summary(1.0)), StageReport(0, 1, _summary(2.0))]
+    assert PipelineSnapshot.from_reports(0, reports, balance=[2, 3]).balance == (2, 3)
+    assert PipelineSnapshot.from_reports(0, reports).balance is None
+    with pytest.raises(ValueError, match="balance has 3 entries but the reports cover 2 stages"):
+        PipelineSnapshot.from_reports(0, reports, balance=[1, 1, 3])
+
+
 def test_to_metrics_keys_units_and_optional_readings() -> None:
     snap = PipelineSnapshot.from_reports(
         3,

@@ -44,7 +44,7 @@ def test_gain_must_pay_the_migration() -> None:
     policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1)
     assert "does not pay" in policy.decide(_inputs(10, cost=50.0)).reason
     assert "does not pay" in policy.decide(_inputs(10, remaining=5)).reason  # near the end of the run
-    assert "below 5%" in policy.decide(_inputs(10, candidate_s=0.97)).reason
+    assert "below 10%" in policy.decide(_inputs(10, candidate_s=0.97)).reason
     assert "already the best" in policy.decide(_inputs(10, candidate=CUR)).reason
     assert "keep [3, 3]" in str(policy.decide(_inputs(10, candidate=CUR)))
 

@@ -57,7 +57,7 @@ def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
     ref = copy.deepcopy(model)
     trainer = L.Trainer(devices=4, max_epochs=1,
                         strategy=DynPipeStrategy(num_stages=2, balance=[2, 3], num_microbatches=M,
-                                                 start_method="spawn"),
+                                                 start_method="spawn", adaptive=False),
                         **trainer_kwargs(callbacks=[Checks()]))
     trainer.fit(model, datamodule=ShardedData())
     replay_async(ref.pipeline, [2, 3], make_optimizer, _global_batches(), M,

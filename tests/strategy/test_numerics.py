@@ -65,7 +65,7 @@ def _fit(model: TinyNet, devices: int, schedule: str, M: int = 4, epochs: int = 
          start_method: str = "spawn") -> None:
     balance = {1: [5], 2: [2, 3], 3: [2, 2, 1]}[devices]  # the replay must use the same partition
     strategy = DynPipeStrategy(num_microbatches=M, schedule=schedule, start_method=start_method,  # type: ignore[arg-type]
-                               balance=balance)
+                               balance=balance, adaptive=False)  # the reference keeps the partition
     trainer = L.Trainer(devices=devices, max_epochs=epochs, strategy=strategy,
                         callbacks=[_PipelineInvariants(M)], **trainer_kwargs())
     trainer.fit(model, loader())

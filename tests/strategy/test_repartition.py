@@ -44,7 +44,7 @@ def test_a_migrating_run_equals_the_replay_with_the_same_partition_changes() -> 
     model = TinyNet(optimizer="adam")
     ref = copy.deepcopy(model)
     trainer = L.Trainer(devices=3, max_epochs=1,
-                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn"),
+                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
                         **trainer_kwargs(callbacks=[Repartitioner()]))
     trainer.fit(model, loader())
     replay_async(ref.pipeline, [2, 2, 1], lambda ps: make_optimizer(ps, "adam"), list(loader()), 4,
@@ -87,7 +87,7 @@ class RandomMigrations(L.Callback):
 def test_random_migrations_preserve_state_and_checkpoints(tmp_path: Path) -> None:
     ckpt = tmp_path / "after_migrations.ckpt"
     trainer = L.Trainer(devices=3, max_steps=4,
-                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn"),
+                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
                         **trainer_kwargs(callbacks=[RandomMigrations(ckpt)]))
     model = TinyNet(optimizer="adam")
     trainer.fit(model, loader())

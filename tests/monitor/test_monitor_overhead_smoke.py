@@ -1,0 +1,39 @@
+"""Smoke test of ``benchmarks/monitor_overhead.py --quick``: it runs end to end, prints its tables and writes its
+record and plot. Not a performance test (STYLE.md): it asserts no overhead, only that every measure is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "monitor_overhead.py"
+
+
+@pytest.mark.multiprocess
+def test_quick_run_prints_the_overhead_table(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    out = proc.stdout
+    for text in ("monitor pieces alone", "sampler.sample", "no monitor", "StageMonitor() (every 10)",
+                 "StageMonitor(every_n_steps=1)", "in-hook share", "extra CPU (paired)", "target: StageMonitor()"):
+        assert text in out, f"{text!r} missing from:\n{out}"
+    records = list(tmp_path.glob("monitor_overhead-*-quick.json"))
+    assert len(records) == 1
+    payload = json.loads(records[0].read_text())
+    assert {r["system"] for r in payload["runs"]} == {"off", "on", "every-step"}
+    on = [r for r in payload["runs"] if r["system"] == "on"][0]
+    assert on["monitors"] == [1, 1] and all(n >= 1 for n in on["snapshots"])
+    off = [r for r in payload["runs"] if r["system"] == "off"][0]
+    assert off["monitors"] == [0, 0]
+    assert payload["machine"]["torch"] and payload["command"]
+    assert (tmp_path / "monitor_overhead-quick.png").is_file()
