@@ -1,14 +1,18 @@
 """2-stage asynchronous pipeline training of an MLP on MNIST, on CPU: the script ``make demo`` runs.
 
 Two processes each run one pipeline stage (``DynPipeStrategy``, PipeDream-style 1F1B with weight stashing,
-an update after every micro-batch and no flush between steps). Every ``--print-every`` steps the ranks
-gather their stage's step statistics and rank 0 prints them per stage; after training, rank 0 prints the
-test accuracy.
+an update after every micro-batch and no flush between steps), each pinned to its own core. Part-way through
+(``--hog-at-step``) a CPU hog starts on stage 0's core, as a co-located job would: the stage monitor sees
+stage 0 slow down, the adaptive policy re-plans and moves layers to stage 1 while training continues (the
+log shows the decision, the old and new balance and the pause), and the step time recovers. Every
+``--print-every`` steps the ranks gather their stage's step statistics and rank 0 prints them per stage;
+after training, rank 0 prints the migrations and the test accuracy.
 
 Run::
 
     python examples/mnist_demo.py                       # the defaults of `make demo`
     python examples/mnist_demo.py --schedule sync       # 1F1B with a flush and one update per step
+    python examples/mnist_demo.py --no-hog              # no interference
     python examples/mnist_demo.py --max-epochs 1 --width 64 --depth 1 --limit-train-batches 10   # tiny
 
 The default launcher starts rank 1 by running this script again with the same arguments, so everything
@@ -18,6 +22,8 @@ below runs under ``if __name__ == "__main__":`` and is seeded: both processes bu
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -29,6 +35,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.demos import MLP, MNISTDataModule
 from lightning_dynpipe.engine.executor import StepStats
+from lightning_dynpipe.interference import pin_current_process
 
 # Columns of the per-stage table: (StepStats field, header). Times are printed in ms per step.
 _TIME_COLUMNS = (
@@ -107,6 +114,14 @@ def format_stage_table(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
+class PinToCore(Callback):
+    """Pins each stage process to its own core, so that an interfering job on one core hits one stage."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        pin_current_process([cores[trainer.local_rank % len(cores)]])
+
+
 class EpochSummary(Callback):
     """Prints the validation metrics of every epoch on rank 0 (where the last stage and the logging run)."""
 
@@ -137,7 +152,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", choices=["async", "sync", "gpipe"], default="async")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--width", type=int, default=256, help="features of every hidden block of the MLP")
-    p.add_argument("--depth", type=int, default=3, help="hidden blocks; the pipeline has depth + 1 layers")
+    p.add_argument("--depth", type=int, default=6, help="hidden blocks; the pipeline has depth + 1 layers")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument(
@@ -145,12 +160,18 @@ def parse_args() -> argparse.Namespace:
         help="batches per epoch (an int) or a fraction of the epoch (a float <= 1.0), as in Lightning",
     )
     p.add_argument("--print-every", type=int, default=100, help="steps between per-stage tables")
+    p.add_argument("--hog-at-step", type=int, default=150, help="step at which a CPU hog starts on stage 0's core")
+    p.add_argument("--no-hog", action="store_true", help="run without the CPU hog")
+    p.add_argument("--static", action="store_true", help="keep the partition fixed (no runtime adaptation)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    # The library logs interference start/stop and adaptation decisions through `logging` at INFO.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("lightning_dynpipe").setLevel(logging.INFO)
     L.seed_everything(args.seed, verbose=False)
     # drop_last: every training batch must split into num_microbatches non-empty micro-batches.
     datamodule = MNISTDataModule(batch_size=args.batch_size, drop_last=True)
@@ -158,10 +179,15 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DynPipeStrategy(num_microbatches=args.num_microbatches, schedule=args.schedule),
+        strategy=DynPipeStrategy(
+            num_microbatches=args.num_microbatches,
+            schedule=args.schedule,
+            adaptive=not args.static,
+            interference=None if args.no_hog else [{"kind": "cpu_hog", "stage": 0, "start_step": args.hog_at_step}],
+        ),
         max_epochs=args.max_epochs,
         limit_train_batches=args.limit_train_batches,
-        callbacks=[StageTimes(every_n_steps=args.print_every), EpochSummary()],
+        callbacks=[PinToCore(), StageTimes(every_n_steps=args.print_every), EpochSummary()],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -178,6 +204,12 @@ def main() -> None:
             f"schedule={args.schedule} stages=2 microbatches={args.num_microbatches} "
             f"fit_time={fit_s:.1f}s steps={trainer.global_step}"
         )
+        controller = trainer.strategy.controller  # type: ignore[attr-defined]
+        if controller is not None and controller.decisions:
+            print(f"adaptation: {len(controller.decisions)} checks; last: {controller.decisions[-1]}")
+        for m in trainer.strategy.migrations:  # type: ignore[attr-defined]
+            print(f"migration at step {m.step}: balance {m.old} -> {m.new}, moved layers {list(m.moved)}, "
+                  f"pause {m.pause_s * 1e3:.1f} ms")
         print(f"test accuracy: {acc:.4f} ({len(datamodule.test_set)} MNIST test images)", flush=True)
 
 

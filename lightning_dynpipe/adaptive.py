@@ -112,7 +112,7 @@ class AdaptiveController:
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
         if decision.repartition:
-            log.info("DynPipe adaptation: %s", decision)
+            log.debug("DynPipe adaptation: %s", decision)  # the strategy reports it once, on rank 0
             s.repartition(decision.partition)
             self.policy.migrated(step)
         else:

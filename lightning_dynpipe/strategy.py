@@ -664,6 +664,7 @@ class DynPipeStrategy(DDPStrategy):
             monitor = self._own_monitor = StageMonitor(every_n_steps=self.monitor_every_n_steps)
             callbacks.insert(1, monitor)  # after the metrics mirror, before the user's callbacks
         self.monitor = monitor
+        self.controller = None
         if self.adaptive_policy is not None and self.model_cost is not None and self.num_stages > 1:
             self.controller = AdaptiveController(self, self.adaptive_policy)
             monitor.add_listener(self._on_snapshot)
@@ -684,8 +685,7 @@ class DynPipeStrategy(DDPStrategy):
             self.monitor.remove_listener(self._on_snapshot)
         if trainer is not None and self._own_monitor is not None and self._own_monitor in cast(Any, trainer).callbacks:
             cast(Any, trainer).callbacks.remove(self._own_monitor)
-        self.monitor = self._own_monitor = None
-        self.controller = None
+        self.monitor = self._own_monitor = None  # the controller stays readable (its decisions) until the next fit
 
     def _build_executor(self, pipeline: nn.Sequential) -> None:
         assert self._groups is not None
