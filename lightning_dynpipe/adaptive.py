@@ -111,12 +111,10 @@ class AdaptiveController:
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
+        log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         if decision.repartition:
-            log.debug("DynPipe adaptation: %s", decision)  # the strategy reports it once, on rank 0
             s.repartition(decision.partition)
             self.policy.migrated(step)
-        else:
-            log.debug("DynPipe adaptation: %s", decision)
         return decision
 
     def _migration_cost(self, cost: ModelCost, old: Partition, new: Partition, times: list[StageTimes],
