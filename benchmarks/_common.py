@@ -201,7 +201,15 @@ def external_launch_env(rank: int, world_size: int, port: int) -> None:
 
 
 def fit_dynpipe(
-    model: Any, batches: Sequence[Any], strategy: Any, timer: Any, *, world_size: int, callbacks: Sequence[Any] = ()
+    model: Any,
+    batches: Sequence[Any],
+    strategy: Any,
+    timer: Any,
+    *,
+    world_size: int,
+    callbacks: Sequence[Any] = (),
+    val_batches: Sequence[Any] | None = None,
+    val_every_n_steps: int | None = None,
 ) -> dict[str, Any]:
     """``Trainer.fit`` of ``model`` with ``strategy`` on pre-made ``batches``, timed by ``timer``; collective.
 
@@ -210,6 +218,8 @@ def fit_dynpipe(
     ``max_steps`` is ``len(batches)``. ``timer`` is the callback of ``throughput._step_timer(warmup, steps)``:
     it clocks the timed steps on each rank and keeps that stage's ``StepStats`` and CPU probe. ``callbacks`` are
     added after it (e.g. one that records what the strategy decided at set-up, which teardown clears).
+    ``val_batches`` with ``val_every_n_steps``: Lightning's validation loop runs on those batches every that many
+    training steps (default: no validation, as before).
 
     Returns the same record as ``throughput.py``'s DynPipe runner: ``seconds`` (this rank's clock; global rank 0
     hosts the last stage), ``stages`` (every stage's timing and StepStats, by stage) and ``cpu`` (per stage).
@@ -218,6 +228,11 @@ def fit_dynpipe(
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
+    val: dict[str, Any] = {}
+    if val_batches is not None:
+        if val_every_n_steps is None or val_every_n_steps < 1:
+            raise ValueError(f"val_batches needs val_every_n_steps >= 1; got {val_every_n_steps!r}.")
+        val = {"val_check_interval": val_every_n_steps, "check_val_every_n_epoch": None}
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -230,8 +245,11 @@ def fit_dynpipe(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=[timer, *callbacks],
+        **val,
     )
-    trainer.fit(model, train_dataloaders=DataLoader(list(batches), batch_size=None))  # type: ignore[arg-type]
+    val_loader = DataLoader(list(val_batches), batch_size=None) if val_batches is not None else None
+    trainer.fit(model, train_dataloaders=DataLoader(list(batches), batch_size=None),  # type: ignore[arg-type]
+                val_dataloaders=val_loader)
     if not dist.is_initialized():
         raise RuntimeError(
             "The default process group was destroyed by trainer.fit; the benchmark relies on it surviving "

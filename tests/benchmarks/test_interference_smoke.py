@@ -1,0 +1,46 @@
+"""Smoke test of ``benchmarks/interference.py --quick``: it runs end to end and prints the scenario table.
+
+Not a performance test: it asserts no speed or ratio (STYLE.md: a benchmark prints a table, it is not a timed
+unit test). It runs the script in a subprocess as a user would: two spawned gloo workers pinned to their own
+cores, a tiny MLP, one seed, scenarios ``none`` and ``quota25`` for both systems (about 30-60 s on two cores).
+Outputs go to a temporary directory, so the documented plots in docs/img/ are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "interference.py"
+HEADER = ("scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migrations", "limit over run")
+
+
+@pytest.mark.multiprocess
+def test_quick_run_prints_scenario_table(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+    lines = proc.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]
+    assert starts, f"no results table in the output:\n{proc.stdout}"
+    rows = lines[starts[0] + 2 : starts[0] + 4]
+    assert [r.split()[0] for r in rows] == ["none", "quota25"], "\n".join(rows)
+    assert "machine:" in proc.stdout and "command:" in proc.stdout
+
+    (raw,) = tmp_path.glob("interference-*.json")
+    payload = json.loads(raw.read_text())
+    assert {(r["scenario"], r["system"]) for r in payload["runs"]} == {
+        (s, y) for s in ("none", "quota25") for y in ("adaptive", "static")
+    }
+    assert payload["machine"]["torch"] and payload["command"]
+    assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
