@@ -69,6 +69,7 @@ from benchmarks.simulator_accuracy import (  # noqa: E402
 )
 from benchmarks.simulator_accuracy import (  # noqa: E402
     RunSpec,
+    load_note,
     build_model,
     config_from_json,
     measure,
@@ -220,16 +221,20 @@ def plot_a(s: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
         text = f"{row['median']:.0f}" + (f"\nauto = {r['median']:.2f}x" if r else "")
         ax.annotate(text, (i, max(pts + [row["median"]])), xytext=(0, 5), textcoords="offset points", ha="center",
                     fontsize=8)
-    ax.set_xticks(range(len(labels)), [f"{lab}\n{s['table'][lab]['balance']}" for lab in labels])
+    def tick(label: str) -> str:
+        seen = [str(r["balance"]) for r in payload["runs"] if r["system"] == label]
+        counts = ", ".join(f"{b} in {seen.count(b)}" for b in sorted(set(seen), key=seen.count, reverse=True))
+        return f"{label}\n{s['table'][label]['balance']}" + (f"\n(runs: {counts})" if len(set(seen)) > 1 else "")
+
+    ax.set_xticks(range(len(labels)), [tick(lab) for lab in labels], fontsize=9)
     ax.set_ylabel("samples/s (bars: median; points: repeats)")
     ax.set_ylim(0, max(max(r["per_rep"] + [r["predicted"]]) for r in s["table"].values()) * 1.3)
     ax.legend(fontsize=8, loc="upper right")
     spec = mcfg.specs[0]
-    load = machine.get("load_average_1_5_15")
     ax.set_title(f"CNN {dict(spec.init_args)}, 2-stage async, batch {spec.batch_size}, M={spec.num_microbatches}, "
                  f"{mcfg.repeats} interleaved repeats x {mcfg.steps} steps\n{machine['cpu_model']}, "
                  f"{machine['logical_cpus']} CPUs, torch {machine['torch']}, lightning {machine['lightning']}, "
-                 f"load avg {load[0] if load else '?'} at start", fontsize=9)
+                 f"{load_note([r['load1'] for r in payload['runs']])}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -417,16 +422,17 @@ def plot_speed(sb: dict[str, Any] | None, sc: dict[str, Any] | None, payload: di
                 xerr=[[s[n]["median"] - s[n]["q1"] for n in names], [s[n]["q3"] - s[n]["median"] for n in names]])
         ax.axvline(target, color="#C44E52", linestyle="--", label=f"target < {target:g} s")
         for y, n in zip(ys, names):
-            ax.annotate(f"{s[n]['median']:.3f} s", (s[n]["median"], y), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=8)
+            ax.annotate(f"{s[n]['median']:.3f} s (max {s[n]['max']:.2f})", (s[n]["q3"], y), xytext=(6, 0),
+                        textcoords="offset points", va="center", fontsize=8)
         ax.set_yticks(list(ys), names, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("wall seconds (median, IQR)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8, loc="lower right")
     m = payload["machine"]
-    fig.suptitle(f"{m['cpu_model']}, {m['logical_cpus']} CPUs, python {m['python']}, numpy {np.__version__}, "
-                 f"load avg {(m.get('load_average_1_5_15') or ['?'])[0]} at start", fontsize=8)
+    loads = [r["load1"] for part in ("b", "c") for r in payload.get(part, [])]
+    fig.suptitle(f"{m['cpu_model']}, {m['logical_cpus']} CPUs, python {m['python']}, numpy {np.__version__}, one "
+                 f"process; load avg {min(loads):.1f}-{max(loads):.1f} during the timings", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -455,6 +461,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--img-dir", type=Path, default=None, help="plots (default docs/img/; --quick: OUT_DIR)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, help="re-analyse a previous run's JSON without measuring")
+    p.add_argument("--runs", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print one line per stored run of part (a), and all their repeats pooled, then stop")
     a = p.parse_args(argv)
     parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
     if not parts or set(parts) - set(PARTS):
@@ -471,8 +479,41 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     return cfg, a
 
 
+def render_runs(paths: Sequence[Path], *, markdown: bool = False) -> str:
+    """Part (a) of several stored runs: one row each, then every repeat's paired ratio pooled."""
+    rows = []
+    pooled: dict[str, list[float]] = {"parameters": [], "uniform": [], "better": []}
+    for path in paths:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        if "a" not in payload:
+            continue
+        s = summarise_a(payload["a"])
+        loads = [r["load1"] for r in payload["a"]["runs"]]
+        seen = [str(r["balance"]) for r in payload["a"]["runs"] if r["system"] == "auto"]
+        for ref in ("parameters", "uniform"):
+            pooled[ref] += s["ratios"][ref]["per_rep"]
+        pooled["better"] += s["vs_better"]["per_rep"]
+        v = s["vs_better"]
+        rows.append([Path(path).name, payload["machine"]["date_utc"][11:16], f"{min(loads):.1f}-{max(loads):.1f}",
+                     ", ".join(f"{b} x{seen.count(b)}" for b in sorted(set(seen))),
+                     *[f"{s['table'][k]['median']:.0f}" for k in SYSTEMS],
+                     f"{v['median']:.3f}x [{v['q1']:.2f}-{v['q3']:.2f}]",
+                     "met" if v["median"] >= TARGET_SPEEDUP else "MISSED"])
+    if len(rows) > 1:
+        v = pooled["better"]
+        q1, q3 = quartiles(v)
+        rows.append([f"pooled ({len(v)} pairs)", "", "", "", "", "", "", f"{median(v):.3f}x [{q1:.2f}-{q3:.2f}]",
+                     "met" if median(v) >= TARGET_SPEEDUP else "MISSED"])
+    headers = ["run", "UTC", "load (1 min)", "auto chose", *[f"{k} samples/s" for k in SYSTEMS],
+               "auto / better (paired)", f">= {TARGET_SPEEDUP:.2f}x"]
+    return format_table(headers, rows, markdown=markdown)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg, a = _parse(argv)
+    if a.runs:
+        print(render_runs(a.runs))
+        return {}
     if a.from_json is not None:
         payload = json.loads(a.from_json.read_text(encoding="utf-8"))
         json_path = a.from_json
@@ -523,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(sa["setup_plan_table"])
         print()
         print(verdict_a(sa))
+        print(f"({load_note([r['load1'] for r in payload['a']['runs']])}; measured {payload['machine']['date_utc']})")
         markdown["a"] = render_a(sa, markdown=True)
         if not a.no_plot:
             plot_a(sa, payload["a"], img / f"planner_throughput{suffix}.png")

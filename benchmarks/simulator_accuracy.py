@@ -394,6 +394,13 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- rendering
+def load_note(loads: Sequence[float]) -> str:
+    """The 1-minute load average over the runs; it counts this benchmark's own two stage processes too."""
+    if not loads:
+        return "load ?"
+    return f"load avg {min(loads):.1f}-{max(loads):.1f} during the runs (own 2 processes included)"
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
@@ -481,6 +488,23 @@ def render_verdict(summary: dict[str, Any]) -> str:
             f"  (within: {', '.join(met) or 'none'}; outside: {', '.join(missed) or 'none'})")
 
 
+def render_runs(paths: Sequence[Path], *, markdown: bool = False) -> str:
+    """One row per stored run: when, load, and the headline error of every model."""
+    rows: list[list[str]] = []
+    labels: list[str] = []
+    for path in paths:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        summary = payload.get("summary") or summarise(payload)
+        labels = labels or list(summary)
+        loads = [r["load1"] for r in payload["runs"]]
+        within = sum(abs(r["error"]) <= TARGET_ERROR for r in summary.values())
+        rows.append([Path(path).name, payload["machine"]["date_utc"][11:16], f"{min(loads):.1f}-{max(loads):.1f}",
+                     *[_pct(summary[m]["error"]) if m in summary else "-" for m in labels],
+                     f"{within}/{len(summary)}"])
+    headers = ["run", "UTC", "load (1 min)", *[f"{m} error" for m in labels], f"within {TARGET_ERROR:.0%}"]
+    return format_table(headers, rows, markdown=markdown)
+
+
 def plot(summary: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
     """Grouped bars per model: predicted (profile), predicted (costs inside the runs), measured with repeats."""
     try:
@@ -516,10 +540,9 @@ def plot(summary: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7, loc="upper right")
     ax.text(0.01, 0.98, "whiskers: measured values within 15% of the headline prediction; points: repeats",
             transform=ax.transAxes, fontsize=7, va="top", color="#555555")
-    load = machine.get("load_average_1_5_15")
     ax.set_title(f"Simulator vs measured, 2-stage async through Lightning, {cfg.repeats} interleaved repeats x "
                  f"{cfg.steps} steps\n{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
-                 f"lightning {machine['lightning']}, load avg {load[0] if load else '?'} at start", fontsize=9)
+                 f"lightning {machine['lightning']}, {load_note([r['load1'] for r in payload['runs']])}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -570,9 +593,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
                    help="plot path (default docs/img/simulator_accuracy.png; --quick: OUT_DIR/simulator_accuracy-quick.png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, help="re-analyse a previous run's JSON without measuring")
+    p.add_argument("--runs", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print one line per stored run (error per model) and stop")
     a = p.parse_args(argv)
     cfg = Config()
-    if a.from_json is not None:
+    if a.from_json is not None or a.runs:
         return cfg, a  # the stored run's configuration is used
     if a.quick:
         cfg = replace(cfg, repeats=1, steps=3, warmup=2, timeout_s=60.0, sim_steps=6, calib_iters=3)
@@ -606,6 +631,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)  # the planner's profile in this process: one thread, like a stage
     cfg, a = _parse(argv)
+    if a.runs:
+        print(render_runs(a.runs))
+        return {}
     if a.from_json is not None:
         payload = json.loads(a.from_json.read_text(encoding="utf-8"))
         json_path = a.from_json
@@ -636,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(render_table(summary))
     print()
     print(render_verdict(summary))
+    print(f"({load_note([r['load1'] for r in payload['runs']])}; measured {payload['machine']['date_utc']})")
     print()
     print("Diagnosis: the same simulator with fewer inputs, and with the per-micro-batch costs measured inside the "
           "runs (StepStats medians):")
