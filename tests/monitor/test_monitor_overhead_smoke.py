@@ -25,15 +25,15 @@ def test_quick_run_prints_the_overhead_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     for text in ("monitor pieces alone", "sampler.sample", "no monitor", "StageMonitor() (every 10)",
-                 "StageMonitor(every_n_steps=1)", "in-hook share", "extra CPU (paired)", "target: StageMonitor()"):
+                 "StageMonitor(every_n_steps=1)", "A/A control", "noise floor", "in-hook share", "extra CPU (paired)", "target: StageMonitor()"):
         assert text in out, f"{text!r} missing from:\n{out}"
     records = list(tmp_path.glob("monitor_overhead-*-quick.json"))
     assert len(records) == 1
     payload = json.loads(records[0].read_text())
-    assert {r["system"] for r in payload["runs"]} == {"off", "on", "every-step"}
+    assert {r["system"] for r in payload["runs"]} == {"off", "on", "every-step", "off-again"}
     on = [r for r in payload["runs"] if r["system"] == "on"][0]
     assert on["monitors"] == [1, 1] and all(n >= 1 for n in on["snapshots"])
-    off = [r for r in payload["runs"] if r["system"] == "off"][0]
-    assert off["monitors"] == [0, 0]
+    for off in (r for r in payload["runs"] if r["system"].startswith("off")):
+        assert off["monitors"] == [0, 0]
     assert payload["machine"]["torch"] and payload["command"]
     assert (tmp_path / "monitor_overhead-quick.png").is_file()
