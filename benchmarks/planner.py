@@ -70,6 +70,7 @@ from benchmarks.simulator_accuracy import (  # noqa: E402
 from benchmarks.simulator_accuracy import (  # noqa: E402
     RunSpec,
     load_note,
+    render_breakdown,
     build_model,
     config_from_json,
     measure,
@@ -79,6 +80,7 @@ from benchmarks.simulator_accuracy import (  # noqa: E402
     simulate_step,
     stage_inputs,
 )
+from benchmarks.simulator_accuracy import summarise as summarise_runs  # noqa: E402
 
 TARGET_SPEEDUP = 1.10
 TARGET_PLAN_S = 1.0
@@ -391,7 +393,8 @@ def render_times(s: dict[str, Any], target: float, *, markdown: bool = False) ->
             extra = f"{row['events']:,} events"
         elif row["stages_chosen"]:
             extra = f"S chosen: {row['stages_chosen']}"
-        rows.append([name, f"{row['median']:.3f}", f"{row['q1']:.3f}-{row['q3']:.3f}", f"{row['max']:.3f}",
+        label = name.replace("|", "\\|") if markdown else name  # a bare | would split a markdown cell
+        rows.append([label, f"{row['median']:.3f}", f"{row['q1']:.3f}-{row['q3']:.3f}", f"{row['max']:.3f}",
                      f"{row['cpu_median']:.3f}", str(row["n"]), "yes" if row["median"] < target else "NO", extra])
     headers = ["variant", "wall s (median)", "IQR", "max", "CPU s (median)", "n", f"< {target:g} s", "notes"]
     return format_table(headers, rows, markdown=markdown)
@@ -562,10 +565,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if sa["setup_plan_table"]:
             print("\nthe plan the strategy logged at set-up (first auto run, rank 0):")
             print(sa["setup_plan_table"])
+        print("\nper stage, ms per step (medians over repeats; auto's row mixes its partitions if set-up chose "
+              "differently): the simulator's arithmetic, the CPU the stage process used, StepStats, share of a core:")
+        print(render_breakdown(summarise_runs(payload["a"])))
         print()
         print(verdict_a(sa))
         print(f"({load_note([r['load1'] for r in payload['a']['runs']])}; measured {payload['machine']['date_utc']})")
         markdown["a"] = render_a(sa, markdown=True)
+        markdown["a_breakdown"] = render_breakdown(summarise_runs(payload["a"]), markdown=True)
         if not a.no_plot:
             plot_a(sa, payload["a"], img / f"planner_throughput{suffix}.png")
             plots.append(img / f"planner_throughput{suffix}.png")
