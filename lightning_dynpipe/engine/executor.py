@@ -139,9 +139,15 @@ class StageChannels:
 
 @dataclass
 class StepStats:
-    """Where one stage's time went during one step (seconds), plus pipeline state at the step's end."""
+    """Where one stage's time went during one step (seconds), plus pipeline state at the step's end.
+
+    ``forward_s`` times the stage's layers only; ``user_s`` is the rest of the forward instructions: on the
+    last stage the user's ``training_step`` around ``self.pipeline(...)`` (loss, ``self.log``), on stage 0
+    ``pipeline_input``.
+    """
 
     forward_s: float = 0.0
+    user_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
     recv_wait_s: float = 0.0
@@ -158,7 +164,7 @@ class StepStats:
 
     @property
     def compute_s(self) -> float:
-        """Forward plus backward plus optimizer time."""
+        """Forward plus backward plus optimizer time (the user's step code on the last stage: ``user_s``)."""
         return self.forward_s + self.backward_s + self.optimizer_s
 
     @property
@@ -247,6 +253,7 @@ class StageExecutor:
         self._step_base = 0
         self._step_losses: list[float] = []
         self._eval_counter = 0
+        self._layers_forward_s = 0.0
         self.stats = StepStats()
         self.last_loss = float("nan")
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -361,11 +368,13 @@ class StageExecutor:
                 "can only be called once, from training_step/validation_step/test_step/predict_step."
             )
         value = x if self.is_first else mb.input_value
+        t0 = time.perf_counter()
         if mb.version is not None:
             assert self.stash is not None
             out = functional_call(self.stage_module, self.stash.params(mb.version), (value,))
         else:
             out = self.stage_module(value)
+        self._layers_forward_s += time.perf_counter() - t0
         mb.output = out
         return out
 
@@ -418,6 +427,7 @@ class StageExecutor:
 
     def _forward(self, instr: Forward) -> None:
         t0 = time.perf_counter()
+        self._layers_forward_s = 0.0
         mb = self._mb(instr.mb_idx)
         if self.is_first or self.is_last:
             mb.batch = self._step_batches[mb.slot]
@@ -437,7 +447,10 @@ class StageExecutor:
             finally:
                 self._current = None
         mb.batch = None
-        self.stats.forward_s += time.perf_counter() - t0
+        # forward_s is the stage's layers only; the rest (the user's step on the last stage: loss, logging;
+        # reading the input on stage 0) is user_s, so a slow training_step is not mistaken for a slow stage.
+        self.stats.forward_s += self._layers_forward_s
+        self.stats.user_s += time.perf_counter() - t0 - self._layers_forward_s
         self.stats.num_forward += 1
 
     def _send_activation(self, instr: SendActivation) -> None:
