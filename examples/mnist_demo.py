@@ -151,7 +151,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-microbatches", type=int, default=4, help="micro-batches M per Lightning batch")
     p.add_argument("--schedule", choices=["async", "sync", "gpipe"], default="async")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--width", type=int, default=256, help="features of every hidden block of the MLP")
+    p.add_argument("--width", type=int, default=512, help="features of every hidden block of the MLP")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks; the pipeline has depth + 1 layers")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
@@ -159,7 +159,7 @@ def parse_args() -> argparse.Namespace:
         "--limit-train-batches", type=_int_or_fraction, default=None,
         help="batches per epoch (an int) or a fraction of the epoch (a float <= 1.0), as in Lightning",
     )
-    p.add_argument("--print-every", type=int, default=100, help="steps between per-stage tables")
+    p.add_argument("--print-every", type=int, default=50, help="steps between per-stage tables")
     p.add_argument("--hog-at-step", type=int, default=150, help="step at which a CPU hog starts on stage 0's core")
     p.add_argument("--no-hog", action="store_true", help="run without the CPU hog")
     p.add_argument("--static", action="store_true", help="keep the partition fixed (no runtime adaptation)")
