@@ -33,6 +33,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/monitor_overhead.py            # documented run (about 4 minutes on 2 cores)
     .venv/bin/python benchmarks/monitor_overhead.py --quick    # smoke run: tiny MLP, 1 repeat (~45 s)
     .venv/bin/python benchmarks/monitor_overhead.py --repeats 10 --steps 60
+    .venv/bin/python benchmarks/monitor_overhead.py --from-json benchmarks/out/monitor_overhead-<stamp>.json
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ from benchmarks._common import (  # noqa: E402
 SYSTEMS: tuple[str, ...] = ("off", "on", "every-step", "off-again")
 LABELS = {"off": "no monitor", "on": "StageMonitor() (every 10)", "every-step": "StageMonitor(every_n_steps=1)",
           "off-again": "no monitor again (A/A control)"}
+_SHORT = {"off": "no monitor", "on": "StageMonitor()\nevery 10 steps", "every-step": "StageMonitor\nevery step",
+          "off-again": "no monitor\n(A/A control)"}
 WORLD_SIZE = 2
 TARGET = 0.02
 
@@ -341,7 +344,7 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], micro: dict[str, f
         ax1.bar(i, summary[system]["step_ms"], color="#7f7f7f" if system.startswith("off") else "#1f77b4", alpha=0.7, width=0.6)
         n = len(pts)
         ax1.scatter([i + (j - (n - 1) / 2) * 0.3 / max(n, 1) for j in range(n)], pts, color="black", s=10, zorder=3)
-    ax1.set_xticks(range(len(SYSTEMS)), [LABELS[s].replace(" (", "\n(") for s in SYSTEMS], fontsize=8)
+    ax1.set_xticks(range(len(SYSTEMS)), [_SHORT[s] for s in SYSTEMS], fontsize=8)
     ax1.set_ylabel("ms per step (bars: median; points: repeats)")
     ax1.grid(axis="y", alpha=0.3)
     width = 0.26
@@ -356,7 +359,7 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], micro: dict[str, f
             ax2.scatter([i + offset] * len(pts), pts, color=color, s=10, zorder=3)
     ax2.axhline(100 * TARGET, color="red", linestyle="--", linewidth=1, label=f"target {TARGET:.0%}")
     ax2.axhline(0, color="black", linewidth=0.5)
-    ax2.set_xticks(range(len(SYSTEMS) - 1), [LABELS[s].replace(" (", "\n(") for s in SYSTEMS[1:]], fontsize=8)
+    ax2.set_xticks(range(len(SYSTEMS) - 1), [_SHORT[s] for s in SYSTEMS[1:]], fontsize=8)
     ax2.set_ylabel("overhead, % of step time without monitor")
     ax2.legend(fontsize=7, loc="upper left")
     ax2.grid(axis="y", alpha=0.3)
@@ -391,6 +394,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--plot", type=Path, default=None,
                    help="plot path (default docs/img/monitor_overhead.png; with --quick: OUT_DIR/monitor_overhead-quick.png)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-analyse a previous run's record (tables, verdict, plot) without measuring")
     a = p.parse_args(argv)
     cfg = d
     if a.quick:
@@ -403,10 +408,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     return cfg, a
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg, a = _parse(argv)
-    machine = machine_info()
-    cmd = command_line()
+def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
     print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
     print(f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)}, batch {cfg.batch_size}, "
@@ -416,19 +418,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
     print(f"command: {cmd}", flush=True)
 
-    micro = micro_costs(cfg.window)
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg, a = _parse(argv)
+    if a.from_json is not None:
+        old = json.loads(a.from_json.read_text(encoding="utf-8"))
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in old["config"].items()}
+        cfg, machine, cmd = Config(**fields), old["machine"], old["command"]
+        micro, runs = old["micro_us"], old["runs"]
+        print(f"re-analysing {a.from_json}, measured {machine['date_utc']}:")
+        _print_header(cfg, machine, cmd)
+        elapsed = old.get("elapsed_s")
+    else:
+        machine = machine_info()
+        cmd = command_line()
+        _print_header(cfg, machine, cmd)
+        micro = micro_costs(cfg.window)
     print("\nmonitor pieces alone, in this process:")
     print(render_micro(micro), flush=True)
     print()
 
-    from torch.multiprocessing.spawn import spawn
+    if a.from_json is None:
+        from torch.multiprocessing.spawn import spawn
 
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "runs.json")
-        spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call,unused-ignore]
-        runs = json.loads(Path(result_path).read_text(encoding="utf-8"))
-    machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = os.path.join(tmp, "runs.json")
+            spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call,unused-ignore]
+            runs = json.loads(Path(result_path).read_text(encoding="utf-8"))
+        machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
+        elapsed = time.perf_counter() - t0
     summary = summarise(runs)
     print()
     print(render_table(summary))
@@ -436,14 +455,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(verdict(summary))
 
     quick = a.quick or cfg.repeats == 1
-    payload = {"config": asdict(cfg), "machine": machine, "command": cmd, "elapsed_s": time.perf_counter() - t0,
+    payload = {"config": asdict(cfg), "machine": machine, "command": cmd, "elapsed_s": elapsed,
                "micro_us": micro, "runs": runs, "summary": summary,
                "markdown": {"table": render_table(summary, markdown=True), "micro": render_micro(micro, markdown=True)}}
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = a.out_dir / f"monitor_overhead-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if quick else ''}.json"
+    if a.from_json is not None:
+        json_path = a.from_json
+    else:
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = a.out_dir / f"monitor_overhead-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if quick else ''}.json"
     json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     if not a.no_plot:
-        plot_path = a.plot or (a.out_dir / "monitor_overhead-quick.png" if quick else _DEFAULT_PLOT)
+        plot_path = a.plot or (json_path.parent / "monitor_overhead-quick.png" if quick else _DEFAULT_PLOT)
         plot(runs, summary, micro, cfg, machine, plot_path)
         print(f"\nplot: {plot_path}")
     print(f"raw record: {json_path}")
