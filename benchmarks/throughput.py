@@ -302,6 +302,7 @@ def _run_dynpipe(
         schedule=schedule,  # type: ignore[arg-type]
         balance=list(cfg.balance),
         timeout=cfg.timeout_s,
+        adaptive=False,  # compares schedules on one fixed partition
     )
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -8,7 +8,8 @@ Timing: ``warmup`` untimed iterations, then the median of ``repeats`` timed ones
 layer forward on a detached input that requires grad (except layer 0, whose input is data, as in training)
 and then backward with a ones-like gradient for every differentiable output, computing the gradients of
 the input and of the trainable parameters with :func:`torch.autograd.grad` (so no ``.grad`` is written).
-On CUDA the two phases are timed with CUDA events after a synchronize; on CPU with
+On CUDA the two phases are timed with CUDA events after a synchronize; on CPU with one intra-op thread
+with :func:`time.thread_time` (CPU time, robust to other processes on the core), otherwise with
 :func:`time.perf_counter`.
 """
 
@@ -306,7 +307,8 @@ def _module_name(layer: nn.Module) -> str:
 
 # --------------------------------------------------------------------------------------------- timers
 class _Timer:
-    """Wall time of a region on CPU; CUDA events on the current stream on GPU (synchronized)."""
+    """Time of a region: CUDA events on GPU (synchronized); on CPU thread CPU time with one torch thread,
+    else wall time."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -327,6 +329,12 @@ class _Timer:
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end) / 1e3)
+        elif torch.get_num_threads() == 1:
+            # One intra-op thread (what each stage process gets on a shared CPU): this thread's CPU time is
+            # the layer's work, unaffected by other processes taking the core in between.
+            t0 = time.thread_time()
+            yield
+            out.append(time.thread_time() - t0)
         else:
             t0 = time.perf_counter()
             yield
