@@ -57,6 +57,7 @@ __all__ = ["DynPipeStrategy", "MigrationRecord"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+_MIN_SAMPLES = 5  # steps of a monitor window the adaptive loop needs before it decides
 
 
 def _cost_arrays(cost: ModelCost) -> dict[str, list[Any]]:
@@ -183,7 +184,7 @@ class DynPipeStrategy(DDPStrategy):
             to keep the partition fixed. Every ``monitor_every_n_steps`` the stage statistics are gathered, each
             stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
         monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
-            ``dynpipe/stage{k}/...``.
+            ``dynpipe/stage{k}/...``; ``None``: no stage monitor (and so no adaptation).
         interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
             entries or the path of a YAML file; see :mod:`lightning_dynpipe.interference`), e.g.
             ``[{"kind": "cpu_hog", "stage": 0, "start_step": 100}]``.
@@ -209,7 +210,7 @@ class DynPipeStrategy(DDPStrategy):
         balance: list[int] | Literal["auto", "parameters"] = "auto",
         convergence: ConvergenceModel | None = None,
         adaptive: bool | RepartitionPolicy = True,
-        monitor_every_n_steps: int = 10,
+        monitor_every_n_steps: int | None = 10,
         interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -260,8 +261,13 @@ class DynPipeStrategy(DDPStrategy):
         self._balance: list[int] | None = list(balance) if not isinstance(balance, str) else None
         self.balance_mode: str = "list" if self._balance is not None else str(balance)
         self.convergence = convergence
-        if monitor_every_n_steps < 1:
-            raise ConfigurationError(f"monitor_every_n_steps must be >= 1; got {monitor_every_n_steps}.")
+        if monitor_every_n_steps is not None and monitor_every_n_steps < 1:
+            raise ConfigurationError(f"monitor_every_n_steps must be >= 1 or None; got {monitor_every_n_steps}.")
+        if monitor_every_n_steps is None and adaptive is not False:
+            raise ConfigurationError(
+                "Runtime adaptation needs the stage monitor's measurements, but monitor_every_n_steps=None turns "
+                "it off. Pass adaptive=False with monitor_every_n_steps=None, or keep the monitor on."
+            )
         self.monitor_every_n_steps = monitor_every_n_steps
         self.interference = InterferenceSchedule.from_config(interference) if interference is not None else None
         self._interference_cb: Callback | None = None
@@ -660,8 +666,10 @@ class DynPipeStrategy(DDPStrategy):
         """Adds the stage monitor (unless the user added one) and, with adaptation on, the adaptive loop."""
         callbacks = cast(Any, trainer).callbacks
         monitor = next((c for c in callbacks if isinstance(c, StageMonitor)), None)
+        if monitor is None and self.monitor_every_n_steps is None:
+            return
         if monitor is None:
-            monitor = self._own_monitor = StageMonitor(every_n_steps=self.monitor_every_n_steps)
+            monitor = self._own_monitor = StageMonitor(every_n_steps=self.monitor_every_n_steps or 10)
             callbacks.insert(1, monitor)  # after the metrics mirror, before the user's callbacks
         self.monitor = monitor
         self.controller = None
@@ -671,7 +679,8 @@ class DynPipeStrategy(DDPStrategy):
 
     def _on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
         """Runs on every rank with the same snapshot, so every rank takes the same decision."""
-        if self.controller is None or any(st.count == 0 or math.isnan(st.step_s) for st in snapshot.stages):
+        # A window restarts at every repartition: decide only on enough steps of the current partition.
+        if self.controller is None or any(st.count < _MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
             return
         times = [StageTimes(compute_s=st.forward_s + st.backward_s, step_s=st.step_s, comm_s=st.comm_s,
                             exposed_comm_s=st.exposed_comm_s) for st in snapshot.stages]

@@ -47,3 +47,11 @@ def test_constructor_refusals() -> None:
 
 def test_timeout_accepts_seconds() -> None:
     assert DynPipeStrategy(timeout=12)._timeout_s == 12.0
+
+
+def test_adaptation_needs_the_monitor() -> None:
+    with pytest.raises(ConfigurationError, match="Runtime adaptation needs the stage monitor"):
+        DynPipeStrategy(monitor_every_n_steps=None)
+    assert DynPipeStrategy(monitor_every_n_steps=None, adaptive=False).monitor_every_n_steps is None
+    with pytest.raises(ConfigurationError, match="num_stages='auto' lets the planner choose"):
+        DynPipeStrategy(num_stages="auto", balance=[2, 3])
