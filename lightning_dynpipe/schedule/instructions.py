@@ -85,7 +85,11 @@ class _InstructionBase:
 
     __slots__ = ()
     code: ClassVar[str]
+    optional_mb: ClassVar[bool] = False
     mb_idx: int | None
+
+    def __post_init__(self) -> None:
+        _check_mb_idx(self.mb_idx, type(self).__name__, optional=self.optional_mb)
 
     def __str__(self) -> str:
         return self.code if self.mb_idx is None else f"{self.code}{self.mb_idx}"
@@ -98,8 +102,6 @@ class Forward(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "F"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "Forward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +111,6 @@ class Backward(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "B"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "Backward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +124,7 @@ class OptimizerStep(_InstructionBase):
 
     mb_idx: int | None = None
     code: ClassVar[str] = "U"
-
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "OptimizerStep", optional=True)
+    optional_mb: ClassVar[bool] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +138,6 @@ class StashWeights(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "W"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "StashWeights")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +147,6 @@ class RecvActivation(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "RA"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "RecvActivation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +156,6 @@ class SendActivation(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "SA"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "SendActivation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +165,6 @@ class RecvGrad(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "RG"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "RecvGrad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +174,6 @@ class SendGrad(_InstructionBase):
     mb_idx: int
     code: ClassVar[str] = "SG"
 
-    def __post_init__(self) -> None:
-        _check_mb_idx(self.mb_idx, "SendGrad")
 
 
 Instruction = Union[
