@@ -421,7 +421,8 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "n": len(rs), "reached": len(tta), "median_s": median(tta) if len(tta) == len(rs) else None,
                 "q1": q1, "q3": q3, "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
                 "steps": median([r["steps_to_acc"] for r in rs if r["reached"]]),
-                "migrations": median([len(r["migrations"]) for r in rs]) if rs else 0,
+                "migrations": [len(r["migrations"]) for r in rs],
+                "ms_per_step": median([r["time_to_acc_s"] / r["steps_to_acc"] * 1e3 for r in rs if r["reached"]]),
                 "pauses_ms": [m["pause_s"] * 1e3 for r in rs for m in r["migrations"]],
                 "final_balances": [r["steps"][0][-1]["balance"] if r["steps"][0] else None for r in rs],
             }
@@ -467,14 +468,15 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
         rows.append([
             scenario, tta(a), tta(s),
             _f(ratio, ".2f") + ("x" if ratio == ratio else ""),
-            _f(a.get("migrations"), ".0f"),
+            f"{_f(a.get('ms_per_step'), '.0f')}/{_f(s.get('ms_per_step'), '.0f')}",
+            ",".join(str(m) for m in a.get("migrations", [])) or "-",
             (f"{median(pauses):.0f}" if pauses else "-"),
             "-" if lim is None else "/".join(f"{x:.2f}" for x in lim["slowdowns"]),
             "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
             "-" if lim is None else f"{lim['limit_run']:.2f}x",
             "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
         ])
-    headers = ["scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migrations", "pause ms",
+    headers = ["scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "ms/step a/s", "migrations", "pause ms",
                "slowdown s0/s1", "limit while on (best)", "limit over run", "of limit"]
     return format_table(headers, rows, markdown=markdown)
 
@@ -687,8 +689,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary = summarise(payload["runs"], payload["layer_costs"], cfg)
     print()
     print("time to accuracy (TTA: median over seeds of training seconds to the first evaluation >= target); "
-          "static/adaptive: median of per-seed ratios; limit: planner-predicted speed-up of the best split under the "
-          "static run's measured slowdowns:")
+          "static/adaptive: median of per-seed ratios; ms/step: TTA / steps, adaptive/static; migrations: per seed; "
+          "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
+          "slowdowns (not measured):")
     print(render_table(summary, cfg))
     print()
     print(render_targets(summary))
