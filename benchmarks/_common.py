@@ -247,7 +247,7 @@ def fit_dynpipe(
         callbacks=[timer, *callbacks],
         **val,
     )
-    val_loader = DataLoader(list(val_batches), batch_size=None) if val_batches is not None else None
+    val_loader: Any = DataLoader(list(val_batches), batch_size=None) if val_batches is not None else None  # type: ignore[arg-type]
     trainer.fit(model, train_dataloaders=DataLoader(list(batches), batch_size=None),  # type: ignore[arg-type]
                 val_dataloaders=val_loader)
     if not dist.is_initialized():

@@ -365,7 +365,7 @@ def predicted_step_times(costs: dict[str, list[float]], slowdowns: Sequence[floa
     from lightning_dynpipe.plan.partition import Partition
     from lightning_dynpipe.plan.solver import evaluate
 
-    model = ModelCost.from_arrays(costs["forward_s"], costs["backward_s"], param_bytes=costs["param_bytes"])
+    model = ModelCost.from_arrays(costs["forward_s"], costs["backward_s"], param_bytes=[int(b) for b in costs["param_bytes"]])
     n = len(costs["forward_s"])
     out = {}
     for cut in range(1, n):
@@ -490,7 +490,7 @@ def render_targets(summary: dict[str, Any]) -> str:
 
     for s in SUSTAINED:
         if s in summary and summary[s].get("limit") and ratio(s) is not None:
-            share = ratio(s) / summary[s]["limit"]["limit_run"]  # type: ignore[operator]
+            share = ratio(s) / summary[s]["limit"]["limit_run"]
             out.append(f"{s}: static/adaptive {ratio(s):.2f}x = {share * 100:.0f}% of the rebalancing limit "
                        f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}")
     if ratio("quota25") is not None:
@@ -556,9 +556,10 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
     for j, scenario in enumerate(scenarios):
         for i, system in enumerate(("adaptive", "static")):
             ax = axes[i][j]
-            r = next((r for r in runs if r["scenario"] == scenario and r["system"] == system and r["seed"] == 0), None)
-            if r is None:
+            found = [r for r in runs if r["scenario"] == scenario and r["system"] == system and r["seed"] == 0]
+            if not found:
                 continue
+            r = found[0]
             for k, st in enumerate(r["steps"]):
                 ts = [s["t"] for s in st]
                 ms = [(s["forward_s"] + s["backward_s"]) * 1e3 for s in st]
@@ -644,7 +645,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def _config_from_json(d: dict[str, Any]) -> Config:
-    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return Config(**fields)
 
 
 def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
@@ -678,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "runs.json")
             try:
-                spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+                spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
             finally:
                 raw = json.loads(Path(result_path).read_text(encoding="utf-8")) if os.path.exists(result_path) else {}
                 machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
