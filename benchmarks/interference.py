@@ -48,6 +48,8 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/interference.py --scenarios none,quota25,hog --seeds 2 --target-acc 0.92
     .venv/bin/python benchmarks/interference.py --quick          # smoke run: tiny model, 1 seed, 2 scenarios
     .venv/bin/python benchmarks/interference.py --from-json benchmarks/out/interference-<stamp>.json
+    .venv/bin/python benchmarks/interference.py --scenarios none,quota25 --seeds 1 --first-seed 3   # add a seed, then
+    .venv/bin/python benchmarks/interference.py --from-json A.json B.json                         # merge and analyse
 
 Outputs: the tables on stdout, ``benchmarks/out/interference-<stamp>.json`` (config, machine, versions, command,
 every run with its per-step records, evaluations, migrations, decisions and interference events), and plots
@@ -110,6 +112,7 @@ class Config:
     scenarios: tuple[str, ...] = SCENARIOS
     systems: tuple[str, ...] = SYSTEMS
     seeds: int = 3
+    first_seed: int = 0
     target_acc: float = 0.95
     max_steps: int = 1500
     eval_every: int = 25
@@ -325,7 +328,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             scenarios.remove("none")
             scenarios.insert(0, "none")
         t_start = time.perf_counter()
-        for seed in range(cfg.seeds):
+        for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
             batches, val = _data(cfg, seed)
             onset = cfg.max_steps // 4
             for si, scenario in enumerate(scenarios):
@@ -596,6 +599,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--scenarios", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)")
     p.add_argument("--systems", default=None, help="comma-separated subset of adaptive,static (default: both)")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds 0..N-1: weights and batch order (default {d.seeds})")
+    p.add_argument("--first-seed", type=int, default=None,
+                   help="seeds are FIRST..FIRST+N-1 (default 0): add seeds to an earlier run, then merge the JSONs")
     p.add_argument("--target-acc", type=float, default=None, help=f"test accuracy to reach (default {d.target_acc})")
     p.add_argument("--max-steps", type=int, default=None, help=f"step cap per run (default {d.max_steps})")
     p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
@@ -614,7 +619,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
                    help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)")
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None, help="re-analyse a stored run without measuring")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None,
+                   help="re-analyse stored runs without measuring; several files (e.g. --first-seed additions with "
+                        "the same settings) are merged into one new JSON")
     a = p.parse_args(argv)
     cfg = Config()
     if a.quick:
@@ -631,7 +638,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         if not sy or any(s not in SYSTEMS for s in sy):
             p.error(f"--systems must be a subset of {list(SYSTEMS)}; got {sy}")
         cfg = replace(cfg, systems=sy)
-    over = {"seeds": a.seeds, "target_acc": a.target_acc, "max_steps": a.max_steps, "eval_every": a.eval_every,
+    over = {"seeds": a.seeds, "first_seed": a.first_seed, "target_acc": a.target_acc, "max_steps": a.max_steps, "eval_every": a.eval_every,
             "width": a.width, "depth": a.depth, "batch_size": a.batch_size, "num_microbatches": a.microbatches,
             "lr": a.lr, "optimizer": a.optimizer, "momentum": a.momentum, "schedule": a.schedule, "cycle_steps": a.cycle_steps}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
@@ -642,6 +649,33 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     if cfg.batch_size % cfg.num_microbatches or cfg.seeds < 1 or cfg.max_steps < 1 or cfg.eval_every < 1:
         p.error("--batch-size must be divisible by -M, and --seeds, --max-steps, --eval-every must be >= 1")
     return cfg, a
+
+
+def _load(paths: Sequence[Path], out_dir: Path) -> tuple[dict[str, Any], Path]:
+    """One stored run, or several merged (their runs concatenated; settings other than the seeds must agree)."""
+    payloads = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    if len(payloads) == 1:
+        return payloads[0], paths[0]
+    ignore = {"seeds", "first_seed", "scenarios"}
+    base = {k: v for k, v in payloads[0]["config"].items() if k not in ignore}
+    for p, d in zip(paths[1:], payloads[1:]):
+        other = {k: v for k, v in d["config"].items() if k not in ignore}
+        if other != base:
+            diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
+            raise SystemExit(f"cannot merge {p}: its settings differ in {diff}; merge only runs that differ in seeds "
+                             "or scenarios")
+    runs = [r for d in payloads for r in d["runs"]]
+    seen = [(r["scenario"], r["system"], r["seed"]) for r in runs]
+    if len(seen) != len(set(seen)):
+        raise SystemExit("cannot merge: the files repeat a (scenario, system, seed) run")
+    scenarios = [s for s in SCENARIOS if any(r["scenario"] == s for r in runs)]
+    config = dict(payloads[0]["config"], seeds=len({r["seed"] for r in runs}), scenarios=scenarios)
+    merged = dict(payloads[0], config=config, runs=runs, merged_from=[str(p) for p in paths],
+                  machines=[d["machine"] for d in payloads], commands=[d["command"] for d in payloads],
+                  elapsed_s=sum(d.get("elapsed_s", 0.0) for d in payloads))
+    merged.pop("summary", None)
+    merged.pop("markdown", None)
+    return merged, out_dir / f"interference-merged-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def _config_from_json(d: dict[str, Any]) -> Config:
@@ -666,8 +700,8 @@ def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg, a = _parse(argv)
     if a.from_json is not None:
-        payload = json.loads(a.from_json.read_text(encoding="utf-8"))
-        cfg, machine, json_path = _config_from_json(payload["config"]), payload["machine"], a.from_json
+        payload, json_path = _load(a.from_json, a.out_dir)
+        cfg, machine = _config_from_json(payload["config"]), payload["machine"]
         print(f"re-analysing {json_path}, measured {machine['date_utc']}:")
         _header(cfg, machine, payload["command"])
     else:
