@@ -664,6 +664,10 @@ def _load(paths: Sequence[Path], out_dir: Path) -> tuple[dict[str, Any], Path]:
             diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
             raise SystemExit(f"cannot merge {p}: its settings differ in {diff}; merge only runs that differ in seeds "
                              "or scenarios")
+    commits = {(d["machine"].get("git_commit") or "?")[:10] for d in payloads}
+    if len(commits) > 1:
+        print(f"warning: the merged runs were measured on different commits ({', '.join(sorted(commits))}); "
+              "say so wherever the merged numbers are reported")
     runs = [r for d in payloads for r in d["runs"]]
     seen = [(r["scenario"], r["system"], r["seed"]) for r in runs]
     if len(seen) != len(set(seen)):
