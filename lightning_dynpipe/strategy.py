@@ -1073,7 +1073,8 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Tell the other stages at once, so they end with an error naming this stage instead of waiting.
-        if self._failure is not None:
+        # (Not on Ctrl-C: Lightning's launcher kills the other processes itself.)
+        if self._failure is not None and not isinstance(exception, KeyboardInterrupt):
             self._failure.local_failure(exception)
         super().on_exception(exception)
 
