@@ -74,8 +74,11 @@ class PipelineClassifier(pl.LightningModule):
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one input sample, without the batch dimension."""
-        raise NotImplementedError
+        """Shape of one input sample, without the batch dimension (each model declares its own)."""
+        raise ConfigurationError(
+            f"{type(self).__name__} does not declare the shape of its input; override the input_shape property "
+            "to use example_input()."
+        )
 
     def example_input(self, batch_size: int = 2) -> Tensor:
         """A zero batch of the input shape, for profiling and shape checks.

@@ -10,6 +10,8 @@ covers a parent killed with SIGKILL.
 
 from __future__ import annotations
 
+import abc
+
 import logging
 import os
 import select
@@ -81,14 +83,16 @@ class Interference(Protocol):
         ...
 
 
-class Lifecycle:
+class Lifecycle(abc.ABC):
     """Mix-in: ``with source: ...`` starts and stops an :class:`Interference`."""
 
-    def start(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Starts the interference."""
 
-    def stop(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stops it (idempotent)."""
 
     def __enter__(self) -> Self:
         self.start()
