@@ -60,19 +60,6 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)
 _MIN_SAMPLES = 5  # steps of a monitor window the adaptive loop needs before it decides
 
 
-def _cost_arrays(cost: ModelCost) -> dict[str, list[Any]]:
-    """A ModelCost as plain lists (what ModelCost.from_arrays takes), to broadcast to every rank."""
-    layers = cost.layers
-    return {
-        "forward_s": [c.forward_s for c in layers],
-        "backward_s": [c.backward_s for c in layers],
-        "activation_bytes": [c.activation_bytes for c in layers],
-        "param_bytes": [c.param_bytes for c in layers],
-        "optimizer_state_bytes": [c.optimizer_state_bytes for c in layers],
-        "workspace_bytes": [c.workspace_bytes for c in layers],
-    }
-
-
 def _batch_len_or_one(x: Any) -> int:
     n = _batch_len(x)
     return n if n is not None and n > 0 else 1
@@ -480,7 +467,7 @@ class DynPipeStrategy(DDPStrategy):
                     if self.balance_mode == "auto":
                         self.plan = self._plan(cost, comm, world)
                         balance, table = list(self.plan.partition.balance), self.plan.table()
-                    decision[0] = (balance, table, _cost_arrays(cost), (comm.latency_s, comm.bandwidth_Bps), None)
+                    decision[0] = (balance, table, cost.to_arrays(), (comm.latency_s, comm.bandwidth_Bps), None)
                 except Exception as exc:  # the run must not die because a heuristic failed; say why
                     decision[0] = (self._balance, None, None, None, f"{type(exc).__name__}: {exc}")
             if world > 1:
@@ -960,8 +947,7 @@ class DynPipeStrategy(DDPStrategy):
                 if layer_idx in own:
                     sd = own[layer_idx]
                 else:
-                    sd = {k: torch.empty_like(v, device=self.root_device) for k, v in
-                          self._offloaded[layer_idx].state_dict().items()}
+                    sd = self._empty_state(layer_idx)
                 if self.num_stages > 1:
                     for t in sd.values():
                         dist.broadcast(t, src=owner, group=self._groups.pipeline)
@@ -974,8 +960,7 @@ class DynPipeStrategy(DDPStrategy):
                     if owner == 0:
                         out[layer_idx] = own[layer_idx]
                     else:
-                        sd = {k: torch.empty_like(v, device=self.root_device) for k, v in
-                              self._offloaded[layer_idx].state_dict().items()}
+                        sd = self._empty_state(layer_idx)
                         for t in sd.values():
                             dist.recv(t, src=owner, group=self._groups.pipeline)
                         out[layer_idx] = sd
@@ -983,6 +968,10 @@ class DynPipeStrategy(DDPStrategy):
                     for t in own[layer_idx].values():
                         dist.send(t.contiguous(), dst=0, group=self._groups.pipeline)
         return out
+
+    def _empty_state(self, layer_idx: int) -> dict[str, Tensor]:
+        """Buffers shaped like an offloaded layer's state (from its meta skeleton), to receive it into."""
+        return {k: torch.empty_like(v, device=self.root_device) for k, v in self._offloaded[layer_idx].state_dict().items()}
 
     def _full_state_dict(self, layers: dict[int, dict[str, Tensor]]) -> dict[str, Any]:
         local = self._lm.state_dict()

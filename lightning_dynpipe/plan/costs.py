@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -167,6 +167,24 @@ class ModelCost:
             log2[length] = log2[length // 2] + 1
         log2.flags.writeable = False
         object.__setattr__(self, "_log2", log2)
+
+    def to_arrays(self) -> dict[str, list[Any]]:
+        """The per-layer columns, as :meth:`from_arrays` takes them (plain lists: cheap to broadcast).
+
+        Example::
+
+            >>> m = ModelCost.from_arrays([1.0, 2.0], [2.0, 4.0], param_bytes=[8, 0])
+            >>> ModelCost.from_arrays(**m.to_arrays()) == m
+            True
+        """
+        return {
+            "forward_s": [c.forward_s for c in self.layers],
+            "backward_s": [c.backward_s for c in self.layers],
+            "activation_bytes": [c.activation_bytes for c in self.layers],
+            "param_bytes": [c.param_bytes for c in self.layers],
+            "optimizer_state_bytes": [c.optimizer_state_bytes for c in self.layers],
+            "workspace_bytes": [c.workspace_bytes for c in self.layers],
+        }
 
     @classmethod
     def from_arrays(
