@@ -35,7 +35,12 @@ from typing_extensions import override
 
 from lightning_dynpipe.adaptive import AdaptiveController, StageTimes
 from lightning_dynpipe.engine.executor import StageChannels, StageExecutor, _batch_len, split_microbatches
-from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
+from lightning_dynpipe.engine.groups import (
+    PipelineGroups,
+    build_channels,
+    build_groups,
+    destroy_default_group_at_exit,
+)
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
@@ -358,6 +363,12 @@ class DynPipeStrategy(DDPStrategy):
         super().setup_environment()
         self._topology = None
         self._planned_num_stages = None
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning destroys the default group at exit only for NCCL; a gloo group left alive aborts the process.
+        destroy_default_group_at_exit()
 
     # ------------------------------------------------------------------ set-up
     def _pipeline(self, module: LightningModule | None = None) -> nn.Sequential:
