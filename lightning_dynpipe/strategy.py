@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
@@ -99,6 +101,30 @@ class _Placeholder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, owner_stage={self.owner_stage}"
+
+
+_SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"
+
+
+def _silence_sync_dist_advice() -> Any:
+    """Hides Lightning's advice to pass ``sync_dist=True`` for epoch-level logs; returns the filter entry.
+
+    Lightning gives it whenever a process group exists. With one pipeline, only the last stage logs, and
+    :meth:`DynPipeStrategy.reduce` has nothing to reduce over, so the advice does not apply. With pipeline
+    replicas it does (the last stages' replicas see different data), and the strategy leaves it alone.
+    """
+    warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
+    return warnings.filters[0]
+
+
+def _restore_sync_dist_advice(entry: Any) -> None:
+    """Removes a filter installed by :func:`_silence_sync_dist_advice` (no-op if it is already gone)."""
+    filters = cast(list[Any], warnings.filters)
+    if entry in filters:
+        filters.remove(entry)
+        mutated = getattr(warnings, "_filters_mutated", None)  # invalidates the registries' cached decisions
+        if mutated is not None:
+            mutated()
 
 
 class _MetricsMirror(Callback):
@@ -288,6 +314,7 @@ class DynPipeStrategy(DDPStrategy):
         self.migrations: list[MigrationRecord] = []
         self._full_group_sizes: list[list[int]] = []
         self._mirror: _MetricsMirror | None = None
+        self._sync_dist_filter: Any = None
         self._failure: FailureHandler | None = None
         self._batch_idx = 0
 
@@ -576,6 +603,8 @@ class DynPipeStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._bind_metrics()
+        if self.topology.dp_size == 1 and self._sync_dist_filter is None:
+            self._sync_dist_filter = _silence_sync_dist_advice()
         if self._mirror is None:
             self._mirror = _MetricsMirror(self)
             cast(Any, trainer).callbacks.insert(0, self._mirror)
@@ -1117,6 +1146,9 @@ class DynPipeStrategy(DDPStrategy):
             callbacks.remove(self._interference_cb)
         self._interference_cb = None
         self._mirror = None
+        if self._sync_dist_filter is not None:
+            _restore_sync_dist_advice(self._sync_dist_filter)
+            self._sync_dist_filter = None
         self.executor = None
         self.partition = None
         self._planned_num_stages = None
