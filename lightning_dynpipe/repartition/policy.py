@@ -3,7 +3,9 @@
 A repartition pays when the time it saves over the coming steps exceeds what it costs (a drain, the transfer
 of the moved layers, the warm-up of the pipeline after it). Interference comes and goes, so the default
 policy also wants the gain to persist over several checks (hysteresis) and waits after each migration
-(cool-down) before it considers another, so a short spike does not cause churn.
+(cool-down) before it considers another, so a short spike does not cause churn. Predictions can be wrong
+(under a CPU quota a stage's slowdown depends on how much work it holds), so the default policy also checks
+each move's outcome against the measured step time and undoes a move that made the pipeline slower.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class RepartitionPolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Move:
+    """A move whose outcome has not been checked yet: from ``old`` to ``new``, measured ``before_s`` s/step."""
+
+    old: Partition
+    new: Partition
+    before_s: float
+
+
 @dataclass
 class GainOverCostPolicy:
     """Repartition when the predicted gain over a horizon beats the migration cost by a margin, persistently.
@@ -92,12 +103,22 @@ class GainOverCostPolicy:
     ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate, and not within
     ``cooldown_steps`` of the previous migration.
 
+    **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
+    partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
+    in its quota and look fast, so the planner wants the layers back, and the pipeline oscillates. So the
+    first check after a move compares the measured step time with the one measured just before it. If the
+    move made the pipeline slower, the policy moves straight back (``rollback``; no cool-down or patience,
+    when the measured loss over the horizon pays the migration by ``margin``) and refuses that partition as a
+    candidate for ``memory_steps`` steps. A rollback is not itself judged, so two moves cannot ping-pong.
+
     Args:
         horizon_steps: how far ahead the gain is counted.
         margin: how many times the migration cost the gain must be.
         min_relative_gain: ignore improvements smaller than this fraction of the step time.
         patience: consecutive checks that must agree (hysteresis).
         cooldown_steps: steps after a migration during which nothing moves.
+        rollback: undo a move whose measured outcome is a slower pipeline (see above).
+        memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
     """
 
     horizon_steps: int = 200
@@ -105,15 +126,21 @@ class GainOverCostPolicy:
     min_relative_gain: float = 0.10
     patience: int = 2
     cooldown_steps: int = 30
+    rollback: bool = True
+    memory_steps: int = 200
     _streak: int = field(default=0, init=False, repr=False)
     _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
+    _unjudged: _Move | None = field(default=None, init=False, repr=False)
+    _backfired: dict[Partition, tuple[int, float]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.horizon_steps < 1 or self.margin < 0 or self.patience < 1 or self.cooldown_steps < 0:
+        if (self.horizon_steps < 1 or self.margin < 0 or self.patience < 1 or self.cooldown_steps < 0
+                or self.memory_steps < 0):
             raise ConfigurationError(
-                f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, cooldown_steps >= 0; got "
-                f"{self.horizon_steps}, {self.margin}, {self.patience}, {self.cooldown_steps}."
+                f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, cooldown_steps >= 0, "
+                f"memory_steps >= 0; got {self.horizon_steps}, {self.margin}, {self.patience}, "
+                f"{self.cooldown_steps}, {self.memory_steps}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -127,8 +154,21 @@ class GainOverCostPolicy:
             self._streak, self._streak_candidate = 0, None
             return Decision(False, inputs.current, gain, reason, inputs)
 
+        move, self._unjudged = self._unjudged, None
+        if move is not None and inputs.current == move.new and inputs.measured_step_s > move.before_s:
+            self._backfired[move.new] = (inputs.step, inputs.measured_step_s)
+            loss = (inputs.measured_step_s - move.before_s) * max(horizon, 0)
+            if self.rollback and loss > self.margin * inputs.migration_cost_s:
+                self._streak, self._streak_candidate = 0, None
+                return Decision(True, move.old, loss,
+                                f"roll back: {move.new} measured {inputs.measured_step_s * 1e3:.1f} ms/step, slower "
+                                f"than {move.before_s * 1e3:.1f} ms/step under {move.old} before the move", inputs)
         if inputs.candidate == inputs.current:
             return no("the current partition is already the best")
+        refused = self._backfired.get(inputs.candidate)
+        if refused is not None and inputs.step - refused[0] < self.memory_steps:
+            return no(f"{inputs.candidate} made the pipeline slower at step {refused[0]} "
+                      f"({refused[1] * 1e3:.1f} ms/step); refused for {self.memory_steps} steps")
         if self._last_migration is not None and inputs.step - self._last_migration < self.cooldown_steps:
             return no(f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move")
         if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:
@@ -143,6 +183,7 @@ class GainOverCostPolicy:
             return Decision(False, inputs.current, gain, f"waiting for {self.patience} checks in a row "
                                                          f"({self._streak} so far)", inputs)
         self._streak, self._streak_candidate = 0, None
+        self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s)
         return Decision(True, inputs.candidate, gain, "predicted gain pays the migration", inputs)
 
     def migrated(self, step: int) -> None:

@@ -1,4 +1,5 @@
-"""The default repartition policy: gain vs. cost, relative threshold, hysteresis, cool-down; and plan_moves."""
+"""The default repartition policy: gain vs. cost, relative threshold, hysteresis, cool-down, outcome check
+(roll back a move that made the pipeline slower, refuse that partition for a while); and plan_moves."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ CUR, CAND = Partition((3, 3)), Partition((4, 2))
 
 
 def _inputs(step: int, current_s: float = 1.0, candidate_s: float = 0.6, cost: float = 5.0,
-            candidate: Partition = CAND, remaining: int | None = None) -> PolicyInputs:
-    return PolicyInputs(step=step, current=CUR, candidate=candidate, current_step_s=current_s,
-                        candidate_step_s=candidate_s, measured_step_s=current_s, migration_cost_s=cost,
-                        remaining_steps=remaining, slowdowns=(1.0, 2.0))
+            candidate: Partition = CAND, remaining: int | None = None, current: Partition = CUR,
+            measured_s: float | None = None) -> PolicyInputs:
+    return PolicyInputs(step=step, current=current, candidate=candidate, current_step_s=current_s,
+                        candidate_step_s=candidate_s, measured_step_s=current_s if measured_s is None else measured_s,
+                        migration_cost_s=cost, remaining_steps=remaining, slowdowns=(1.0, 2.0))
 
 
 def test_moves_after_patience_and_then_cools_down() -> None:
@@ -52,6 +54,64 @@ def test_gain_must_pay_the_migration() -> None:
 def test_policy_arguments_are_checked() -> None:
     with pytest.raises(ConfigurationError, match="patience >= 1"):
         GainOverCostPolicy(patience=0)
+    with pytest.raises(ConfigurationError, match="memory_steps >= 0"):
+        GainOverCostPolicy(memory_steps=-1)
+
+
+def _move_to_candidate(policy: GainOverCostPolicy, step: int = 10) -> None:
+    decision = policy.decide(_inputs(step))  # measured 1.0 s/step under CUR, CAND predicted at 0.6
+    assert decision.repartition and decision.partition == CAND
+    policy.migrated(step)
+
+
+def test_a_move_that_made_the_pipeline_slower_is_rolled_back_and_its_partition_refused() -> None:
+    # What a CPU quota does: the slowed stage gave layers away, now fits in its quota and looks fast, so the
+    # planner's prediction for CAND was wrong; measured, CAND is slower than CUR was.
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=30, memory_steps=200)
+    _move_to_candidate(policy)
+    back = policy.decide(_inputs(20, current=CAND, candidate=CUR, current_s=1.3, candidate_s=0.9, measured_s=1.3))
+    assert back.repartition and back.partition == CUR  # within the cool-down: a rollback does not wait
+    assert "roll back" in back.reason and "1300.0 ms/step" in back.reason and "1000.0 ms/step" in back.reason
+    assert back.predicted_gain_s == pytest.approx(30.0)  # (1.3 - 1.0) s/step over 100 steps
+    policy.migrated(20)
+    # Back under CUR, the planner proposes CAND again with the same optimistic prediction: refused ...
+    assert "made the pipeline slower at step 20" in policy.decide(_inputs(60)).reason
+    assert not policy.decide(_inputs(150)).repartition
+    # ... until the memory expires (conditions may have changed by then).
+    assert policy.decide(_inputs(230)).repartition
+
+
+def test_a_move_that_paid_off_is_kept() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=30)
+    _move_to_candidate(policy)
+    kept = policy.decide(_inputs(20, current=CAND, candidate=CAND, current_s=0.7, measured_s=0.7))
+    assert not kept.repartition and "already the best" in kept.reason
+    # Later checks no longer judge that move, even if the step time rises (interference changed).
+    later = policy.decide(_inputs(30, current=CAND, candidate=CAND, current_s=1.5, measured_s=1.5))
+    assert not later.repartition
+
+
+def test_a_rollback_is_not_judged_and_the_loss_must_pay_it() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=30)
+    _move_to_candidate(policy)
+    assert policy.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.3, measured_s=1.3)).repartition
+    policy.migrated(20)
+    # The rollback measured worse still (the interference grew): no second rollback, no ping-pong.
+    after = policy.decide(_inputs(30, current=CUR, candidate=CUR, current_s=1.6, measured_s=1.6))
+    assert not after.repartition
+    # A slightly slower outcome whose loss does not pay the migration is kept (but still refused later).
+    small = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    _move_to_candidate(small)
+    kept = small.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.05, measured_s=1.05))
+    assert not kept.repartition
+    back = small.decide(_inputs(30, current=CAND, candidate=CUR, current_s=1.05, candidate_s=0.6))
+    assert back.repartition and back.reason == "predicted gain pays the migration"
+    small.migrated(30)
+    assert "made the pipeline slower at step 20" in small.decide(_inputs(40)).reason
+    # Without rollback the policy only remembers.
+    plain = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, rollback=False)
+    _move_to_candidate(plain)
+    assert not plain.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.3, measured_s=1.3)).repartition
 
 
 def test_plan_moves() -> None:
