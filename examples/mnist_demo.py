@@ -5,7 +5,8 @@ an update after every micro-batch and no flush between steps), each pinned to it
 (``--hog-at-step``) a CPU hog starts on stage 0's core, as a co-located job would: the stage monitor sees
 stage 0 slow down, the adaptive policy re-plans and moves layers to stage 1 while training continues (the
 log shows the decision, the old and new balance and the pause), and the step time recovers. Every
-``--print-every`` steps the ranks gather their stage's step statistics and rank 0 prints them per stage;
+``--print-every`` steps rank 0 prints the stage monitor's latest snapshot (per-stage medians of the step
+time and its parts, forwards/backwards/updates per step, the balance), which every rank already holds;
 after training, rank 0 prints the migrations and the test accuracy.
 
 Run::
@@ -25,93 +26,60 @@ import argparse
 import logging
 import os
 import time
-from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as L
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.demos import MLP, MNISTDataModule
-from lightning_dynpipe.engine.executor import StepStats
 from lightning_dynpipe.interference import pin_current_process
-
-# Columns of the per-stage table: (StepStats field, header). Times are printed in ms per step.
-_TIME_COLUMNS = (
-    ("step_s", "step"),
-    ("forward_s", "fwd"),
-    ("backward_s", "bwd"),
-    ("optimizer_s", "opt"),
-    ("recv_wait_s", "wait"),
-    ("send_s", "send"),
-)
+from lightning_dynpipe.monitor import PipelineSnapshot, StageMonitor
 
 
-class StageTimes(Callback):
-    """Prints each pipeline stage's mean step-time breakdown on rank 0, every ``every_n_steps`` steps.
+class StageTable(Callback):
+    """Prints the stage monitor's latest pipeline snapshot as a table on rank 0, every ``every_n_steps`` steps.
 
-    ``trainer.strategy.executor.stats`` is rank-local: it describes the stage this process runs, for the
-    last step only. This callback sums it over a window of steps on every rank and then gathers the sums with
-    ``all_gather_object``. That call is a collective over all ranks, so every rank must reach it at the same
-    step. ``on_train_batch_end`` runs on every rank after every step, and each rank counts its own steps, so
-    the ranks agree without talking to each other.
+    ``DynPipeStrategy`` adds a :class:`~lightning_dynpipe.monitor.StageMonitor` (``trainer.strategy.monitor``)
+    that keeps a rolling window of every stage's per-step statistics and, every ``monitor_every_n_steps``
+    steps (default 10), gathers them in one small collective that overlaps the next step. Every rank then
+    holds the same :class:`~lightning_dynpipe.monitor.PipelineSnapshot`, and the monitor hands it to its
+    listeners. This callback only registers a listener for the fit: it needs no communication of its own.
+    A table is printed for the first snapshot taken at or after each multiple of ``every_n_steps``.
     """
 
-    def __init__(self, every_n_steps: int = 100) -> None:
+    def __init__(self, every_n_steps: int = 50) -> None:
         self.every_n_steps = every_n_steps
-        self._steps = 0
-        self._window: dict[str, float] = {}
-        self._window_steps = 0
-        self._max_stash = 0
+        self._monitor: StageMonitor | None = None
+        self._next_step = every_n_steps
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        executor = getattr(trainer.strategy, "executor", None)
-        if executor is None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy: Any = trainer.strategy
+        self._monitor = strategy.monitor  # None with DynPipeStrategy(monitor_every_n_steps=None)
+        if self._monitor is None:
             return
-        stats: StepStats = executor.stats
-        for name, value in asdict(stats).items():
-            self._window[name] = self._window.get(name, 0.0) + float(value)
-        self._window_steps += 1
-        self._max_stash = max(self._max_stash, stats.max_stash_depth)
-        self._steps += 1
-        if self._steps % self.every_n_steps == 0:
-            self._report(trainer, f"steps {self._steps - self._window_steps + 1}-{self._steps}")
-
-    def _report(self, trainer: Trainer, title: str) -> None:
-        strategy = trainer.strategy
-        mine = {
-            "stage": strategy.stage_idx,  # type: ignore[attr-defined]
-            "rank": trainer.global_rank,
-            "steps": self._window_steps,
-            "sums": dict(self._window),
-            "in_flight": strategy.executor.in_flight,  # type: ignore[attr-defined]
-            "max_stash": self._max_stash,
-        }
-        gathered: list[Any] = [None] * trainer.world_size
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        self._window, self._window_steps = {}, 0
+        self._next_step = self.every_n_steps
+        self._monitor.add_listener(self._on_snapshot)
         if trainer.is_global_zero:
-            print(format_stage_table(gathered, title), flush=True)
+            # Where the stages run: the last stage (the user's training_step, loggers) is global rank 0.
+            topology = strategy.topology
+            placement = ", ".join(
+                f"stage {k} on rank {','.join(map(str, topology.stage_ranks(k)))}" for k in range(topology.num_stages)
+            )
+            print(f"stage placement: {placement}", flush=True)
 
+    def _on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
+        # Called on every rank with the same snapshot; only rank 0 prints.
+        if snapshot.step < self._next_step:
+            return
+        self._next_step = (snapshot.step // self.every_n_steps + 1) * self.every_n_steps
+        if trainer.is_global_zero:
+            print(snapshot.table(), flush=True)
 
-def format_stage_table(rows: list[dict[str, Any]], title: str) -> str:
-    """A compact table, one line per stage: mean milliseconds per step and pipeline state."""
-    head = f"{'stage':>5} {'rank':>4} " + " ".join(f"{h:>7}" for _, h in _TIME_COLUMNS)
-    head += f" {'F/step':>6} {'B/step':>6} {'U/step':>6} {'inflight':>8} {'stash':>5}"
-    lines = [f"[per-stage step times, ms/step, {title}]", head]
-    for r in sorted(rows, key=lambda r: (r["stage"], r["rank"])):
-        n = max(1, r["steps"])
-        s = r["sums"]
-        times = " ".join(f"{1000.0 * s[f] / n:7.2f}" for f, _ in _TIME_COLUMNS)
-        counts = f"{s['num_forward'] / n:6.1f} {s['num_backward'] / n:6.1f} {s['num_updates'] / n:6.1f}"
-        lines.append(f"{r['stage']:>5} {r['rank']:>4} {times} {counts} {r['in_flight']:>8} {r['max_stash']:>5}")
-    return "\n".join(lines)
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._monitor is not None:
+            self._monitor.remove_listener(self._on_snapshot)
+            self._monitor = None
 
 
 class PinToCore(Callback):
@@ -159,7 +127,10 @@ def parse_args() -> argparse.Namespace:
         "--limit-train-batches", type=_int_or_fraction, default=None,
         help="batches per epoch (an int) or a fraction of the epoch (a float <= 1.0), as in Lightning",
     )
-    p.add_argument("--print-every", type=int, default=50, help="steps between per-stage tables")
+    p.add_argument(
+        "--print-every", type=int, default=50,
+        help="steps between per-stage tables (the stage monitor takes a snapshot every 10 steps)",
+    )
     p.add_argument("--hog-at-step", type=int, default=150, help="step at which a CPU hog starts on stage 0's core")
     p.add_argument("--no-hog", action="store_true", help="run without the CPU hog")
     p.add_argument("--static", action="store_true", help="keep the partition fixed (no runtime adaptation)")
@@ -187,7 +158,7 @@ def main() -> None:
         ),
         max_epochs=args.max_epochs,
         limit_train_batches=args.limit_train_batches,
-        callbacks=[PinToCore(), StageTimes(every_n_steps=args.print_every), EpochSummary()],
+        callbacks=[PinToCore(), StageTable(every_n_steps=args.print_every), EpochSummary()],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

@@ -16,6 +16,10 @@ Vocabulary of one stage's step (seconds, wall clock, as the executor measures th
     busy_s = compute_s + send_s      the time the stage *needs* per step; in a pipeline every stage's
                                      step_s converges to the slowest stage's busy_s, so busy_s (not
                                      step_s) is what tells the stages apart.
+
+Counts per step: ``num_forward`` / ``num_backward`` micro-batches the stage ran forward / backward, and
+``num_updates`` optimizer steps it took (``async``: M each per step in steady state; ``sync`` and
+``gpipe``: M, M and 1).
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ class StepTimes(Protocol):
     def exposed_comm_s(self) -> float: ...
     @property
     def step_s(self) -> float: ...
+    @property
+    def num_forward(self) -> int: ...
+    @property
+    def num_backward(self) -> int: ...
+    @property
+    def num_updates(self) -> int: ...
     @property
     def in_flight(self) -> int: ...
     @property
@@ -111,7 +121,8 @@ class StageSample:
         accumulator.add(sample)
 
     Times are in seconds. ``idle_s`` is derived (:func:`idle_time`); build samples with :meth:`from_step`
-    so that it is consistent with the other times.
+    so that it is consistent with the other times. ``num_forward``, ``num_backward`` and ``num_updates``
+    count the micro-batch forwards, backwards and optimizer steps the stage ran in the step.
     """
 
     step_s: float
@@ -123,6 +134,9 @@ class StageSample:
     idle_s: float = 0.0
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
+    num_forward: int = 0
+    num_backward: int = 0
+    num_updates: int = 0
     in_flight: int = 0
     stash_depth: int = 0
     rss_bytes: int = 0
@@ -148,6 +162,9 @@ class StageSample:
             idle_s=idle_time(step.step_s, compute, step.recv_wait_s, step.send_s),
             comm_s=step.comm_s,
             exposed_comm_s=step.exposed_comm_s,
+            num_forward=step.num_forward,
+            num_backward=step.num_backward,
+            num_updates=step.num_updates,
             in_flight=step.in_flight,
             stash_depth=step.stash_depth,
             rss_bytes=sys_.rss_bytes,
@@ -200,6 +217,9 @@ class StageSummary:
     idle_s: float
     comm_s: float
     exposed_comm_s: float
+    num_forward: float
+    num_backward: float
+    num_updates: float
     in_flight: float
     stash_depth: float
     rss_bytes: float
@@ -502,19 +522,26 @@ class PipelineSnapshot:
         return out
 
     def table(self) -> str:
-        """A fixed-width text table, one row per stage (ms, MiB), the bottleneck marked with ``*``."""
+        """A fixed-width text table, one row per stage (ms, MiB), the bottleneck marked with ``*``.
+
+        ``F/B/U``: micro-batch forwards, backwards and optimizer updates per step. The title gives the
+        step and, when known, the partition (layers per stage) the numbers were measured under.
+        """
         headers = ("stage", "step", "busy", "fwd", "bwd", "opt", "recv wait", "send", "idle", "exp. comm",
-                   "in flight", "cpu", "rss MiB", "n")
+                   "F/B/U", "in flight", "cpu", "rss MiB", "n")
         rows = []
         bottleneck = self.bottleneck_stage
         for k, s in enumerate(self.stages):
             ms = [s.step_s, s.busy_s, s.forward_s, s.backward_s, s.optimizer_s, s.recv_wait_s, s.send_s, s.idle_s,
                   s.exposed_comm_s]
+            counts = "/".join(f"{c:g}" for c in (s.num_forward, s.num_backward, s.num_updates))
             rows.append(
-                [f"{k}{'*' if k == bottleneck else ''}", *(f"{v * 1e3:.1f}" for v in ms), f"{s.in_flight:g}",
-                 f"{s.cpu_share:.2f}", f"{s.rss_bytes / _MIB:.0f}", str(s.count)]
+                [f"{k}{'*' if k == bottleneck else ''}", *(f"{v * 1e3:.1f}" for v in ms), counts,
+                 f"{s.in_flight:g}", f"{s.cpu_share:.2f}", f"{s.rss_bytes / _MIB:.0f}", str(s.count)]
             )
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        return f"DynPipe stages at step {self.step} (medians, ms; * = bottleneck)\n" + "\n".join(lines)
+        where = f"step {self.step}" + (f", balance {list(self.balance)}" if self.balance is not None else "")
+        legend = "medians per step: ms, F/B/U = forwards/backwards/updates; * = bottleneck"
+        return f"DynPipe stages at {where} ({legend})\n" + "\n".join(lines)

@@ -300,6 +300,9 @@ def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> Non
     assert all(s.num_stages == 1 and s.bottleneck_stage == 0 for s in snaps)
     assert snaps[-1].stages[0].count == 3
     assert snaps[-1].stages[0].rss_bytes > 0 and snaps[-1].stages[0].compute_s > 0
+    # async, 2 micro-batches: 2 forwards, backwards and updates per step
+    counts = [(s.stages[0].num_forward, s.stages[0].num_backward, s.stages[0].num_updates) for s in snaps]
+    assert counts == [(2, 2, 2)] * 3
     for key in ("dynpipe/s0_busy_ms",):
         assert key in trainer.progress_bar_metrics, trainer.progress_bar_metrics
         assert key in trainer.callback_metrics
@@ -346,6 +349,8 @@ class _CheckInWorkers(L.Callback):
         assert snap.num_stages == 2 and snap.dp_size == 1
         assert all(s.count >= 1 and s.step_s > 0 and s.compute_s > 0 and s.rss_bytes > 0 for s in snap.stages)
         assert snap.bottleneck_stage in (0, 1)
+        # async, 3 micro-batches: in steady state every stage runs 3 forwards, backwards and updates per step
+        assert all((s.num_forward, s.num_backward, s.num_updates) == (3, 3, 3) for s in snap.stages), snap.stages
 
 
 @pytest.mark.multiprocess

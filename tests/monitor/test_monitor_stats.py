@@ -34,8 +34,9 @@ def _sample(step_s: float = 0.1, **kw: Any) -> StageSample:
 def _summary(busy_ms: float, step_ms: float = 100.0, count: int = 5, **kw: float | None) -> StageSummary:
     values: dict[str, Any] = dict(
         count=count, step_s=step_ms / 1e3, forward_s=busy_ms / 2e3, backward_s=busy_ms / 2e3, optimizer_s=0.0,
-        recv_wait_s=0.0, send_s=0.0, idle_s=0.0, comm_s=0.0, exposed_comm_s=0.0, in_flight=1.0,
-        stash_depth=1.0, rss_bytes=float(1 << 20), cpu_share=0.5, steal_share=0.0,
+        recv_wait_s=0.0, send_s=0.0, idle_s=0.0, comm_s=0.0, exposed_comm_s=0.0, num_forward=4.0,
+        num_backward=4.0, num_updates=4.0, in_flight=1.0, stash_depth=1.0, rss_bytes=float(1 << 20),
+        cpu_share=0.5, steal_share=0.0,
     )
     values.update(kw)
     values.setdefault("compute_s", values["forward_s"] + values["backward_s"] + values["optimizer_s"])
@@ -61,6 +62,7 @@ def test_from_step_reads_executor_stats_and_system_reading() -> None:
     assert s.compute_s == pytest.approx(0.035)
     assert s.idle_s == pytest.approx(0.07 - 0.035 - 0.03 - 0.001)
     assert (s.in_flight, s.stash_depth) == (2, 3)
+    assert (s.num_forward, s.num_backward, s.num_updates) == (4, 4, 4)
     assert (s.rss_bytes, s.cpu_share, s.steal_share) == (123, 0.7, 0.01)
     assert (s.cuda_allocated_bytes, s.cuda_reserved_bytes, s.gpu_util, s.gpu_mem_used_bytes) == (10, 20, 0.5, 30)
 
@@ -99,6 +101,17 @@ def test_compute_and_busy_are_medians_of_per_step_sums() -> None:
     assert s.compute_s == pytest.approx(0.10)  # ...is not the median of the sums
     assert s.busy_s == pytest.approx(0.10)
     assert s.compute_s <= s.step_s
+
+
+def test_counts_per_step_are_medians_over_the_window() -> None:
+    acc = StageStatsAccumulator(window=5)
+    # async stage 0 with M=4: the first step backwards 3 (one micro-batch still in flight), then 4 each
+    for f, b, u in ((4, 3, 3), (4, 4, 4), (4, 4, 4), (4, 4, 4), (4, 5, 5)):
+        acc.add(StageSample.from_step(StepStats(step_s=0.01, num_forward=f, num_backward=b, num_updates=u)))
+    s = acc.summary()
+    assert (s.num_forward, s.num_backward, s.num_updates) == (4.0, 4.0, 4.0)
+    empty = StageStatsAccumulator(2).summary()
+    assert math.isnan(empty.num_forward) and math.isnan(empty.num_updates)
 
 
 def test_even_window_median_averages_the_middle_two() -> None:
@@ -176,6 +189,7 @@ def test_combine_takes_the_slowest_replica_and_smallest_count() -> None:
     assert c.step_s == pytest.approx(0.05)
     assert c.cpu_share == pytest.approx(0.9)
     assert c.gpu_util == pytest.approx(0.7)
+    assert StageSummary.combine([a, _summary(busy_ms=1.0, num_updates=1.0)]).num_updates == 4.0
     assert StageSummary.combine([a]) is a
     with pytest.raises(ValueError, match="at least one"):
         StageSummary.combine([])
@@ -292,14 +306,27 @@ def test_to_metrics_prefix_and_per_replica_keys() -> None:
 def test_table_has_one_row_per_stage_and_marks_the_bottleneck() -> None:
     text = _two_stage().table()
     lines = text.splitlines()
-    assert "step 40" in lines[0]
+    assert "step 40" in lines[0] and "balance" not in lines[0]  # the partition is unknown
     assert len(lines) == 4
     assert lines[3].split()[0] == "1*" and lines[2].split()[0] == "0"
 
 
+def test_table_shows_counts_per_step_and_the_balance() -> None:
+    reports = [StageReport(0, 0, _summary(20.0, num_backward=3.5)),
+               StageReport(0, 1, _summary(35.0, num_forward=8.0, num_backward=8.0, num_updates=1.0))]
+    lines = PipelineSnapshot.from_reports(12, reports, balance=[3, 4]).table().splitlines()
+    assert lines[0].startswith("DynPipe stages at step 12, balance [3, 4] (")
+    header = [h.strip() for h in lines[1].split("  ") if h.strip()]
+    rows = [dict(zip(header, line.split())) for line in lines[2:]]
+    assert len(header) == len(lines[2].split()) == len(lines[3].split())
+    assert [r["F/B/U"] for r in rows] == ["4/3.5/4", "8/8/1"]
+    assert [r["stage"] for r in rows] == ["0", "1*"]
+    assert rows[1]["step"] == "100.0" and rows[1]["n"] == "5"
+
+
 def test_report_travels_as_a_fixed_vector_of_floats() -> None:
     full = StageReport(1, 2, _summary(12.0, cuda_allocated_bytes=5.0, cuda_reserved_bytes=6.0, gpu_util=0.5,
-                                      gpu_mem_used_bytes=7.0))
+                                      gpu_mem_used_bytes=7.0, num_forward=8.0, num_backward=7.5, num_updates=1.0))
     bare = StageReport(0, 0, _summary(3.0))
     empty = StageReport(0, 1, StageStatsAccumulator(2).summary())
     for report in (full, bare):
