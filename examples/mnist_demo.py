@@ -4,7 +4,11 @@ Two processes each run one pipeline stage (``DynPipeStrategy``, PipeDream-style 
 an update after every micro-batch and no flush between steps), each pinned to its own core. Part-way through
 (``--hog-at-step``) a CPU hog starts on stage 0's core, as a co-located job would: the stage monitor sees
 stage 0 slow down, the adaptive policy re-plans and moves layers to stage 1 while training continues (the
-log shows the decision, the old and new balance and the pause), and the step time recovers. Every
+log shows the decision with the measured step time it was based on, the old and new balance and the
+pause), and the next table shows the step time under the new balance. The hog keeps running, so the step
+time does not return to its value before the hog; the migration takes away the part of the slowdown that
+moving layers can remove (how much that is, against the same run without adaptation, is measured by
+``benchmarks/interference.py``; see docs/adaptation.md). Every
 ``--print-every`` steps rank 0 prints the stage monitor's latest snapshot (per-stage medians of the step
 time and its parts, forwards/backwards/updates per step, the balance), which every rank already holds;
 after training, rank 0 prints the migrations and the test accuracy.
