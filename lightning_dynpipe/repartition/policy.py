@@ -89,6 +89,39 @@ class _Move:
     before_s: float
 
 
+def _boundaries(p: Partition) -> list[int]:
+    """Index of the first layer of stages 1..S-1."""
+    out, total = [], 0
+    for b in p.balance[:-1]:
+        total += b
+        out.append(total)
+    return out
+
+
+@dataclass(frozen=True)
+class _Backfired:
+    """A move from ``old`` to ``new`` after which the measured step time was ``measured_s``, slower than before."""
+
+    old: Partition
+    new: Partition
+    step: int
+    measured_s: float
+
+    def refuses(self, current: Partition, candidate: Partition) -> bool:
+        """``new`` itself, and, from ``old``, any candidate that shifts the same boundaries the same way.
+
+        Step time against one boundary's position is unimodal (the slower side of it sets the pace), so if
+        shifting the boundary one way was slower, shifting it further that way is slower too.
+        """
+        if candidate == self.new:
+            return True
+        if current != self.old or len(candidate.balance) != len(self.old.balance):
+            return False
+        base, tried, cand = _boundaries(self.old), _boundaries(self.new), _boundaries(candidate)
+        same_way = all((c - a) * (t - a) >= 0 and (t != a or c == a) for a, t, c in zip(base, tried, cand))
+        return same_way and cand != base
+
+
 @dataclass
 class GainOverCostPolicy:
     """Repartition when the predicted gain over a horizon beats the migration cost by a margin, persistently.
@@ -108,8 +141,9 @@ class GainOverCostPolicy:
     in its quota and look fast, so the planner wants the layers back, and the pipeline oscillates. So the
     first check after a move compares the measured step time with the one measured just before it. If the
     move made the pipeline slower, the policy moves straight back (``rollback``; no cool-down or patience,
-    when the measured loss over the horizon pays the migration by ``margin``) and refuses that partition as a
-    candidate for ``memory_steps`` steps. A rollback is not itself judged, so two moves cannot ping-pong.
+    when the measured loss over the horizon pays the migration by ``margin``), and for ``memory_steps`` steps
+    it refuses that partition, and, from the partition it came back to, any candidate that shifts the same
+    stage boundaries further the same way. A rollback is not itself judged, so two moves cannot ping-pong.
 
     Args:
         horizon_steps: how far ahead the gain is counted.
@@ -132,7 +166,7 @@ class GainOverCostPolicy:
     _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Move | None = field(default=None, init=False, repr=False)
-    _backfired: dict[Partition, tuple[int, float]] = field(default_factory=dict, init=False, repr=False)
+    _backfired: list[_Backfired] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.horizon_steps < 1 or self.margin < 0 or self.patience < 1 or self.cooldown_steps < 0
@@ -156,7 +190,7 @@ class GainOverCostPolicy:
 
         move, self._unjudged = self._unjudged, None
         if move is not None and inputs.current == move.new and inputs.measured_step_s > move.before_s:
-            self._backfired[move.new] = (inputs.step, inputs.measured_step_s)
+            self._backfired.append(_Backfired(move.old, move.new, inputs.step, inputs.measured_step_s))
             loss = (inputs.measured_step_s - move.before_s) * max(horizon, 0)
             if self.rollback and loss > self.margin * inputs.migration_cost_s:
                 self._streak, self._streak_candidate = 0, None
@@ -165,10 +199,12 @@ class GainOverCostPolicy:
                                 f"than {move.before_s * 1e3:.1f} ms/step under {move.old} before the move", inputs)
         if inputs.candidate == inputs.current:
             return no("the current partition is already the best")
-        refused = self._backfired.get(inputs.candidate)
-        if refused is not None and inputs.step - refused[0] < self.memory_steps:
-            return no(f"{inputs.candidate} made the pipeline slower at step {refused[0]} "
-                      f"({refused[1] * 1e3:.1f} ms/step); refused for {self.memory_steps} steps")
+        self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
+        for b in reversed(self._backfired):
+            if b.refuses(inputs.current, inputs.candidate):
+                return no(f"moving {b.old} -> {b.new} made the pipeline slower at step {b.step} "
+                          f"({b.measured_s * 1e3:.1f} ms/step); {inputs.candidate} is refused for {self.memory_steps} "
+                          "steps after that")
         if self._last_migration is not None and inputs.step - self._last_migration < self.cooldown_steps:
             return no(f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move")
         if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:

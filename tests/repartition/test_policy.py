@@ -120,3 +120,32 @@ def test_plan_moves() -> None:
     assert plan_moves(CUR, CUR) == ()
     with pytest.raises(PartitionError, match="keeps the layers and the number of stages"):
         plan_moves(CUR, Partition((2, 2, 2)))
+
+
+def test_after_a_backfire_moves_further_the_same_way_are_refused_the_other_way_is_not() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    _move_to_candidate(policy)  # (3, 3) -> (4, 2): stage 1's layers moved to stage 0
+    assert policy.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.3, measured_s=1.3)).repartition
+    policy.migrated(20)
+    further = policy.decide(_inputs(30, candidate=Partition((5, 1))))  # the boundary further the same way
+    assert not further.repartition and "[5, 1] is refused" in further.reason
+    other_way = policy.decide(_inputs(40, candidate=Partition((2, 4))))
+    assert other_way.repartition and other_way.partition == Partition((2, 4))
+
+
+def test_direction_rule_with_three_stages() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    old, new = Partition((2, 2, 2)), Partition((3, 2, 1))  # boundaries (2, 4) -> (3, 5)
+    assert policy.decide(_inputs(10, current=old, candidate=new)).repartition
+    policy.migrated(10)
+    assert policy.decide(_inputs(20, current=new, candidate=new, current_s=1.4, measured_s=1.4)).repartition
+    policy.migrated(20)
+
+    def refused(balance: tuple[int, ...]) -> bool:
+        return "made the pipeline slower" in policy.decide(_inputs(30, current=old, candidate=Partition(balance))).reason
+
+    assert refused((4, 1, 1))      # (4, 5): both boundaries further the same way
+    assert refused((2, 3, 1))      # (2, 5): only the second, the same way
+    assert refused((3, 1, 2))      # (3, 4): only the first, the same way
+    assert not refused((1, 3, 2))  # (1, 4): the first boundary the other way
+    assert not refused((2, 1, 3))  # (2, 3): the second boundary the other way
