@@ -32,14 +32,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from _common import REPO_ROOT, command_line, format_table, free_port, machine_info, rotated  # noqa: E402
+from benchmarks._common import REPO_ROOT, command_line, format_table, free_port, machine_info, rotated  # noqa: E402
 
 ARMS = ("no hook", "hook", "hook, group referenced")
 _KEPT: list[object] = []

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Rank variables inherited from a surrounding launch would make a script's Lightning join the wrong job.
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
 
 _ENV_ALLOWED_TO_CHANGE = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "PL_GLOBAL_SEED", "OMP_NUM_THREADS",
                           "PL_SEED_WORKERS", "MASTER_ADDR", "NODE_RANK", "RANK", "CUDA_MODULE_LOADING",
@@ -33,3 +40,18 @@ def restore_env_variables() -> Iterator[None]:
             del os.environ[k]
     os.environ.update(before)
     assert not leaked, f"test leaked environment variables {sorted(leaked)}"
+
+
+@pytest.fixture
+def run_benchmark() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs ``benchmarks/<script> <args>`` in a subprocess as a user would, from the repository root, with a
+    clean launch environment; fails the test with the output's tails unless the script exits with 0."""
+
+    def run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / script), *args], cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        return proc
+
+    return run

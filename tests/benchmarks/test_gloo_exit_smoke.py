@@ -8,24 +8,17 @@ sometimes (about one pair in four to eight here), so its count is reported, not 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.multiprocess
-def test_gloo_exit_reports_every_arm_and_the_hook_exits_cleanly(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gloo_exit.py"), "--trials", "1", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+def test_gloo_exit_reports_every_arm_and_the_hook_exits_cleanly(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    proc = run_benchmark("gloo_exit.py", "--trials", "1", "--out-dir", str(tmp_path))
     for arm in ("no hook", "hook", "hook, group referenced"):
         assert any(line.startswith(arm) for line in proc.stdout.splitlines()), proc.stdout
     (record_path,) = tmp_path.glob("gloo_exit-*.json")

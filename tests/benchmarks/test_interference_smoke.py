@@ -9,26 +9,18 @@ Outputs go to a temporary directory, so the documented plots in docs/img/ are le
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "interference.py"
 HEADER = ("scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migrations", "limit over run")
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_scenario_table(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+def test_quick_run_prints_scenario_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    proc = run_benchmark("interference.py", "--quick", "--out-dir", str(tmp_path))
 
     lines = proc.stdout.splitlines()
     starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]

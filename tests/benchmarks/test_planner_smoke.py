@@ -10,23 +10,16 @@ raw JSON record and the plots are written.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, tmp_path: Path, *extra: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out-dir", str(tmp_path), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+def _run(run_benchmark: Callable[..., Any], script: str, tmp_path: Path, *extra: str) -> str:
+    proc = run_benchmark(script, "--quick", "--out-dir", str(tmp_path), *extra)
     return proc.stdout
 
 
@@ -38,8 +31,8 @@ def _table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
 
 
 @pytest.mark.multiprocess
-def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path) -> None:
-    out = _run("simulator_accuracy.py", tmp_path)
+def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    out = _run(run_benchmark, "simulator_accuracy.py", tmp_path)
 
     rows = _table_rows(out, ("model", "partition", "predicted samples/s", "measured (median)", "error"), 3)
     assert [r.split()[0] for r in rows] == ["MLP", "CNN", "HeavyLayerMLP"], "\n".join(rows)
@@ -59,8 +52,8 @@ def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path) 
 
 
 @pytest.mark.multiprocess
-def test_planner_quick_prints_all_three_parts(tmp_path: Path) -> None:
-    out = _run("planner.py", tmp_path)
+def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    out = _run(run_benchmark, "planner.py", tmp_path)
 
     rows = _table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
     assert [r.split()[0] for r in rows] == ["auto", "parameters", "uniform"], "\n".join(rows)

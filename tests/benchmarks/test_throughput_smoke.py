@@ -9,27 +9,19 @@ so the documented plot in docs/img/ is left alone.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "throughput.py"
 LABELS = ("DynPipe async", "DynPipe sync", "DynPipe gpipe", "torch Schedule1F1B", "torch ScheduleGPipe")
 HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F1B")
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_table_of_all_systems(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+def test_quick_run_prints_table_of_all_systems(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    proc = run_benchmark("throughput.py", "--quick", "--out-dir", str(tmp_path))
 
     lines = proc.stdout.splitlines()
     starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]

@@ -4,25 +4,17 @@ record and plot. Not a performance test (STYLE.md): it asserts no overhead, only
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "monitor_overhead.py"
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_the_overhead_table(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+def test_quick_run_prints_the_overhead_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    proc = run_benchmark("monitor_overhead.py", "--quick", "--out-dir", str(tmp_path))
     out = proc.stdout
     for text in ("monitor pieces alone", "sampler.sample", "no monitor", "StageMonitor() (every 10)",
                  "StageMonitor(every_n_steps=1)", "A/A control", "noise floor", "in-hook share", "extra CPU (paired)", "target: StageMonitor()"):
