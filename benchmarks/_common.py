@@ -213,16 +213,16 @@ def fit_dynpipe(
 ) -> dict[str, Any]:
     """``Trainer.fit`` of ``model`` with ``strategy`` on pre-made ``batches``, timed by ``timer``; collective.
 
-    The Trainer is configured as in ``throughput.py``'s DynPipe runs (CPU, ``devices=world_size``, no logger,
-    checkpoints, progress bar, model summary or sanity check; the loader hands out the batches unchanged), and
-    ``max_steps`` is ``len(batches)``. ``timer`` is the callback of ``throughput._step_timer(warmup, steps)``:
-    it clocks the timed steps on each rank and keeps that stage's ``StepStats`` and CPU probe. ``callbacks`` are
-    added after it (e.g. one that records what the strategy decided at set-up, which teardown clears).
-    ``val_batches`` with ``val_every_n_steps``: Lightning's validation loop runs on those batches every that many
-    training steps (default: no validation, as before).
+    Every DynPipe run of the benchmarks goes through here. The Trainer runs on CPU with ``devices=world_size``
+    and no logger, checkpoints, progress bar, model summary or sanity check; the loader hands out the batches
+    unchanged, and ``max_steps`` is ``len(batches)``. ``timer`` is the callback of
+    ``throughput._step_timer(warmup, steps)``: it clocks the timed steps on each rank and keeps that stage's
+    ``StepStats`` and CPU probe. ``callbacks`` are added after it (e.g. one that records what the strategy
+    decided at set-up, which teardown clears). ``val_batches`` with ``val_every_n_steps``: Lightning's
+    validation loop runs on those batches every that many training steps (default: no validation).
 
-    Returns the same record as ``throughput.py``'s DynPipe runner: ``seconds`` (this rank's clock; global rank 0
-    hosts the last stage), ``stages`` (every stage's timing and StepStats, by stage) and ``cpu`` (per stage).
+    Returns ``seconds`` (this rank's clock; global rank 0 hosts the last stage), ``stages`` (every stage's
+    timing and StepStats, by stage) and ``cpu`` (per stage).
     """
     import lightning.pytorch as pl
     import torch.distributed as dist

@@ -62,6 +62,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     command_line,
+    fit_dynpipe,
     format_table,
     free_port,
     machine_info,
@@ -288,15 +289,9 @@ def _step_timer(warmup: int, steps: int) -> Any:
     return StepTimer()
 
 
-def _run_dynpipe(
-    schedule: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> dict[str, Any]:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
+def _run_dynpipe(schedule: str, cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     from lightning_dynpipe import DynPipeStrategy
 
-    timer = _step_timer(cfg.warmup, cfg.steps)
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
         schedule=schedule,  # type: ignore[arg-type]
@@ -304,33 +299,8 @@ def _run_dynpipe(
         timeout=cfg.timeout_s,
         adaptive=False,  # compares schedules on one fixed partition
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
-        max_steps=cfg.warmup + cfg.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[timer],
-    )
-    # batch_size=None: the loader hands out the pre-made batches unchanged (no collation cost).
-    trainer.fit(_model(cfg), train_dataloaders=DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "The default process group was destroyed by trainer.fit; the benchmark relies on it surviving "
-            "between systems (Lightning 2.6 leaves an externally initialised group alone)."
-        )
-    mine = {"rank": rank, "stage": timer.stage_idx, "wall_s": timer.end - timer.start, "steps": timer.stats,
-            "cpu": timer.probe.result}
-    gathered: list[Any] = [None] * WORLD_SIZE
-    dist.all_gather_object(gathered, mine)
-    stages = sorted(gathered, key=lambda g: g["stage"])
-    cpu = [{"rank": g["rank"], "stage": g["stage"], "cpu": g.pop("cpu")} for g in stages]
-    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu}
+    # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
+    return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
 
 
 def _quiet() -> None:
@@ -376,7 +346,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                 if system.startswith("torch-"):
                     res = _run_torch(system, cfg, rank, batches)
                 else:
-                    res = _run_dynpipe(system, cfg, rank, batches)
+                    res = _run_dynpipe(system, cfg, batches)
                 samples = cfg.steps * cfg.batch_size
                 runs.append(
                     {
