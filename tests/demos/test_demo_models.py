@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -127,16 +128,23 @@ def _trainer(tmp_path: Path, **kwargs: object) -> pl.Trainer:
 
 
 @pytest.mark.parametrize(
-    ("model", "flat"),
+    ("factory", "flat"),
     [
-        (MLP(in_features=64, width=32, depth=2, lr=0.01, optimizer="adam"), True),
-        (HeavyLayerMLP(in_features=64, width=16, heavy_width=64, depth=3, lr=0.01, optimizer="adam"), True),
-        (CNN(image_size=8, channels=4, hidden=16, lr=0.01, optimizer="adam"), False),
+        (lambda: MLP(in_features=64, width=32, depth=2, lr=0.01, optimizer="adam"), True),
+        (lambda: HeavyLayerMLP(in_features=64, width=16, heavy_width=64, depth=3, lr=0.01, optimizer="adam"), True),
+        (lambda: CNN(image_size=8, channels=4, hidden=16, lr=0.01, optimizer="adam"), False),
     ],
     ids=["mlp", "heavy", "cnn"],
 )
-def test_few_steps_reduce_validation_loss(model: PipelineClassifier, flat: bool, tmp_path: Path) -> None:
+def test_few_steps_reduce_validation_loss(
+    factory: Callable[[], PipelineClassifier], flat: bool, tmp_path: Path
+) -> None:
+    # The model is built after seeding: built at collection time, its initial weights depended on how much
+    # of the global RNG stream the collection of earlier test modules had used (CI saw val_acc 0.54 once).
+    # Seeded, the accuracies after 60 steps are 0.88-0.93 (mlp), 0.71-0.82 (heavy), 0.64-0.81 (cnn) over
+    # seeds 0-7.
     pl.seed_everything(0, verbose=False)
+    model = factory()
     dm = DigitsDataModule(batch_size=32, flat=flat)
     trainer = _trainer(tmp_path, max_steps=60, enable_checkpointing=False, num_sanity_val_steps=0)
     before = trainer.validate(model, dm, verbose=False)[0]["val_loss"]
