@@ -58,6 +58,8 @@ from lightning_dynpipe.repartition.migrate import recv_layer, send_layer
 from lightning_dynpipe.repartition.plan import plan_moves
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES
+from lightning_dynpipe.summary import install as install_whole_pipeline_summary
+from lightning_dynpipe.summary import uninstall as uninstall_whole_pipeline_summary
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
 
@@ -306,6 +308,7 @@ class DynPipeStrategy(DDPStrategy):
         self.partition: Partition | None = None
         self.executor: StageExecutor | None = None
         self._offloaded: dict[int, nn.Module] = {}
+        self._summaries: list[Any] = []  # ModelSummary callbacks told to summarise the whole pipeline
         self._owned: list[int] = []
         self._full_keys: list[str] = []
         self._canonical: list[list[list[int]]] = []  # [optimizer][group] -> canonical index of each local param
@@ -610,6 +613,10 @@ class DynPipeStrategy(DDPStrategy):
             cast(Any, trainer).callbacks.insert(0, self._mirror)
         if fitting:
             self._attach_monitor(trainer)
+            if not self._summaries:
+                self._summaries = install_whole_pipeline_summary(
+                    cast(Any, trainer).callbacks, self._pipeline, self._offloaded
+                )
             if self.interference is not None and self._interference_cb is None:
                 from lightning_dynpipe.interference.callback import InterferenceCallback
 
@@ -1141,6 +1148,8 @@ class DynPipeStrategy(DDPStrategy):
         if self._mirror is not None and self._mirror in callbacks:
             callbacks.remove(self._mirror)
         self._detach_monitor(trainer)
+        uninstall_whole_pipeline_summary(self._summaries)
+        self._summaries = []
         if self._interference_cb is not None and self._interference_cb in callbacks:
             self._interference_cb.teardown(cast(Trainer, trainer), self._lm, "fit")  # stops what is still running
             callbacks.remove(self._interference_cb)

@@ -2,9 +2,9 @@
 
 One training run exercises logging (CSV + TensorBoard), ModelCheckpoint/EarlyStopping/ReduceLROnPlateau on a
 monitored validation metric (mirrored to every rank), torchmetrics in validation_step, gradient clipping per
-stage, and validation each epoch; validate/test/predict then run forward-only through the pipeline and must
-equal the plain model.
-"""
+stage, validation each epoch, and Lightning's ModelSummary with an ``example_input_array`` (the whole model
+counted while each rank holds one stage); validate/test/predict then run forward-only through the pipeline
+and must equal the plain model."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint, ModelSummary
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from pipeline_models import TinyNet, loader, trainer_kwargs
 
@@ -33,6 +33,10 @@ class FeatureNet(TinyNet):
     def __init__(self) -> None:
         super().__init__()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+        self.example_input_array = torch.zeros(2, 8)  # ModelSummary runs it through forward at fit start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pipeline(x)  # type: ignore[no-any-return]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -71,8 +75,18 @@ class FeatureNet(TinyNet):
 class RankChecks(L.Callback):
     """Runs inside every worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_parameters: int) -> None:
         self.validations = 0
+        self.num_parameters = num_parameters
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank holds one stage; the summary (the one ModelSummary printed on rank 0) counts the whole model.
+        summary_cb = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))  # type: ignore[attr-defined]
+        summary = summary_cb._summary(trainer, pl_module)
+        assert summary.total_parameters == self.num_parameters, (summary.total_parameters, self.num_parameters)
+        columns = dict(summary._get_summary_data())
+        assert dict(zip(columns["Name"], columns["Out sizes"]))["pipeline"] == "[2, 3]"
+        assert sum(p.numel() for p in pl_module.parameters()) < self.num_parameters  # still partitioned
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -110,8 +124,9 @@ def test_training_with_loggers_monitors_metrics_and_clipping(tmp_path: Path) -> 
     trainer = L.Trainer(
         devices=2, strategy=_strategy(), max_epochs=4, gradient_clip_val=CLIP, log_every_n_steps=1,
         **trainer_kwargs(logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
-                         enable_checkpointing=True, num_sanity_val_steps=2,
-                         callbacks=[ckpt_cb, EarlyStopping(monitor="val_loss", patience=10), RankChecks()]),
+                         enable_checkpointing=True, num_sanity_val_steps=2, enable_model_summary=True,
+                         callbacks=[ckpt_cb, EarlyStopping(monitor="val_loss", patience=10),
+                                    RankChecks(sum(p.numel() for p in model.parameters()))]),
     )
     trainer.fit(model, loader(n=48), loader(n=24))
 
