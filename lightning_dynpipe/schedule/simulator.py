@@ -3,9 +3,14 @@
 The simulator executes each stage's instruction list strictly in order, as the executor would:
 
 * ``F``, ``B`` and ``U`` take ``forward_time``, ``backward_time`` and ``update_time`` (per stage, times
-  the stage's ``slowdown``) and count as busy time; ``W`` and sends take no time;
-* sends are non-blocking (buffered): data sent at time ``t`` over boundary ``b`` (between stages ``b``
-  and ``b + 1``) arrives at ``t + comm_time[b]``. Transfers over one link do not queue behind each other;
+  the stage's ``slowdown``) and count as busy time; ``W`` takes no time;
+* a send keeps its stage busy for ``send_overhead`` (the sender's own work: headers, copying into the
+  transport; 0 by default) and is otherwise non-blocking (buffered): data whose send ends at time ``t``
+  over boundary ``b`` (between stages ``b`` and ``b + 1``) arrives at ``t + comm_time[b]``. Transfers over
+  one link do not queue behind each other;
+* ``step_overhead`` is host work at the start of every step outside the schedule (the training loop, hooks,
+  ``training_step`` bookkeeping, fetching the batch; 0 by default); it runs after the step gate below and
+  counts as busy time (event ``H<step>``);
 * a receive blocks until its data has arrived; the wait is recorded as the receive's event;
 * ``step_sync="last_stage_broadcast"`` models the WORLD broadcast PyTorch Lightning runs at every training
   step from global rank 0, which hosts the *last* stage: no other stage can begin step ``t > 0`` before the
@@ -212,7 +217,7 @@ class SimResult:
             json.dump(self.to_chrome_trace(us_per_unit), f)
 
 
-_CATEGORY = {"F": "compute", "B": "compute", "U": "compute", "W": "stash", "RA": "comm", "SA": "comm"}
+_CATEGORY = {"H": "host", "F": "compute", "B": "compute", "U": "compute", "W": "stash", "RA": "comm", "SA": "comm"}
 _CATEGORY.update(RG="comm", SG="comm")
 
 
@@ -225,6 +230,18 @@ class _StepEnd:
         self.step = step
 
 
+class _Host:
+    """Marker at the start of step ``step`` of a stage: ``step_overhead`` of host work outside the schedule."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"H{self.step}"
+
+
 class _Gate:
     """Marker before step ``step + 1`` of a stage: wait until the last stage has finished ``step``."""
 
@@ -234,7 +251,7 @@ class _Gate:
         self.step = step
 
 
-_Op = Union[Instruction, _StepEnd, _Gate]
+_Op = Union[Instruction, _StepEnd, _Gate, _Host]
 
 
 def _check_times(name: str, value: Times, count: int, what: str, positive: bool = False) -> list[float]:
@@ -326,12 +343,16 @@ def _run(
     update: Sequence[float],
     comm: Sequence[float],
     gate: bool,
+    host: Sequence[float] = (),
+    send: Sequence[float] = (),
     record: bool,
     expect_in_flight: Sequence[int] | None,
 ) -> SimResult:
     S = len(programs)
     num_steps = len(programs[0])
     last = S - 1
+    host = list(host) or [0.0] * S
+    send = list(send) or [0.0] * S
 
     # One flat list per stage: the steps with markers between them, then the drain.
     flat: list[list[_Op]] = []
@@ -346,6 +367,8 @@ def _run(
         for t, body in enumerate(steps):
             if gate and t > 0 and k != last:
                 program.append(_Gate(t - 1))
+            if host[k] > 0.0:
+                program.append(_Host(t))
             program.extend(body)
             program.append(_StepEnd(t))
         program.extend(drains[k])
@@ -375,6 +398,7 @@ def _run(
     stashes: list[dict[int, int]] = [{} for _ in range(S)]  # mb_idx -> weight version it is bound to
     version_refs: list[dict[int, int]] = [{} for _ in range(S)]  # version -> micro-batches bound to it
 
+    H_ = _Host
     F_, B_, RA_, SA_, RG_, SG_, U_, W_ = (
         Forward,
         Backward,
@@ -391,7 +415,7 @@ def _run(
         program = flat[k]
         n = len(program)
         c = clock[k]
-        fcost, bcost, ucost = forward[k], backward[k], update[k]
+        fcost, bcost, ucost, scost = forward[k], backward[k], update[k], send[k]
         w = last - k
         my_act, my_grad = act_at[k], grad_at[k]
         next_act, prev_grad = act_at[k + 1], grad_at[k - 1]
@@ -467,12 +491,15 @@ def _run(
                 mb = inst.mb_idx
                 if mb in next_act:
                     _check_matching(flat)
-                next_act[mb] = c + sa_delay
+                e = c + scost
+                stage_busy += scost
+                next_act[mb] = e + sa_delay
                 if wait_act[k + 1] == mb:
                     wait_act[k + 1] = -1
                     ready.append(k + 1)
                 if record:
-                    ev.append((inst, c, c))
+                    ev.append((inst, c, e))
+                c = e
             elif cls is RG_:
                 mb = inst.mb_idx
                 arrival = my_grad.pop(mb, None)
@@ -487,12 +514,15 @@ def _run(
                 mb = inst.mb_idx
                 if mb in prev_grad:
                     _check_matching(flat)
-                prev_grad[mb] = c + sg_delay
+                e = c + scost
+                stage_busy += scost
+                prev_grad[mb] = e + sg_delay
                 if wait_grad[k - 1] == mb:
                     wait_grad[k - 1] = -1
                     ready.append(k - 1)
                 if record:
-                    ev.append((inst, c, c))
+                    ev.append((inst, c, e))
+                c = e
             elif cls is U_:
                 n_updates += 1
                 e = c + ucost
@@ -521,6 +551,12 @@ def _run(
                         )
                 if record:
                     ev.append((inst, c, c))
+            elif cls is H_:
+                e = c + host[k]
+                stage_busy += host[k]
+                if record:
+                    ev.append((inst, c, e))
+                c = e
             elif cls is _StepEnd:
                 step_ends[k].append(c)
                 if gate and k == last:
@@ -614,6 +650,7 @@ def _costs(
     comm_time: Times,
     slowdown: Sequence[float] | None,
 ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-stage compute costs (times the slowdown) and per-boundary transfer times, checked."""
     slow = [1.0] * S if slowdown is None else _check_times("slowdown", slowdown, S, "stage", positive=True)
     fwd = _check_times("forward_time", forward_time, S, "stage")
     bwd = _check_times("backward_time", backward_time, S, "stage")
@@ -654,6 +691,8 @@ def simulate(
     slowdown: Sequence[float] | None = None,
     step_sync: StepSync = "none",
     drain_at_end: bool = True,
+    step_overhead: Times = 0.0,
+    send_overhead: Times = 0.0,
 ) -> SimResult:
     """Simulates ``num_steps`` steps of schedule ``kind`` on all stages (then the drain, by default).
 
@@ -677,6 +716,10 @@ def simulate(
         slowdown: per-stage multiplier of compute time (interference), 1.0 = nominal.
         step_sync: ``"last_stage_broadcast"`` to model Lightning's per-step broadcast from the last stage.
         drain_at_end: run :func:`drain_instructions` after the last step.
+        step_overhead: host time at the start of every step, for every stage or per stage (the training
+            loop outside the schedule); not scaled by ``slowdown``.
+        send_overhead: time a stage is busy per send, for every stage or per stage (the sender's share of
+            a transfer); not scaled by ``slowdown``.
 
     Returns:
         The timeline and its summary.
@@ -705,6 +748,8 @@ def simulate(
         update=upd,
         comm=comm,
         gate=step_sync == "last_stage_broadcast" and num_stages > 1,
+        host=_check_times("step_overhead", step_overhead, num_stages, "stage"),
+        send=_check_times("send_overhead", send_overhead, num_stages, "stage"),
         record=True,
         expect_in_flight=expect,
     )
@@ -720,6 +765,8 @@ def simulate_programs(
     comm_time: Times = 0.0,
     slowdown: Sequence[float] | None = None,
     step_sync: StepSync = "none",
+    step_overhead: Times = 0.0,
+    send_overhead: Times = 0.0,
 ) -> SimResult:
     """Simulates hand-written per-stage programs (for custom schedules and for testing the checks).
 
@@ -740,6 +787,8 @@ def simulate_programs(
         comm_time: as in :func:`simulate`.
         slowdown: as in :func:`simulate`.
         step_sync: as in :func:`simulate`.
+        step_overhead: as in :func:`simulate`.
+        send_overhead: as in :func:`simulate`.
 
     Raises:
         ScheduleError: unmatched transfers, a backward without forward, or a stash deeper than ``S - k``.
@@ -770,6 +819,8 @@ def simulate_programs(
         update=upd,
         comm=comm,
         gate=step_sync == "last_stage_broadcast" and num_stages > 1,
+        host=_check_times("step_overhead", step_overhead, num_stages, "stage"),
+        send=_check_times("send_overhead", send_overhead, num_stages, "stage"),
         record=True,
         expect_in_flight=None,
     )

@@ -115,6 +115,39 @@ def test_slowdown_and_per_stage_times() -> None:
     assert same.step_end_times == r.step_end_times
 
 
+def test_send_overhead_keeps_the_sender_busy_before_the_transfer() -> None:
+    # F=1, B=2, send 0.5, no comm: stage 0 F0 [0,1] SA0 [1,1.5]; stage 1 F0 [1.5,2.5] B0 [2.5,4.5]
+    # SG0 [4.5,5]; stage 0 waits for the gradient until 5, B0 [5,7].
+    r = simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]], send_overhead=0.5)
+    assert r.makespan == 7.0
+    assert r.busy_times == (3.5, 3.5)
+    sa0 = next(e for e in r.events[0] if e.instruction == "SA0")
+    assert (sa0.start, sa0.end) == (1.0, 1.5)
+    # with comm 0.25 the transfer starts when the send ends: F0 on stage 1 at 1.75, gradient back at 5.5
+    assert simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]], send_overhead=[0.5, 0.5],
+                             comm_time=0.25).makespan == 7.5
+    assert simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]]).makespan == 6.0  # the default: 0
+
+
+def test_step_overhead_runs_after_the_gate_at_every_step() -> None:
+    # F=1, overhead [0.5, 0.25], Lightning's broadcast: stage 0 H0 [0,0.5] F0 [0.5,1.5]; stage 1 H0 [0,0.25]
+    # waits until 1.5, F0 [1.5,2.5]; stage 0 waits for stage 1's step 0 (2.5), H1 [2.5,3] F1 [3,4];
+    # stage 1 H1 [2.5,2.75], F1 [4,5].
+    r = simulate_programs([[p("F0 SA0"), p("F1 SA1")], [p("RA0 F0"), p("RA1 F1")]],
+                          step_overhead=[0.5, 0.25], step_sync="last_stage_broadcast")
+    assert r.step_end_times == ((1.5, 4.0), (2.5, 5.0))
+    assert r.busy_times == (3.0, 2.5)
+    assert [(e.instruction, e.start, e.end) for e in r.events[0] if e.instruction.startswith("H")] == [
+        ("H0", 0.0, 0.5), ("H1", 2.5, 3.0)]
+    assert {ev["cat"] for ev in r.to_chrome_trace()["traceEvents"] if ev["name"].startswith("H")} == {"host"}
+    # one stage, M=2: every step is F F B B (F=1, B=2) plus the overhead
+    assert simulate("gpipe", 1, 2, 3, step_overhead=0.5).steady_state_step_time == 6.5
+    with pytest.raises(ScheduleError, match="step_overhead must be one number or one per stage"):
+        simulate("async", 2, 2, 2, step_overhead=[0.1])
+    with pytest.raises(ScheduleError, match="send_overhead must be finite and >= 0"):
+        simulate("async", 2, 2, 2, send_overhead=-1.0)
+
+
 def test_update_time_counts_as_busy() -> None:
     r = simulate("async", 1, 2, 2, forward_time=1.0, backward_time=2.0, update_time=0.5)
     assert r.step_end_times == ((7.0, 14.0),)
@@ -341,3 +374,13 @@ def test_docstring_timeline_matches_simulation() -> None:
     drawn = [line.strip() for line in doc.splitlines() if line.strip().startswith("stage ")]
     r = simulate("async", 3, 4, 3, forward_time=1.0, backward_time=1.0)
     assert drawn == _render_compute_timeline(r, 14)
+
+
+def test_timeline_plot_draws_sends_and_step_overhead(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_dynpipe.plotting import plot_timeline
+
+    r = simulate("async", 2, 4, 3, step_overhead=0.5, send_overhead=0.2, step_sync="last_stage_broadcast")
+    path = tmp_path / "timeline.png"
+    plot_timeline(r, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
