@@ -42,6 +42,15 @@ def test_contract_and_layer_count(model: PipelineClassifier, num_layers: int) ->
     assert not any(isinstance(m, (nn.Dropout, nn.modules.batchnorm._BatchNorm)) for m in model.modules())
 
 
+@pytest.mark.parametrize("factory", [MLP, HeavyLayerMLP, CNN], ids=["mlp", "heavy", "cnn"])
+def test_example_input_is_random_and_repeatable(factory: type[PipelineClassifier]) -> None:
+    model = factory()
+    a, b = model.example_input(4), model.example_input(4)
+    assert a.shape == (4, *model.input_shape)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # every process profiles the same numbers
+    assert a.std() > 0.5  # not a constant batch: profiles on zeros are optimistic
+
+
 def test_layer_by_layer_equals_whole_model() -> None:
     model = CNN(image_size=8, channels=4, hidden=16)
     x = torch.randn(3, 1, 8, 8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import doctest
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,3 +319,23 @@ def test_profiling_imports_neither_lightning_nor_torch_distributed() -> None:
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
             bad += [f"{path.name}: {n}" for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)]
     assert not bad
+
+
+class _AddPair(nn.Module):
+    def forward(self, xy: tuple[Tensor, Tensor]) -> Tensor:
+        return xy[0] + xy[1]
+
+
+def test_constant_sample_input_warns() -> None:
+    layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    pairs = nn.Sequential(_AddPair(), nn.Linear(4, 8))
+    with pytest.warns(UserWarning, match="constant .*Profile on a real micro-batch, or on torch.randn"):
+        profile_layers(layers, torch.zeros(3, 4), warmup=0, repeats=1)
+    with pytest.warns(UserWarning, match="constant"):
+        profile_layers(pairs, (torch.full((3, 4), 0.5), torch.ones(3, 4)), warmup=0, repeats=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile_layers(layers, torch.randn(3, 4), warmup=0, repeats=1)
+        profile_layers(pairs, (torch.zeros(3, 4), torch.randn(3, 4)), warmup=0, repeats=1)  # one varies
+        embed = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+        profile_layers(embed, torch.zeros(3, 5, dtype=torch.long), warmup=0, repeats=1)  # token ids: not checked
