@@ -89,6 +89,8 @@ class RunSpec:
         batch_size: samples per Lightning step.
         num_microbatches: ``M``.
         balance: explicit layers per stage, or ``"auto"`` / ``"parameters"`` (the strategy decides at set-up).
+        framework: a null model that calibrates the framework's own costs (see :func:`null_spec`), not a
+            model under test.
     """
 
     label: str
@@ -97,6 +99,7 @@ class RunSpec:
     batch_size: int
     num_microbatches: int
     balance: tuple[int, ...] | str
+    framework: bool = False
 
     @property
     def model_key(self) -> str:
@@ -134,6 +137,17 @@ QUICK_MODELS: tuple[tuple[str, str, tuple[tuple[str, Any], ...], int, int], ...]
     ("CNN", "CNN", (("channels", 4), ("hidden", 32)), 32, 4),
     ("HeavyLayerMLP", "HeavyLayerMLP", (("width", 32), ("heavy_width", 256), ("depth", 3)), 32, 4),
 )
+
+
+def null_spec(batch_size: int, num_microbatches: int) -> RunSpec:
+    """The null model run beside the models with this batch shape: the framework's costs with almost no arithmetic.
+
+    A 2-layer MLP of width 4 (about 3,000 multiply-adds per sample), one layer per stage, on the same input
+    batches. Whatever its stages spend beyond the profile of its layers is the cost of running a micro-batch
+    through Lightning and DynPipe (see :func:`framework_overhead`); nothing in it is fitted to the models.
+    """
+    return RunSpec(f"null {batch_size}/{num_microbatches}", "MLP", (("width", 4), ("depth", 1)), batch_size,
+                   num_microbatches, (1, 1), framework=True)
 
 
 # ---------------------------------------------------------------------------------------------- model / data
@@ -327,12 +341,53 @@ def stage_inputs(costs: dict[str, Any], balance: Sequence[int]) -> dict[str, lis
 
 def simulate_step(inputs: dict[str, list[float]], num_microbatches: int, sim_steps: int,
                   *, with_comm: bool = True) -> Any:
-    """The simulated ``async`` run (``step_sync="last_stage_broadcast"``) of 2 stages with these inputs."""
+    """The simulated ``async`` run (``step_sync="last_stage_broadcast"``) of 2 stages with these inputs.
+
+    ``inputs`` may also hold ``step`` and ``send`` (the simulator's ``step_overhead`` and ``send_overhead``).
+    """
     from lightning_dynpipe.schedule import simulate
 
     return simulate("async", NUM_STAGES, num_microbatches, sim_steps, forward_time=inputs["forward"],
                     backward_time=inputs["backward"], update_time=inputs["update"],
-                    comm_time=inputs["comm"] if with_comm else 0.0, step_sync="last_stage_broadcast")
+                    comm_time=inputs["comm"] if with_comm else 0.0, step_sync="last_stage_broadcast",
+                    step_overhead=inputs.get("step", 0.0), send_overhead=inputs.get("send", 0.0))
+
+
+def framework_overhead(payload: dict[str, Any], null: RunSpec) -> dict[str, list[float]] | None:
+    """Per stage, seconds the framework adds, measured on the null model's runs beside the models.
+
+    * ``forward`` / ``backward`` / ``update``: per micro-batch, the null model's costs inside the runs
+      (StepStats) minus its profile and its update timed alone (0 if negative): dispatch,
+      ``functional_call`` on the stashed weights, ``training_step`` with ``self.log`` and the loss on the
+      last stage, Lightning's optimizer wrapper and hooks;
+    * ``send``: per send, StepStats ``send`` time (headers, handing the tensor to the transport);
+    * ``step``: per step, the last stage's time outside the executor (Lightning's loop, hooks, the metrics
+      mirror) plus each stage's own unattributed executor time. The last stage's is used for every stage
+      because on the other stages that time also holds the wait for the last stage's step (the gate the
+      simulator models itself).
+    """
+    runs = [r for r in payload["runs"] if r["system"] == null.label]
+    inside = _costs_from_runs(payload["runs"], null.label)
+    per_rep = [p for p in (_per_step(r["stages"]) for r in runs) if p]
+    if inside is None or not per_rep:
+        return None
+    alone = stage_inputs(pooled_costs(payload["calibration"], null.model_key), null.balance)  # type: ignore[arg-type]
+    last = NUM_STAGES - 1
+    outside_last = median([p[last]["outside_s"] for p in per_rep])
+    return {
+        **{w: [max(0.0, inside[w][k] - alone[w][k]) for k in range(NUM_STAGES)]
+           for w in ("forward", "backward", "update")},
+        "send": [median([p[k]["send_s"] for p in per_rep]) / null.num_microbatches for k in range(NUM_STAGES)],
+        "step": [outside_last + median([max(0.0, p[k]["other_s"]) for p in per_rep]) for k in range(NUM_STAGES)],
+    }
+
+
+def with_framework(inputs: dict[str, list[float]], framework: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The profile's simulator inputs plus the framework's costs from :func:`framework_overhead`."""
+    return {
+        **{w: [a + b for a, b in zip(inputs[w], framework[w])] for w in ("forward", "backward", "update")},
+        "comm": inputs["comm"], "send": framework["send"], "step": framework["step"],
+    }
 
 
 def resolved_balance(runs: list[dict[str, Any]], label: str) -> tuple[int, ...]:
@@ -345,10 +400,11 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
     """Per spec: measured medians, predictions (profile; costs inside the runs), errors, breakdown, CPU."""
     cfg = config_from_json(payload["config"])
     runs, calibration = payload["runs"], payload["calibration"]
+    nulls = {(s.batch_size, s.num_microbatches): s for s in cfg.specs if s.framework}
     out: dict[str, Any] = {}
     for spec in cfg.specs:
         mine = [r for r in runs if r["system"] == spec.label]
-        if not mine:
+        if not mine or spec.framework:
             continue
         sps = [r["samples_per_s"] for r in mine]
         q1, q3 = quartiles(sps)
@@ -369,6 +425,15 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
             ).steady_state_step_time,
             "load1": median([r["load1"] for r in mine]),
         }
+        null = nulls.get((spec.batch_size, spec.num_microbatches))
+        framework = framework_overhead(payload, null) if null is not None else None
+        if framework is not None:
+            full = with_framework(inputs, framework)
+            row["predicted_framework"] = spec.batch_size / simulate_step(
+                full, spec.num_microbatches, cfg.sim_steps).steady_state_step_time
+            row["error_framework"] = row["predicted_framework"] / meas - 1.0
+            row["framework_s"] = framework
+            row["framework_from"] = null.label  # type: ignore[union-attr]
         inside = _costs_from_runs(runs, spec.label)
         if inside is not None:
             t = simulate_step({"forward": inside["forward"], "backward": inside["backward"],
@@ -405,17 +470,40 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
+def _headline_error(row: dict[str, Any]) -> float:
+    """The error of the full prediction (profile + framework), or of the profile alone in runs without a null model."""
+    return float(row.get("error_framework", row["error"]))
+
+
 def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
-    """model / partition / predicted / measured / error, and whether |error| <= 15%."""
+    """model / partition / both predictions and their errors / measured, and whether |error| <= 15%."""
     rows = []
     for row in summary.values():
+        fw = "predicted_framework" in row
         rows.append([
             row["label"], str(row["balance"]), f"{row['batch_size']}/{row['num_microbatches']}",
-            f"{row['predicted']:.1f}", f"{row['measured']:.1f}", f"{row['q1']:.1f}-{row['q3']:.1f}",
-            _pct(row["error"]), "yes" if abs(row["error"]) <= TARGET_ERROR else "NO",
+            f"{row['predicted']:.1f}", _pct(row["error"]),
+            f"{row['predicted_framework']:.1f}" if fw else "-", _pct(row["error_framework"]) if fw else "-",
+            f"{row['measured']:.1f}", f"{row['q1']:.1f}-{row['q3']:.1f}",
+            "yes" if abs(_headline_error(row)) <= TARGET_ERROR else "NO",
         ])
-    headers = ["model", "partition", "batch/M", "predicted samples/s", "measured (median)", "measured IQR",
-               "error", f"|error| <= {TARGET_ERROR:.0%}"]
+    headers = ["model", "partition", "batch/M", "predicted: profile", "error", "predicted: profile + framework",
+               "error", "measured (median)", "measured IQR", f"|error| <= {TARGET_ERROR:.0%} (full prediction)"]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def render_framework(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """Per null model and stage, the framework's costs in ms (what :func:`framework_overhead` measured)."""
+    rows, seen = [], set()
+    for row in summary.values():
+        fw, label = row.get("framework_s"), row.get("framework_from")
+        if fw is None or label in seen:
+            continue
+        seen.add(label)
+        for k in range(NUM_STAGES):
+            rows.append([f"{label} / stage {k}", *(f"{fw[w][k] * 1e3:.2f}" for w in
+                                                   ("forward", "backward", "update", "send", "step"))])
+    headers = ["null model / stage", "per forward", "per backward", "per update", "per send", "per step"]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -481,10 +569,13 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
 
 
 def render_verdict(summary: dict[str, Any]) -> str:
-    met = [r["label"] for r in summary.values() if abs(r["error"]) <= TARGET_ERROR]
-    missed = [f"{r['label']} ({_pct(r['error'])})" for r in summary.values() if abs(r["error"]) > TARGET_ERROR]
+    rows = list(summary.values())
+    met = [r["label"] for r in rows if abs(_headline_error(r)) <= TARGET_ERROR]
+    missed = [f"{r['label']} ({_pct(_headline_error(r))})" for r in rows if abs(_headline_error(r)) > TARGET_ERROR]
     verdict = "met" if not missed else "MISSED"
-    return (f"target |predicted/measured - 1| <= {TARGET_ERROR:.0%} on every model -> {verdict}"
+    what = ("profile + framework costs from the null model" if all("error_framework" in r for r in rows)
+            else "profile only")
+    return (f"target |predicted/measured - 1| <= {TARGET_ERROR:.0%} on every model ({what}) -> {verdict}"
             f"  (within: {', '.join(met) or 'none'}; outside: {', '.join(missed) or 'none'})")
 
 
@@ -497,11 +588,14 @@ def render_runs(paths: Sequence[Path], *, markdown: bool = False) -> str:
         summary = payload.get("summary") or summarise(payload)
         labels = labels or list(summary)
         loads = [r["load1"] for r in payload["runs"]]
-        within = sum(abs(r["error"]) <= TARGET_ERROR for r in summary.values())
+        within = sum(abs(_headline_error(r)) <= TARGET_ERROR for r in summary.values())
         rows.append([Path(path).name, payload["machine"]["date_utc"][11:16], f"{min(loads):.1f}-{max(loads):.1f}",
                      *[_pct(summary[m]["error"]) if m in summary else "-" for m in labels],
+                     *[_pct(summary[m]["error_framework"]) if "error_framework" in summary.get(m, {}) else "-"
+                       for m in labels],
                      f"{within}/{len(summary)}"])
-    headers = ["run", "UTC", "load (1 min)", *[f"{m} error" for m in labels], f"within {TARGET_ERROR:.0%}"]
+    headers = ["run", "UTC", "load (1 min)", *[f"{m} error (profile)" for m in labels],
+               *[f"{m} error (+ framework)" for m in labels], f"within {TARGET_ERROR:.0%}"]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -517,28 +611,34 @@ def plot(summary: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
         return
     cfg, machine = config_from_json(payload["config"]), payload["machine"]
     rows = list(summary.values())
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    w = 0.26
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    w = 0.2
     for i, row in enumerate(rows):
-        ax.bar(i - w, row["predicted"], w, color="#4C72B0", label="simulated from the profile (headline)" if i == 0 else None)
+        full = row.get("predicted_framework", row["predicted"])
+        ax.bar(i - 1.5 * w, row["predicted"], w, color="#4C72B0",
+               label="simulated from the profile alone" if i == 0 else None)
+        if "predicted_framework" in row:
+            ax.bar(i - 0.5 * w, full, w, color="#55A868",
+                   label="simulated from the profile + framework costs of the null model" if i == 0 else None)
         if "predicted_inside" in row:
-            ax.bar(i, row["predicted_inside"], w, color="#8FAADC",
-                   label="simulated from costs measured inside the runs" if i == 0 else None)
-        ax.bar(i + w, row["measured"], w, color="#DD8452", label="measured (median)" if i == 0 else None)
-        ax.errorbar([i - w], [row["predicted"]], yerr=[[row["predicted"] * TARGET_ERROR / (1 + TARGET_ERROR)],
-                                                      [row["predicted"] * TARGET_ERROR / (1 - TARGET_ERROR)]],
+            ax.bar(i + 0.5 * w, row["predicted_inside"], w, color="#8FAADC",
+                   label="simulated from F/B/U costs measured inside the runs" if i == 0 else None)
+        ax.bar(i + 1.5 * w, row["measured"], w, color="#DD8452", label="measured (median)" if i == 0 else None)
+        x_full = i - 0.5 * w if "predicted_framework" in row else i - 1.5 * w
+        ax.errorbar([x_full], [full], yerr=[[full * TARGET_ERROR / (1 + TARGET_ERROR)],
+                                            [full * TARGET_ERROR / (1 - TARGET_ERROR)]],
                     fmt="none", ecolor="#333333", capsize=3, linewidth=0.8)
         pts = row["per_rep"]
         jit = [(j - (len(pts) - 1) / 2) * (0.6 * w / max(len(pts), 1)) for j in range(len(pts))]
-        ax.scatter([i + w + d for d in jit], pts, color="black", s=8, zorder=3)
-        ax.annotate(f"error {_pct(row['error'])}", (i, max(row["predicted"], row["measured"], *pts)),
+        ax.scatter([i + 1.5 * w + d for d in jit], pts, color="black", s=8, zorder=3)
+        ax.annotate(f"error {_pct(_headline_error(row))}", (i, max(row["predicted"], full, row["measured"], *pts)),
                     xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(range(len(rows)), [f"{r['label']}\n{r['balance']}, batch {r['batch_size']}, M={r['num_microbatches']}"
                                      for r in rows], fontsize=8)
     ax.set_ylabel("samples/s")
-    ax.set_ylim(0, max(max(r["predicted"], r["measured"], *r["per_rep"]) for r in rows) * 1.25)
+    ax.set_ylim(0, max(max(r["predicted"], r["measured"], *r["per_rep"]) for r in rows) * 1.3)
     ax.legend(fontsize=7, loc="upper right")
-    ax.text(0.01, 0.98, "whiskers: measured values within 15% of the headline prediction; points: repeats",
+    ax.text(0.01, 0.98, "whiskers: measured values within 15% of the full prediction (green); points: repeats",
             transform=ax.transAxes, fontsize=7, va="top", color="#555555")
     ax.set_title(f"Simulator vs measured, 2-stage async through Lightning, {cfg.repeats} interleaved repeats x "
                  f"{cfg.steps} steps\n{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
@@ -556,7 +656,8 @@ def config_from_json(d: dict[str, Any]) -> Config:
     specs = tuple(
         RunSpec(label=s["label"], model=s["model"], init_args=tuple((k, v) for k, v in s["init_args"]),
                 batch_size=s["batch_size"], num_microbatches=s["num_microbatches"],
-                balance=tuple(s["balance"]) if isinstance(s["balance"], list) else s["balance"])
+                balance=tuple(s["balance"]) if isinstance(s["balance"], list) else s["balance"],
+                framework=s.get("framework", False))
         for s in d["specs"]
     )
     rest = {k: v for k, v in d.items() if k != "specs"}
@@ -625,6 +726,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
             p.error(f"the partition of {label} needs {NUM_STAGES} positive entries summing to its layer count; "
                     f"got {balance}")
         specs.append(spec)
+    for shape in dict.fromkeys((s.batch_size, s.num_microbatches) for s in list(specs)):
+        specs.append(null_spec(*shape))
     return replace(cfg, specs=tuple(specs)), a
 
 
@@ -659,8 +762,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")  # raw first
     summary = summarise(payload)
     print()
-    print("Predicted (simulator fed with the profile, SGD update + stash copy alone, probed link) vs measured "
-          "2-stage async samples/s:")
+    print("Predicted vs measured 2-stage async samples/s. 'profile': the simulator fed with the layer profile, the SGD "
+          "update + stash copy timed alone and the probed link; 'profile + framework': plus the framework's costs "
+          "measured on the null model of the same batch shape (below):")
     print(render_table(summary))
     print()
     print(render_verdict(summary))
@@ -669,6 +773,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print("Diagnosis: the same simulator with fewer inputs, and with the per-micro-batch costs measured inside the "
           "runs (StepStats medians):")
     print(render_diagnosis(summary))
+    print()
+    print("Framework costs from the null models, ms (added to the profile's inputs for 'profile + framework'):")
+    print(render_framework(summary))
     print()
     print("Simulator inputs, ms per micro-batch (profile / alone vs inside the runs):")
     print(render_inputs(summary))
@@ -683,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload["summary"] = summary
     payload["markdown"] = {"table": render_table(summary, markdown=True),
                            "diagnosis": render_diagnosis(summary, markdown=True),
+                           "framework": render_framework(summary, markdown=True),
                            "inputs": render_inputs(summary, markdown=True),
                            "breakdown": render_breakdown(summary, markdown=True)}
     json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")

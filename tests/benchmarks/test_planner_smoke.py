@@ -1,4 +1,4 @@
-"""Smoke tests of ``benchmarks/simulator_accuracy.py --quick`` and ``benchmarks/planner.py --quick``.
+"""Smoke tests of ``benchmarks/simulator_accuracy.py``, ``benchmarks/planner.py`` and ``benchmarks/profile_inputs.py`` (``--quick``).
 
 Not performance tests: no speed is asserted (STYLE.md: a benchmark is a script that prints a table, not a timed
 unit test). Each runs the script as a user would, in a subprocess, with tiny models and sizes (two spawned gloo
@@ -34,18 +34,22 @@ def _table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
 def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
     out = _run(run_benchmark, "simulator_accuracy.py", tmp_path)
 
-    rows = _table_rows(out, ("model", "partition", "predicted samples/s", "measured (median)", "error"), 3)
+    rows = _table_rows(out, ("model", "partition", "predicted: profile", "predicted: profile + framework",
+                             "measured (median)"), 3)
     assert [r.split()[0] for r in rows] == ["MLP", "CNN", "HeavyLayerMLP"], "\n".join(rows)
     for row in rows:
-        assert "%" in row, f"no error percentage in row {row!r}"
-    assert "target |predicted/measured - 1| <= 15% on every model" in out
+        assert row.count("%") == 2, f"not two error percentages in row {row!r}"
+    assert "target |predicted/measured - 1| <= 15% on every model (profile + framework costs from the null model)" in out
+    framework = _table_rows(out, ("null model / stage", "per forward", "per send", "per step"), 2)
+    assert [r.split()[:4] for r in framework] == [["null", "32/4", "/", "stage"]] * 2, "\n".join(framework)
     assert "sim: costs inside the runs" in out
     assert "run-queue wait" in out
 
     records = list(tmp_path.glob("simulator_accuracy-*-quick.json"))
     assert len(records) == 1
     payload = json.loads(records[0].read_text())
-    assert {r["system"] for r in payload["runs"]} == {"MLP", "CNN", "HeavyLayerMLP"}
+    # all quick models share one batch shape, so one null model runs beside them
+    assert {r["system"] for r in payload["runs"]} == {"MLP", "CNN", "HeavyLayerMLP", "null 32/4"}
     assert payload["machine"]["torch"] and payload["machine"]["lightning"] and payload["command"]
     assert set(payload["summary"]) == {"MLP", "CNN", "HeavyLayerMLP"}
     assert (tmp_path / "simulator_accuracy-quick.png").is_file()
@@ -68,3 +72,17 @@ def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Cal
     assert {"a", "b", "c", "summary", "machine", "command"} <= set(payload)
     for name in ("planner_throughput", "planner_timeline", "planner_timeline_uniform", "planner_speed"):
         assert (tmp_path / f"{name}-quick.png").is_file(), name
+
+
+def test_profile_inputs_quick_compares_the_three_samples(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+    out = _run(run_benchmark, "profile_inputs.py", tmp_path)
+
+    rows = _table_rows(out, ("model / stage", "fwd zeros", "fwd random", "fwd MNIST", "fwd zeros/MNIST"), 4)
+    assert [r.split()[0] for r in rows] == ["MLP", "MLP", "CNN", "CNN"], "\n".join(rows)
+    assert all(r.count("x") >= 4 for r in rows), "\n".join(rows)  # four ratios per row
+    records = list(tmp_path.glob("profile_inputs-*-quick.json"))
+    assert len(records) == 1
+    payload = json.loads(records[0].read_text())
+    assert {r["sample"] for r in payload["records"]} == {"zeros", "random", "MNIST"}
+    assert payload["machine"]["torch"] and payload["command"]
+    assert (tmp_path / "profile_inputs-quick.png").is_file()
