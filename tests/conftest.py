@@ -55,3 +55,18 @@ def run_benchmark() -> Callable[..., subprocess.CompletedProcess[str]]:
         return proc
 
     return run
+
+
+def table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
+    """The ``count`` rows under the first table of ``out`` whose header line holds every column of ``header``
+    (the rows start two lines below the header, after the rule); fails with the output when there is none."""
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if all(h in line for h in header)]
+    assert starts, f"no table with columns {header} in the output:\n{out}"
+    return lines[starts[0] + 2 : starts[0] + 2 + count]
+
+
+@pytest.fixture(name="table_rows")
+def table_rows_fixture() -> Callable[[str, tuple[str, ...], int], list[str]]:
+    """:func:`table_rows`, for the benchmark smoke tests."""
+    return table_rows

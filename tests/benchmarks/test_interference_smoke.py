@@ -19,13 +19,11 @@ HEADER = ("scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migr
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_scenario_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_quick_run_prints_scenario_table(tmp_path: Path, run_benchmark: Callable[..., Any],
+                                        table_rows: Callable[..., list[str]]) -> None:
     proc = run_benchmark("interference.py", "--quick", "--out-dir", str(tmp_path))
 
-    lines = proc.stdout.splitlines()
-    starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]
-    assert starts, f"no results table in the output:\n{proc.stdout}"
-    rows = lines[starts[0] + 2 : starts[0] + 4]
+    rows = table_rows(proc.stdout, HEADER, 2)
     assert [r.split()[0] for r in rows] == ["none", "quota25"], "\n".join(rows)
     assert "machine:" in proc.stdout and "command:" in proc.stdout
 

@@ -23,24 +23,17 @@ def _run(run_benchmark: Callable[..., Any], script: str, tmp_path: Path, *extra:
     return proc.stdout
 
 
-def _table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
-    lines = out.splitlines()
-    starts = [i for i, line in enumerate(lines) if all(h in line for h in header)]
-    assert starts, f"no table with columns {header} in the output:\n{out}"
-    return lines[starts[0] + 2 : starts[0] + 2 + count]
-
-
 @pytest.mark.multiprocess
-def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
     out = _run(run_benchmark, "simulator_accuracy.py", tmp_path)
 
-    rows = _table_rows(out, ("model", "partition", "predicted: profile", "predicted: profile + framework",
+    rows = table_rows(out, ("model", "partition", "predicted: profile", "predicted: profile + framework",
                              "measured (median)"), 3)
     assert [r.split()[0] for r in rows] == ["MLP", "CNN", "HeavyLayerMLP"], "\n".join(rows)
     for row in rows:
         assert row.count("%") == 2, f"not two error percentages in row {row!r}"
     assert "target |predicted/measured - 1| <= 15% on every model (profile + framework costs from the null model)" in out
-    framework = _table_rows(out, ("null model / stage", "per forward", "per send", "per step"), 2)
+    framework = table_rows(out, ("null model / stage", "per forward", "per send", "per step"), 2)
     assert [r.split()[:4] for r in framework] == [["null", "32/4", "/", "stage"]] * 2, "\n".join(framework)
     assert "sim: costs inside the runs" in out
     assert "run-queue wait" in out
@@ -56,10 +49,10 @@ def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, 
 
 
 @pytest.mark.multiprocess
-def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
     out = _run(run_benchmark, "planner.py", tmp_path)
 
-    rows = _table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
+    rows = table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
     assert [r.split()[0] for r in rows] == ["auto", "parameters", "uniform"], "\n".join(rows)
     assert "target (a) auto >= 1.10x the better of parameters/uniform" in out
     assert "(b) planning time, 100 layers x 8 stages" in out
@@ -74,10 +67,10 @@ def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Cal
         assert (tmp_path / f"{name}-quick.png").is_file(), name
 
 
-def test_profile_inputs_quick_compares_the_three_samples(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_profile_inputs_quick_compares_the_three_samples(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
     out = _run(run_benchmark, "profile_inputs.py", tmp_path)
 
-    rows = _table_rows(out, ("model / stage", "fwd zeros", "fwd random", "fwd MNIST", "fwd zeros/MNIST"), 4)
+    rows = table_rows(out, ("model / stage", "fwd zeros", "fwd random", "fwd MNIST", "fwd zeros/MNIST"), 4)
     assert [r.split()[0] for r in rows] == ["MLP", "MLP", "CNN", "CNN"], "\n".join(rows)
     assert all(r.count("x") >= 4 for r in rows), "\n".join(rows)  # four ratios per row
     records = list(tmp_path.glob("profile_inputs-*-quick.json"))

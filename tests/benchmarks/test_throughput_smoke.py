@@ -20,13 +20,11 @@ HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_table_of_all_systems(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_quick_run_prints_table_of_all_systems(tmp_path: Path, run_benchmark: Callable[..., Any],
+                                               table_rows: Callable[..., list[str]]) -> None:
     proc = run_benchmark("throughput.py", "--quick", "--out-dir", str(tmp_path))
 
-    lines = proc.stdout.splitlines()
-    starts = [i for i, line in enumerate(lines) if all(h in line for h in HEADER)]
-    assert starts, f"no results table in the output:\n{proc.stdout}"
-    rows = lines[starts[0] + 2 : starts[0] + 2 + len(LABELS)]
+    rows = table_rows(proc.stdout, HEADER, len(LABELS))
     assert [r[: len(max(LABELS, key=len))].strip() for r in rows] == list(LABELS), "\n".join(rows)
     for row in rows:
         cells = row.split()
