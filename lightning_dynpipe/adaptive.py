@@ -3,7 +3,9 @@
 :class:`AdaptiveController` listens to the stage monitor. At every snapshot (the same on every rank) it
 compares each stage's measured forward+backward time with what the set-up profile predicts for its layers;
 the ratio, relative to the least slowed stage, is that stage's slowdown (a co-located job, a CPU quota, a
-slower device). The planner then re-solves the partition with those slowdowns and the measured share of
+slower device). A stage whose process runs under a cgroup CPU limit of ``q < 1`` core is at least ``1/q``
+slowed, whatever its compute looked like: under a quota the measured stretch shrinks as the stage's share
+of the work shrinks (the throttling lands in its waits too), which hid the better partition. The planner then re-solves the partition with those slowdowns and the measured share of
 communication that the pipeline hides, both the current partition and the best one are scored in predicted
 time to accuracy, and the policy decides. Every decision is kept (and logged on rank 0) with its inputs.
 """
@@ -37,6 +39,7 @@ class StageTimes:
     step_s: float
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
+    cpu_limit: float | None = None  # cgroup CPU bandwidth limit of the stage's process, cores; None: none
 
 
 def measured_slowdowns(
@@ -44,10 +47,14 @@ def measured_slowdowns(
 ) -> tuple[float, ...]:
     """Each stage's measured compute over the profile's prediction, relative to the least slowed stage.
 
+    A stage under a CPU limit of ``q < 1`` core (``StageTimes.cpu_limit``) counts as at least ``1/q`` slowed.
+
     Example::
 
         >>> cost = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
         >>> measured_slowdowns(cost, Partition((2, 2)), [StageTimes(12.0, 0), StageTimes(48.0, 0)], 2)
+        (1.0, 4.0)
+        >>> measured_slowdowns(cost, Partition((2, 2)), [StageTimes(12.0, 0), StageTimes(18.0, 0, cpu_limit=0.25)], 2)
         (1.0, 4.0)
     """
     ratios = []
@@ -55,7 +62,8 @@ def measured_slowdowns(
         expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
         ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else 1.0)
     base = min(ratios)
-    return tuple(r / base for r in ratios)
+    return tuple(max(r / base, 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0)
+                 for r, t in zip(ratios, times))
 
 
 class AdaptiveController:

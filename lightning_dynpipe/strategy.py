@@ -717,7 +717,7 @@ class DynPipeStrategy(DDPStrategy):
         if self.controller is None or any(st.count < _MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
             return
         times = [StageTimes(compute_s=st.forward_s + st.backward_s, step_s=st.step_s, comm_s=st.comm_s,
-                            exposed_comm_s=st.exposed_comm_s) for st in snapshot.stages]
+                            exposed_comm_s=st.exposed_comm_s, cpu_limit=st.cpu_limit) for st in snapshot.stages]
         remaining = max(0, int(trainer.estimated_stepping_batches) - trainer.global_step)
         decision = self.controller.check(trainer.global_step, times, remaining)
         if decision is not None and decision.repartition:

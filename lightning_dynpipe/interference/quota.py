@@ -28,6 +28,7 @@ from lightning_dynpipe.interference.base import (
     Lifecycle,
     check_fraction,
 )
+from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
 from lightning_dynpipe.interference.throttle import CpuThrottle
 
 __all__ = ["CpuQuota", "CpuLimit"]
@@ -36,15 +37,6 @@ log = logging.getLogger(__name__)
 
 _MIN_QUOTA_US = 1000  # the kernel refuses smaller quotas and periods (EINVAL)
 _MAX_PERIOD_US = 1_000_000
-
-
-@dataclass(frozen=True)
-class _Mount:
-    fstype: str  # "cgroup" (v1) or "cgroup2"
-    root: str  # the hierarchy path mounted at ``mountpoint``
-    mountpoint: Path
-    read_only: bool
-    super_options: frozenset[str]  # for v1: the controllers bound to this hierarchy
 
 
 @dataclass(frozen=True)
@@ -63,48 +55,6 @@ class _Made:
     cgroup: Path | None = None
     enabled_cpu_in: Path | None = None  # v2: where this object had to add "+cpu" to cgroup.subtree_control
     done: bool = field(default=False)
-
-
-def _unescape(path: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal
-    return path.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def _cgroup_mounts() -> list[_Mount]:
-    mounts = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            lf, rf = left.split(), right.split()
-            if len(lf) < 6 or len(rf) < 1 or rf[0] not in ("cgroup", "cgroup2"):
-                continue
-            super_opts = frozenset(rf[2].split(",")) if len(rf) > 2 else frozenset()
-            mounts.append(_Mount(rf[0], _unescape(lf[3]), Path(_unescape(lf[4])),
-                                 "ro" in lf[5].split(",") or "ro" in super_opts, super_opts))
-    return mounts
-
-
-def _process_cgroups(pid: int) -> dict[str, str]:
-    """``{"": v2 path, "cpu": v1 path of the cpu hierarchy, ...}`` from ``/proc/<pid>/cgroup``."""
-    out: dict[str, str] = {}
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            parts = line.rstrip("\n").split(":", 2)
-            if len(parts) != 3:
-                continue
-            hid, controllers, path = parts
-            if hid == "0" and controllers == "":
-                out[""] = path
-            for c in controllers.split(","):
-                if c:
-                    out[c] = path
-    return out
-
-
-def _dir_of(mount: _Mount, path: str) -> Path:
-    root = mount.root.rstrip("/")
-    rel = path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
-    return mount.mountpoint / rel.lstrip("/")
 
 
 def _read(path: Path) -> str:
@@ -134,8 +84,8 @@ def _candidates(pid: int) -> tuple[list[_Candidate], list[str]]:
     """Places where a cpu-limited child cgroup may be created for ``pid``, best first, and why others cannot."""
     reasons: list[str] = []
     try:
-        mounts = _cgroup_mounts()
-        groups = _process_cgroups(pid)
+        mounts = cgroup_mounts()
+        groups = process_cgroups(pid)
     except OSError as exc:
         return [], [f"cannot read the cgroup tables ({exc})"]
     if not mounts:
@@ -147,7 +97,7 @@ def _candidates(pid: int) -> tuple[list[_Candidate], list[str]]:
     elif v2.read_only:
         reasons.append(f"cgroup v2: {v2.mountpoint} is mounted read-only")
     else:
-        home = _dir_of(v2, groups[""])
+        home = cgroup_dir(v2, groups[""])
         try:
             controllers = _read(v2.mountpoint / "cgroup.controllers").split()
         except OSError as exc:
@@ -166,7 +116,7 @@ def _candidates(pid: int) -> tuple[list[_Candidate], list[str]]:
     elif v1.read_only:
         reasons.append(f"cgroup v1: {v1.mountpoint} is mounted read-only")
     else:
-        home = _dir_of(v1, groups["cpu"])
+        home = cgroup_dir(v1, groups["cpu"])
         out.append(_Candidate(1, home, home))
     return out, reasons
 

@@ -88,6 +88,8 @@ class SystemReading:
         cpu_share: ``cpu_s / wall_s``: cores this process kept busy (1.0 = one full core; above 1 with
             several busy threads).
         steal_share: share of the machine's CPU time stolen by the hypervisor (0 where not reported).
+        cpu_limit: the cgroup CPU bandwidth limit on this process in cores
+            (:func:`~lightning_dynpipe.cgroups.cpu_limit_cores`), None when nothing limits it.
         rss_bytes: resident set size at the end of the window.
         cuda_allocated_bytes / cuda_reserved_bytes: the CUDA caching allocator's current numbers (None when
             the stage is not on a CUDA device).
@@ -104,6 +106,7 @@ class SystemReading:
     cuda_reserved_bytes: int | None = None
     gpu_util: float | None = None
     gpu_mem_used_bytes: int | None = None
+    cpu_limit: float | None = None
 
 
 def idle_time(step_s: float, compute_s: float, recv_wait_s: float, send_s: float) -> float:
@@ -146,6 +149,7 @@ class StageSample:
     cuda_reserved_bytes: int | None = None
     gpu_util: float | None = None
     gpu_mem_used_bytes: int | None = None
+    cpu_limit: float | None = None
 
     @classmethod
     def from_step(cls, step: StepTimes, system: SystemReading | None = None) -> StageSample:
@@ -174,6 +178,7 @@ class StageSample:
             cuda_reserved_bytes=sys_.cuda_reserved_bytes,
             gpu_util=sys_.gpu_util,
             gpu_mem_used_bytes=sys_.gpu_mem_used_bytes,
+            cpu_limit=sys_.cpu_limit,
         )
 
     @property
@@ -189,8 +194,9 @@ class StageSample:
 
 _SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSample))
 _OPTIONAL_FIELDS = frozenset(
-    {"cuda_allocated_bytes", "cuda_reserved_bytes", "gpu_util", "gpu_mem_used_bytes"}
+    {"cuda_allocated_bytes", "cuda_reserved_bytes", "gpu_util", "gpu_mem_used_bytes", "cpu_limit"}
 )
+_SMALLEST_WINS = frozenset({"cpu_limit"})  # across replicas, the tightest limit sets the stage's pace
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ class StageSummary:
     cuda_reserved_bytes: float | None = None
     gpu_util: float | None = None
     gpu_mem_used_bytes: float | None = None
+    cpu_limit: float | None = None
 
     @classmethod
     def of(cls, samples: Iterable[StageSample]) -> StageSummary:
@@ -251,7 +258,8 @@ class StageSummary:
         """The aggregate of one stage's data-parallel replicas: each field's maximum, the smallest count.
 
         Replicas of a stage all-reduce their gradients at every update, so they advance in lockstep and the
-        slowest replica sets the stage's pace; the maximum also bounds memory per process.
+        slowest replica sets the stage's pace; the maximum also bounds memory per process. ``cpu_limit`` is
+        the exception: the smallest limit (the most constrained replica) is kept.
         """
         if not summaries:
             raise ValueError("combine() needs at least one StageSummary; got none.")
@@ -262,7 +270,7 @@ class StageSummary:
             got = [getattr(s, name) for s in summaries]
             present = [v for v in got if v is not None and not math.isnan(v)]
             if present:
-                values[name] = max(present)
+                values[name] = min(present) if name in _SMALLEST_WINS else max(present)
             else:
                 values[name] = None if name in _OPTIONAL_FIELDS else math.nan
         return cls(count=min(s.count for s in summaries), **values)  # type: ignore[arg-type]
@@ -381,6 +389,7 @@ _METRICS: tuple[tuple[str, str, float], ...] = (
     ("stash_depth", "stash_depth", 1.0),
     ("cpu_share", "cpu_share", 1.0),
     ("steal_share", "steal_share", 1.0),
+    ("cpu_limit", "cpu_limit", 1.0),
     ("rss_mb", "rss_bytes", 1.0 / _MIB),
     ("cuda_allocated_mb", "cuda_allocated_bytes", 1.0 / _MIB),
     ("cuda_reserved_mb", "cuda_reserved_bytes", 1.0 / _MIB),

@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import torch
 
+from lightning_dynpipe.cgroups import cpu_limit_cores
 from lightning_dynpipe.monitor.stats import SystemReading
 
 __all__ = ["ProcessSampler", "load_pynvml"]
@@ -105,7 +106,8 @@ class ProcessSampler:
 
     Args:
         device: the stage's device; CUDA readings are taken only for a ``cuda`` device.
-        steal_interval_s: shortest span over which the steal share is computed (it is reused in between).
+        steal_interval_s: shortest span over which the steal share is computed, and between two reads of the
+            cgroup CPU limit (both are reused in between).
         nvml_interval_s: shortest time between two NVML queries (the last values are reused in between).
         nvml: query NVML at all (on a CUDA device, when ``pynvml`` is importable).
     """
@@ -134,6 +136,7 @@ class ProcessSampler:
         self._gpu_mem: int | None = None
         self._steal_at, self._steal_ref = time.perf_counter(), self._steal_counters()
         self._steal_share = 0.0
+        self._cpu_limit = cpu_limit_cores()  # re-read with the steal share (a quota can come and go)
         self.mark()
 
     # ------------------------------------------------------------------ windows
@@ -151,6 +154,7 @@ class ProcessSampler:
         self._t0, self._cpu0 = now, cpu
         if now - self._steal_at >= self.steal_interval_s:
             self._update_steal(now)
+            self._cpu_limit = cpu_limit_cores()
         allocated = reserved = None
         if self._is_cuda:
             allocated, reserved = self._cuda_allocator()
@@ -162,6 +166,7 @@ class ProcessSampler:
             cpu_s=cpu_s,
             cpu_share=cpu_s / wall if wall > 0 else 0.0,
             steal_share=self._steal_share,
+            cpu_limit=self._cpu_limit,
             rss_bytes=self._rss(),
             cuda_allocated_bytes=allocated,
             cuda_reserved_bytes=reserved,

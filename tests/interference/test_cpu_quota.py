@@ -17,7 +17,8 @@ import pytest
 
 from lightning_dynpipe.interference import quota as quota_module
 from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError, InterferenceUnavailable
-from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota, _Mount
+from lightning_dynpipe.cgroups import CgroupMount
+from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota
 from lightning_dynpipe.interference.throttle import CpuThrottle
 
 from tests.interference.helpers import cpu_shares, gone
@@ -112,7 +113,7 @@ def test_cpu_limit_prefers_cgroups_and_falls_back_to_the_throttle(busy: int, mon
     assert limit.backend is None and not limit.active
     with CpuLimit(busy, 0.5, backend="throttle") as limit:
         assert limit.backend == "throttle"
-    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: [])
+    monkeypatch.setattr(quota_module, "cgroup_mounts", lambda: [])
     with caplog.at_level(logging.INFO, logger="lightning_dynpipe.interference.quota"):
         with CpuLimit(busy, 0.5) as limit:
             assert limit.backend == "throttle"
@@ -122,13 +123,13 @@ def test_cpu_limit_prefers_cgroups_and_falls_back_to_the_throttle(busy: int, mon
 
 
 def test_unavailable_cgroups_say_why_and_what_to_use_instead(busy: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: [])
+    monkeypatch.setattr(quota_module, "cgroup_mounts", lambda: [])
     with pytest.raises(InterferenceUnavailable, match="no cgroup filesystem is mounted.*CpuHog"):
         CpuQuota(busy, 0.5).start()
-    read_only = [_Mount("cgroup2", "/", Path("/sys/fs/cgroup"), True, frozenset()),
-                 _Mount("cgroup", "/", Path("/sys/fs/cgroup/cpu"), True, frozenset({"rw", "cpu"}))]
-    monkeypatch.setattr(quota_module, "_cgroup_mounts", lambda: read_only)
-    monkeypatch.setattr(quota_module, "_process_cgroups", lambda pid: {"": "/", "cpu": "/"})
+    read_only = [CgroupMount("cgroup2", "/", Path("/sys/fs/cgroup"), True, frozenset()),
+                 CgroupMount("cgroup", "/", Path("/sys/fs/cgroup/cpu"), True, frozenset({"rw", "cpu"}))]
+    monkeypatch.setattr(quota_module, "cgroup_mounts", lambda: read_only)
+    monkeypatch.setattr(quota_module, "process_cgroups", lambda pid: {"": "/", "cpu": "/"})
     with pytest.raises(InterferenceUnavailable) as info:
         CpuQuota(busy, 0.5).start()
     message = str(info.value)
@@ -140,9 +141,9 @@ def test_unavailable_cgroups_say_why_and_what_to_use_instead(busy: int, monkeypa
 def test_a_v2_hierarchy_without_the_cpu_controller_is_reported(busy: int, monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("memory pids\n")
-    monkeypatch.setattr(quota_module, "_cgroup_mounts",
-                        lambda: [_Mount("cgroup2", "/", tmp_path, False, frozenset())])
-    monkeypatch.setattr(quota_module, "_process_cgroups", lambda pid: {"": "/"})
+    monkeypatch.setattr(quota_module, "cgroup_mounts",
+                        lambda: [CgroupMount("cgroup2", "/", tmp_path, False, frozenset())])
+    monkeypatch.setattr(quota_module, "process_cgroups", lambda pid: {"": "/"})
     with pytest.raises(InterferenceUnavailable, match="has no cpu controller .controllers: memory pids"):
         CpuQuota(busy, 0.5).start()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lightning_dynpipe.adaptive import AdaptiveController, StageTimes
+from lightning_dynpipe.adaptive import AdaptiveController, StageTimes, measured_slowdowns
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
@@ -68,3 +68,20 @@ def test_a_slowed_stage_loses_layers_after_the_policy_agrees() -> None:
 def test_no_decision_while_a_migration_is_pending_or_without_a_profile() -> None:
     s = FakeStrategy(_pending_partition=Partition((5, 3)))
     assert AdaptiveController(s, GainOverCostPolicy()).check(10, _times(3.0), None) is None  # type: ignore[arg-type]
+
+
+def test_a_cpu_limited_stage_counts_as_at_least_one_over_its_limit_slowed() -> None:
+    # Under a 25% quota a stage that does little work shows little stretch in its compute (its throttling
+    # lands in its waits), yet it cannot run faster than a quarter of a core: the limit is a floor.
+    mild = [StageTimes(0.048, 0.1), StageTimes(0.06, 0.1, cpu_limit=0.25)]
+    assert measured_slowdowns(COST, Partition((4, 4)), mild, M) == pytest.approx((1.0, 4.0))
+    strong = [StageTimes(0.048, 0.3), StageTimes(0.288, 0.3, cpu_limit=0.25)]
+    assert measured_slowdowns(COST, Partition((4, 4)), strong, M) == pytest.approx((1.0, 6.0))  # measured wins
+    roomy = [StageTimes(0.048, 0.1), StageTimes(0.06, 0.1, cpu_limit=1.5)]  # more than the one core it uses
+    assert measured_slowdowns(COST, Partition((4, 4)), roomy, M) == pytest.approx((1.0, 1.25))
+
+    s = FakeStrategy()
+    c = AdaptiveController(s, GainOverCostPolicy(patience=1, horizon_steps=500))  # type: ignore[arg-type]
+    d = c.check(10, mild, remaining_steps=1000)
+    assert d is not None and d.repartition and d.inputs.slowdowns == pytest.approx((1.0, 4.0))
+    assert s.requested == [Partition((7, 1))]  # a 4x slower stage keeps an eighth of the work
