@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
 from lightning_dynpipe.interference.base import (
     InterferenceConfigError,
     InterferenceError,
@@ -28,7 +29,6 @@ from lightning_dynpipe.interference.base import (
     Lifecycle,
     check_fraction,
 )
-from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
 from lightning_dynpipe.interference.throttle import CpuThrottle
 
 __all__ = ["CpuQuota", "CpuLimit"]

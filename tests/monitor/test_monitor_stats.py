@@ -195,6 +195,16 @@ def test_combine_takes_the_slowest_replica_and_smallest_count() -> None:
         StageSummary.combine([])
 
 
+def test_combine_keeps_the_tightest_cpu_limit() -> None:
+    limited = _summary(busy_ms=10.0, cpu_limit=0.25)
+    roomy = _summary(busy_ms=10.0, cpu_limit=1.5)
+    free = _summary(busy_ms=10.0)
+    assert StageSummary.combine([roomy, limited, free]).cpu_limit == 0.25  # the slowest replica sets the pace
+    assert StageSummary.combine([free, free]).cpu_limit is None
+    samples = [_sample(cpu_limit=0.5), _sample(cpu_limit=0.5), _sample()]
+    assert StageSummary.of(samples).cpu_limit == 0.5  # the median of the samples that had a limit
+
+
 # ---------------------------------------------------------------------------------------------- snapshots
 def _two_stage(busy0: float = 20.0, busy1: float = 35.0) -> PipelineSnapshot:
     return PipelineSnapshot.from_reports(
@@ -326,7 +336,8 @@ def test_table_shows_counts_per_step_and_the_balance() -> None:
 
 def test_report_travels_as_a_fixed_vector_of_floats() -> None:
     full = StageReport(1, 2, _summary(12.0, cuda_allocated_bytes=5.0, cuda_reserved_bytes=6.0, gpu_util=0.5,
-                                      gpu_mem_used_bytes=7.0, num_forward=8.0, num_backward=7.5, num_updates=1.0))
+                                      gpu_mem_used_bytes=7.0, num_forward=8.0, num_backward=7.5, num_updates=1.0,
+                                      cpu_limit=0.25))
     bare = StageReport(0, 0, _summary(3.0))
     empty = StageReport(0, 1, StageStatsAccumulator(2).summary())
     for report in (full, bare):
