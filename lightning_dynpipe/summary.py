@@ -16,6 +16,7 @@ module is put back. :func:`uninstall` removes the override at teardown.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -109,15 +110,40 @@ def whole_pipeline_summary(
         max_depth: as in :class:`~lightning.pytorch.callbacks.ModelSummary`.
     """
     with _whole_pipeline(pipeline, offloaded):
-        summary = summarize(pl_module, max_depth=max_depth)
-        return FrozenSummary(
-            summary_data=summary._get_summary_data(),
-            total_parameters=summary.total_parameters,
-            trainable_parameters=summary.trainable_parameters,
-            model_size=summary.model_size,
-            total_training_modes=summary.total_training_modes,
-            total_flops=summary.total_flops,
-        )
+        modes = {module: module.training for module in pl_module.modules()}
+        try:
+            return _frozen(summarize(pl_module, max_depth=max_depth))
+        except Exception as exc:  # the example could not run on `meta` (e.g. `.item()` in forward)
+            if pl_module.example_input_array is None:
+                raise
+            for module, training in modes.items():  # Lightning restores them only after a successful run
+                module.training = training
+            warnings.warn(
+                f"The model summary could not run example_input_array through the model on the meta device "
+                f"({type(exc).__name__}: {exc}); it is shown without input/output sizes and FLOPs. Under "
+                "DynPipeStrategy each process holds one stage, so the example runs on meta tensors; keep "
+                "forward free of data-dependent calls such as .item() to get them.",
+                UserWarning,
+                stacklevel=2,
+            )
+        example = pl_module.example_input_array
+        pl_module.example_input_array = None
+        try:
+            return _frozen(summarize(pl_module, max_depth=max_depth))
+        finally:
+            pl_module.example_input_array = example
+
+
+def _frozen(summary: Any) -> FrozenSummary:
+    """The numbers ``ModelSummary.on_fit_start`` reads, taken now (Lightning computes them lazily)."""
+    return FrozenSummary(
+        summary_data=summary._get_summary_data(),
+        total_parameters=summary.total_parameters,
+        trainable_parameters=summary.trainable_parameters,
+        model_size=summary.model_size,
+        total_training_modes=summary.total_training_modes,
+        total_flops=summary.total_flops,
+    )
 
 
 def install(

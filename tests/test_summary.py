@@ -71,12 +71,34 @@ def test_equals_the_whole_models_summary(example: bool, max_depth: int, owned: s
         assert v.device.type == "cpu" and torch.equal(v, own_weights[k]), k
 
 
-def test_restores_the_stage_when_the_summary_fails() -> None:
-    model = Net(example=True)
+def test_an_example_that_cannot_run_on_meta_gives_a_summary_without_sizes() -> None:
+    whole = Net(example=False)
+    expected = _numbers(summarize(copy.deepcopy(whole), max_depth=1))
+    model = copy.deepcopy(whole)
     offloaded = _partitioned(model, {0})
-    model.example_input_array = torch.zeros(2, 5)  # wrong shape: the meta forward raises
+    bad = torch.zeros(2, 5)  # wrong shape: the meta forward raises
+    model.example_input_array = bad
 
-    with pytest.raises(RuntimeError):
+    with pytest.warns(UserWarning, match="without input/output sizes and FLOPs.*such as .item"):
+        got = whole_pipeline_summary(model, model.pipeline, offloaded, 1)
+
+    assert _numbers(got) == expected  # the whole model's counts, as without an example
+    assert model.example_input_array is bad
+    assert all(isinstance(model.pipeline[i], _Placeholder) for i in offloaded)
+    assert "forward" in vars(model.pipeline)
+
+
+def test_restores_the_stage_when_the_summary_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_dynpipe.summary as summary_module
+
+    model = Net(example=False)
+    offloaded = _partitioned(model, {0})
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("summary failed")
+
+    monkeypatch.setattr(summary_module, "summarize", broken)
+    with pytest.raises(RuntimeError, match="summary failed"):
         whole_pipeline_summary(model, model.pipeline, offloaded, 1)
 
     assert all(isinstance(model.pipeline[i], _Placeholder) for i in offloaded)
