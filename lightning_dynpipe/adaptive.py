@@ -5,9 +5,10 @@ compares each stage's measured forward+backward time with what the set-up profil
 the ratio, relative to the least slowed stage, is that stage's slowdown (a co-located job, a CPU quota, a
 slower device). A stage whose process runs under a cgroup CPU limit of ``q < 1`` core is at least ``1/q``
 slowed, whatever its compute looked like: under a quota the measured stretch shrinks as the stage's share
-of the work shrinks (the throttling lands in its waits too), which hid the better partition. The planner then re-solves the partition with those slowdowns and the measured share of
-communication that the pipeline hides, both the current partition and the best one are scored in predicted
-time to accuracy, and the policy decides. Every decision is kept (and logged on rank 0) with its inputs.
+of the work shrinks (the throttling lands in its waits too), which hid the better partition. The planner
+then re-solves the partition with those slowdowns and the measured share of communication that the
+pipeline hides, both the current partition and the best one are scored in predicted time to accuracy, and
+the policy decides. Every decision is kept (and logged on rank 0) with its inputs.
 """
 
 from __future__ import annotations

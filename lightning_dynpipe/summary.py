@@ -27,6 +27,8 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import summarize
 from torch import nn
 
+from lightning_dynpipe.trees import tree_map
+
 __all__ = ["FrozenSummary", "install", "uninstall", "whole_pipeline_summary"]
 
 _OVERRIDE = "_summary"
@@ -52,15 +54,7 @@ class FrozenSummary:
 
 def _meta(value: Any) -> Any:
     """``value`` with every tensor replaced by an empty ``meta`` tensor of the same shape and dtype."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-        return type(value)(*(_meta(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _meta(v) for k, v in value.items()}
-    return value
+    return tree_map(lambda t: torch.empty_like(t, device="meta"), value)
 
 
 def _meta_forward(pipeline: nn.Sequential) -> Callable[..., Any]:

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import LayerCost, ModelCost
+from lightning_dynpipe.trees import iter_tensors as _tensors
+from lightning_dynpipe.trees import tree_map as _tree_map
 
 __all__ = ["LayerStats", "LayerProfile", "profile_layers", "optimizer_state_factor"]
 
@@ -274,29 +276,6 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
 
 
 # ------------------------------------------------------------------------------------------ tree helpers
-def _tree_map(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_tree_map(fn, v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_tree_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _tree_map(fn, v) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
