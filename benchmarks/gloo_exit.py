@@ -75,8 +75,12 @@ def trial(arm: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30, help="spawned pairs per arm (default 30)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "out",
-                        help="where the JSON record goes (default benchmarks/out/)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=REPO_ROOT / "benchmarks" / "out",
+        help="where the JSON record goes (default benchmarks/out/)",
+    )
     args = parser.parse_args()
 
     failures = {arm: 0 for arm in ARMS}
@@ -92,8 +96,14 @@ def main() -> None:
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    record = {"benchmark": "gloo_exit", "trials": args.trials, "failures": failures, "wall_s": wall,
-              "machine": machine_info(), "command": command_line()}
+    record = {
+        "benchmark": "gloo_exit",
+        "trials": args.trials,
+        "failures": failures,
+        "wall_s": wall,
+        "machine": machine_info(),
+        "command": command_line(),
+    }
     path = out / f"gloo_exit-{stamp}.json"
     path.write_text(json.dumps(record, indent=2))
     print(f"record: {path}")

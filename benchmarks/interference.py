@@ -143,8 +143,9 @@ def schedule_for(scenario: str, cfg: Config, onset: int) -> list[dict[str, Any]]
         return [{"kind": "cpu_quota", "stage": 1, "start_step": 0, "fraction": 0.5 if scenario == "quota50" else 0.25}]
     if scenario == "cycles":
         c = cfg.cycle_steps
-        return [{"kind": "cpu_hog", "stage": 0, "start_step": s, "stop_step": s + c}
-                for s in range(c, cfg.max_steps, 2 * c)]
+        return [
+            {"kind": "cpu_hog", "stage": 0, "start_step": s, "stop_step": s + c} for s in range(c, cfg.max_steps, 2 * c)
+        ]
     if scenario == "delay":
         return [{"kind": "link_delay", "stage": 0, "start_step": 0, "delay_s": cfg.delay_s, "jitter_s": cfg.jitter_s}]
     raise ValueError(f"unknown scenario {scenario!r}; valid: {list(SCENARIOS)}")
@@ -167,18 +168,25 @@ def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
     while len(batches) < cfg.max_steps:
         perm = torch.randperm(len(x), generator=g)
         for i in range(0, len(x) - cfg.batch_size + 1, cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
+            idx = perm[i : i + cfg.batch_size]
             batches.append((x[idx], y[idx]))
     xt, yt = dm.test_set.tensors
-    return batches[:cfg.max_steps], [(xt, yt)]
+    return batches[: cfg.max_steps], [(xt, yt)]
 
 
 def _model(cfg: Config, seed: int) -> Any:
     from lightning_dynpipe.demos import MLP
 
     torch.manual_seed(seed)  # identical initial weights for both systems of a seed
-    return MLP(in_features=784, width=cfg.width, depth=cfg.depth, num_classes=10, lr=cfg.lr,
-               optimizer=cfg.optimizer, momentum=cfg.momentum)  # type: ignore[arg-type]
+    return MLP(
+        in_features=784,
+        width=cfg.width,
+        depth=cfg.depth,
+        num_classes=10,
+        lr=cfg.lr,
+        optimizer=cfg.optimizer,
+        momentum=cfg.momentum,
+    )  # type: ignore[arg-type]
 
 
 def _layer_costs(cfg: Config) -> dict[str, list[float]]:
@@ -187,9 +195,14 @@ def _layer_costs(cfg: Config) -> dict[str, list[float]]:
 
     model = _model(cfg, 0)
     mb = torch.randn(cfg.batch_size // cfg.num_microbatches, 784)
-    cost = profile_layers(model.pipeline, mb, optimizer_state_bytes_per_param_byte=2.0 if cfg.optimizer == "adam" else 1.0).to_model_cost()
-    return {"forward_s": [layer.forward_s for layer in cost.layers], "backward_s": [layer.backward_s for layer in cost.layers],
-            "param_bytes": [layer.param_bytes for layer in cost.layers]}
+    cost = profile_layers(
+        model.pipeline, mb, optimizer_state_bytes_per_param_byte=2.0 if cfg.optimizer == "adam" else 1.0
+    ).to_model_cost()
+    return {
+        "forward_s": [layer.forward_s for layer in cost.layers],
+        "backward_s": [layer.backward_s for layer in cost.layers],
+        "param_bytes": [layer.param_bytes for layer in cost.layers],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- recording
@@ -224,10 +237,19 @@ def _recorder(target: float) -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             s = trainer.strategy.executor.stats
-            self.stats.append({"step": trainer.global_step, "t": self._t(), "forward_s": s.forward_s,
-                               "backward_s": s.backward_s, "optimizer_s": s.optimizer_s, "step_s": s.step_s,
-                               "recv_wait_s": s.recv_wait_s, "send_s": s.send_s,
-                               "balance": list(trainer.strategy.partition.balance)})
+            self.stats.append(
+                {
+                    "step": trainer.global_step,
+                    "t": self._t(),
+                    "forward_s": s.forward_s,
+                    "backward_s": s.backward_s,
+                    "optimizer_s": s.optimizer_s,
+                    "step_s": s.step_s,
+                    "recv_wait_s": s.recv_wait_s,
+                    "send_s": s.send_s,
+                    "balance": list(trainer.strategy.partition.balance),
+                }
+            )
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
             self._eval_t0 = time.perf_counter()
@@ -252,8 +274,15 @@ def _recorder(target: float) -> Any:
     return Recorder()
 
 
-def _run(system: str, scenario: str, schedule: list[dict[str, Any]], cfg: Config, seed: int, batches: list[Any],
-         val: list[Any]) -> dict[str, Any]:
+def _run(
+    system: str,
+    scenario: str,
+    schedule: list[dict[str, Any]],
+    cfg: Config,
+    seed: int,
+    batches: list[Any],
+    val: list[Any],
+) -> dict[str, Any]:
     from lightning_dynpipe import DynPipeStrategy
     from lightning_dynpipe.interference import InterferenceCallback
 
@@ -267,22 +296,56 @@ def _run(system: str, scenario: str, schedule: list[dict[str, Any]], cfg: Config
         monitor_every_n_steps=cfg.monitor_every,
         timeout=cfg.timeout_s,
     )
-    res = fit_dynpipe(_model(cfg, seed), batches, strategy, rec, world_size=WORLD_SIZE,
-                      callbacks=[interference] if interference else [], val_batches=val,
-                      val_every_n_steps=cfg.eval_every)
+    res = fit_dynpipe(
+        _model(cfg, seed),
+        batches,
+        strategy,
+        rec,
+        world_size=WORLD_SIZE,
+        callbacks=[interference] if interference else [],
+        val_batches=val,
+        val_every_n_steps=cfg.eval_every,
+    )
     mine = {
         "stage": rec.stage_idx,
         "evals": rec.evals,
-        "migrations": [{"step": m.step, "old": list(m.old.balance), "new": list(m.new.balance),
-                        "moved": list(m.moved), "bytes": m.bytes_sent, "pause_s": m.pause_s}
-                       for m in strategy.migrations],
-        "decisions": [{"step": d.inputs.step, "repartition": d.repartition, "partition": list(d.partition.balance),
-                       "reason": d.reason, "slowdowns": list(d.inputs.slowdowns),
-                       "current_step_s": d.inputs.current_step_s, "candidate_step_s": d.inputs.candidate_step_s,
-                       "candidate": list(d.inputs.candidate.balance), "measured_step_s": d.inputs.measured_step_s,
-                       "migration_cost_s": d.inputs.migration_cost_s} for d in rec.decisions],
-        "interference_events": [{"action": e.action, "index": e.index, "step": e.step, "stage": e.stage_idx,
-                                 "t": e.time, "detail": e.detail} for e in (interference.events if interference else [])],
+        "migrations": [
+            {
+                "step": m.step,
+                "old": list(m.old.balance),
+                "new": list(m.new.balance),
+                "moved": list(m.moved),
+                "bytes": m.bytes_sent,
+                "pause_s": m.pause_s,
+            }
+            for m in strategy.migrations
+        ],
+        "decisions": [
+            {
+                "step": d.inputs.step,
+                "repartition": d.repartition,
+                "partition": list(d.partition.balance),
+                "reason": d.reason,
+                "slowdowns": list(d.inputs.slowdowns),
+                "current_step_s": d.inputs.current_step_s,
+                "candidate_step_s": d.inputs.candidate_step_s,
+                "candidate": list(d.inputs.candidate.balance),
+                "measured_step_s": d.inputs.measured_step_s,
+                "migration_cost_s": d.inputs.migration_cost_s,
+            }
+            for d in rec.decisions
+        ],
+        "interference_events": [
+            {
+                "action": e.action,
+                "index": e.index,
+                "step": e.step,
+                "stage": e.stage_idx,
+                "t": e.time,
+                "detail": e.detail,
+            }
+            for e in (interference.events if interference else [])
+        ],
         "train_end_s": rec.end - rec.start - rec.eval_s,
         "eval_s": rec.eval_s,
     }
@@ -292,11 +355,15 @@ def _run(system: str, scenario: str, schedule: list[dict[str, Any]], cfg: Config
     last = per_stage[-1]  # global rank 0: evaluations and the clock
     reached = next((e for e in last["evals"] if e["acc"] >= cfg.target_acc), None)
     return {
-        "system": system, "scenario": scenario, "seed": seed, "schedule": schedule,
+        "system": system,
+        "scenario": scenario,
+        "seed": seed,
+        "schedule": schedule,
         "reached": reached is not None,
         "time_to_acc_s": reached["t"] if reached else None,
         "steps_to_acc": reached["step"] if reached else None,
-        "train_s": last["train_end_s"], "eval_s": last["eval_s"],
+        "train_s": last["train_end_s"],
+        "eval_s": last["eval_s"],
         "evals": last["evals"],
         "migrations": last["migrations"],
         "decisions": last["decisions"],
@@ -342,13 +409,24 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     if scenario == "none" and system == "static" and r["steps_to_acc"]:
                         onset = max(1, round(0.25 * r["steps_to_acc"]))
                     if rank == 0:
-                        tta = f"{r['time_to_acc_s']:7.1f} s at step {r['steps_to_acc']}" if r["reached"] else \
-                              f"not reached in {cfg.max_steps} steps ({r['train_s']:.1f} s)"
-                        moves = ", ".join(f"{m['old']}->{m['new']}@{m['step']} ({m['pause_s'] * 1e3:.0f} ms)"
-                                          for m in r["migrations"]) or "no migration"
-                        print(f"  seed {seed} {scenario:<8} {system:<8} {tta}; best acc "
-                              f"{max((e['acc'] for e in r['evals']), default=float('nan')):.3f}; {moves} "
-                              f"(load {load:.1f}, {time.perf_counter() - t_start:.0f} s so far)", flush=True)
+                        tta = (
+                            f"{r['time_to_acc_s']:7.1f} s at step {r['steps_to_acc']}"
+                            if r["reached"]
+                            else f"not reached in {cfg.max_steps} steps ({r['train_s']:.1f} s)"
+                        )
+                        moves = (
+                            ", ".join(
+                                f"{m['old']}->{m['new']}@{m['step']} ({m['pause_s'] * 1e3:.0f} ms)"
+                                for m in r["migrations"]
+                            )
+                            or "no migration"
+                        )
+                        print(
+                            f"  seed {seed} {scenario:<8} {system:<8} {tta}; best acc "
+                            f"{max((e['acc'] for e in r['evals']), default=float('nan')):.3f}; {moves} "
+                            f"(load {load:.1f}, {time.perf_counter() - t_start:.0f} s so far)",
+                            flush=True,
+                        )
                         # Partial results after every run: an interrupted long measurement still leaves data.
                         Path(result_path).write_text(json.dumps({"runs": runs, "layer_costs": costs}), encoding="utf-8")
         if rank == 0:
@@ -368,18 +446,26 @@ def predicted_step_times(costs: dict[str, list[float]], slowdowns: Sequence[floa
     from lightning_dynpipe.plan.partition import Partition
     from lightning_dynpipe.plan.solver import evaluate
 
-    model = ModelCost.from_arrays(costs["forward_s"], costs["backward_s"], param_bytes=[int(b) for b in costs["param_bytes"]])
+    model = ModelCost.from_arrays(
+        costs["forward_s"], costs["backward_s"], param_bytes=[int(b) for b in costs["param_bytes"]]
+    )
     n = len(costs["forward_s"])
     out = {}
     for cut in range(1, n):
-        plan = evaluate(model, Partition((cut, n - cut)), schedule="async" if cfg.schedule == "async" else "sync",
-                        slowdowns=list(slowdowns), num_microbatches=cfg.num_microbatches)
+        plan = evaluate(
+            model,
+            Partition((cut, n - cut)),
+            schedule="async" if cfg.schedule == "async" else "sync",
+            slowdowns=list(slowdowns),
+            num_microbatches=cfg.num_microbatches,
+        )
         out[f"{cut},{n - cut}"] = plan.iteration_time_s
     return out
 
 
-def rebalancing_limit(static: dict[str, Any], ref: dict[str, Any] | None, costs: dict[str, list[float]] | None,
-                      cfg: Config) -> dict[str, Any] | None:
+def rebalancing_limit(
+    static: dict[str, Any], ref: dict[str, Any] | None, costs: dict[str, list[float]] | None, cfg: Config
+) -> dict[str, Any] | None:
     """Measured slowdowns of the static run (vs ``ref``, the seed's none/static run) and the oracle's speed-up."""
     if ref is None or costs is None:
         return None
@@ -405,8 +491,13 @@ def rebalancing_limit(static: dict[str, Any], ref: dict[str, Any] | None, costs:
         t_prev = s["t"]
         total += dt
         oracle += dt / limit_on if _active(sched, s["step"]) else dt
-    return {"slowdowns": slow, "predicted_step_s": pred, "best": best, "limit_on": limit_on,
-            "limit_run": total / oracle if oracle > 0 else 1.0}
+    return {
+        "slowdowns": slow,
+        "predicted_step_s": pred,
+        "best": best,
+        "limit_on": limit_on,
+        "limit_run": total / oracle if oracle > 0 else 1.0,
+    }
 
 
 def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, cfg: Config) -> dict[str, Any]:
@@ -421,17 +512,26 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
             tta = [r["time_to_acc_s"] for r in rs if r["reached"]]
             q1, q3 = quartiles(tta)
             row["systems"][system] = {
-                "n": len(rs), "reached": len(tta), "median_s": median(tta) if len(tta) == len(rs) else None,
-                "q1": q1, "q3": q3, "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
+                "n": len(rs),
+                "reached": len(tta),
+                "median_s": median(tta) if len(tta) == len(rs) else None,
+                "q1": q1,
+                "q3": q3,
+                "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
                 "steps": median([r["steps_to_acc"] for r in rs if r["reached"]]),
                 "migrations": [len(r["migrations"]) for r in rs],
                 "ms_per_step": median([r["time_to_acc_s"] / r["steps_to_acc"] * 1e3 for r in rs if r["reached"]]),
                 "pauses_ms": [m["pause_s"] * 1e3 for r in rs for m in r["migrations"]],
                 "final_balances": [r["steps"][0][-1]["balance"] if r["steps"][0] else None for r in rs],
             }
-        ratios = [by[("static", seed)]["time_to_acc_s"] / by[("adaptive", seed)]["time_to_acc_s"]
-                  for (sy, seed) in by if sy == "adaptive" and ("static", seed) in by
-                  and by[("adaptive", seed)]["reached"] and by[("static", seed)]["reached"]]
+        ratios = [
+            by[("static", seed)]["time_to_acc_s"] / by[("adaptive", seed)]["time_to_acc_s"]
+            for (sy, seed) in by
+            if sy == "adaptive"
+            and ("static", seed) in by
+            and by[("adaptive", seed)]["reached"]
+            and by[("static", seed)]["reached"]
+        ]
         rq1, rq3 = quartiles(ratios)
         row["ratio"] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_seed": ratios}
         limits = []
@@ -441,10 +541,13 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 if lim is not None:
                     limits.append(lim | {"seed": seed})
         if limits:
-            row["limit"] = {"per_seed": limits, "limit_run": median([x["limit_run"] for x in limits]),
-                            "limit_on": median([x["limit_on"] for x in limits]),
-                            "slowdowns": [median([x["slowdowns"][k] for x in limits]) for k in range(NUM_STAGES)],
-                            "best": [x["best"] for x in limits]}
+            row["limit"] = {
+                "per_seed": limits,
+                "limit_run": median([x["limit_run"] for x in limits]),
+                "limit_on": median([x["limit_on"] for x in limits]),
+                "slowdowns": [median([x["slowdowns"][k] for x in limits]) for k in range(NUM_STAGES)],
+                "best": [x["best"] for x in limits],
+            }
         out[scenario] = row
     return out
 
@@ -468,19 +571,34 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                 return f"{x['reached']}/{x['n']} reached"
             return f"{x['median_s']:.1f}"
 
-        rows.append([
-            scenario, tta(a), tta(s),
-            _f(ratio, ".2f") + ("x" if ratio == ratio else ""),
-            f"{_f(a.get('ms_per_step'), '.0f')}/{_f(s.get('ms_per_step'), '.0f')}",
-            ",".join(str(m) for m in a.get("migrations", [])) or "-",
-            (f"{median(pauses):.0f}" if pauses else "-"),
-            "-" if lim is None else "/".join(f"{x:.2f}" for x in lim["slowdowns"]),
-            "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
-            "-" if lim is None else f"{lim['limit_run']:.2f}x",
-            "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
-        ])
-    headers = ["scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "ms/step a/s", "migrations", "pause ms",
-               "slowdown s0/s1", "limit while on (best)", "limit over run", "of limit"]
+        rows.append(
+            [
+                scenario,
+                tta(a),
+                tta(s),
+                _f(ratio, ".2f") + ("x" if ratio == ratio else ""),
+                f"{_f(a.get('ms_per_step'), '.0f')}/{_f(s.get('ms_per_step'), '.0f')}",
+                ",".join(str(m) for m in a.get("migrations", [])) or "-",
+                (f"{median(pauses):.0f}" if pauses else "-"),
+                "-" if lim is None else "/".join(f"{x:.2f}" for x in lim["slowdowns"]),
+                "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
+                "-" if lim is None else f"{lim['limit_run']:.2f}x",
+                "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
+            ]
+        )
+    headers = [
+        "scenario",
+        "adaptive TTA s",
+        "static TTA s",
+        "static/adaptive",
+        "ms/step a/s",
+        "migrations",
+        "pause ms",
+        "slowdown s0/s1",
+        "limit while on (best)",
+        "limit over run",
+        "of limit",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -494,17 +612,25 @@ def render_targets(summary: dict[str, Any]) -> str:
     for s in SUSTAINED:
         if s in summary and summary[s].get("limit") and ratio(s) is not None:
             share = ratio(s) / summary[s]["limit"]["limit_run"]
-            out.append(f"{s}: static/adaptive {ratio(s):.2f}x = {share * 100:.0f}% of the rebalancing limit "
-                       f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}")
+            out.append(
+                f"{s}: static/adaptive {ratio(s):.2f}x = {share * 100:.0f}% of the rebalancing limit "
+                f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}"
+            )
     if ratio("quota25") is not None:
-        out.append(f"quota25: {ratio('quota25'):.2f}x faster than static (target >= 1.5x) -> "
-                   f"{'met' if ratio('quota25') >= 1.5 else 'MISSED'}")  # type: ignore[operator]
+        out.append(
+            f"quota25: {ratio('quota25'):.2f}x faster than static (target >= 1.5x) -> "
+            f"{'met' if ratio('quota25') >= 1.5 else 'MISSED'}"
+        )  # type: ignore[operator]
     if ratio("none") is not None:
-        out.append(f"none: adaptive takes {1 / ratio('none'):.3f}x static's time (target <= 1.03x) -> "  # type: ignore[operator]
-                   f"{'met' if 1 / ratio('none') <= 1.03 else 'MISSED'}")  # type: ignore[operator]
+        out.append(
+            f"none: adaptive takes {1 / ratio('none'):.3f}x static's time (target <= 1.03x) -> "  # type: ignore[operator]
+            f"{'met' if 1 / ratio('none') <= 1.03 else 'MISSED'}"
+        )  # type: ignore[operator]
     if ratio("cycles") is not None:
-        out.append(f"cycles: static/adaptive {ratio('cycles'):.2f}x (target >= 1.0x) -> "
-                   f"{'met' if ratio('cycles') >= 1.0 else 'MISSED'}")  # type: ignore[operator]
+        out.append(
+            f"cycles: static/adaptive {ratio('cycles'):.2f}x (target >= 1.0x) -> "
+            f"{'met' if ratio('cycles') >= 1.0 else 'MISSED'}"
+        )  # type: ignore[operator]
     for s in cfg_missing(summary):
         out.append(f"{s}: not measured in this run")
     return "\n".join(out) if out else "no target could be evaluated (a system did not reach the target accuracy?)"
@@ -516,8 +642,14 @@ def cfg_missing(summary: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- plots
-def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machine: dict[str, Any],
-         acc_path: Path, stage_path: Path) -> None:
+def plot(
+    runs: list[dict[str, Any]],
+    summary: dict[str, Any],
+    cfg: Config,
+    machine: dict[str, Any],
+    acc_path: Path,
+    stage_path: Path,
+) -> None:
     try:
         import matplotlib
 
@@ -528,16 +660,25 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
         return
     scenarios = list(summary)
     colors = {"adaptive": "#1f77b4", "static": "#d62728"}
-    title = (f"MLP {cfg.depth}x{cfg.width}, 2 stages on CPU, balance {list(cfg.balance)}, target {cfg.target_acc:.0%}"
-             f"; {machine['cpu_model']}, torch {machine['torch']}, lightning {machine['lightning']}, "
-             f"load {machine['load_average_1_5_15'][0] if machine.get('load_average_1_5_15') else '?'} at start")
+    title = (
+        f"MLP {cfg.depth}x{cfg.width}, 2 stages on CPU, balance {list(cfg.balance)}, target {cfg.target_acc:.0%}"
+        f"; {machine['cpu_model']}, torch {machine['torch']}, lightning {machine['lightning']}, "
+        f"load {machine['load_average_1_5_15'][0] if machine.get('load_average_1_5_15') else '?'} at start"
+    )
 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
         for r in (r for r in runs if r["scenario"] == scenario):
             ev = r["evals"]
-            ax.plot([e["t"] for e in ev], [e["acc"] for e in ev], color=colors[r["system"]], alpha=0.8,
-                    label=f"{r['system']}" if r["seed"] == 0 else None, marker=".", ms=3)
+            ax.plot(
+                [e["t"] for e in ev],
+                [e["acc"] for e in ev],
+                color=colors[r["system"]],
+                alpha=0.8,
+                label=f"{r['system']}" if r["seed"] == 0 else None,
+                marker=".",
+                ms=3,
+            )
             for m in r["migrations"]:
                 t = next((s["t"] for s in r["steps"][-1] if s["step"] >= m["step"]), None)
                 if t is not None:
@@ -567,14 +708,19 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
                 ts = [s["t"] for s in st]
                 ms = [(s["forward_s"] + s["backward_s"]) * 1e3 for s in st]
                 w = 5  # rolling median: single steps are noisy on a shared machine
-                sm = [median(ms[max(0, n - w + 1):n + 1]) for n in range(len(ms))]
+                sm = [median(ms[max(0, n - w + 1) : n + 1]) for n in range(len(ms))]
                 ax.plot(ts, sm, label=f"stage {k}", lw=1)
             for m in r["migrations"]:
                 t = next((s["t"] for s in r["steps"][-1] if s["step"] >= m["step"]), None)
                 if t is not None:
                     ax.axvline(t, color="black", ls="--", lw=0.8)
-                    ax.annotate(f"{m['old']}->{m['new']}\n{m['pause_s'] * 1e3:.0f} ms", (t, ax.get_ylim()[1] * 0.9),
-                                fontsize=6, rotation=90, va="top")
+                    ax.annotate(
+                        f"{m['old']}->{m['new']}\n{m['pause_s'] * 1e3:.0f} ms",
+                        (t, ax.get_ylim()[1] * 0.9),
+                        fontsize=6,
+                        rotation=90,
+                        va="top",
+                    )
             steps = r["steps"][-1]
             on = [s["t"] for s in steps if _active(r["schedule"], s["step"])]
             if on:
@@ -594,13 +740,19 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = Config()
     p.add_argument("--scenarios", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)")
     p.add_argument("--systems", default=None, help="comma-separated subset of adaptive,static (default: both)")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds 0..N-1: weights and batch order (default {d.seeds})")
-    p.add_argument("--first-seed", type=int, default=None,
-                   help="seeds are FIRST..FIRST+N-1 (default 0): add seeds to an earlier run, then merge the JSONs")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=None,
+        help="seeds are FIRST..FIRST+N-1 (default 0): add seeds to an earlier run, then merge the JSONs",
+    )
     p.add_argument("--target-acc", type=float, default=None, help=f"test accuracy to reach (default {d.target_acc})")
     p.add_argument("--max-steps", type=int, default=None, help=f"step cap per run (default {d.max_steps})")
     p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
@@ -612,21 +764,44 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
     p.add_argument("--momentum", type=float, default=None, help=f"SGD momentum (default {d.momentum})")
     p.add_argument("--schedule", default=None, choices=["async", "sync", "gpipe"])
-    p.add_argument("--balance", default=None, help="initial layers per stage for both systems, e.g. 4,5 "
-                   "(default: balanced by parameter count)")
-    p.add_argument("--cycle-steps", type=int, default=None, help=f"on/off half-period of 'cycles' (default {d.cycle_steps})")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)")
+    p.add_argument(
+        "--balance",
+        default=None,
+        help="initial layers per stage for both systems, e.g. 4,5 (default: balanced by parameter count)",
+    )
+    p.add_argument(
+        "--cycle-steps", type=int, default=None, help=f"on/off half-period of 'cycles' (default {d.cycle_steps})"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)",
+    )
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", type=Path, nargs="+", default=None,
-                   help="re-analyse stored runs without measuring; several files (e.g. --first-seed additions with "
-                        "the same settings) are merged into one new JSON")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="re-analyse stored runs without measuring; several files (e.g. --first-seed additions with "
+        "the same settings) are merged into one new JSON",
+    )
     a = p.parse_args(argv)
     cfg = Config()
     if a.quick:
-        cfg = replace(cfg, scenarios=("none", "quota25"), seeds=1, width=64, depth=3, target_acc=0.5, max_steps=60,
-                      eval_every=10, cycle_steps=10, timeout_s=120.0)
+        cfg = replace(
+            cfg,
+            scenarios=("none", "quota25"),
+            seeds=1,
+            width=64,
+            depth=3,
+            target_acc=0.5,
+            max_steps=60,
+            eval_every=10,
+            cycle_steps=10,
+            timeout_s=120.0,
+        )
     if a.scenarios:
         sc = tuple(s.strip() for s in a.scenarios.split(",") if s.strip())
         bad = [s for s in sc if s not in SCENARIOS]
@@ -638,9 +813,22 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         if not sy or any(s not in SYSTEMS for s in sy):
             p.error(f"--systems must be a subset of {list(SYSTEMS)}; got {sy}")
         cfg = replace(cfg, systems=sy)
-    over = {"seeds": a.seeds, "first_seed": a.first_seed, "target_acc": a.target_acc, "max_steps": a.max_steps, "eval_every": a.eval_every,
-            "width": a.width, "depth": a.depth, "batch_size": a.batch_size, "num_microbatches": a.microbatches,
-            "lr": a.lr, "optimizer": a.optimizer, "momentum": a.momentum, "schedule": a.schedule, "cycle_steps": a.cycle_steps}
+    over = {
+        "seeds": a.seeds,
+        "first_seed": a.first_seed,
+        "target_acc": a.target_acc,
+        "max_steps": a.max_steps,
+        "eval_every": a.eval_every,
+        "width": a.width,
+        "depth": a.depth,
+        "batch_size": a.batch_size,
+        "num_microbatches": a.microbatches,
+        "lr": a.lr,
+        "optimizer": a.optimizer,
+        "momentum": a.momentum,
+        "schedule": a.schedule,
+        "cycle_steps": a.cycle_steps,
+    }
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     balance = tuple(int(x) for x in a.balance.split(",")) if a.balance else default_balance(cfg.width, cfg.depth)
     if len(balance) != NUM_STAGES or sum(balance) != cfg.depth + 1 or min(balance) < 1:
@@ -662,21 +850,30 @@ def _load(paths: Sequence[Path], out_dir: Path) -> tuple[dict[str, Any], Path]:
         other = {k: v for k, v in d["config"].items() if k not in ignore}
         if other != base:
             diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
-            raise SystemExit(f"cannot merge {p}: its settings differ in {diff}; merge only runs that differ in seeds "
-                             "or scenarios")
+            raise SystemExit(
+                f"cannot merge {p}: its settings differ in {diff}; merge only runs that differ in seeds or scenarios"
+            )
     commits = {(d["machine"].get("git_commit") or "?")[:10] for d in payloads}
     if len(commits) > 1:
-        print(f"warning: the merged runs were measured on different commits ({', '.join(sorted(commits))}); "
-              "say so wherever the merged numbers are reported")
+        print(
+            f"warning: the merged runs were measured on different commits ({', '.join(sorted(commits))}); "
+            "say so wherever the merged numbers are reported"
+        )
     runs = [r for d in payloads for r in d["runs"]]
     seen = [(r["scenario"], r["system"], r["seed"]) for r in runs]
     if len(seen) != len(set(seen)):
         raise SystemExit("cannot merge: the files repeat a (scenario, system, seed) run")
     scenarios = [s for s in SCENARIOS if any(r["scenario"] == s for r in runs)]
     config = dict(payloads[0]["config"], seeds=len({r["seed"] for r in runs}), scenarios=scenarios)
-    merged = dict(payloads[0], config=config, runs=runs, merged_from=[str(p) for p in paths],
-                  machines=[d["machine"] for d in payloads], commands=[d["command"] for d in payloads],
-                  elapsed_s=sum(d.get("elapsed_s", 0.0) for d in payloads))
+    merged = dict(
+        payloads[0],
+        config=config,
+        runs=runs,
+        merged_from=[str(p) for p in paths],
+        machines=[d["machine"] for d in payloads],
+        commands=[d["command"] for d in payloads],
+        elapsed_s=sum(d.get("elapsed_s", 0.0) for d in payloads),
+    )
     merged.pop("summary", None)
     merged.pop("markdown", None)
     return merged, out_dir / f"interference-merged-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -688,16 +885,23 @@ def _config_from_json(d: dict[str, Any]) -> Config:
 
 
 def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+        f"load {machine['load_average_1_5_15']}"
+    )
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
-    print(f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)} for both systems, batch "
-          f"{cfg.batch_size}, M={cfg.num_microbatches}, {cfg.schedule}, {cfg.optimizer} lr {cfg.lr}"
-          f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}; "
-          f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
-          f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}")
+    print(
+        f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)} for both systems, batch "
+        f"{cfg.batch_size}, M={cfg.num_microbatches}, {cfg.schedule}, {cfg.optimizer} lr {cfg.lr}"
+        f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}; "
+        f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
+        f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}"
+    )
     dirty = machine.get("git_modified_files")
-    print(f"code: commit {(machine.get('git_commit') or '?')[:10]}"
-          + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
+    print(
+        f"code: commit {(machine.get('git_commit') or '?')[:10]}"
+        + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+    )
     print(f"command: {cmd}", flush=True)
 
 
@@ -722,16 +926,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             finally:
                 raw = json.loads(Path(result_path).read_text(encoding="utf-8")) if os.path.exists(result_path) else {}
                 machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
-                payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
-                           "elapsed_s": time.perf_counter() - t0, "runs": [], "layer_costs": None, **raw}
+                payload = {
+                    "config": asdict(cfg),
+                    "machine": machine,
+                    "command": cmd,
+                    "elapsed_s": time.perf_counter() - t0,
+                    "runs": [],
+                    "layer_costs": None,
+                    **raw,
+                }
                 json_path.parent.mkdir(parents=True, exist_ok=True)
                 json_path.write_text(json.dumps(payload), encoding="utf-8")  # raw first
     summary = summarise(payload["runs"], payload["layer_costs"], cfg)
     print()
-    print("time to accuracy (TTA: median over seeds of training seconds to the first evaluation >= target); "
-          "static/adaptive: median of per-seed ratios; ms/step: TTA / steps, adaptive/static; migrations: per seed; "
-          "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
-          "slowdowns (not measured):")
+    print(
+        "time to accuracy (TTA: median over seeds of training seconds to the first evaluation >= target); "
+        "static/adaptive: median of per-seed ratios; ms/step: TTA / steps, adaptive/static; migrations: per seed; "
+        "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
+        "slowdowns (not measured):"
+    )
     print(render_table(summary, cfg))
     print()
     print(render_targets(summary))

@@ -70,10 +70,18 @@ from benchmarks._common import (  # noqa: E402
 )
 
 SYSTEMS: tuple[str, ...] = ("off", "on", "every-step", "off-again")
-LABELS = {"off": "no monitor", "on": "StageMonitor() (every 10)", "every-step": "StageMonitor(every_n_steps=1)",
-          "off-again": "no monitor again (A/A control)"}
-_SHORT = {"off": "no monitor", "on": "StageMonitor()\nevery 10 steps", "every-step": "StageMonitor\nevery step",
-          "off-again": "no monitor\n(A/A control)"}
+LABELS = {
+    "off": "no monitor",
+    "on": "StageMonitor() (every 10)",
+    "every-step": "StageMonitor(every_n_steps=1)",
+    "off-again": "no monitor again (A/A control)",
+}
+_SHORT = {
+    "off": "no monitor",
+    "on": "StageMonitor()\nevery 10 steps",
+    "every-step": "StageMonitor\nevery step",
+    "off-again": "no monitor\n(A/A control)",
+}
 WORLD_SIZE = 2
 TARGET = 0.02
 
@@ -117,12 +125,25 @@ def _per_call_us(fn: Callable[[], object], number: int) -> float:
 def micro_costs(window: int = 20) -> dict[str, float]:
     """What each piece of the monitor costs in this process, microseconds per call."""
     from lightning_dynpipe.engine.executor import StepStats
-    from lightning_dynpipe.monitor import PipelineSnapshot, ProcessSampler, StageReport, StageSample
-    from lightning_dynpipe.monitor import StageStatsAccumulator
+    from lightning_dynpipe.monitor import (
+        PipelineSnapshot,
+        ProcessSampler,
+        StageReport,
+        StageSample,
+        StageStatsAccumulator,
+    )
 
     sampler = ProcessSampler()
-    stats = StepStats(forward_s=0.01, backward_s=0.02, optimizer_s=0.001, recv_wait_s=0.005, send_s=0.001,
-                      step_s=0.04, in_flight=2, stash_depth=2)
+    stats = StepStats(
+        forward_s=0.01,
+        backward_s=0.02,
+        optimizer_s=0.001,
+        recv_wait_s=0.005,
+        send_s=0.001,
+        step_s=0.04,
+        in_flight=2,
+        stash_depth=2,
+    )
     acc = StageStatsAccumulator(window)
     for _ in range(window):
         acc.add(StageSample.from_step(stats, sampler.sample()))
@@ -134,7 +155,8 @@ def micro_costs(window: int = 20) -> dict[str, float]:
         "sample + add (per step)": _per_call_us(lambda: acc.add(StageSample.from_step(stats, sampler.sample())), 5000),
         f"summary (window {window})": _per_call_us(acc.summary, 500),
         "snapshot + to_metrics (2 stages)": _per_call_us(
-            lambda: PipelineSnapshot.from_reports(1, reports).to_metrics(), 500),
+            lambda: PipelineSnapshot.from_reports(1, reports).to_metrics(), 500
+        ),
     }
     sampler.close()
     return out
@@ -212,14 +234,22 @@ def _run(system: str, cfg: Config, batches: list[Any]) -> dict[str, Any]:
     elif system == "every-step":
         callbacks.append(StageMonitor(every_n_steps=1, window=cfg.window))
     probe = _monitor_probe(drop=system.startswith("off") and "monitor" not in _strategy_kwargs(system))
-    strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, schedule="async", balance=list(cfg.balance),
-                               timeout=cfg.timeout_s, **_strategy_kwargs(system))
+    strategy = DynPipeStrategy(
+        num_microbatches=cfg.num_microbatches,
+        schedule="async",
+        balance=list(cfg.balance),
+        timeout=cfg.timeout_s,
+        **_strategy_kwargs(system),
+    )
     timer = _step_timer(cfg.warmup, cfg.steps)
     res = fit_dynpipe(_model(cfg), batches, strategy, timer, world_size=WORLD_SIZE, callbacks=[*callbacks, probe])
     monitors = probe.monitors
-    hook = {"overhead_s": sum(m.overhead_s for m in monitors),
-            "snapshots": float(sum(m.snapshots_taken for m in monitors)), "monitors": len(monitors),
-            "dropped": probe.dropped}
+    hook = {
+        "overhead_s": sum(m.overhead_s for m in monitors),
+        "snapshots": float(sum(m.snapshots_taken for m in monitors)),
+        "monitors": len(monitors),
+        "dropped": probe.dropped,
+    }
     gathered: list[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, {"rank": dist.get_rank(), "stage": timer.stage_idx, **hook})
     cpu = [c["cpu"].get("process_cpu_s", float("nan")) for c in sorted(res["cpu"], key=lambda c: c["stage"])]
@@ -242,23 +272,31 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                 dist.barrier()
                 res = _run(system, cfg, batches)
                 total_steps = cfg.warmup + cfg.steps
-                runs.append({
-                    "rep": rep, "position": position, "system": system, "load1": load,
-                    "step_ms": res["seconds"] / cfg.steps * 1e3,
-                    "hook_ms_per_step": [m["overhead_s"] / total_steps * 1e3 for m in res["monitor"]],
-                    "cpu_ms_per_step": [c / cfg.steps * 1e3 for c in res["cpu_s"]],
-                    "snapshots": [m["snapshots"] for m in res["monitor"]],
-                    "monitors": [m["monitors"] for m in res["monitor"]],
-                    "dropped_default_monitor": [m["dropped"] for m in res["monitor"]],
-                })
+                runs.append(
+                    {
+                        "rep": rep,
+                        "position": position,
+                        "system": system,
+                        "load1": load,
+                        "step_ms": res["seconds"] / cfg.steps * 1e3,
+                        "hook_ms_per_step": [m["overhead_s"] / total_steps * 1e3 for m in res["monitor"]],
+                        "cpu_ms_per_step": [c / cfg.steps * 1e3 for c in res["cpu_s"]],
+                        "snapshots": [m["snapshots"] for m in res["monitor"]],
+                        "monitors": [m["monitors"] for m in res["monitor"]],
+                        "dropped_default_monitor": [m["dropped"] for m in res["monitor"]],
+                    }
+                )
                 if system.startswith("off") and any(res["monitor"][k]["monitors"] for k in range(WORLD_SIZE)):
                     raise RuntimeError(
                         "The 'off' system ran with a StageMonitor that the strategy added by itself, so there is "
                         "nothing to compare against."
                     )
                 if rank == 0:
-                    print(f"  rep {rep + 1}/{cfg.repeats}  {system:<11} {runs[-1]['step_ms']:7.2f} ms/step  "
-                          f"(load {load:.1f})", flush=True)
+                    print(
+                        f"  rep {rep + 1}/{cfg.repeats}  {system:<11} {runs[-1]['step_ms']:7.2f} ms/step  "
+                        f"(load {load:.1f})",
+                        flush=True,
+                    )
         if rank == 0:
             Path(result_path).write_text(json.dumps(runs), encoding="utf-8")
     finally:
@@ -274,17 +312,33 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in SYSTEMS:
         steps = [r["step_ms"] for r in runs if r["system"] == system]
-        paired = [reps[system]["step_ms"] / reps["off"]["step_ms"] - 1.0
-                  for reps in by_rep.values() if system in reps and "off" in reps]
-        hook = [max(reps[system]["hook_ms_per_step"]) / reps["off"]["step_ms"]
-                for reps in by_rep.values() if system in reps and "off" in reps]
-        cpu = [max(a - b for a, b in zip(reps[system]["cpu_ms_per_step"], reps["off"]["cpu_ms_per_step"]))
-               / reps["off"]["step_ms"] for reps in by_rep.values() if system in reps and "off" in reps]
+        paired = [
+            reps[system]["step_ms"] / reps["off"]["step_ms"] - 1.0
+            for reps in by_rep.values()
+            if system in reps and "off" in reps
+        ]
+        hook = [
+            max(reps[system]["hook_ms_per_step"]) / reps["off"]["step_ms"]
+            for reps in by_rep.values()
+            if system in reps and "off" in reps
+        ]
+        cpu = [
+            max(a - b for a, b in zip(reps[system]["cpu_ms_per_step"], reps["off"]["cpu_ms_per_step"]))
+            / reps["off"]["step_ms"]
+            for reps in by_rep.values()
+            if system in reps and "off" in reps
+        ]
         out[system] = {
-            "step_ms": median(steps), "step_ms_q": quartiles(steps),
-            "paired": median(paired), "paired_q": quartiles(paired), "paired_all": paired,
-            "hook_share": median(hook), "hook_share_all": hook,
-            "cpu_share": median(cpu), "cpu_share_q": quartiles(cpu), "cpu_share_all": cpu,
+            "step_ms": median(steps),
+            "step_ms_q": quartiles(steps),
+            "paired": median(paired),
+            "paired_q": quartiles(paired),
+            "paired_all": paired,
+            "hook_share": median(hook),
+            "hook_share_all": hook,
+            "cpu_share": median(cpu),
+            "cpu_share_q": quartiles(cpu),
+            "cpu_share_all": cpu,
             "hook_ms_per_step": median([max(r["hook_ms_per_step"]) for r in runs if r["system"] == system]),
         }
     return out
@@ -296,16 +350,28 @@ def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
         s = summary[system]
         q1, q3 = s["step_ms_q"]
         p1, p3 = s["paired_q"]
-        rows.append([
-            LABELS[system], f"{s['step_ms']:.2f}", f"{q1:.2f}-{q3:.2f}",
-            "-" if system == "off" else f"{s['paired'] * 100:+.2f}%",
-            "-" if system == "off" else f"{p1 * 100:+.2f}% .. {p3 * 100:+.2f}%",
-            "-" if system == "off" else f"{s['hook_ms_per_step'] * 1e3:.0f} us",
-            "-" if system == "off" else f"{s['hook_share'] * 100:.2f}%",
-            "-" if system == "off" else f"{s['cpu_share'] * 100:+.2f}%",
-        ])
-    headers = ("system", "step ms (median)", "IQR", "wall overhead (paired median)", "paired IQR",
-               "in-hook per step", "in-hook share", "extra CPU (paired)")
+        rows.append(
+            [
+                LABELS[system],
+                f"{s['step_ms']:.2f}",
+                f"{q1:.2f}-{q3:.2f}",
+                "-" if system == "off" else f"{s['paired'] * 100:+.2f}%",
+                "-" if system == "off" else f"{p1 * 100:+.2f}% .. {p3 * 100:+.2f}%",
+                "-" if system == "off" else f"{s['hook_ms_per_step'] * 1e3:.0f} us",
+                "-" if system == "off" else f"{s['hook_share'] * 100:.2f}%",
+                "-" if system == "off" else f"{s['cpu_share'] * 100:+.2f}%",
+            ]
+        )
+    headers = (
+        "system",
+        "step ms (median)",
+        "IQR",
+        "wall overhead (paired median)",
+        "paired IQR",
+        "in-hook per step",
+        "in-hook share",
+        "extra CPU (paired)",
+    )
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -318,17 +384,25 @@ def verdict(summary: dict[str, Any]) -> str:
     ok_hook = on["hook_share"] < TARGET
     ok_paired = on["paired"] < TARGET
     aa = summary["off-again"]
-    return (f"target: StageMonitor() overhead < {TARGET:.0%} of step time: in-hook {on['hook_share']:.2%} "
-            f"({'met' if ok_hook else 'MISSED'}); paired end-to-end {on['paired']:+.2%} "
-            f"({'met' if ok_paired else 'MISSED'}; paired IQR {on['paired_q'][0]:+.2%} .. {on['paired_q'][1]:+.2%}); "
-            f"extra CPU {on['cpu_share']:+.2%} of the step.\n"
-            f"noise floor (A/A, no monitor twice): paired {aa['paired']:+.2%} (IQR {aa['paired_q'][0]:+.2%} .. "
-            f"{aa['paired_q'][1]:+.2%}), extra CPU {aa['cpu_share']:+.2%} (IQR {aa['cpu_share_q'][0]:+.2%} .. "
-            f"{aa['cpu_share_q'][1]:+.2%}): end-to-end differences inside these ranges are not resolved")
+    return (
+        f"target: StageMonitor() overhead < {TARGET:.0%} of step time: in-hook {on['hook_share']:.2%} "
+        f"({'met' if ok_hook else 'MISSED'}); paired end-to-end {on['paired']:+.2%} "
+        f"({'met' if ok_paired else 'MISSED'}; paired IQR {on['paired_q'][0]:+.2%} .. {on['paired_q'][1]:+.2%}); "
+        f"extra CPU {on['cpu_share']:+.2%} of the step.\n"
+        f"noise floor (A/A, no monitor twice): paired {aa['paired']:+.2%} (IQR {aa['paired_q'][0]:+.2%} .. "
+        f"{aa['paired_q'][1]:+.2%}), extra CPU {aa['cpu_share']:+.2%} (IQR {aa['cpu_share_q'][0]:+.2%} .. "
+        f"{aa['cpu_share_q'][1]:+.2%}): end-to-end differences inside these ranges are not resolved"
+    )
 
 
-def plot(runs: list[dict[str, Any]], summary: dict[str, Any], micro: dict[str, float], cfg: Config,
-         machine: dict[str, Any], path: Path) -> None:
+def plot(
+    runs: list[dict[str, Any]],
+    summary: dict[str, Any],
+    micro: dict[str, float],
+    cfg: Config,
+    machine: dict[str, Any],
+    path: Path,
+) -> None:
     """Left: step time of every run by system. Right: paired and in-hook overhead per repeat, with the target."""
     try:
         import matplotlib
@@ -341,7 +415,13 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], micro: dict[str, f
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1, 1.2]})
     for i, system in enumerate(SYSTEMS):
         pts = [r["step_ms"] for r in runs if r["system"] == system]
-        ax1.bar(i, summary[system]["step_ms"], color="#7f7f7f" if system.startswith("off") else "#1f77b4", alpha=0.7, width=0.6)
+        ax1.bar(
+            i,
+            summary[system]["step_ms"],
+            color="#7f7f7f" if system.startswith("off") else "#1f77b4",
+            alpha=0.7,
+            width=0.6,
+        )
         n = len(pts)
         ax1.scatter([i + (j - (n - 1) / 2) * 0.3 / max(n, 1) for j in range(n)], pts, color="black", s=10, zorder=3)
     ax1.set_xticks(range(len(SYSTEMS)), [_SHORT[s] for s in SYSTEMS], fontsize=8)
@@ -350,11 +430,19 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], micro: dict[str, f
     width = 0.26
     for i, system in enumerate(SYSTEMS[1:]):
         s = summary[system]
-        for offset, key, color, label in ((-width, "paired", "#1f77b4", "wall, paired"),
-                                          (0.0, "hook_share", "#ff7f0e", "in-hook time"),
-                                          (width, "cpu_share", "#2ca02c", "extra CPU, paired")):
-            ax2.bar(i + offset, 100 * s[key], width=width, color=color, alpha=0.5,
-                    label=f"{label} (bar: median; points: repeats)" if i == 0 else None)
+        for offset, key, color, label in (
+            (-width, "paired", "#1f77b4", "wall, paired"),
+            (0.0, "hook_share", "#ff7f0e", "in-hook time"),
+            (width, "cpu_share", "#2ca02c", "extra CPU, paired"),
+        ):
+            ax2.bar(
+                i + offset,
+                100 * s[key],
+                width=width,
+                color=color,
+                alpha=0.5,
+                label=f"{label} (bar: median; points: repeats)" if i == 0 else None,
+            )
             pts = [100 * v for v in s[f"{key}_all"]]
             ax2.scatter([i + offset] * len(pts), pts, color=color, s=10, zorder=3)
     ax2.axhline(100 * TARGET, color="red", linestyle="--", linewidth=1, label=f"target {TARGET:.0%}")
@@ -386,21 +474,47 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--repeats", type=int, default=None, help=f"interleaved repeats (default {d.repeats})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run (default {d.steps})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps before them (default {d.warmup})")
-    p.add_argument("--every-n-steps", type=int, default=None,
-                   help=f"the 'on' monitor's snapshot interval (default {d.every_n_steps})")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: width 64, depth 3, batch 32, 1 repeat, 12 steps; plot goes to --out-dir")
+    p.add_argument(
+        "--every-n-steps",
+        type=int,
+        default=None,
+        help=f"the 'on' monitor's snapshot interval (default {d.every_n_steps})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: width 64, depth 3, batch 32, 1 repeat, 12 steps; plot goes to --out-dir",
+    )
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT, help="raw results (default benchmarks/out/)")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="plot path (default docs/img/monitor_overhead.png; with --quick: OUT_DIR/monitor_overhead-quick.png)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="plot path (default docs/img/monitor_overhead.png; with --quick: OUT_DIR/monitor_overhead-quick.png)",
+    )
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="re-analyse a previous run's record (tables, verdict, plot) without measuring")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-analyse a previous run's record (tables, verdict, plot) without measuring",
+    )
     a = p.parse_args(argv)
     cfg = d
     if a.quick:
-        cfg = replace(cfg, repeats=1, steps=12, warmup=2, width=64, depth=3, batch_size=32, balance=(2, 2),
-                      every_n_steps=4, window=4, timeout_s=60.0)
+        cfg = replace(
+            cfg,
+            repeats=1,
+            steps=12,
+            warmup=2,
+            width=64,
+            depth=3,
+            batch_size=32,
+            balance=(2, 2),
+            every_n_steps=4,
+            window=4,
+            timeout_s=60.0,
+        )
     overrides = {"repeats": a.repeats, "steps": a.steps, "warmup": a.warmup, "every_n_steps": a.every_n_steps}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if min(cfg.repeats, cfg.steps, cfg.warmup, cfg.every_n_steps) < 1:
@@ -409,13 +523,20 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+        f"load {machine['load_average_1_5_15']}"
+    )
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
-    print(f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)}, batch {cfg.batch_size}, "
-          f"M={cfg.num_microbatches}, async; {cfg.repeats} repeats x ({cfg.warmup} warm-up + {cfg.steps} timed steps)")
+    print(
+        f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)}, batch {cfg.batch_size}, "
+        f"M={cfg.num_microbatches}, async; {cfg.repeats} repeats x ({cfg.warmup} warm-up + {cfg.steps} timed steps)"
+    )
     dirty = machine.get("git_modified_files")
-    print(f"code: commit {(machine.get('git_commit') or '?')[:10]}"
-          + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
+    print(
+        f"code: commit {(machine.get('git_commit') or '?')[:10]}"
+        + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+    )
     print(f"command: {cmd}", flush=True)
 
 
@@ -455,9 +576,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(verdict(summary))
 
     quick = a.quick or cfg.repeats == 1
-    payload = {"config": asdict(cfg), "machine": machine, "command": cmd, "elapsed_s": elapsed,
-               "micro_us": micro, "runs": runs, "summary": summary,
-               "markdown": {"table": render_table(summary, markdown=True), "micro": render_micro(micro, markdown=True)}}
+    payload = {
+        "config": asdict(cfg),
+        "machine": machine,
+        "command": cmd,
+        "elapsed_s": elapsed,
+        "micro_us": micro,
+        "runs": runs,
+        "summary": summary,
+        "markdown": {"table": render_table(summary, markdown=True), "micro": render_micro(micro, markdown=True)},
+    }
     if a.from_json is not None:
         json_path = a.from_json
     else:

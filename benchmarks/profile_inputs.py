@@ -92,11 +92,17 @@ def measure(models: Sequence[tuple[str, str, dict[str, Any], int, int]], repeats
                     warnings.simplefilter("ignore", UserWarning)  # the constant-input warning, on purpose here
                     prof = profile_layers(model.pipeline, sample(kind, model, mb, images))
                 stages = [prof.layers[:cut], prof.layers[cut:]]
-                records.append({
-                    "rep": rep, "model": label, "sample": kind, "micro_batch": mb, "cut": cut,
-                    "forward_s": [sum(s.forward_s for s in st) for st in stages],
-                    "backward_s": [sum(s.backward_s for s in st) for st in stages],
-                })
+                records.append(
+                    {
+                        "rep": rep,
+                        "model": label,
+                        "sample": kind,
+                        "micro_batch": mb,
+                        "cut": cut,
+                        "forward_s": [sum(s.forward_s for s in st) for st in stages],
+                        "backward_s": [sum(s.backward_s for s in st) for st in stages],
+                    }
+                )
             print(f"  rep {rep + 1}/{repeats}  {label}", flush=True)
     return records
 
@@ -107,10 +113,18 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for label in dict.fromkeys(r["model"] for r in records):
         mine = [r for r in records if r["model"] == label]
         for k in range(2):
-            med = {kind: {w: median([r[w][k] for r in mine if r["sample"] == kind]) for w in ("forward_s", "backward_s")}
-                   for kind in SAMPLES}
-            rows.append({"model": label, "stage": k, "cut": mine[0]["cut"], **{
-                f"{kind}_{w}": med[kind][w] for kind in SAMPLES for w in ("forward_s", "backward_s")}})
+            med = {
+                kind: {w: median([r[w][k] for r in mine if r["sample"] == kind]) for w in ("forward_s", "backward_s")}
+                for kind in SAMPLES
+            }
+            rows.append(
+                {
+                    "model": label,
+                    "stage": k,
+                    "cut": mine[0]["cut"],
+                    **{f"{kind}_{w}": med[kind][w] for kind in SAMPLES for w in ("forward_s", "backward_s")},
+                }
+            )
     return rows
 
 
@@ -148,8 +162,11 @@ def plot(rows: list[dict[str, Any]], machine: dict[str, Any], repeats: int, path
     ax.set_xticks(range(len(rows)), [f"{r['model']}\nstage {r['stage']}" for r in rows], fontsize=8)
     ax.set_ylabel("profiled forward + backward, ms per micro-batch")
     ax.legend(title="sample micro-batch", fontsize=8)
-    ax.set_title(f"Profile of the same layers on three samples (medians of {repeats} interleaved repeats)\n"
-                 f"{machine['cpu_model']}, torch {machine['torch']}, one thread", fontsize=9)
+    ax.set_title(
+        f"Profile of the same layers on three samples (medians of {repeats} interleaved repeats)\n"
+        f"{machine['cpu_model']}, torch {machine['torch']}, one thread",
+        fontsize=9,
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,8 +183,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     repeats = 1 if a.quick else a.repeats
     machine = machine_info()
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load "
-          f"{machine['load_average_1_5_15']}; torch {machine['torch']}; command: {command_line()}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load "
+        f"{machine['load_average_1_5_15']}; torch {machine['torch']}; command: {command_line()}"
+    )
     records = measure(QUICK_MODELS if a.quick else MODELS, repeats)
     rows = summarise(records)
     print("\nProfiled ms per micro-batch per stage (medians), and the ratio to the profile on real MNIST data:")
@@ -175,9 +194,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = a.out_dir / f"profile_inputs-{stamp}{'-quick' if a.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "command": command_line(), "repeats": repeats,
-                               "records": records, "summary": rows,
-                               "markdown": render(rows, markdown=True)}, indent=1), encoding="utf-8")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "command": command_line(),
+                "repeats": repeats,
+                "records": records,
+                "summary": rows,
+                "markdown": render(rows, markdown=True),
+            },
+            indent=1,
+        ),
+        encoding="utf-8",
+    )
     plot_path = a.out_dir / "profile_inputs-quick.png" if a.quick else _DEFAULT_PLOT
     plot(rows, machine, repeats, plot_path)
     print(f"\nplot: {plot_path}\nraw results: {out}")

@@ -146,8 +146,15 @@ def null_spec(batch_size: int, num_microbatches: int) -> RunSpec:
     batches. Whatever its stages spend beyond the profile of its layers is the cost of running a micro-batch
     through Lightning and DynPipe (see :func:`framework_overhead`); nothing in it is fitted to the models.
     """
-    return RunSpec(f"null {batch_size}/{num_microbatches}", "MLP", (("width", 4), ("depth", 1)), batch_size,
-                   num_microbatches, (1, 1), framework=True)
+    return RunSpec(
+        f"null {batch_size}/{num_microbatches}",
+        "MLP",
+        (("width", 4), ("depth", 1)),
+        batch_size,
+        num_microbatches,
+        (1, 1),
+        framework=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- model / data
@@ -212,8 +219,16 @@ def calibrate_model(spec: RunSpec, cfg: Config) -> dict[str, Any]:
     model = build_model(spec, cfg)
     mb = spec.batch_size // spec.num_microbatches
     profile = profile_layers(model.pipeline, model.example_input(mb), optimizer_state_bytes_per_param_byte=0.0)
-    layers = [{"forward_s": s.forward_s, "backward_s": s.backward_s, "activation_bytes": s.activation_bytes,
-               "param_bytes": s.param_bytes, "name": s.name} for s in profile.layers]
+    layers = [
+        {
+            "forward_s": s.forward_s,
+            "backward_s": s.backward_s,
+            "activation_bytes": s.activation_bytes,
+            "param_bytes": s.param_bytes,
+            "name": s.name,
+        }
+        for s in profile.layers
+    ]
     pipeline = model.pipeline
     cuts: dict[str, Any] = {}
     for cut in range(1, len(pipeline)):
@@ -237,8 +252,14 @@ def _strategy(spec: RunSpec, cfg: Config) -> Any:
 
     balance: Any = list(spec.balance) if isinstance(spec.balance, tuple) else spec.balance
     # adaptive=False: the partition under test must stay the one the run starts with.
-    return DynPipeStrategy(num_stages=NUM_STAGES, num_microbatches=spec.num_microbatches, schedule="async",
-                           balance=balance, adaptive=False, timeout=cfg.timeout_s)
+    return DynPipeStrategy(
+        num_stages=NUM_STAGES,
+        num_microbatches=spec.num_microbatches,
+        schedule="async",
+        balance=balance,
+        adaptive=False,
+        timeout=cfg.timeout_s,
+    )
 
 
 def _partition_recorder() -> Any:
@@ -269,8 +290,11 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
         by_key = {s.model_key: s for s in cfg.specs}
         for rep in range(cfg.repeats):
             dist.barrier()
-            mine = {"rank": rank, "link": _probe_link(rank),
-                    "models": {key: calibrate_model(s, cfg) for key, s in by_key.items()}}
+            mine = {
+                "rank": rank,
+                "link": _probe_link(rank),
+                "models": {key: calibrate_model(s, cfg) for key, s in by_key.items()},
+            }
             gathered: list[Any] = [None] * WORLD_SIZE
             dist.all_gather_object(gathered, mine)  # both ranks calibrate at once, like the stages run
             calibration.append({"rep": rep, "ranks": gathered})
@@ -278,18 +302,37 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                 load = os.getloadavg()[0]
                 dist.barrier()
                 recorder = _partition_recorder()
-                res = fit_dynpipe(build_model(spec, cfg), batches[spec.label], _strategy(spec, cfg),
-                                  _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE, callbacks=[recorder])
+                res = fit_dynpipe(
+                    build_model(spec, cfg),
+                    batches[spec.label],
+                    _strategy(spec, cfg),
+                    _step_timer(cfg.warmup, cfg.steps),
+                    world_size=WORLD_SIZE,
+                    callbacks=[recorder],
+                )
                 samples = cfg.steps * spec.batch_size
-                runs.append({
-                    "rep": rep, "position": position, "system": spec.label, "seconds": res["seconds"],
-                    "steps": cfg.steps, "samples": samples, "samples_per_s": samples / res["seconds"],
-                    "load1": load, "balance": recorder.balance,
-                    "plan_table": recorder.plan_table, "stages": res["stages"], "cpu": res["cpu"],
-                })
+                runs.append(
+                    {
+                        "rep": rep,
+                        "position": position,
+                        "system": spec.label,
+                        "seconds": res["seconds"],
+                        "steps": cfg.steps,
+                        "samples": samples,
+                        "samples_per_s": samples / res["seconds"],
+                        "load1": load,
+                        "balance": recorder.balance,
+                        "plan_table": recorder.plan_table,
+                        "stages": res["stages"],
+                        "cpu": res["cpu"],
+                    }
+                )
                 if rank == 0:
-                    print(f"  rep {rep + 1}/{cfg.repeats}  {spec.label:<22} balance {recorder.balance}"
-                          f"  {samples / res['seconds']:8.1f} samples/s  (load {load:.1f})", flush=True)
+                    print(
+                        f"  rep {rep + 1}/{cfg.repeats}  {spec.label:<22} balance {recorder.balance}"
+                        f"  {samples / res['seconds']:8.1f} samples/s  (load {load:.1f})",
+                        flush=True,
+                    )
         if rank == 0:
             Path(result_path).write_text(json.dumps({"runs": runs, "calibration": calibration}), encoding="utf-8")
     finally:
@@ -311,15 +354,26 @@ def pooled_costs(calibration: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Medians over ranks and repeats: per-layer profile, per-cut update/stash costs, the link."""
     samples = [r["models"][key] for c in calibration for r in c["ranks"]]
     n = len(samples[0]["layers"])
-    layers = [{f: median([s["layers"][i][f] for s in samples]) for f in ("forward_s", "backward_s")}
-              | {"activation_bytes": samples[0]["layers"][i]["activation_bytes"],
-                 "param_bytes": samples[0]["layers"][i]["param_bytes"], "name": samples[0]["layers"][i]["name"]}
-              for i in range(n)]
-    cuts = {cut: [{w: median([s["cuts"][cut][k][w] for s in samples]) for w in ("update", "stash")}
-                  for k in range(NUM_STAGES)] for cut in samples[0]["cuts"]}
+    layers = [
+        {f: median([s["layers"][i][f] for s in samples]) for f in ("forward_s", "backward_s")}
+        | {
+            "activation_bytes": samples[0]["layers"][i]["activation_bytes"],
+            "param_bytes": samples[0]["layers"][i]["param_bytes"],
+            "name": samples[0]["layers"][i]["name"],
+        }
+        for i in range(n)
+    ]
+    cuts = {
+        cut: [
+            {w: median([s["cuts"][cut][k][w] for s in samples]) for w in ("update", "stash")} for k in range(NUM_STAGES)
+        ]
+        for cut in samples[0]["cuts"]
+    }
     links = [r["link"] for c in calibration for r in c["ranks"] if r["rank"] == 0]
-    link = {"latency_s": median([x["latency_s"] for x in links]),
-            "bandwidth_Bps": median([x["bandwidth_Bps"] for x in links])}
+    link = {
+        "latency_s": median([x["latency_s"] for x in links]),
+        "bandwidth_Bps": median([x["bandwidth_Bps"] for x in links]),
+    }
     return {"layers": layers, "cuts": cuts, "link": link}
 
 
@@ -339,18 +393,28 @@ def stage_inputs(costs: dict[str, Any], balance: Sequence[int]) -> dict[str, lis
     }
 
 
-def simulate_step(inputs: dict[str, list[float]], num_microbatches: int, sim_steps: int,
-                  *, with_comm: bool = True) -> Any:
+def simulate_step(
+    inputs: dict[str, list[float]], num_microbatches: int, sim_steps: int, *, with_comm: bool = True
+) -> Any:
     """The simulated ``async`` run (``step_sync="last_stage_broadcast"``) of 2 stages with these inputs.
 
     ``inputs`` may also hold ``step`` and ``send`` (the simulator's ``step_overhead`` and ``send_overhead``).
     """
     from lightning_dynpipe.schedule import simulate
 
-    return simulate("async", NUM_STAGES, num_microbatches, sim_steps, forward_time=inputs["forward"],
-                    backward_time=inputs["backward"], update_time=inputs["update"],
-                    comm_time=inputs["comm"] if with_comm else 0.0, step_sync="last_stage_broadcast",
-                    step_overhead=inputs.get("step", 0.0), send_overhead=inputs.get("send", 0.0))
+    return simulate(
+        "async",
+        NUM_STAGES,
+        num_microbatches,
+        sim_steps,
+        forward_time=inputs["forward"],
+        backward_time=inputs["backward"],
+        update_time=inputs["update"],
+        comm_time=inputs["comm"] if with_comm else 0.0,
+        step_sync="last_stage_broadcast",
+        step_overhead=inputs.get("step", 0.0),
+        send_overhead=inputs.get("send", 0.0),
+    )
 
 
 def framework_overhead(payload: dict[str, Any], null: RunSpec) -> dict[str, list[float]] | None:
@@ -375,8 +439,10 @@ def framework_overhead(payload: dict[str, Any], null: RunSpec) -> dict[str, list
     last = NUM_STAGES - 1
     outside_last = median([p[last]["outside_s"] for p in per_rep])
     return {
-        **{w: [max(0.0, inside[w][k] - alone[w][k]) for k in range(NUM_STAGES)]
-           for w in ("forward", "backward", "update")},
+        **{
+            w: [max(0.0, inside[w][k] - alone[w][k]) for k in range(NUM_STAGES)]
+            for w in ("forward", "backward", "update")
+        },
         "send": [median([p[k]["send_s"] for p in per_rep]) / null.num_microbatches for k in range(NUM_STAGES)],
         "step": [outside_last + median([max(0.0, p[k]["other_s"]) for p in per_rep]) for k in range(NUM_STAGES)],
     }
@@ -386,7 +452,9 @@ def with_framework(inputs: dict[str, list[float]], framework: dict[str, list[flo
     """The profile's simulator inputs plus the framework's costs from :func:`framework_overhead`."""
     return {
         **{w: [a + b for a, b in zip(inputs[w], framework[w])] for w in ("forward", "backward", "update")},
-        "comm": inputs["comm"], "send": framework["send"], "step": framework["step"],
+        "comm": inputs["comm"],
+        "send": framework["send"],
+        "step": framework["step"],
     }
 
 
@@ -415,12 +483,22 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
         predicted = spec.batch_size / sim.steady_state_step_time
         meas = median(sps)
         row: dict[str, Any] = {
-            "label": spec.label, "balance": list(balance), "batch_size": spec.batch_size,
-            "num_microbatches": spec.num_microbatches, "measured": meas, "q1": q1, "q3": q3, "n": len(sps),
-            "per_rep": sps, "partitions_seen": sorted({str(r["balance"]) for r in mine}),
-            "predicted": predicted, "error": predicted / meas - 1.0, "inputs_s": inputs,
+            "label": spec.label,
+            "balance": list(balance),
+            "batch_size": spec.batch_size,
+            "num_microbatches": spec.num_microbatches,
+            "measured": meas,
+            "q1": q1,
+            "q3": q3,
+            "n": len(sps),
+            "per_rep": sps,
+            "partitions_seen": sorted({str(r["balance"]) for r in mine}),
+            "predicted": predicted,
+            "error": predicted / meas - 1.0,
+            "inputs_s": inputs,
             "bubble_fraction": list(sim.bubble_fraction),
-            "predicted_without_update_comm": spec.batch_size / simulate_step(
+            "predicted_without_update_comm": spec.batch_size
+            / simulate_step(
                 {**inputs, "update": [0.0, 0.0]}, spec.num_microbatches, cfg.sim_steps, with_comm=False
             ).steady_state_step_time,
             "load1": median([r["load1"] for r in mine]),
@@ -429,27 +507,44 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
         framework = framework_overhead(payload, null) if null is not None else None
         if framework is not None:
             full = with_framework(inputs, framework)
-            row["predicted_framework"] = spec.batch_size / simulate_step(
-                full, spec.num_microbatches, cfg.sim_steps).steady_state_step_time
+            row["predicted_framework"] = (
+                spec.batch_size / simulate_step(full, spec.num_microbatches, cfg.sim_steps).steady_state_step_time
+            )
             row["error_framework"] = row["predicted_framework"] / meas - 1.0
             row["framework_s"] = framework
             row["framework_from"] = null.label  # type: ignore[union-attr]
         inside = _costs_from_runs(runs, spec.label)
         if inside is not None:
-            t = simulate_step({"forward": inside["forward"], "backward": inside["backward"],
-                               "update": inside["update"], "comm": inputs["comm"]},
-                              spec.num_microbatches, cfg.sim_steps).steady_state_step_time
+            t = simulate_step(
+                {
+                    "forward": inside["forward"],
+                    "backward": inside["backward"],
+                    "update": inside["update"],
+                    "comm": inputs["comm"],
+                },
+                spec.num_microbatches,
+                cfg.sim_steps,
+            ).steady_state_step_time
             row["predicted_inside"] = spec.batch_size / t
             row["error_inside"] = row["predicted_inside"] / meas - 1.0
             row["inside_costs_s"] = inside
         per_rep = [p for p in (_per_step(r["stages"]) for r in mine) if p]
-        row["breakdown"] = [{f: median([p[k][f] for p in per_rep]) for f in per_rep[0][k] if f != "stage"}
-                            | {"stage": k} for k in range(NUM_STAGES)] if per_rep else []
+        row["breakdown"] = (
+            [
+                {f: median([p[k][f] for p in per_rep]) for f in per_rep[0][k] if f != "stage"} | {"stage": k}
+                for k in range(NUM_STAGES)
+            ]
+            if per_rep
+            else []
+        )
         cpu = []
         for k in range(NUM_STAGES):
             cs = [next(c["cpu"] for c in r["cpu"] if c["stage"] == k) for r in mine]
-            entry = {"stage": k, "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in cs]),
-                     "cpu_per_step_s": median([c["process_cpu_s"] / cfg.steps for c in cs])}
+            entry = {
+                "stage": k,
+                "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in cs]),
+                "cpu_per_step_s": median([c["process_cpu_s"] / cfg.steps for c in cs]),
+            }
             if all("main_runqueue_wait_s" in c for c in cs):
                 entry["runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in cs])
             cpu.append(entry)
@@ -480,15 +575,32 @@ def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
     rows = []
     for row in summary.values():
         fw = "predicted_framework" in row
-        rows.append([
-            row["label"], str(row["balance"]), f"{row['batch_size']}/{row['num_microbatches']}",
-            f"{row['predicted']:.1f}", _pct(row["error"]),
-            f"{row['predicted_framework']:.1f}" if fw else "-", _pct(row["error_framework"]) if fw else "-",
-            f"{row['measured']:.1f}", f"{row['q1']:.1f}-{row['q3']:.1f}",
-            "yes" if abs(_headline_error(row)) <= TARGET_ERROR else "NO",
-        ])
-    headers = ["model", "partition", "batch/M", "predicted: profile", "error", "predicted: profile + framework",
-               "error", "measured (median)", "measured IQR", f"|error| <= {TARGET_ERROR:.0%} (full prediction)"]
+        rows.append(
+            [
+                row["label"],
+                str(row["balance"]),
+                f"{row['batch_size']}/{row['num_microbatches']}",
+                f"{row['predicted']:.1f}",
+                _pct(row["error"]),
+                f"{row['predicted_framework']:.1f}" if fw else "-",
+                _pct(row["error_framework"]) if fw else "-",
+                f"{row['measured']:.1f}",
+                f"{row['q1']:.1f}-{row['q3']:.1f}",
+                "yes" if abs(_headline_error(row)) <= TARGET_ERROR else "NO",
+            ]
+        )
+    headers = [
+        "model",
+        "partition",
+        "batch/M",
+        "predicted: profile",
+        "error",
+        "predicted: profile + framework",
+        "error",
+        "measured (median)",
+        "measured IQR",
+        f"|error| <= {TARGET_ERROR:.0%} (full prediction)",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -501,8 +613,12 @@ def render_framework(summary: dict[str, Any], *, markdown: bool = False) -> str:
             continue
         seen.add(label)
         for k in range(NUM_STAGES):
-            rows.append([f"{label} / stage {k}", *(f"{fw[w][k] * 1e3:.2f}" for w in
-                                                   ("forward", "backward", "update", "send", "step"))])
+            rows.append(
+                [
+                    f"{label} / stage {k}",
+                    *(f"{fw[w][k] * 1e3:.2f}" for w in ("forward", "backward", "update", "send", "step")),
+                ]
+            )
     headers = ["null model / stage", "per forward", "per backward", "per update", "per send", "per step"]
     return format_table(headers, rows, markdown=markdown)
 
@@ -511,14 +627,24 @@ def render_diagnosis(summary: dict[str, Any], *, markdown: bool = False) -> str:
     """The same simulator fed with the costs measured inside the runs, and without update/communication."""
     rows = []
     for row in summary.values():
-        rows.append([
-            row["label"], f"{row['predicted_without_update_comm']:.1f}", f"{row['predicted']:.1f}",
-            f"{row['predicted_inside']:.1f}" if "predicted_inside" in row else "-",
-            f"{row['measured']:.1f}",
-            _pct(row["error_inside"]) if "error_inside" in row else "-",
-        ])
-    headers = ["model", "sim: profile fwd/bwd only", "sim: + update, stash, link (headline)",
-               "sim: costs inside the runs", "measured", "error, inside costs"]
+        rows.append(
+            [
+                row["label"],
+                f"{row['predicted_without_update_comm']:.1f}",
+                f"{row['predicted']:.1f}",
+                f"{row['predicted_inside']:.1f}" if "predicted_inside" in row else "-",
+                f"{row['measured']:.1f}",
+                _pct(row["error_inside"]) if "error_inside" in row else "-",
+            ]
+        )
+    headers = [
+        "model",
+        "sim: profile fwd/bwd only",
+        "sim: + update, stash, link (headline)",
+        "sim: costs inside the runs",
+        "measured",
+        "error, inside costs",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -529,15 +655,28 @@ def render_inputs(summary: dict[str, Any], *, markdown: bool = False) -> str:
         ins = row["inputs_s"]
         inside = row.get("inside_costs_s")
         for k in range(NUM_STAGES):
-            rows.append([
-                f"{row['label']} / stage {k}",
-                f"{ins['forward'][k] * 1e3:.2f}", f"{inside['forward'][k] * 1e3:.2f}" if inside else "-",
-                f"{ins['backward'][k] * 1e3:.2f}", f"{inside['backward'][k] * 1e3:.2f}" if inside else "-",
-                f"{ins['update'][k] * 1e3:.2f}", f"{inside['update'][k] * 1e3:.2f}" if inside else "-",
-                f"{ins['comm'][0] * 1e3:.2f}" if k == 0 else "",
-            ])
-    headers = ["model / stage", "fwd profile", "fwd in run", "bwd profile", "bwd in run", "update alone",
-               "update in run", "link"]
+            rows.append(
+                [
+                    f"{row['label']} / stage {k}",
+                    f"{ins['forward'][k] * 1e3:.2f}",
+                    f"{inside['forward'][k] * 1e3:.2f}" if inside else "-",
+                    f"{ins['backward'][k] * 1e3:.2f}",
+                    f"{inside['backward'][k] * 1e3:.2f}" if inside else "-",
+                    f"{ins['update'][k] * 1e3:.2f}",
+                    f"{inside['update'][k] * 1e3:.2f}" if inside else "-",
+                    f"{ins['comm'][0] * 1e3:.2f}" if k == 0 else "",
+                ]
+            )
+    headers = [
+        "model / stage",
+        "fwd profile",
+        "fwd in run",
+        "bwd profile",
+        "bwd in run",
+        "update alone",
+        "update in run",
+        "link",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -556,15 +695,38 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
             k = st["stage"]
             arith = m * (ins["forward"][k] + ins["backward"][k] + ins["update"][k])
             wait = cpu.get("runqueue_wait_share")
-            rows.append([
-                f"{row['label']} / stage {k}", f"{arith * 1e3:.1f}", f"{cpu['cpu_per_step_s'] * 1e3:.1f}",
-                f"{st['forward_s'] * 1e3:.1f}", f"{st['backward_s'] * 1e3:.1f}", f"{st['optimizer_s'] * 1e3:.1f}",
-                f"{st['recv_wait_s'] * 1e3:.1f}", f"{st['send_s'] * 1e3:.1f}", f"{st['other_s'] * 1e3:.1f}",
-                f"{st['outside_s'] * 1e3:.1f}", f"{st['wall_per_step_s'] * 1e3:.1f}",
-                f"{cpu['cores_used']:.2f}", "-" if wait is None else f"{wait * 100:.0f}%",
-            ])
-    headers = ["model / stage", "arithmetic (sim input)", "CPU", "fwd", "bwd", "opt", "recv wait", "send", "other",
-               "outside executor", "wall/step", "cores", "run-queue wait"]
+            rows.append(
+                [
+                    f"{row['label']} / stage {k}",
+                    f"{arith * 1e3:.1f}",
+                    f"{cpu['cpu_per_step_s'] * 1e3:.1f}",
+                    f"{st['forward_s'] * 1e3:.1f}",
+                    f"{st['backward_s'] * 1e3:.1f}",
+                    f"{st['optimizer_s'] * 1e3:.1f}",
+                    f"{st['recv_wait_s'] * 1e3:.1f}",
+                    f"{st['send_s'] * 1e3:.1f}",
+                    f"{st['other_s'] * 1e3:.1f}",
+                    f"{st['outside_s'] * 1e3:.1f}",
+                    f"{st['wall_per_step_s'] * 1e3:.1f}",
+                    f"{cpu['cores_used']:.2f}",
+                    "-" if wait is None else f"{wait * 100:.0f}%",
+                ]
+            )
+    headers = [
+        "model / stage",
+        "arithmetic (sim input)",
+        "CPU",
+        "fwd",
+        "bwd",
+        "opt",
+        "recv wait",
+        "send",
+        "other",
+        "outside executor",
+        "wall/step",
+        "cores",
+        "run-queue wait",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -573,10 +735,13 @@ def render_verdict(summary: dict[str, Any]) -> str:
     met = [r["label"] for r in rows if abs(_headline_error(r)) <= TARGET_ERROR]
     missed = [f"{r['label']} ({_pct(_headline_error(r))})" for r in rows if abs(_headline_error(r)) > TARGET_ERROR]
     verdict = "met" if not missed else "MISSED"
-    what = ("profile + framework costs from the null model" if all("error_framework" in r for r in rows)
-            else "profile only")
-    return (f"target |predicted/measured - 1| <= {TARGET_ERROR:.0%} on every model ({what}) -> {verdict}"
-            f"  (within: {', '.join(met) or 'none'}; outside: {', '.join(missed) or 'none'})")
+    what = (
+        "profile + framework costs from the null model" if all("error_framework" in r for r in rows) else "profile only"
+    )
+    return (
+        f"target |predicted/measured - 1| <= {TARGET_ERROR:.0%} on every model ({what}) -> {verdict}"
+        f"  (within: {', '.join(met) or 'none'}; outside: {', '.join(missed) or 'none'})"
+    )
 
 
 def render_runs(paths: Sequence[Path], *, markdown: bool = False) -> str:
@@ -589,13 +754,27 @@ def render_runs(paths: Sequence[Path], *, markdown: bool = False) -> str:
         labels = labels or list(summary)
         loads = [r["load1"] for r in payload["runs"]]
         within = sum(abs(_headline_error(r)) <= TARGET_ERROR for r in summary.values())
-        rows.append([Path(path).name, payload["machine"]["date_utc"][11:16], f"{min(loads):.1f}-{max(loads):.1f}",
-                     *[_pct(summary[m]["error"]) if m in summary else "-" for m in labels],
-                     *[_pct(summary[m]["error_framework"]) if "error_framework" in summary.get(m, {}) else "-"
-                       for m in labels],
-                     f"{within}/{len(summary)}"])
-    headers = ["run", "UTC", "load (1 min)", *[f"{m} error (profile)" for m in labels],
-               *[f"{m} error (+ framework)" for m in labels], f"within {TARGET_ERROR:.0%}"]
+        rows.append(
+            [
+                Path(path).name,
+                payload["machine"]["date_utc"][11:16],
+                f"{min(loads):.1f}-{max(loads):.1f}",
+                *[_pct(summary[m]["error"]) if m in summary else "-" for m in labels],
+                *[
+                    _pct(summary[m]["error_framework"]) if "error_framework" in summary.get(m, {}) else "-"
+                    for m in labels
+                ],
+                f"{within}/{len(summary)}",
+            ]
+        )
+    headers = [
+        "run",
+        "UTC",
+        "load (1 min)",
+        *[f"{m} error (profile)" for m in labels],
+        *[f"{m} error (+ framework)" for m in labels],
+        f"within {TARGET_ERROR:.0%}",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -615,34 +794,74 @@ def plot(summary: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
     w = 0.2
     for i, row in enumerate(rows):
         full = row.get("predicted_framework", row["predicted"])
-        ax.bar(i - 1.5 * w, row["predicted"], w, color="#4C72B0",
-               label="simulated from the profile alone" if i == 0 else None)
+        ax.bar(
+            i - 1.5 * w,
+            row["predicted"],
+            w,
+            color="#4C72B0",
+            label="simulated from the profile alone" if i == 0 else None,
+        )
         if "predicted_framework" in row:
-            ax.bar(i - 0.5 * w, full, w, color="#55A868",
-                   label="simulated from the profile + framework costs of the null model" if i == 0 else None)
+            ax.bar(
+                i - 0.5 * w,
+                full,
+                w,
+                color="#55A868",
+                label="simulated from the profile + framework costs of the null model" if i == 0 else None,
+            )
         if "predicted_inside" in row:
-            ax.bar(i + 0.5 * w, row["predicted_inside"], w, color="#8FAADC",
-                   label="simulated from F/B/U costs measured inside the runs" if i == 0 else None)
+            ax.bar(
+                i + 0.5 * w,
+                row["predicted_inside"],
+                w,
+                color="#8FAADC",
+                label="simulated from F/B/U costs measured inside the runs" if i == 0 else None,
+            )
         ax.bar(i + 1.5 * w, row["measured"], w, color="#DD8452", label="measured (median)" if i == 0 else None)
         x_full = i - 0.5 * w if "predicted_framework" in row else i - 1.5 * w
-        ax.errorbar([x_full], [full], yerr=[[full * TARGET_ERROR / (1 + TARGET_ERROR)],
-                                            [full * TARGET_ERROR / (1 - TARGET_ERROR)]],
-                    fmt="none", ecolor="#333333", capsize=3, linewidth=0.8)
+        ax.errorbar(
+            [x_full],
+            [full],
+            yerr=[[full * TARGET_ERROR / (1 + TARGET_ERROR)], [full * TARGET_ERROR / (1 - TARGET_ERROR)]],
+            fmt="none",
+            ecolor="#333333",
+            capsize=3,
+            linewidth=0.8,
+        )
         pts = row["per_rep"]
         jit = [(j - (len(pts) - 1) / 2) * (0.6 * w / max(len(pts), 1)) for j in range(len(pts))]
         ax.scatter([i + 1.5 * w + d for d in jit], pts, color="black", s=8, zorder=3)
-        ax.annotate(f"error {_pct(_headline_error(row))}", (i, max(row["predicted"], full, row["measured"], *pts)),
-                    xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
-    ax.set_xticks(range(len(rows)), [f"{r['label']}\n{r['balance']}, batch {r['batch_size']}, M={r['num_microbatches']}"
-                                     for r in rows], fontsize=8)
+        ax.annotate(
+            f"error {_pct(_headline_error(row))}",
+            (i, max(row["predicted"], full, row["measured"], *pts)),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    ax.set_xticks(
+        range(len(rows)),
+        [f"{r['label']}\n{r['balance']}, batch {r['batch_size']}, M={r['num_microbatches']}" for r in rows],
+        fontsize=8,
+    )
     ax.set_ylabel("samples/s")
     ax.set_ylim(0, max(max(r["predicted"], r["measured"], *r["per_rep"]) for r in rows) * 1.3)
     ax.legend(fontsize=7, loc="upper right")
-    ax.text(0.01, 0.98, "whiskers: measured values within 15% of the full prediction (green); points: repeats",
-            transform=ax.transAxes, fontsize=7, va="top", color="#555555")
-    ax.set_title(f"Simulator vs measured, 2-stage async through Lightning, {cfg.repeats} interleaved repeats x "
-                 f"{cfg.steps} steps\n{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
-                 f"lightning {machine['lightning']}, {load_note([r['load1'] for r in payload['runs']])}", fontsize=8)
+    ax.text(
+        0.01,
+        0.98,
+        "whiskers: measured values within 15% of the full prediction (green); points: repeats",
+        transform=ax.transAxes,
+        fontsize=7,
+        va="top",
+        color="#555555",
+    )
+    ax.set_title(
+        f"Simulator vs measured, 2-stage async through Lightning, {cfg.repeats} interleaved repeats x "
+        f"{cfg.steps} steps\n{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
+        f"lightning {machine['lightning']}, {load_note([r['load1'] for r in payload['runs']])}",
+        fontsize=8,
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -654,10 +873,15 @@ def plot(summary: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
 def config_from_json(d: dict[str, Any]) -> Config:
     """Rebuilds a :class:`Config` from its ``asdict`` form (lists back to tuples)."""
     specs = tuple(
-        RunSpec(label=s["label"], model=s["model"], init_args=tuple((k, v) for k, v in s["init_args"]),
-                batch_size=s["batch_size"], num_microbatches=s["num_microbatches"],
-                balance=tuple(s["balance"]) if isinstance(s["balance"], list) else s["balance"],
-                framework=s.get("framework", False))
+        RunSpec(
+            label=s["label"],
+            model=s["model"],
+            init_args=tuple((k, v) for k, v in s["init_args"]),
+            batch_size=s["batch_size"],
+            num_microbatches=s["num_microbatches"],
+            balance=tuple(s["balance"]) if isinstance(s["balance"], list) else s["balance"],
+            framework=s.get("framework", False),
+        )
         for s in d["specs"]
     )
     rest = {k: v for k, v in d.items() if k != "specs"}
@@ -666,12 +890,16 @@ def config_from_json(d: dict[str, Any]) -> Config:
 
 def print_header(machine: dict[str, Any], cmd: str, lines: Sequence[str]) -> None:
     """Machine, versions, code state and command, then ``lines`` describing the configuration."""
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-          f"load {machine['load_average_1_5_15']}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+        f"load {machine['load_average_1_5_15']}"
+    )
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
     dirty = machine.get("git_modified_files")
-    print(f"code: commit {(machine.get('git_commit') or '?')[:10]}"
-          + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else ""))
+    print(
+        f"code: commit {(machine.get('git_commit') or '?')[:10]}"
+        + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+    )
     print(f"command: {cmd}")
     for line in lines:
         print(line)
@@ -679,23 +907,41 @@ def print_header(machine: dict[str, Any], cmd: str, lines: Sequence[str]) -> Non
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = Config()
     p.add_argument("--repeats", type=int, default=None, help=f"interleaved repeats (default {d.repeats})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run (default {d.steps})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps before them (default {d.warmup})")
-    p.add_argument("--balance", action="append", default=[], metavar="MODEL=A,B",
-                   help="fix a model's partition, e.g. CNN=2,3 (default: the planner's on a profile taken at start)")
+    p.add_argument(
+        "--balance",
+        action="append",
+        default=[],
+        metavar="MODEL=A,B",
+        help="fix a model's partition, e.g. CNN=2,3 (default: the planner's on a profile taken at start)",
+    )
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny models, 1 repeat of 3 steps; plot to --out-dir")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny models, 1 repeat of 3 steps; plot to --out-dir"
+    )
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT, help="raw results (default benchmarks/out/)")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="plot path (default docs/img/simulator_accuracy.png; --quick: OUT_DIR/simulator_accuracy-quick.png)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="plot path (default docs/img/simulator_accuracy.png; --quick: OUT_DIR/simulator_accuracy-quick.png)",
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, help="re-analyse a previous run's JSON without measuring")
-    p.add_argument("--runs", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="print one line per stored run (error per model) and stop")
+    p.add_argument(
+        "--runs",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print one line per stored run (error per model) and stop",
+    )
     a = p.parse_args(argv)
     cfg = Config()
     if a.from_json is not None or a.runs:
@@ -723,8 +969,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         balance = fixed.get(label) or planner_balance(spec, cfg)
         spec = replace(spec, balance=balance)
         if len(balance) != NUM_STAGES or min(balance) < 1 or sum(balance) != build_model(spec, cfg).num_layers:
-            p.error(f"the partition of {label} needs {NUM_STAGES} positive entries summing to its layer count; "
-                    f"got {balance}")
+            p.error(
+                f"the partition of {label} needs {NUM_STAGES} positive entries summing to its layer count; "
+                f"got {balance}"
+            )
         specs.append(spec)
     for shape in dict.fromkeys((s.batch_size, s.num_microbatches) for s in list(specs)):
         specs.append(null_spec(*shape))
@@ -745,13 +993,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     else:
         payload = {"config": asdict(cfg), "machine": machine_info(), "command": command_line()}
     cfg = config_from_json(payload["config"])
-    print_header(payload["machine"], payload["command"], [
-        "models: " + "; ".join(f"{s.label} {dict(s.init_args)} batch {s.batch_size} M={s.num_microbatches} "
-                               f"balance {list(s.balance) if isinstance(s.balance, tuple) else s.balance}"
-                               for s in cfg.specs),
-        f"async, step_sync=last_stage_broadcast, SGD lr {cfg.lr}; {cfg.repeats} interleaved repeats x "
-        f"({cfg.warmup} warm-up + {cfg.steps} timed steps) per model; simulator {cfg.sim_steps} steps",
-    ])
+    print_header(
+        payload["machine"],
+        payload["command"],
+        [
+            "models: "
+            + "; ".join(
+                f"{s.label} {dict(s.init_args)} batch {s.batch_size} M={s.num_microbatches} "
+                f"balance {list(s.balance) if isinstance(s.balance, tuple) else s.balance}"
+                for s in cfg.specs
+            ),
+            f"async, step_sync=last_stage_broadcast, SGD lr {cfg.lr}; {cfg.repeats} interleaved repeats x "
+            f"({cfg.warmup} warm-up + {cfg.steps} timed steps) per model; simulator {cfg.sim_steps} steps",
+        ],
+    )
     if a.from_json is None:
         t0 = time.perf_counter()
         payload.update(measure(cfg))
@@ -762,16 +1017,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")  # raw first
     summary = summarise(payload)
     print()
-    print("Predicted vs measured 2-stage async samples/s. 'profile': the simulator fed with the layer profile, the SGD "
-          "update + stash copy timed alone and the probed link; 'profile + framework': plus the framework's costs "
-          "measured on the null model of the same batch shape (below):")
+    print(
+        "Predicted vs measured 2-stage async samples/s. 'profile': the simulator fed with the layer profile, the SGD "
+        "update + stash copy timed alone and the probed link; 'profile + framework': plus the framework's costs "
+        "measured on the null model of the same batch shape (below):"
+    )
     print(render_table(summary))
     print()
     print(render_verdict(summary))
     print(f"({load_note([r['load1'] for r in payload['runs']])}; measured {payload['machine']['date_utc']})")
     print()
-    print("Diagnosis: the same simulator with fewer inputs, and with the per-micro-batch costs measured inside the "
-          "runs (StepStats medians):")
+    print(
+        "Diagnosis: the same simulator with fewer inputs, and with the per-micro-batch costs measured inside the "
+        "runs (StepStats medians):"
+    )
     print(render_diagnosis(summary))
     print()
     print("Framework costs from the null models, ms (added to the profile's inputs for 'profile + framework'):")
@@ -780,19 +1039,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print("Simulator inputs, ms per micro-batch (profile / alone vs inside the runs):")
     print(render_inputs(summary))
     print()
-    print("Per stage, ms per step (medians over repeats): the arithmetic the simulator assumed, the CPU the stage "
-          "process used, StepStats inside the runs, and the share of a core the process got:")
+    print(
+        "Per stage, ms per step (medians over repeats): the arithmetic the simulator assumed, the CPU the stage "
+        "process used, StepStats inside the runs, and the share of a core the process got:"
+    )
     print(render_breakdown(summary))
     if not a.no_plot:
         plot_path = a.plot or (json_path.parent / "simulator_accuracy-quick.png" if a.quick else _DEFAULT_PLOT)
         plot(summary, payload, plot_path)
         print(f"\nplot: {plot_path}")
     payload["summary"] = summary
-    payload["markdown"] = {"table": render_table(summary, markdown=True),
-                           "diagnosis": render_diagnosis(summary, markdown=True),
-                           "framework": render_framework(summary, markdown=True),
-                           "inputs": render_inputs(summary, markdown=True),
-                           "breakdown": render_breakdown(summary, markdown=True)}
+    payload["markdown"] = {
+        "table": render_table(summary, markdown=True),
+        "diagnosis": render_diagnosis(summary, markdown=True),
+        "framework": render_framework(summary, markdown=True),
+        "inputs": render_inputs(summary, markdown=True),
+        "breakdown": render_breakdown(summary, markdown=True),
+    }
     json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     print(f"raw results: {json_path}")
     return summary

@@ -26,8 +26,8 @@ processes' CPU use and run-queue wait (how long a stage was runnable while other
 It prints a table (median samples/s, IQR, paired ratios to ``sync`` and to torch 1F1B), the per-stage
 breakdown, the CPU table, and the dry-run simulator's prediction of every system's samples/s and of the
 ratios from the isolated costs (:func:`lightning_dynpipe.schedule.simulate`, ``step_sync=
-"last_stage_broadcast"`` for DynPipe); it writes raw repeats (JSON + CSV, with machine, versions and the command line) to ``benchmarks/out/`` and a
-plot to ``docs/img/throughput.png``.
+"last_stage_broadcast"`` for DynPipe); it writes raw repeats (JSON + CSV, with machine, versions and the
+command line) to ``benchmarks/out/`` and a plot to ``docs/img/throughput.png``.
 
 Usage (from the repository root)::
 
@@ -94,11 +94,11 @@ class Config:
     Why this model (chosen once, before measuring): the demo MLP with width 512 and depth 8 has 9 layers and
     2.25 M parameters; balancing parameter counts (DynPipe's ``balance="parameters"``) splits it [4, 5], which
     also balances compute (stage 0 owns the 784-wide first layer but skips its input gradient). The split is
-    passed to every system as an explicit list, so DynPipe's planner (``balance="auto"``) plays no part. With a batch of 256 in M=4
-    micro-batches of 64, one micro-batch costs a few ms of forward and about twice that of backward per stage,
-    so a step is tens of ms of compute per stage on one core, while a message between the stages is 128 KiB:
-    compute-bound, as pipeline parallelism assumes, and short enough for ten interleaved repeats in minutes.
-    Ten repeats put each of the five systems in each position of the rotation exactly twice.
+    passed to every system as an explicit list, so DynPipe's planner (``balance="auto"``) plays no part. With a
+    batch of 256 in M=4 micro-batches of 64, one micro-batch costs a few ms of forward and about twice that of
+    backward per stage, so a step is tens of ms of compute per stage on one core, while a message between the
+    stages is 128 KiB: compute-bound, as pipeline parallelism assumes, and short enough for ten interleaved
+    repeats in minutes. Ten repeats put each of the five systems in each position of the rotation exactly twice.
     """
 
     repeats: int = 10
@@ -233,8 +233,12 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
             bwd.append(t2 - t1)
             upd.append(t3 - t2)
             stash.append(t4 - t3)
-    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd), "update": statistics.median(upd),
-            "stash": statistics.median(stash)}
+    return {
+        "forward": statistics.median(fwd),
+        "backward": statistics.median(bwd),
+        "update": statistics.median(upd),
+        "stash": statistics.median(stash),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- runners
@@ -375,8 +379,17 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-_STAT_KEYS = ("forward_s", "backward_s", "optimizer_s", "recv_wait_s", "send_s", "step_s",
-              "num_forward", "num_backward", "num_updates")
+_STAT_KEYS = (
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "recv_wait_s",
+    "send_s",
+    "step_s",
+    "num_forward",
+    "num_backward",
+    "num_updates",
+)
 
 
 def _per_step(stages: list[dict[str, Any]] | None) -> list[dict[str, float]] | None:
@@ -457,7 +470,9 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         for ref in ("sync", "torch-1f1b"):
             if ref in by:
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
-                ratios = [by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]]
+                ratios = [
+                    by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]
+                ]
                 rq1, rq3 = quartiles(ratios)
                 row[f"vs_{ref}"] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_rep": ratios}
         table[s] = row
@@ -480,8 +495,11 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             samples = [next(c["cpu"] for c in by[s][rep]["cpu"] if c["stage"] == k) for rep in sorted(by[s])]
             # DynPipe's probe covers the timed steps; torch's the whole call (warm-up and stage set-up included).
             per_step = cfg.steps if not s.startswith("torch-") else cfg.steps + cfg.warmup
-            entry = {"stage": k, "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
-                     "cpu_per_step_s": median([c["process_cpu_s"] / per_step for c in samples])}
+            entry = {
+                "stage": k,
+                "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
+                "cpu_per_step_s": median([c["process_cpu_s"] / per_step for c in samples]),
+            }
             if all("main_runqueue_wait_s" in c for c in samples):
                 entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
                 entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
@@ -506,8 +524,11 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         if costs is None:
             continue
         step = {s: _simulate(_SIM_MODEL[s][0], costs, cfg, _SIM_MODEL[s][1]) for s in _SIM_MODEL}
-        pred = {"costs_s": costs, "step_time_s": step,
-                "samples_per_s": {s: cfg.batch_size / t for s, t in step.items()}}
+        pred = {
+            "costs_s": costs,
+            "step_time_s": step,
+            "samples_per_s": {s: cfg.batch_size / t for s, t in step.items()},
+        }
         pred["async_vs_sync"] = step["sync"] / step["async"]
         pred["async_vs_torch_1f1b"] = step["torch-1f1b"] / step["async"]
         predictions[name] = pred
@@ -515,21 +536,27 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             # async's own bookkeeping: one weight snapshot per micro-batch on every stage with staleness > 0.
             from lightning_dynpipe.schedule import staleness
 
-            fwd = [f + (costs["stash"][k] if staleness("async", k, NUM_STAGES) > 0 else 0.0)
-                   for k, f in enumerate(costs["forward"])]
+            fwd = [
+                f + (costs["stash"][k] if staleness("async", k, NUM_STAGES) > 0 else 0.0)
+                for k, f in enumerate(costs["forward"])
+            ]
             t = _simulate("async", {**costs, "forward": fwd}, cfg, "last_stage_broadcast")
             predictions[name + "_with_stash"] = {
-                "step_time_s": {"async": t}, "samples_per_s": {"async": cfg.batch_size / t},
-                "async_vs_sync": step["sync"] / t, "async_vs_torch_1f1b": step["torch-1f1b"] / t,
+                "step_time_s": {"async": t},
+                "samples_per_s": {"async": cfg.batch_size / t},
+                "async_vs_sync": step["sync"] / t,
+                "async_vs_torch_1f1b": step["torch-1f1b"] / t,
             }
     own = {kind: c for kind in ("async", "sync", "gpipe") if (c := _costs_from_runs(runs, kind)) is not None}
     if "async" in own and "sync" in own:
         t_async = _simulate("async", own["async"], cfg, "last_stage_broadcast")
         t_sync = _simulate("sync", own["sync"], cfg, "last_stage_broadcast")
-        predictions["own_costs"] = {"costs_s": own, "step_time_s": {"async": t_async, "sync": t_sync},
-                                    "async_vs_sync": t_sync / t_async}
-    return {"table": table, "breakdown": breakdown, "cpu": cpu, "predictions": predictions,
-            "calibration": calibration}
+        predictions["own_costs"] = {
+            "costs_s": own,
+            "step_time_s": {"async": t_async, "sync": t_sync},
+            "async_vs_sync": t_sync / t_async,
+        }
+    return {"table": table, "breakdown": breakdown, "cpu": cpu, "predictions": predictions, "calibration": calibration}
 
 
 def _ratio_cell(row: dict[str, Any], ref: str) -> str:
@@ -545,13 +572,15 @@ def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
     """The main table: system, median samples/s, IQR, paired ratios to sync and to torch 1F1B."""
     rows = []
     for s, row in summary["table"].items():
-        rows.append([
-            LABELS[s],
-            f"{row['median']:.1f}",
-            f"{row['q1']:.1f}-{row['q3']:.1f}",
-            _ratio_cell(row, "sync"),
-            _ratio_cell(row, "torch-1f1b"),
-        ])
+        rows.append(
+            [
+                LABELS[s],
+                f"{row['median']:.1f}",
+                f"{row['q1']:.1f}-{row['q3']:.1f}",
+                _ratio_cell(row, "sync"),
+                _ratio_cell(row, "torch-1f1b"),
+            ]
+        )
     headers = ["system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F1B"]
     return format_table(headers, rows, markdown=markdown)
 
@@ -567,20 +596,32 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
     for s, stages in summary["breakdown"].items():
         for st in stages:
             other, outside = st["other_s"], st["outside_s"]
-            rows.append([
-                f"{LABELS[s]} / stage {st['stage']}",
-                f"{st['forward_s'] * 1e3:.1f}",
-                f"{st['backward_s'] * 1e3:.1f}",
-                f"{st['optimizer_s'] * 1e3:.1f}",
-                f"{st['recv_wait_s'] * 1e3:.1f}",
-                f"{st['send_s'] * 1e3:.1f}",
-                f"{other * 1e3:.1f}",
-                f"{st['step_s'] * 1e3:.1f}",
-                f"{outside * 1e3:.1f}",
-                f"{st['wall_per_step_s'] * 1e3:.1f}",
-            ])
-    headers = ["schedule / stage", "fwd", "bwd", "opt", "recv wait", "send", "other", "executor step",
-               "outside executor", "wall/step"]
+            rows.append(
+                [
+                    f"{LABELS[s]} / stage {st['stage']}",
+                    f"{st['forward_s'] * 1e3:.1f}",
+                    f"{st['backward_s'] * 1e3:.1f}",
+                    f"{st['optimizer_s'] * 1e3:.1f}",
+                    f"{st['recv_wait_s'] * 1e3:.1f}",
+                    f"{st['send_s'] * 1e3:.1f}",
+                    f"{other * 1e3:.1f}",
+                    f"{st['step_s'] * 1e3:.1f}",
+                    f"{outside * 1e3:.1f}",
+                    f"{st['wall_per_step_s'] * 1e3:.1f}",
+                ]
+            )
+    headers = [
+        "schedule / stage",
+        "fwd",
+        "bwd",
+        "opt",
+        "recv wait",
+        "send",
+        "other",
+        "executor step",
+        "outside executor",
+        "wall/step",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -595,8 +636,15 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
             w = st.get("main_runqueue_wait_share")
             cells.append("-" if w is None else f"{w * 100:.0f}%")
         rows.append(cells)
-    headers = ["system", "stage 0 CPU ms/step", "cores", "run-queue wait",
-               "stage 1 CPU ms/step", "cores", "run-queue wait"]
+    headers = [
+        "system",
+        "stage 0 CPU ms/step",
+        "cores",
+        "run-queue wait",
+        "stage 1 CPU ms/step",
+        "cores",
+        "run-queue wait",
+    ]
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -621,10 +669,16 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
         for s, row in t.items():
             pred = iso["samples_per_s"][s]
             kind, sync = _SIM_MODEL[s]
-            rows.append([LABELS[s], f"{kind}, {sync}", f"{pred:.1f}", f"{row['median']:.1f}",
-                         f"{row['median'] / pred:.2f}"])
-        lines.append(format_table(["system", "simulated as", "predicted samples/s", "measured", "measured/predicted"],
-                                  rows, markdown=markdown))
+            rows.append(
+                [LABELS[s], f"{kind}, {sync}", f"{pred:.1f}", f"{row['median']:.1f}", f"{row['median'] / pred:.2f}"]
+            )
+        lines.append(
+            format_table(
+                ["system", "simulated as", "predicted samples/s", "measured", "measured/predicted"],
+                rows,
+                markdown=markdown,
+            )
+        )
     if "inside_sync" in p:
         c = p["inside_sync"]["costs_s"]
         lines.append(
@@ -634,17 +688,24 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
     ratio_rows = []
     measured_vs_sync = t.get("async", {}).get("vs_sync", {}).get("median")
     measured_vs_torch = t.get("async", {}).get("vs_torch-1f1b", {}).get("median")
-    for name, label in (("isolated", "simulator, isolated costs"),
-                        ("isolated_with_stash", "simulator, isolated costs + async weight snapshots"),
-                        ("inside_sync", "simulator, costs inside DynPipe sync"),
-                        ("own_costs", "simulator, each schedule's own costs"),
-                        ("cpu_work", "CPU work per step (bottleneck stage), if CPU-starved")):
+    for name, label in (
+        ("isolated", "simulator, isolated costs"),
+        ("isolated_with_stash", "simulator, isolated costs + async weight snapshots"),
+        ("inside_sync", "simulator, costs inside DynPipe sync"),
+        ("own_costs", "simulator, each schedule's own costs"),
+        ("cpu_work", "CPU work per step (bottleneck stage), if CPU-starved"),
+    ):
         if name in p:
             vt = p[name].get("async_vs_torch_1f1b")  # torch's CPU work includes its set-up: a lower bound
             ratio_rows.append([label, f"{p[name]['async_vs_sync']:.3f}x", "-" if vt is None else f"{vt:.3f}x"])
     if measured_vs_sync is not None:
-        ratio_rows.append(["measured (median of paired ratios)", f"{measured_vs_sync:.3f}x",
-                           "-" if measured_vs_torch is None else f"{measured_vs_torch:.3f}x"])
+        ratio_rows.append(
+            [
+                "measured (median of paired ratios)",
+                f"{measured_vs_sync:.3f}x",
+                "-" if measured_vs_torch is None else f"{measured_vs_torch:.3f}x",
+            ]
+        )
     if ratio_rows:
         lines.append(format_table(["async ratio", "vs DynPipe sync", "vs torch 1F1B"], ratio_rows, markdown=markdown))
     return "\n\n".join(lines)
@@ -687,14 +748,28 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
         ax.scatter([i + d for d in jitter], pts, color="black", s=12, zorder=3)
         vs = summary["table"][s].get("vs_sync")
         label = f"{medians[i]:.0f}" + (f"\n{vs['median']:.2f}x sync" if vs else "")
-        ax.annotate(label, (i, max(pts + [medians[i]])), xytext=(0, 5), textcoords="offset points", ha="center",
-                    va="bottom", fontsize=8)
+        ax.annotate(
+            label,
+            (i, max(pts + [medians[i]])),
+            xytext=(0, 5),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(xs, [LABELS[s].replace(" ", "\n", 1) for s in systems], fontsize=9)
     ax.set_ylabel("samples/s (bars: median; points: repeats)")
     top = max(r["samples_per_s"] for r in runs)
     ax.set_ylim(0, top * 1.25)
-    ax.text(0.01, 0.98, "ratio: median of per-repeat ratios to DynPipe sync (paired, same repeat)",
-            transform=ax.transAxes, fontsize=7, va="top", color="#555555")
+    ax.text(
+        0.01,
+        0.98,
+        "ratio: median of per-repeat ratios to DynPipe sync (paired, same repeat)",
+        transform=ax.transAxes,
+        fontsize=7,
+        va="top",
+        color="#555555",
+    )
     ax.set_title(
         f"2-stage pipeline, MLP width {cfg.width} depth {cfg.depth}, batch {cfg.batch_size}, "
         f"M={cfg.num_microbatches}, balance {list(cfg.balance)}\n"
@@ -719,8 +794,18 @@ def write_outputs(payload: dict[str, Any], json_path: Path) -> Path:
         w = csv.writer(f)
         w.writerow(["rep", "position", "system", "steps", "samples", "seconds", "samples_per_s", "load1"])
         for r in payload["runs"]:
-            w.writerow([r["rep"], r["position"], r["system"], r["steps"], r["samples"], f"{r['seconds']:.6f}",
-                        f"{r['samples_per_s']:.3f}", f"{r['load1']:.2f}"])
+            w.writerow(
+                [
+                    r["rep"],
+                    r["position"],
+                    r["system"],
+                    r["steps"],
+                    r["samples"],
+                    f"{r['seconds']:.6f}",
+                    f"{r['samples_per_s']:.3f}",
+                    f"{r['load1']:.2f}",
+                ]
+            )
     return csv_path
 
 
@@ -731,37 +816,64 @@ def _config_from_json(d: dict[str, Any]) -> Config:
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = Config()
-    p.add_argument("--repeats", type=int, default=None, help=f"interleaved repeats of every system (default {d.repeats})")
+    p.add_argument(
+        "--repeats", type=int, default=None, help=f"interleaved repeats of every system (default {d.repeats})"
+    )
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run (default {d.steps})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps before them (default {d.warmup})")
     p.add_argument("--width", type=int, default=None, help=f"MLP hidden width (default {d.width})")
     p.add_argument("--depth", type=int, default=None, help=f"MLP hidden blocks; layers = depth + 1 (default {d.depth})")
     p.add_argument("--batch-size", type=int, default=None, help=f"samples per step (default {d.batch_size})")
-    p.add_argument("--microbatches", "-M", type=int, default=None, help=f"micro-batches per step (default {d.num_microbatches})")
+    p.add_argument(
+        "--microbatches", "-M", type=int, default=None, help=f"micro-batches per step (default {d.num_microbatches})"
+    )
     p.add_argument("--lr", type=float, default=None, help=f"SGD learning rate (default {d.lr})")
-    p.add_argument("--balance", type=str, default=None,
-                   help="layers per stage, e.g. 4,5 (default: balanced by parameter count, DynPipe's "
-                        "balance='parameters')")
+    p.add_argument(
+        "--balance",
+        type=str,
+        default=None,
+        help="layers per stage, e.g. 4,5 (default: balanced by parameter count, DynPipe's balance='parameters')",
+    )
     p.add_argument("--systems", type=str, default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: width 64, depth 3, batch 32, 1 repeat, 3 steps; plot goes to --out-dir")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: width 64, depth 3, batch 32, 1 repeat, 3 steps; plot goes to --out-dir",
+    )
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT, help="raw results (default benchmarks/out/)")
-    p.add_argument("--plot", type=Path, default=None, help="plot path (default docs/img/throughput.png; "
-                   "with --quick: OUT_DIR/throughput-quick.png)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="plot path (default docs/img/throughput.png; with --quick: OUT_DIR/throughput-quick.png)",
+    )
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="re-analyse a previous run's JSON (tables, predictions, plot) without measuring")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-analyse a previous run's JSON (tables, predictions, plot) without measuring",
+    )
     a = p.parse_args(argv)
 
     cfg = Config()
     if a.quick:
         cfg = replace(cfg, repeats=1, steps=3, warmup=2, width=64, depth=3, batch_size=32, timeout_s=60.0, sim_steps=6)
     overrides = {
-        "repeats": a.repeats, "steps": a.steps, "warmup": a.warmup, "width": a.width, "depth": a.depth,
-        "batch_size": a.batch_size, "num_microbatches": a.microbatches, "lr": a.lr, "seed": a.seed,
+        "repeats": a.repeats,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "width": a.width,
+        "depth": a.depth,
+        "batch_size": a.batch_size,
+        "num_microbatches": a.microbatches,
+        "lr": a.lr,
+        "seed": a.seed,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if a.systems:
@@ -775,8 +887,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         p.error(f"--balance needs {NUM_STAGES} positive entries summing to depth + 1 = {cfg.depth + 1}; got {balance}")
     cfg = replace(cfg, balance=balance)
     if cfg.batch_size % cfg.num_microbatches:
-        p.error(f"--batch-size ({cfg.batch_size}) must be divisible by --microbatches ({cfg.num_microbatches}): "
-                "torch's schedules split batches with tensor_split and infer shapes once")
+        p.error(
+            f"--batch-size ({cfg.batch_size}) must be divisible by --microbatches ({cfg.num_microbatches}): "
+            "torch's schedules split batches with tensor_split and infer shapes once"
+        )
     if cfg.num_microbatches < NUM_STAGES:
         p.error(f"torch's Schedule1F1B needs --microbatches >= {NUM_STAGES}")
     if min(cfg.repeats, cfg.steps) < 1 or cfg.warmup < 1:
@@ -785,7 +899,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, load {machine['load_average_1_5_15']}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+        f"load {machine['load_average_1_5_15']}"
+    )
     print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
     print(
         f"model: MLP width {cfg.width} depth {cfg.depth} ({cfg.depth + 1} layers), balance {list(cfg.balance)}, "
@@ -818,8 +935,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
             raw = json.loads(Path(result_path).read_text(encoding="utf-8"))
         machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
-        payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
-                   "elapsed_s": time.perf_counter() - t0, **raw}
+        payload = {
+            "config": asdict(cfg),
+            "machine": machine,
+            "command": cmd,
+            "elapsed_s": time.perf_counter() - t0,
+            **raw,
+        }
         json_path = a.out_dir / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
         write_outputs(payload, json_path)  # raw first: a failing analysis must not lose a long measurement
     runs, calibration = payload["runs"], payload["calibration"]
@@ -828,13 +950,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print()
     print(render_table(summary))
     print()
-    print("DynPipe per stage, ms per step (medians over repeats; the last stage is global rank 0, whose clock "
-          "times the run):")
+    print(
+        "DynPipe per stage, ms per step (medians over repeats; the last stage is global rank 0, whose clock "
+        "times the run):"
+    )
     print(render_breakdown(summary))
     print()
-    print("CPU per stage process: CPU time of all threads per step (torch: averaged over warm-up and set-up too), "
-          "cores used = CPU time / wall time, run-queue wait = share of wall time the main thread was runnable "
-          "but another process had the core:")
+    print(
+        "CPU per stage process: CPU time of all threads per step (torch: averaged over warm-up and set-up too), "
+        "cores used = CPU time / wall time, run-queue wait = share of wall time the main thread was runnable "
+        "but another process had the core:"
+    )
     print(render_cpu(summary))
     print()
     print(render_predictions(summary))

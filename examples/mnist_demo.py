@@ -118,7 +118,9 @@ def _int_or_fraction(text: str) -> int | float:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--max-epochs", type=int, default=10)
     p.add_argument("--num-microbatches", type=int, default=4, help="micro-batches M per Lightning batch")
     p.add_argument("--schedule", choices=["async", "sync", "gpipe"], default="async")
@@ -128,11 +130,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument(
-        "--limit-train-batches", type=_int_or_fraction, default=None,
+        "--limit-train-batches",
+        type=_int_or_fraction,
+        default=None,
         help="batches per epoch (an int) or a fraction of the epoch (a float <= 1.0), as in Lightning",
     )
     p.add_argument(
-        "--print-every", type=int, default=50,
+        "--print-every",
+        type=int,
+        default=50,
         help="steps between per-stage tables (the stage monitor takes a snapshot every 10 steps)",
     )
     p.add_argument("--hog-at-step", type=int, default=150, help="step at which a CPU hog starts on stage 0's core")
@@ -183,8 +189,10 @@ def main() -> None:
         if controller is not None and controller.decisions:
             print(f"adaptation: {len(controller.decisions)} checks; last: {controller.decisions[-1]}")
         for m in trainer.strategy.migrations:  # type: ignore[attr-defined]
-            print(f"migration at step {m.step}: balance {m.old} -> {m.new}, moved layers {list(m.moved)}, "
-                  f"pause {m.pause_s * 1e3:.1f} ms")
+            print(
+                f"migration at step {m.step}: balance {m.old} -> {m.new}, moved layers {list(m.moved)}, "
+                f"pause {m.pause_s * 1e3:.1f} ms"
+            )
         print(f"test accuracy: {acc:.4f} ({len(datamodule.test_set)} MNIST test images)", flush=True)
 
 

@@ -57,18 +57,34 @@ def report(num_stages: int = 3, num_microbatches: int = 4, num_steps: int = 2) -
         "",
     ]
     for kind, sync in [("async", "none"), ("async", "last_stage_broadcast"), ("sync", "none"), ("gpipe", "none")]:
-        r = simulate(kind, num_stages, num_microbatches, num_steps, forward_time=FORWARD_TIME,
-                     backward_time=BACKWARD_TIME, step_sync=sync)  # type: ignore[arg-type]
+        r = simulate(
+            kind,
+            num_stages,
+            num_microbatches,
+            num_steps,
+            forward_time=FORWARD_TIME,
+            backward_time=BACKWARD_TIME,
+            step_sync=sync,
+        )  # type: ignore[arg-type]
         title = f"{kind}, with Lightning's per-step broadcast from the last stage:" if sync != "none" else f"{kind}:"
         out += [title, render(r), ""]
-    out.append("steady-state step time (units; ideal M*(F+B) = "
-               f"{num_microbatches * (FORWARD_TIME + BACKWARD_TIME):g}) and bubble of stage 0, 8 steps:")
+    out.append(
+        "steady-state step time (units; ideal M*(F+B) = "
+        f"{num_microbatches * (FORWARD_TIME + BACKWARD_TIME):g}) and bubble of stage 0, 8 steps:"
+    )
     out.append(f"{'schedule':<8} {'no step sync':>14} {'Lightning broadcast':>20}")
     for kind in SCHEDULES:
         cols = []
         for sync in ("none", "last_stage_broadcast"):
-            r = simulate(kind, num_stages, num_microbatches, 8, forward_time=FORWARD_TIME,
-                         backward_time=BACKWARD_TIME, step_sync=sync)
+            r = simulate(
+                kind,
+                num_stages,
+                num_microbatches,
+                8,
+                forward_time=FORWARD_TIME,
+                backward_time=BACKWARD_TIME,
+                step_sync=sync,
+            )
             cols.append(f"{r.steady_state_step_time:g} ({r.bubble_fraction[0]:.0%})")
         out.append(f"{kind:<8} {cols[0]:>14} {cols[1]:>20}")
     return "\n".join(out)

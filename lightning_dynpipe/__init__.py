@@ -9,11 +9,11 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dynpipe.errors import (
-    PeerFailure,
     CommunicationError,
     ConfigurationError,
     DynPipeError,
     PartitionError,
+    PeerFailure,
     PipelineTimeoutError,
     ScheduleError,
 )

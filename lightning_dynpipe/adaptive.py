@@ -63,8 +63,10 @@ def measured_slowdowns(
         expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
         ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else 1.0)
     base = min(ratios)
-    return tuple(max(r / base, 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0)
-                 for r, t in zip(ratios, times))
+    return tuple(
+        max(r / base, 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0)
+        for r, t in zip(ratios, times)
+    )
 
 
 class AdaptiveController:
@@ -96,17 +98,31 @@ class AdaptiveController:
         slowdowns = measured_slowdowns(cost, part, times, M)
         comm_s = sum(t.comm_s for t in times)
         overlap = 1.0 - sum(t.exposed_comm_s for t in times) / comm_s if comm_s > 0 else 0.0
-        comm = CommModel(latency_s=s.comm.latency_s, bandwidth_Bps=s.comm.bandwidth_Bps,
-                         overlap=min(max(overlap, 0.0), 1.0))
+        comm = CommModel(
+            latency_s=s.comm.latency_s, bandwidth_Bps=s.comm.bandwidth_Bps, overlap=min(max(overlap, 0.0), 1.0)
+        )
         dp = s.topology.dp_size
         device_slowdowns = [slowdowns[k] for k in range(part.num_stages) for _ in range(dp)]
         schedule: Any = "async" if s.schedule == "async" else "sync"
-        current = evaluate(cost, Partition(part.balance, (dp,) * part.num_stages), schedule=schedule,
-                           convergence=s.convergence, cost_model=DefaultCostModel(comm), slowdowns=device_slowdowns,
-                           num_microbatches=M)
-        candidate = best_plan(cost, part.num_stages * dp, num_stages=part.num_stages, schedule=schedule,
-                              convergence=s.convergence, comm=comm, num_microbatches=M,
-                              slowdowns=device_slowdowns)
+        current = evaluate(
+            cost,
+            Partition(part.balance, (dp,) * part.num_stages),
+            schedule=schedule,
+            convergence=s.convergence,
+            cost_model=DefaultCostModel(comm),
+            slowdowns=device_slowdowns,
+            num_microbatches=M,
+        )
+        candidate = best_plan(
+            cost,
+            part.num_stages * dp,
+            num_stages=part.num_stages,
+            schedule=schedule,
+            convergence=s.convergence,
+            comm=comm,
+            num_microbatches=M,
+            slowdowns=device_slowdowns,
+        )
         inputs = PolicyInputs(
             step=step,
             current=Partition(part.balance),
@@ -126,12 +142,15 @@ class AdaptiveController:
             self.policy.migrated(step)
         return decision
 
-    def _migration_cost(self, cost: ModelCost, old: Partition, new: Partition, times: list[StageTimes],
-                        comm: CommModel) -> float:
+    def _migration_cost(
+        self, cost: ModelCost, old: Partition, new: Partition, times: list[StageTimes], comm: CommModel
+    ) -> float:
         """Measured mean pause of past migrations, else an estimate: a drain (one step) plus the transfer."""
         past = [m.pause_s for m in self.strategy.migrations]
         if past:
             return sum(past) / len(past)
-        moved = sum(cost.layers[m.layer_idx].param_bytes + cost.layers[m.layer_idx].optimizer_state_bytes
-                    for m in plan_moves(old, new))
+        moved = sum(
+            cost.layers[m.layer_idx].param_bytes + cost.layers[m.layer_idx].optimizer_state_bytes
+            for m in plan_moves(old, new)
+        )
         return max(t.step_s for t in times) + float(comm.transfer_time(moved))

@@ -339,7 +339,7 @@ def measure_profiles(
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 steps = steps_to_target(
-                    lambda: probe,
+                    lambda probe=probe: probe,  # type: ignore[misc]
                     batches(seed),
                     num_stages=part.num_stages,
                     balance=part.balance,
@@ -353,7 +353,7 @@ def measure_profiles(
                     max_steps=max_steps,
                     mode=mode,
                     stop_at_target=stop_at_target,
-                    on_eval=lambda step, value: curve.append((step, value)),
+                    on_eval=lambda step, value, curve=curve: curve.append((step, value)),  # type: ignore[misc]
                 )
             run = ProfileRun(
                 profile=profile if isinstance(profile, int) else tuple(profile),

@@ -41,8 +41,15 @@ def cgroup_mounts(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") ->
             if len(lf) < 6 or len(rf) < 1 or rf[0] not in ("cgroup", "cgroup2"):
                 continue
             super_opts = frozenset(rf[2].split(",")) if len(rf) > 2 else frozenset()
-            mounts.append(CgroupMount(rf[0], _unescape(lf[3]), Path(_unescape(lf[4])),
-                                      "ro" in lf[5].split(",") or "ro" in super_opts, super_opts))
+            mounts.append(
+                CgroupMount(
+                    rf[0],
+                    _unescape(lf[3]),
+                    Path(_unescape(lf[4])),
+                    "ro" in lf[5].split(",") or "ro" in super_opts,
+                    super_opts,
+                )
+            )
     return mounts
 
 
@@ -69,7 +76,7 @@ def process_cgroups(pid: int, proc: str | os.PathLike[str] = "/proc") -> dict[st
 def cgroup_dir(mount: CgroupMount, path: str) -> Path:
     """The directory of cgroup ``path`` (as ``/proc/<pid>/cgroup`` names it) under ``mount``."""
     root = mount.root.rstrip("/")
-    rel = path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+    rel = path[len(root) :] if root and (path == root or path.startswith(root + "/")) else path
     return mount.mountpoint / rel.lstrip("/")
 
 

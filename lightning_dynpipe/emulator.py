@@ -80,8 +80,9 @@ def replay_async(
         raise ConfigurationError(f"staleness needs {S} non-negative entries, one per stage; got {stale}.")
     layer_opts = [make_optimizer(ps) if (ps := list(layer.parameters())) else None for layer in pipeline]
 
-    def build(part: Partition) -> tuple[list[nn.Sequential], list[list[str]], list[list[nn.Parameter]],
-                                         list[list[Optimizer]]]:
+    def build(
+        part: Partition,
+    ) -> tuple[list[nn.Sequential], list[list[str]], list[list[nn.Parameter]], list[list[Optimizer]]]:
         stages = [nn.Sequential(*[pipeline[i] for i in part.stage_layers(k)]) for k in range(S)]
         names = [[n for n, _ in st.named_parameters()] for st in stages]
         live = [[p for _, p in st.named_parameters()] for st in stages]

@@ -27,8 +27,8 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.auto import best_plan, simulate_plan
 from lightning_dynpipe.plan.convergence import DEFAULT_BETA, ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel
-from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
 from lightning_dynpipe.plotting import plot_timeline
+from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
 
 __all__ = ["main", "build_parser"]
 
@@ -44,9 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, required=True, help="the Lightning batch size")
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--schedule", choices=("async", "sync", "gpipe"), default="async")
-    p.add_argument("--input-shape", default=None,
-                   help="per-sample input shape, e.g. '784' or '1,28,28'; default: the model's example_input() "
-                        "or example_input_array")
+    p.add_argument(
+        "--input-shape",
+        default=None,
+        help="per-sample input shape, e.g. '784' or '1,28,28'; default: the model's example_input() "
+        "or example_input_array",
+    )
     p.add_argument("--beta", type=float, default=DEFAULT_BETA, help="the convergence model's staleness cost")
     p.add_argument("--latency-us", type=float, default=0.0, help="link latency between stages (microseconds)")
     p.add_argument("--bandwidth-gbps", type=float, default=math.inf, help="link bandwidth (GB/s)")
@@ -103,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(optimizer, dict):
         optimizer = optimizer.get("optimizer")
     factor = optimizer_state_factor(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 2.0
-    profile = profile_layers(pipeline, _sample(model, a.input_shape, micro_batch),
-                             optimizer_state_bytes_per_param_byte=factor)
+    profile = profile_layers(
+        pipeline, _sample(model, a.input_shape, micro_batch), optimizer_state_bytes_per_param_byte=factor
+    )
     print(f"Per-layer profile (micro-batch of {micro_batch}):")
     print(profile.table())
     cost = profile.to_model_cost()
@@ -114,17 +118,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         num_stages = int(a.num_stages)
     schedule: Literal["async", "sync"] = "async" if a.schedule == "async" else "sync"
-    plan = best_plan(cost, a.devices, num_stages=num_stages, schedule=schedule,
-                     convergence=ConvergenceModel(beta=a.beta), comm=comm, num_microbatches=a.num_microbatches)
+    plan = best_plan(
+        cost,
+        a.devices,
+        num_stages=num_stages,
+        schedule=schedule,
+        convergence=ConvergenceModel(beta=a.beta),
+        comm=comm,
+        num_microbatches=a.num_microbatches,
+    )
     print()
     print(plan.table())
-    sim = simulate_plan(plan, cost, schedule=a.schedule, num_microbatches=a.num_microbatches, num_steps=a.steps,
-                        comm=comm)
+    sim = simulate_plan(
+        plan, cost, schedule=a.schedule, num_microbatches=a.num_microbatches, num_steps=a.steps, comm=comm
+    )
     step = sim.steady_state_step_time
     print()
-    print(f"simulated {a.schedule} step: {step * 1e3:.2f} ms for {a.batch_size} samples per pipeline "
-          f"(~{plan.dp * a.batch_size / step:,.0f} samples/s with {plan.dp} pipeline(s)); "
-          f"bubble per stage {', '.join(f'{b:.0%}' for b in sim.bubble_fraction)}")
+    print(
+        f"simulated {a.schedule} step: {step * 1e3:.2f} ms for {a.batch_size} samples per pipeline "
+        f"(~{plan.dp * a.batch_size / step:,.0f} samples/s with {plan.dp} pipeline(s)); "
+        f"bubble per stage {', '.join(f'{b:.0%}' for b in sim.bubble_fraction)}"
+    )
     plot_timeline(sim, a.timeline, title=f"{a.model}: {a.schedule}, balance {list(plan.partition.balance)}")
     print(f"timeline written to {a.timeline}")
     if a.trace:

@@ -10,8 +10,14 @@ from lightning_dynpipe.schedule.simulator import SimResult
 __all__ = ["plot_timeline"]
 
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "U": "#55A868", "R": "#D0D0D0", "S": "#8172B3", "H": "#937860"}
-_LABELS = {"F": "forward", "B": "backward", "U": "update", "R": "waiting to receive", "S": "sending",
-           "H": "step overhead"}
+_LABELS = {
+    "F": "forward",
+    "B": "backward",
+    "U": "update",
+    "R": "waiting to receive",
+    "S": "sending",
+    "H": "step overhead",
+}
 
 
 def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = None, max_events: int = 4000) -> None:
@@ -49,11 +55,15 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ax.set_xlabel("time")
     shown = [kind for kind in _COLOURS if kind in drawn or kind in "FBUR"]
     handles: list[Any] = [
-        plt.Rectangle((0, 0), 1, 1, color=_COLOURS[kind]) for kind in shown  # type: ignore[attr-defined]
+        plt.Rectangle((0, 0), 1, 1, color=_COLOURS[kind])  # type: ignore[attr-defined]
+        for kind in shown
     ]
     ax.legend(handles, [_LABELS[kind] for kind in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_title(title or f"{result.kind} schedule, S={result.num_stages}, M={result.num_microbatches}, "
-                          f"{result.num_steps} steps (makespan {result.makespan:.3g})")
+    ax.set_title(
+        title
+        or f"{result.kind} schedule, S={result.num_stages}, M={result.num_microbatches}, "
+        f"{result.num_steps} steps (makespan {result.makespan:.3g})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -22,12 +22,12 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
@@ -46,13 +46,13 @@ from lightning_dynpipe.engine.groups import (
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
-from lightning_dynpipe.plan.convergence import ConvergenceModel
-from lightning_dynpipe.plan.costs import CommModel, ModelCost
-from lightning_dynpipe.plan.partition import Partition, balance_by_weights
 from lightning_dynpipe.interference.schedule import InterferenceSchedule
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.monitor.stats import PipelineSnapshot
 from lightning_dynpipe.plan.auto import best_plan
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition, balance_by_weights
 from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.repartition.migrate import recv_layer, send_layer
 from lightning_dynpipe.repartition.plan import plan_moves
@@ -155,7 +155,9 @@ class _MetricsMirror(Callback):
             )
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._mirror(trainer)
 
     @override
@@ -469,7 +471,8 @@ class DynPipeStrategy(DDPStrategy):
         if is_overridden("backward", module, LightningModule):
             rank_zero_warn(
                 f"{type(module).__name__}.backward is overridden but DynPipeStrategy does not call it: the pipeline "
-                "back-propagates each micro-batch itself (on_before_backward/on_after_backward still fire once per step)."
+                "back-propagates each micro-batch itself (on_before_backward/on_after_backward still fire once per "
+                "step)."
             )
         pipeline_params = {id(p) for p in pipeline.parameters()}
         outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in pipeline_params]
@@ -518,9 +521,11 @@ class DynPipeStrategy(DDPStrategy):
                 self.model_cost = ModelCost.from_arrays(**arrays)
                 self.comm = CommModel(latency_s=link[0], bandwidth_Bps=link[1])
             if error is not None:
-                rank_zero_warn(f"DynPipe could not profile/plan this run ({error}); "
-                               f"{'balancing by parameter count' if balance is None else 'using the given balance'}"
-                               f"{' and not adapting' if self.adaptive_policy is not None else ''}.")
+                rank_zero_warn(
+                    f"DynPipe could not profile/plan this run ({error}); "
+                    f"{'balancing by parameter count' if balance is None else 'using the given balance'}"
+                    f"{' and not adapting' if self.adaptive_policy is not None else ''}."
+                )
             if table is not None:
                 self.plan_table = table
                 rank_zero_info(f"DynPipe plan (balance='auto'):\n{table}")
@@ -553,16 +558,27 @@ class DynPipeStrategy(DDPStrategy):
         from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
 
         factor = optimizer_state_factor(self.optimizers[0]) if self.optimizers else 0.0
-        profile = profile_layers(pipeline, self._sample_microbatch(trainer), device=self.root_device,
-                                 optimizer_state_bytes_per_param_byte=factor)
+        profile = profile_layers(
+            pipeline,
+            self._sample_microbatch(trainer),
+            device=self.root_device,
+            optimizer_state_bytes_per_param_byte=factor,
+        )
         return profile.to_model_cost()
 
     def _plan(self, cost: ModelCost, comm: CommModel, world: int) -> Plan:
         """The time-to-accuracy plan for this run."""
         schedule: Literal["async", "sync"] = "async" if self.schedule == "async" else "sync"
         num_stages = None if self._stages_auto else self.num_stages
-        return best_plan(cost, world, num_stages=num_stages, schedule=schedule, convergence=self.convergence,
-                         comm=comm, num_microbatches=self.num_microbatches)
+        return best_plan(
+            cost,
+            world,
+            num_stages=num_stages,
+            schedule=schedule,
+            convergence=self.convergence,
+            comm=comm,
+            num_microbatches=self.num_microbatches,
+        )
 
     def _sample_microbatch(self, trainer: Trainer) -> Any:
         """Stage 0's input for one micro-batch of the first training batch."""
@@ -716,8 +732,16 @@ class DynPipeStrategy(DDPStrategy):
         # A window restarts at every repartition: decide only on enough steps of the current partition.
         if self.controller is None or any(st.count < _MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
             return
-        times = [StageTimes(compute_s=st.forward_s + st.backward_s, step_s=st.step_s, comm_s=st.comm_s,
-                            exposed_comm_s=st.exposed_comm_s, cpu_limit=st.cpu_limit) for st in snapshot.stages]
+        times = [
+            StageTimes(
+                compute_s=st.forward_s + st.backward_s,
+                step_s=st.step_s,
+                comm_s=st.comm_s,
+                exposed_comm_s=st.exposed_comm_s,
+                cpu_limit=st.cpu_limit,
+            )
+            for st in snapshot.stages
+        ]
         remaining = max(0, int(trainer.estimated_stepping_batches) - trainer.global_step)
         decision = self.controller.check(trainer.global_step, times, remaining)
         if decision is not None and decision.repartition:
@@ -821,11 +845,19 @@ class DynPipeStrategy(DDPStrategy):
         agreed = torch.tensor([time.perf_counter() - t0, float(sent)], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        record = MigrationRecord(step=step, old=old, new=new, moved=tuple(m.layer_idx for m in moves),
-                                 bytes_sent=int(agreed[1]), pause_s=float(agreed[0]))
+        record = MigrationRecord(
+            step=step,
+            old=old,
+            new=new,
+            moved=tuple(m.layer_idx for m in moves),
+            bytes_sent=int(agreed[1]),
+            pause_s=float(agreed[0]),
+        )
         self.migrations.append(record)
-        rank_zero_info(f"DynPipe repartition at step {step}: {old} -> {new}, moved layers {list(record.moved)}, "
-                       f"pause {record.pause_s * 1e3:.1f} ms")
+        rank_zero_info(
+            f"DynPipe repartition at step {step}: {old} -> {new}, moved layers {list(record.moved)}, "
+            f"pause {record.pause_s * 1e3:.1f} ms"
+        )
         return record
 
     def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
@@ -887,9 +919,7 @@ class DynPipeStrategy(DDPStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning's closure must run (it calls training_step); the executor already applied the updates.
         return closure()
 
@@ -1018,7 +1048,9 @@ class DynPipeStrategy(DDPStrategy):
 
     def _empty_state(self, layer_idx: int) -> dict[str, Tensor]:
         """Buffers shaped like an offloaded layer's state (from its meta skeleton), to receive it into."""
-        return {k: torch.empty_like(v, device=self.root_device) for k, v in self._offloaded[layer_idx].state_dict().items()}
+        return {
+            k: torch.empty_like(v, device=self.root_device) for k, v in self._offloaded[layer_idx].state_dict().items()
+        }
 
     def _full_state_dict(self, layers: dict[int, dict[str, Tensor]]) -> dict[str, Any]:
         local = self._lm.state_dict()
@@ -1186,7 +1218,11 @@ class DynPipeStrategy(DDPStrategy):
                 )
         # A bare class path on the command line (--trainer.strategy=lightning_dynpipe.DynPipeStrategy) reaches
         # the registry lower-cased.
-        for alias in ("lightning_dynpipe.dynpipestrategy", "lightning_dynpipe.strategy.dynpipestrategy", "dynpipestrategy"):
+        for alias in (
+            "lightning_dynpipe.dynpipestrategy",
+            "lightning_dynpipe.strategy.dynpipestrategy",
+            "dynpipestrategy",
+        ):
             if alias not in strategy_registry:
                 strategy_registry.register(alias, cls, description="DynPipe pipeline parallelism")
 

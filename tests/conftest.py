@@ -15,10 +15,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Rank variables inherited from a surrounding launch would make a script's Lightning join the wrong job.
 _LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
 
-_ENV_ALLOWED_TO_CHANGE = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "PL_GLOBAL_SEED", "OMP_NUM_THREADS",
-                          "PL_SEED_WORKERS", "MASTER_ADDR", "NODE_RANK", "RANK", "CUDA_MODULE_LOADING",
-                          # set by importing scikit-learn (OpenMP), not by the code under test
-                          "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+_ENV_ALLOWED_TO_CHANGE = {
+    "LOCAL_RANK",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "OMP_NUM_THREADS",
+    "PL_SEED_WORKERS",
+    "MASTER_ADDR",
+    "NODE_RANK",
+    "RANK",
+    "CUDA_MODULE_LOADING",
+    # set by importing scikit-learn (OpenMP), not by the code under test
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +60,14 @@ def run_benchmark() -> Callable[..., subprocess.CompletedProcess[str]]:
 
     def run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-        proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / script), *args], cwd=REPO_ROOT,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "benchmarks" / script), *args],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
         return proc
 

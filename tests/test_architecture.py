@@ -12,14 +12,32 @@ PKG = Path(__file__).resolve().parents[1] / "lightning_dynpipe"
 
 # package -> top-level imports it must not make (directly)
 FORBIDDEN = {
-    "plan": {"torch", "lightning", "pytorch_lightning", "sklearn", "lightning_dynpipe.engine",
-             "lightning_dynpipe.strategy"},
-    "schedule": {"torch", "lightning", "pytorch_lightning", "sklearn", "lightning_dynpipe.engine",
-                 "lightning_dynpipe.strategy"},
+    "plan": {
+        "torch",
+        "lightning",
+        "pytorch_lightning",
+        "sklearn",
+        "lightning_dynpipe.engine",
+        "lightning_dynpipe.strategy",
+    },
+    "schedule": {
+        "torch",
+        "lightning",
+        "pytorch_lightning",
+        "sklearn",
+        "lightning_dynpipe.engine",
+        "lightning_dynpipe.strategy",
+    },
     "engine": {"lightning", "pytorch_lightning", "lightning_dynpipe.strategy"},
     "repartition": {"lightning", "pytorch_lightning", "lightning_dynpipe.strategy"},
-    "profiling": {"lightning", "pytorch_lightning", "torch.distributed", "sklearn", "lightning_dynpipe.engine",
-                  "lightning_dynpipe.strategy"},
+    "profiling": {
+        "lightning",
+        "pytorch_lightning",
+        "torch.distributed",
+        "sklearn",
+        "lightning_dynpipe.engine",
+        "lightning_dynpipe.strategy",
+    },
 }
 
 

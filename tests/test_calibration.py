@@ -39,8 +39,9 @@ def digits() -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def _net(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
-                         nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU()), nn.Linear(32, 10)
+    )
 
 
 def _batches(x: Tensor, y: Tensor, seed: int, batch_size: int = 32) -> Iterator[_Batch]:
@@ -62,15 +63,27 @@ def _common(digits: tuple[Tensor, Tensor, Tensor, Tensor], lr: float = 0.02) -> 
     def accuracy(net: nn.Sequential) -> float:
         return float((net(xv).argmax(-1) == yv).float().mean())
 
-    return dict(num_microbatches=2, make_optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9),
-                loss_fn=_loss, eval_fn=accuracy, eval_every=2, max_steps=80)
+    return dict(
+        num_microbatches=2,
+        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+        loss_fn=_loss,
+        eval_fn=accuracy,
+        eval_every=2,
+        max_steps=80,
+    )
 
 
 def test_steps_to_target_is_a_sane_step_count(digits: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
     xt, yt, _, _ = digits
     curve: list[tuple[int, float]] = []
-    steps = steps_to_target(lambda: _net(0), _batches(xt, yt, 0), num_stages=1, target=0.8,
-                            on_eval=lambda s, v: curve.append((s, v)), **_common(digits))  # type: ignore[arg-type]
+    steps = steps_to_target(
+        lambda: _net(0),
+        _batches(xt, yt, 0),
+        num_stages=1,
+        target=0.8,
+        on_eval=lambda s, v: curve.append((s, v)),
+        **_common(digits),
+    )  # type: ignore[arg-type]
     assert steps is not None and 2 <= steps <= 80 and steps % 2 == 0
     # it stopped at the first evaluation that met the target, and not before
     assert curve[-1][0] == steps and curve[-1][1] >= 0.8
@@ -82,8 +95,14 @@ def test_unreachable_target_gives_none_and_trains_max_steps(digits: tuple[Tensor
     xt, yt, _, _ = digits
     curve: list[tuple[int, float]] = []
     kwargs = _common(digits) | {"max_steps": 7, "eval_every": 3}
-    steps = steps_to_target(lambda: _net(0), _batches(xt, yt, 0), num_stages=2, target=1.01,
-                            on_eval=lambda s, v: curve.append((s, v)), **kwargs)  # type: ignore[arg-type]
+    steps = steps_to_target(
+        lambda: _net(0),
+        _batches(xt, yt, 0),
+        num_stages=2,
+        target=1.01,
+        on_eval=lambda s, v: curve.append((s, v)),
+        **kwargs,
+    )  # type: ignore[arg-type]
     assert steps is None
     assert [s for s, _ in curve] == [3, 6, 7]  # the last step is always evaluated
 
@@ -92,9 +111,16 @@ def test_whole_curve_and_min_mode(digits: tuple[Tensor, Tensor, Tensor, Tensor])
     xt, yt, xv, yv = digits
     curve: list[tuple[int, float]] = []
     kwargs = _common(digits) | {"max_steps": 20, "eval_fn": lambda net: float(F.cross_entropy(net(xv), yv))}
-    steps = steps_to_target(lambda: _net(0), _batches(xt, yt, 0), num_stages=2, target=2.1, mode="min",
-                            stop_at_target=False, on_eval=lambda s, v: curve.append((s, v)),
-                            **kwargs)  # type: ignore[arg-type]
+    steps = steps_to_target(
+        lambda: _net(0),
+        _batches(xt, yt, 0),
+        num_stages=2,
+        target=2.1,
+        mode="min",
+        stop_at_target=False,
+        on_eval=lambda s, v: curve.append((s, v)),
+        **kwargs,
+    )  # type: ignore[arg-type]
     assert curve[-1][0] == 20  # trained to max_steps although the target was met earlier
     assert steps is not None and steps < 20
     assert min(s for s, v in curve if v <= 2.1) == steps
@@ -106,9 +132,15 @@ def test_staleness_zero_and_large_differ(digits: tuple[Tensor, Tensor, Tensor, T
     results = {}
     for name, staleness in [("fresh", [0, 0, 0]), ("stale", [12, 12, 0])]:
         results[name] = steps_to_target(
-            lambda: _net(0), _batches(xt, yt, 0), num_stages=3, staleness=staleness, target=0.9,
-            stop_at_target=False, on_eval=lambda s, v, c=curves[name]: c.append(v),  # type: ignore[misc]
-            **_common(digits))  # type: ignore[arg-type]
+            lambda: _net(0),
+            _batches(xt, yt, 0),
+            num_stages=3,
+            staleness=staleness,
+            target=0.9,
+            stop_at_target=False,
+            on_eval=lambda s, v, c=curves[name]: c.append(v),  # type: ignore[misc]
+            **_common(digits),
+        )  # type: ignore[arg-type]
     assert results["fresh"] is not None
     assert curves["fresh"] != curves["stale"]
     # same weights, same batches: only the staleness differs, and it must not help here
@@ -143,8 +175,9 @@ def test_resolve_profile_balances_by_parameters() -> None:
         ({"num_stages": 1, "mode": "best"}, "valid options are"),
     ],
 )
-def test_steps_to_target_rejects(digits: tuple[Tensor, Tensor, Tensor, Tensor], kwargs: dict[str, object],
-                                 match: str) -> None:
+def test_steps_to_target_rejects(
+    digits: tuple[Tensor, Tensor, Tensor, Tensor], kwargs: dict[str, object], match: str
+) -> None:
     xt, yt, _, _ = digits
     args = _common(digits) | kwargs
     with pytest.raises(ConfigurationError, match=match):
@@ -160,8 +193,9 @@ def test_resolve_profile_rejects() -> None:
 
 def test_calibrate_beta_returns_a_finite_model(digits: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
     xt, yt, _, _ = digits
-    model = calibrate_beta(_net, lambda seed: _batches(xt, yt, seed), profiles=[1, 2, 3], seeds=[0, 1],
-                           target=0.8, **_common(digits))  # type: ignore[arg-type]
+    model = calibrate_beta(
+        _net, lambda seed: _batches(xt, yt, seed), profiles=[1, 2, 3], seeds=[0, 1], target=0.8, **_common(digits)
+    )  # type: ignore[arg-type]
     assert isinstance(model, ConvergenceModel)
     assert math.isfinite(model.i0) and model.i0 > 0
     assert math.isfinite(model.beta) and model.beta >= 0
@@ -169,8 +203,9 @@ def test_calibrate_beta_returns_a_finite_model(digits: tuple[Tensor, Tensor, Ten
 
 def test_measure_profiles_pairs_seeds_and_reports_iterations(digits: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
     xt, yt, _, _ = digits
-    runs = measure_profiles(_net, lambda seed: _batches(xt, yt, seed), profiles=[1, [0, 3, 0]], seeds=[0],
-                            target=0.8, **_common(digits))  # type: ignore[arg-type]
+    runs = measure_profiles(
+        _net, lambda seed: _batches(xt, yt, seed), profiles=[1, [0, 3, 0]], seeds=[0], target=0.8, **_common(digits)
+    )  # type: ignore[arg-type]
     assert [(r.profile, r.seed) for r in runs] == [(1, 0), ((0, 3, 0), 0)]
     assert runs[1].staleness == (0, 3, 0) and runs[1].balance == (1, 1, 1)
     for r in runs:
@@ -182,10 +217,12 @@ def test_measure_profiles_pairs_seeds_and_reports_iterations(digits: tuple[Tenso
 
 
 def test_median_observations_refuses_a_run_that_missed_the_target() -> None:
-    miss = ProfileRun(profile=2, seed=0, balance=(1, 2), staleness=(1, 0), stage_parameters=(10, 5), steps=None,
-                      num_microbatches=4)
-    hit = ProfileRun(profile=2, seed=1, balance=(1, 2), staleness=(1, 0), stage_parameters=(10, 5), steps=30,
-                     num_microbatches=4)
+    miss = ProfileRun(
+        profile=2, seed=0, balance=(1, 2), staleness=(1, 0), stage_parameters=(10, 5), steps=None, num_microbatches=4
+    )
+    hit = ProfileRun(
+        profile=2, seed=1, balance=(1, 2), staleness=(1, 0), stage_parameters=(10, 5), steps=30, num_microbatches=4
+    )
     assert hit.iterations == 120
     with pytest.raises(ConfigurationError, match=r"did not reach the target for seeds \[0\]"):
         median_observations([miss, hit])

@@ -13,8 +13,9 @@ from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, cpu_limit_cores
 
 def _fake(tmp_path: Path, cgroup_lines: str, mounts: list[tuple[str, Path, str]]) -> tuple[Path, Path]:
     """A mountinfo listing ``mounts`` (fstype, mountpoint, super options) and /proc/42/cgroup."""
-    lines = [f"{30 + i} 1 0:{i} / {mp} rw,nosuid - {fstype} {fstype} {opts}" for i, (fstype, mp, opts) in
-             enumerate(mounts)]
+    lines = [
+        f"{30 + i} 1 0:{i} / {mp} rw,nosuid - {fstype} {fstype} {opts}" for i, (fstype, mp, opts) in enumerate(mounts)
+    ]
     lines.insert(0, "22 1 0:5 / /proc rw - proc proc rw")  # not a cgroup: ignored
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text("\n".join(lines) + "\n")
@@ -47,11 +48,13 @@ def test_v1_cpu_hierarchy_and_unlimited_quota(tmp_path: Path) -> None:
     for d, quota in ((cpu, "-1"), (leaf, "50000")):
         (d / "cpu.cfs_quota_us").write_text(quota + "\n")
         (d / "cpu.cfs_period_us").write_text("100000\n")
-    mountinfo, proc = _fake(tmp_path, "4:memory:/x\n2:cpu,cpuacct:/dynpipe-quota\n0::/\n",
-                            [("cgroup", cpu, "rw,cpu,cpuacct"), ("cgroup", tmp_path / "memory", "rw,memory")])
+    mountinfo, proc = _fake(
+        tmp_path,
+        "4:memory:/x\n2:cpu,cpuacct:/dynpipe-quota\n0::/\n",
+        [("cgroup", cpu, "rw,cpu,cpuacct"), ("cgroup", tmp_path / "memory", "rw,memory")],
+    )
 
-    assert process_cgroups(42, proc) == {"memory": "/x", "cpu": "/dynpipe-quota", "cpuacct": "/dynpipe-quota",
-                                         "": "/"}
+    assert process_cgroups(42, proc) == {"memory": "/x", "cpu": "/dynpipe-quota", "cpuacct": "/dynpipe-quota", "": "/"}
     mount = next(m for m in cgroup_mounts(mountinfo) if "cpu" in m.super_options)
     assert cgroup_dir(mount, "/dynpipe-quota") == leaf
     assert cpu_limit_cores(42, mountinfo=mountinfo, proc=proc) == 0.5

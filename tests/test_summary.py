@@ -21,8 +21,12 @@ class Net(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.pipeline = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 16),
-            nn.BatchNorm1d(16), nn.Linear(16, 3),
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 8 * 8, 16),
+            nn.BatchNorm1d(16),
+            nn.Linear(16, 3),
         )
         if example:
             self.example_input_array = torch.zeros(2, 1, 8, 8)
@@ -44,8 +48,14 @@ def _partitioned(model: Net, owned: set[int]) -> dict[int, nn.Module]:
 
 
 def _numbers(summary: Any) -> tuple[Any, ...]:
-    return (summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters,
-            summary.model_size, summary.total_training_modes, summary.total_flops)
+    return (
+        summary._get_summary_data(),
+        summary.total_parameters,
+        summary.trainable_parameters,
+        summary.model_size,
+        summary.total_training_modes,
+        summary.total_flops,
+    )
 
 
 @pytest.mark.parametrize("example", [False, True], ids=["no-example", "example_input_array"])

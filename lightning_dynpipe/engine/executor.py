@@ -298,7 +298,11 @@ class StageExecutor:
         self._step_base = self._steps_since_drain * self.num_microbatches
         self._step_losses = []
         program = step_instructions(
-            self.schedule, self.stage_idx, self.num_stages, self.num_microbatches, self._steps_since_drain  # type: ignore[arg-type]
+            self.schedule,  # type: ignore[arg-type]
+            self.stage_idx,
+            self.num_stages,
+            self.num_microbatches,
+            self._steps_since_drain,
         )
         self._run(program)
         self._steps_since_drain += 1
@@ -316,7 +320,11 @@ class StageExecutor:
         if self._steps_since_drain == 0:
             return
         program = drain_instructions(
-            self.schedule, self.stage_idx, self.num_stages, self.num_microbatches, self._steps_since_drain  # type: ignore[arg-type]
+            self.schedule,  # type: ignore[arg-type]
+            self.stage_idx,
+            self.num_stages,
+            self.num_microbatches,
+            self._steps_since_drain,
         )
         self._run(program)
         self.channels.flush()
@@ -334,7 +342,9 @@ class StageExecutor:
         :meth:`local_forward`. Other stages return ``None``. Must be called on a drained pipeline.
         """
         if self._mbs:
-            raise ScheduleError(f"eval_step needs a drained pipeline; stage {self.stage_idx} has {len(self._mbs)} in flight.")
+            raise ScheduleError(
+                f"eval_step needs a drained pipeline; stage {self.stage_idx} has {len(self._mbs)} in flight."
+            )
         idx = self._eval_counter
         self._eval_counter += 1
         mb = _MicroBatch(slot=0, batch=batch)

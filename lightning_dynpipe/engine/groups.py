@@ -132,14 +132,22 @@ def build_channels(
     ch = StageChannels()
     if k > 0:
         up = topo.rank_of(d, k - 1)
-        ch.recv_activation = RecvChannel(groups.activation_in, up, device, timeout_s, f"activations {k - 1}->{k}",
-                                         peer_stage=k - 1, on_failure=on_failure)
+        ch.recv_activation = RecvChannel(
+            groups.activation_in,
+            up,
+            device,
+            timeout_s,
+            f"activations {k - 1}->{k}",
+            peer_stage=k - 1,
+            on_failure=on_failure,
+        )
         ch.send_grad = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
     if k < topo.num_stages - 1:
         down = topo.rank_of(d, k + 1)
         ch.send_activation = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
-        ch.recv_grad = RecvChannel(groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}",
-                                   peer_stage=k + 1, on_failure=on_failure)
+        ch.recv_grad = RecvChannel(
+            groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}", peer_stage=k + 1, on_failure=on_failure
+        )
     if failure is not None:
         failure.channels = [c for c in (ch.send_activation, ch.send_grad) if c is not None]
     return ch

@@ -18,9 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,8 +133,10 @@ class SendChannel:
         header = encode(MessageKind.ABORT, stage_idx, [encode_text(text)], aux=float(rank))
         try:
             with self._lock:
-                works = [dist.isend(header, dst=self.peer, group=self.group),
-                         dist.isend(encode_text(text), dst=self.peer, group=self.group)]
+                works = [
+                    dist.isend(header, dst=self.peer, group=self.group),
+                    dist.isend(encode_text(text), dst=self.peer, group=self.group),
+                ]
             for w in works:
                 if w is not None:
                     w.wait(timeout=timedelta(seconds=wait_s))
@@ -197,9 +198,13 @@ class RecvChannel:
                     assert spec is not None
                     text_t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                     dist.recv(text_t, src=self.peer, group=self.group)
-                    self._fail(PeerFailure(
-                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text_t)}",
-                        header.mb_idx, int(header.aux)))
+                    self._fail(
+                        PeerFailure(
+                            f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text_t)}",
+                            header.mb_idx,
+                            int(header.aux),
+                        )
+                    )
                     return
                 tensors: list[Tensor | None] = []
                 t_header = time.perf_counter()
@@ -217,10 +222,14 @@ class RecvChannel:
         except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)
             if self._closed:
                 return
-            self._fail(PeerFailure(
-                f"Lost the connection to stage {self.peer_stage} (rank {self.peer}) on channel {self.name}: that "
-                f"process stopped or was killed ({type(exc).__name__}: {exc}). Check its log for the cause.",
-                self.peer_stage, self.peer))
+            self._fail(
+                PeerFailure(
+                    f"Lost the connection to stage {self.peer_stage} (rank {self.peer}) on channel {self.name}: that "
+                    f"process stopped or was killed ({type(exc).__name__}: {exc}). Check its log for the cause.",
+                    self.peer_stage,
+                    self.peer,
+                )
+            )
 
     def _fail(self, failure: PeerFailure) -> None:
         self._queue.put(failure)
@@ -242,7 +251,9 @@ class RecvChannel:
             raise item
         if item is None:
             self._closed = True
-            raise CommunicationError(f"Channel {self.name} was closed by rank {self.peer} while a message was expected.")
+            raise CommunicationError(
+                f"Channel {self.name} was closed by rank {self.peer} while a message was expected."
+            )
         if item.header.kind != kind or item.header.mb_idx != mb_idx:
             raise CommunicationError(
                 f"Pipeline schedules are out of step on channel {self.name}: expected {kind.name.lower()} of "

@@ -100,8 +100,11 @@ def probe_p2p(
             f"{members}. Pass the boundary group the two ranks share."
         ) from exc
     if device is None:
-        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(
-            "cuda", torch.cuda.current_device())
+        device = (
+            torch.device("cpu")
+            if dist.get_backend(group) == "gloo"
+            else torch.device("cuda", torch.cuda.current_device())
+        )
 
     def send(t: torch.Tensor) -> None:
         dist.send(t, dst=peer, group=group)
@@ -159,8 +162,13 @@ def probe_p2p(
             f"and {peer}; both must be positive. The clock may be too coarse: raise sizes[1] or repeats."
         )
     comm = CommModel(latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
-    log.debug("P2P probe rank %d <-> %d: latency %.1f us, bandwidth %.3f GB/s",
-              rank, peer, latency_s * 1e6, bandwidth_Bps / 1e9)
+    log.debug(
+        "P2P probe rank %d <-> %d: latency %.1f us, bandwidth %.3f GB/s",
+        rank,
+        peer,
+        latency_s * 1e6,
+        bandwidth_Bps / 1e9,
+    )
     return comm
 
 

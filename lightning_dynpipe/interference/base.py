@@ -11,7 +11,6 @@ covers a parent killed with SIGKILL.
 from __future__ import annotations
 
 import abc
-
 import logging
 import os
 import select
@@ -113,13 +112,15 @@ def check_fraction(name: str, value: float, low: float, high: float, fix: str, *
     ok = (low < v if low_open else low <= v) and v <= high
     if not ok:
         bracket = "(" if low_open else "["
-        raise InterferenceConfigError(f"{name} must be in {bracket}{low:g}, {high:g}]; got {value!r}. {fix}",
-                                      field=name)
+        raise InterferenceConfigError(
+            f"{name} must be in {bracket}{low:g}, {high:g}]; got {value!r}. {fix}", field=name
+        )
     return v
 
 
-def _stop_children(procs: list[subprocess.Popen[bytes]], timeout_s: float,
-                   after: Callable[[], None] | None = None) -> None:
+def _stop_children(
+    procs: list[subprocess.Popen[bytes]], timeout_s: float, after: Callable[[], None] | None = None
+) -> None:
     """Terminates ``procs``, kills what is left after ``timeout_s``, reaps all, then runs ``after``. Never raises."""
     for p in procs:
         if p.poll() is None:
@@ -179,8 +180,9 @@ class ChildProcesses:
         """Process ids of the running helpers."""
         return [p.pid for p in self.procs if p.poll() is None]
 
-    def spawn(self, code: str, argv_sets: Sequence[Sequence[str]], ready_timeout_s: float = 30.0,
-              stdin: bool = False) -> None:
+    def spawn(
+        self, code: str, argv_sets: Sequence[Sequence[str]], ready_timeout_s: float = 30.0, stdin: bool = False
+    ) -> None:
         """Starts one helper per entry of ``argv_sets`` and waits until each said ``ready``.
 
         Raises:
@@ -191,13 +193,17 @@ class ChildProcesses:
             self._finalizer = weakref.finalize(self, _stop_children, self.procs, self.stop_timeout_s, self.after_stop)
         parent = str(os.getpid())
         for argv in argv_sets:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-I", "-c", code, *argv, parent],
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-            ))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-I", "-c", code, *argv, parent],
+                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    close_fds=True,
+                )
+            )
         deadline = time.monotonic() + ready_timeout_s
-        for p in self.procs[-len(argv_sets):] if argv_sets else []:
+        for p in self.procs[-len(argv_sets) :] if argv_sets else []:
             assert p.stdout is not None
             ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = p.stdout.readline() if ready else b""

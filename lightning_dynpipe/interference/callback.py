@@ -137,8 +137,14 @@ class InterferenceCallback(Callback):
             self._active[i] = source  # before start(): a partial start is still stopped on failure
             source.start()
             detail = str(getattr(source, "backend", None) or "")
-            log.info("Interference on at step %d, stage %d (rank %s): %s%s", step, stage_idx,
-                     getattr(strategy, "global_rank", 0), spec, f" [{detail}]" if detail else "")
+            log.info(
+                "Interference on at step %d, stage %d (rank %s): %s%s",
+                step,
+                stage_idx,
+                getattr(strategy, "global_rank", 0),
+                spec,
+                f" [{detail}]" if detail else "",
+            )
             self.events.append(InterferenceEvent("start", i, spec, step, stage_idx, time.time(), detail))
 
     def _stop(self, i: int, step: int | None, stage_idx: int, why: str) -> None:

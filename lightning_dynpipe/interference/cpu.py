@@ -54,8 +54,9 @@ def _check_cores(cores: Iterable[int], what: str) -> list[int]:
         raise InterferenceConfigError(f"{what} needs at least one core; got an empty list. {fix}", field="cores")
     bad = [c for c in cores if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < existing]
     if bad:
-        raise InterferenceConfigError(f"{what}: cores {bad} do not exist on this machine ({existing} cores). {fix}",
-                                      field="cores")
+        raise InterferenceConfigError(
+            f"{what}: cores {bad} do not exist on this machine ({existing} cores). {fix}", field="cores"
+        )
     if len(set(cores)) != len(cores):
         raise InterferenceConfigError(f"{what}: cores must be distinct; got {cores}. {fix}", field="cores")
     return cores
@@ -118,11 +119,13 @@ class CpuHog(Lifecycle):
         stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
     """
 
-    def __init__(self, cores: Sequence[int], duty_cycle: float = 1.0, period_s: float = 0.05,
-                 stop_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, cores: Sequence[int], duty_cycle: float = 1.0, period_s: float = 0.05, stop_timeout_s: float = 2.0
+    ) -> None:
         self.cores = _check_cores(cores, "CpuHog")
-        self.duty_cycle = check_fraction("duty_cycle", duty_cycle, 0.0, 1.0,
-                                         "Use 1.0 for a core fully busy, 0.5 for half of each period.")
+        self.duty_cycle = check_fraction(
+            "duty_cycle", duty_cycle, 0.0, 1.0, "Use 1.0 for a core fully busy, 0.5 for half of each period."
+        )
         self.period_s = check_fraction("period_s", period_s, 0.0, 60.0, "Use e.g. 0.05 (50 ms).")
         self._children = ChildProcesses("CpuHog", stop_timeout_s)
 

@@ -48,12 +48,18 @@ class GpuContention(Lifecycle):
 
     def __init__(self, device: Any = "cuda", duty_cycle: float = 1.0, period_s: float = 0.05, size: int = 4096) -> None:
         self.device = device
-        self.duty_cycle = check_fraction("duty_cycle", duty_cycle, 0.0, 1.0,
-                                         "Use 1.0 to keep the GPU busy all the time, 0.5 for half of each period.")
+        self.duty_cycle = check_fraction(
+            "duty_cycle",
+            duty_cycle,
+            0.0,
+            1.0,
+            "Use 1.0 to keep the GPU busy all the time, 0.5 for half of each period.",
+        )
         self.period_s = check_fraction("period_s", period_s, 0.0, 60.0, "Use e.g. 0.05 (50 ms).")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InterferenceConfigError(f"size must be a positive integer; got {size!r}. Use e.g. 4096.",
-                                          field="size")
+            raise InterferenceConfigError(
+                f"size must be a positive integer; got {size!r}. Use e.g. 4096.", field="size"
+            )
         self.size = size
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,20 +80,28 @@ class GpuContention(Lifecycle):
             raise InterferenceUnavailable(
                 f"GpuContention needs CUDA, which is not available here (torch {torch.__version__}, "
                 f"torch.cuda.is_available() is False: a CPU-only build or no visible GPU). Run on a machine with a "
-                "GPU, or use CpuHog / CpuLimit to slow a CPU stage instead.")
+                "GPU, or use CpuHog / CpuLimit to slow a CPU stage instead."
+            )
         try:
             dev = torch.device(self.device) if not isinstance(self.device, int) else torch.device("cuda", self.device)
         except (RuntimeError, TypeError) as exc:
-            raise InterferenceConfigError(f"GpuContention device {self.device!r} is not a device: {exc}. Use e.g. "
-                                          "'cuda:0'.", field="device") from None
+            raise InterferenceConfigError(
+                f"GpuContention device {self.device!r} is not a device: {exc}. Use e.g. 'cuda:0'.", field="device"
+            ) from None
         if dev.type != "cuda":
-            raise InterferenceConfigError(f"GpuContention device must be a CUDA device; got {self.device!r}. Use e.g. "
-                                          "'cuda:0', or CpuHog for a CPU stage.", field="device")
+            raise InterferenceConfigError(
+                f"GpuContention device must be a CUDA device; got {self.device!r}. Use e.g. "
+                "'cuda:0', or CpuHog for a CPU stage.",
+                field="device",
+            )
         count = torch.cuda.device_count()
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if not 0 <= index < count:
-            raise InterferenceConfigError(f"GpuContention device {self.device!r} does not exist: {count} CUDA "
-                                          f"device(s) are visible (0..{count - 1}).", field="device")
+            raise InterferenceConfigError(
+                f"GpuContention device {self.device!r} does not exist: {count} CUDA "
+                f"device(s) are visible (0..{count - 1}).",
+                field="device",
+            )
         return torch.device("cuda", index)
 
     def start(self) -> None:
@@ -106,15 +120,19 @@ class GpuContention(Lifecycle):
         busy = self.duty_cycle * self.period_s
         # The thread gets no reference to self, so garbage collection can run the finaliser that stops it.
         self._thread = threading.Thread(
-            target=_matmul_loop, args=(dev, self.size, busy, self.period_s - busy, ready, self._stop_event, errors),
-            name=f"dynpipe-gpu-contention[{dev}]", daemon=True)
+            target=_matmul_loop,
+            args=(dev, self.size, busy, self.period_s - busy, ready, self._stop_event, errors),
+            name=f"dynpipe-gpu-contention[{dev}]",
+            daemon=True,
+        )
         self._finalizer = weakref.finalize(self, self._stop_event.set)
         self._thread.start()
         ready.wait()
         if errors:
             self.stop()
-            raise InterferenceError(f"{self!r} could not start: {errors[0]!r}. Lower size (now {self.size}) if the "
-                                    "device is out of memory.") from errors[0]
+            raise InterferenceError(
+                f"{self!r} could not start: {errors[0]!r}. Lower size (now {self.size}) if the device is out of memory."
+            ) from errors[0]
         log.debug("%r started", self)
 
     def stop(self) -> None:
@@ -127,8 +145,15 @@ class GpuContention(Lifecycle):
                 log.warning("%r: the matmul thread did not stop within 10 s (daemon: it ends with the process).", self)
 
 
-def _matmul_loop(dev: torch.device, size: int, busy: float, idle: float, ready: threading.Event,
-                 stop: threading.Event, errors: list[BaseException]) -> None:
+def _matmul_loop(
+    dev: torch.device,
+    size: int,
+    busy: float,
+    idle: float,
+    ready: threading.Event,
+    stop: threading.Event,
+    errors: list[BaseException],
+) -> None:
     import torch
 
     try:

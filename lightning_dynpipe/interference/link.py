@@ -77,13 +77,18 @@ class LinkDelay:
     """
 
     def __init__(self, delay_s: float, jitter_s: float = 0.0, seed: int = 0) -> None:
-        self.delay_s = check_fraction("delay_s", delay_s, 0.0, 3600.0, "Use seconds, e.g. 0.005 for 5 ms.",
-                                      low_open=False)
-        self.jitter_s = check_fraction("jitter_s", jitter_s, 0.0, 3600.0, "Use seconds, e.g. 0.002 for 2 ms.",
-                                       low_open=False)
+        self.delay_s = check_fraction(
+            "delay_s", delay_s, 0.0, 3600.0, "Use seconds, e.g. 0.005 for 5 ms.", low_open=False
+        )
+        self.jitter_s = check_fraction(
+            "jitter_s", jitter_s, 0.0, 3600.0, "Use seconds, e.g. 0.002 for 2 ms.", low_open=False
+        )
         if self.delay_s == 0 and self.jitter_s == 0:
-            raise InterferenceConfigError("LinkDelay needs delay_s > 0 or jitter_s > 0; got both 0, which would do "
-                                          "nothing. Set e.g. delay_s=0.005.", field="delay_s")
+            raise InterferenceConfigError(
+                "LinkDelay needs delay_s > 0 or jitter_s > 0; got both 0, which would do "
+                "nothing. Set e.g. delay_s=0.005.",
+                field="delay_s",
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InterferenceConfigError(f"seed must be an integer; got {seed!r}.", field="seed")
         self.seed = seed
@@ -114,7 +119,9 @@ class LinkDelay:
             valid = f"0..{num_stages - 2}" if num_stages > 1 else "none: a 1-stage pipeline has no boundary"
             raise InterferenceConfigError(
                 f"LinkDelay boundary must name a link between two stages (boundary b is stage b -> b + 1): valid "
-                f"boundaries for {num_stages} stage(s) are {valid}; got {boundary!r}.", field="stage")
+                f"boundaries for {num_stages} stage(s) are {valid}; got {boundary!r}.",
+                field="stage",
+            )
         if self._applied:
             raise InterferenceError(f"{self!r} is already applied (to {self.channel_names}); call remove() first.")
         executor = strategy.executor
@@ -122,7 +129,8 @@ class LinkDelay:
             raise InterferenceError(
                 "LinkDelay.apply needs a strategy whose pipeline is set up (strategy.executor is None). Apply it "
                 "once training has started, e.g. from a callback's on_train_batch_start (InterferenceCallback "
-                "with kind 'link_delay' does this).")
+                "with kind 'link_delay' does this)."
+            )
         k = strategy.stage_idx
         channels = executor.channels
         targets = [channels.send_activation] if k == boundary else []

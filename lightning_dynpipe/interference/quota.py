@@ -73,7 +73,7 @@ def _why(exc: OSError) -> str:
         errno.EACCES: "permission denied (needs root or a delegated cgroup subtree)",
         errno.EPERM: "operation not permitted (needs root or a delegated cgroup subtree)",
         errno.EBUSY: "busy: cgroup v2 allows controllers only in cgroups without member processes "
-                     "(the 'no internal processes' rule)",
+        "(the 'no internal processes' rule)",
         errno.ENOENT: "file missing: the controller is not enabled there",
         errno.EINVAL: "invalid value (a quota above the parent cgroup's, or a period out of range)",
     }.get(exc.errno or 0, exc.strerror or str(exc))
@@ -104,8 +104,10 @@ def _candidates(pid: int) -> tuple[list[_Candidate], list[str]]:
             controllers = []
             reasons.append(f"cgroup v2: cannot read cgroup.controllers ({_why(exc)})")
         if "cpu" not in controllers:
-            reasons.append(f"cgroup v2: the unified hierarchy at {v2.mountpoint} has no cpu controller "
-                           f"(controllers: {' '.join(controllers) or 'none'}; cpu is bound to cgroup v1 or disabled)")
+            reasons.append(
+                f"cgroup v2: the unified hierarchy at {v2.mountpoint} has no cpu controller "
+                f"(controllers: {' '.join(controllers) or 'none'}; cpu is bound to cgroup v1 or disabled)"
+            )
         else:
             out.append(_Candidate(2, home, home))
             if home != v2.mountpoint:
@@ -188,10 +190,16 @@ class CpuQuota(Lifecycle):
     def __init__(self, pid: int, fraction: float, period_s: float = 0.1) -> None:
         self.pid = pid or os.getpid()
         cpus = os.cpu_count() or 1
-        self.fraction = check_fraction("fraction", fraction, 0.0, float(cpus),
-                                       f"Use the share of one CPU the process may use, e.g. 0.25 (at most {cpus}).")
-        self.period_s = check_fraction("period_s", period_s, 0.001, 1.0, "Use e.g. 0.1 (the kernel default).",
-                                       low_open=False)
+        self.fraction = check_fraction(
+            "fraction",
+            fraction,
+            0.0,
+            float(cpus),
+            f"Use the share of one CPU the process may use, e.g. 0.25 (at most {cpus}).",
+        )
+        self.period_s = check_fraction(
+            "period_s", period_s, 0.001, 1.0, "Use e.g. 0.1 (the kernel default).", low_open=False
+        )
         self.period_us = int(round(self.period_s * 1e6))
         self.quota_us = int(round(self.fraction * self.period_us))
         if self.quota_us < _MIN_QUOTA_US:
@@ -199,7 +207,8 @@ class CpuQuota(Lifecycle):
                 f"CpuQuota: fraction * period_s must be at least 1 ms (the kernel's smallest quota); got "
                 f"{self.fraction:g} * {self.period_s:g} s = {self.fraction * self.period_s * 1e3:.3g} ms. Raise "
                 f"period_s to {min(1.0, 0.001 / self.fraction):.3g} s or more, or raise the fraction.",
-                field="fraction")
+                field="fraction",
+            )
         self.backend: str | None = None
         self._made: _Made | None = None
         self._finalizer: weakref.finalize[..., CpuQuota] | None = None
@@ -292,11 +301,17 @@ class CpuLimit(Lifecycle):
         backend: ``"auto"`` (cgroup, else throttle), ``"cgroup"`` (raise where unavailable) or ``"throttle"``.
     """
 
-    def __init__(self, pid: int, fraction: float, period_s: float | None = None,
-                 backend: Literal["auto", "cgroup", "throttle"] = "auto") -> None:
+    def __init__(
+        self,
+        pid: int,
+        fraction: float,
+        period_s: float | None = None,
+        backend: Literal["auto", "cgroup", "throttle"] = "auto",
+    ) -> None:
         if backend not in ("auto", "cgroup", "throttle"):
             raise InterferenceConfigError(
-                f"CpuLimit backend must be one of 'auto', 'cgroup', 'throttle'; got {backend!r}.", field="backend")
+                f"CpuLimit backend must be one of 'auto', 'cgroup', 'throttle'; got {backend!r}.", field="backend"
+            )
         self.pid = pid or os.getpid()
         self.fraction = fraction
         self.period_s = period_s
@@ -334,18 +349,30 @@ class CpuLimit(Lifecycle):
             try:
                 self._quota.start()
                 self._running = self._quota
-                log.info("CPU quota of %.3g CPU on process %d: %s (%s).", self._quota.fraction, self.pid,
-                         self.backend, self._quota.cgroup)
+                log.info(
+                    "CPU quota of %.3g CPU on process %d: %s (%s).",
+                    self._quota.fraction,
+                    self.pid,
+                    self.backend,
+                    self._quota.cgroup,
+                )
                 return
             except InterferenceUnavailable as exc:
                 if self.requested_backend == "cgroup":
                     raise
-                log.warning("CPU quota on process %d: cgroups unavailable, using CpuThrottle (SIGSTOP/SIGCONT) "
-                            "instead. %s", self.pid, exc)
+                log.warning(
+                    "CPU quota on process %d: cgroups unavailable, using CpuThrottle (SIGSTOP/SIGCONT) instead. %s",
+                    self.pid,
+                    exc,
+                )
         self._throttle.start()
         self._running = self._throttle
-        log.info("CPU quota of %.3g CPU on process %d: throttle (SIGSTOP/SIGCONT every %.3g s).",
-                 self._throttle.fraction, self.pid, self._throttle.period_s)
+        log.info(
+            "CPU quota of %.3g CPU on process %d: throttle (SIGSTOP/SIGCONT every %.3g s).",
+            self._throttle.fraction,
+            self.pid,
+            self._throttle.period_s,
+        )
 
     def stop(self) -> None:
         """Lifts the limit; idempotent."""

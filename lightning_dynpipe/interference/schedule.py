@@ -94,8 +94,9 @@ class InterferenceSpec:
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, fix: str = "") -> InterferenceConfigError:
             value = getattr(self, field)
-            return InterferenceConfigError(f"field {field!r} {rule}; got {value!r}." + (f" {fix}" if fix else ""),
-                                           field=field)
+            return InterferenceConfigError(
+                f"field {field!r} {rule}; got {value!r}." + (f" {fix}" if fix else ""), field=field
+            )
 
         if self.kind not in KINDS:
             close = difflib.get_close_matches(str(self.kind), KINDS, n=1)
@@ -109,9 +110,12 @@ class InterferenceSpec:
         for name in sorted(_ALL_PARAMS - _PARAMS[self.kind]):
             if getattr(self, name) is not None:
                 takes = sorted(k for k, v in _PARAMS.items() if name in v)
-                raise bad(name, f"does not apply to kind {self.kind!r} (it applies to {', '.join(takes)}; "
-                                f"{self.kind!r} takes {', '.join(sorted(_PARAMS[self.kind]))})",
-                          "Remove it, or change the kind.")
+                raise bad(
+                    name,
+                    f"does not apply to kind {self.kind!r} (it applies to {', '.join(takes)}; "
+                    f"{self.kind!r} takes {', '.join(sorted(_PARAMS[self.kind]))})",
+                    "Remove it, or change the kind.",
+                )
         for name in sorted(_REQUIRED.get(self.kind, frozenset())):
             if getattr(self, name) is None:
                 raise bad(name, f"is required for kind {self.kind!r}")
@@ -135,8 +139,11 @@ class InterferenceSpec:
                 raise bad("cores", "must be a list of core ids")
             object.__setattr__(self, "cores", tuple(self.cores))
             assert self.cores is not None
-            if not self.cores or not all(_is_int(c) and c >= 0 for c in self.cores) or len(set(self.cores)) != len(
-                    self.cores):
+            if (
+                not self.cores
+                or not all(_is_int(c) and c >= 0 for c in self.cores)
+                or len(set(self.cores)) != len(self.cores)
+            ):
                 raise bad("cores", f"must be a non-empty list of distinct core ids >= 0 (this machine has {cpus})")
         # Numbers from YAML may be ints; store floats so equal specs compare equal.
         for name in ("duty_cycle", "fraction", "delay_s", "jitter_s", "period_s"):
@@ -188,9 +195,12 @@ class InterferenceSchedule:
         object.__setattr__(self, "specs", tuple(self.specs))
         for i, spec in enumerate(self.specs):
             if not isinstance(spec, InterferenceSpec):
-                raise InterferenceConfigError(f"interference entry {i}: expected an InterferenceSpec; got "
-                                              f"{type(spec).__name__}. Use InterferenceSchedule.from_config for "
-                                              "dicts or YAML.", entry=i)
+                raise InterferenceConfigError(
+                    f"interference entry {i}: expected an InterferenceSpec; got "
+                    f"{type(spec).__name__}. Use InterferenceSchedule.from_config for "
+                    "dicts or YAML.",
+                    entry=i,
+                )
 
     def __iter__(self) -> Iterator[InterferenceSpec]:
         return iter(self.specs)
@@ -220,7 +230,8 @@ class InterferenceSchedule:
         if isinstance(config, Mapping) or not isinstance(config, Sequence):
             raise InterferenceConfigError(
                 f"An interference schedule is a list of entries (dicts), or the path of a YAML file holding one; "
-                f"got {type(config).__name__}. Wrap a single entry in a list.")
+                f"got {type(config).__name__}. Wrap a single entry in a list."
+            )
         entries: Sequence[Any] = config
         specs = []
         for i, entry in enumerate(entries):
@@ -239,11 +250,16 @@ class InterferenceSchedule:
                 raise InterferenceConfigError(
                     f"interference entry {i} ({spec}): field 'stage' names boundary {spec.stage} -> {spec.stage + 1}, "
                     f"which a {num_stages}-stage pipeline does not have; valid boundaries: {valid}.",
-                    field="stage", entry=i)
+                    field="stage",
+                    entry=i,
+                )
             if spec.stage >= num_stages:
                 raise InterferenceConfigError(
                     f"interference entry {i} ({spec}): field 'stage' is {spec.stage}, but the pipeline has "
-                    f"{num_stages} stage(s) (0..{num_stages - 1}).", field="stage", entry=i)
+                    f"{num_stages} stage(s) (0..{num_stages - 1}).",
+                    field="stage",
+                    entry=i,
+                )
 
     def wanted(self, step: int, stage_idx: int) -> list[int]:
         """Indices of the entries a rank running ``stage_idx`` should have on at ``step``."""
@@ -254,25 +270,36 @@ def _spec_from_entry(i: int, entry: Mapping[str, Any] | InterferenceSpec) -> Int
     if isinstance(entry, InterferenceSpec):
         return entry
     if not isinstance(entry, Mapping):
-        raise InterferenceConfigError(f"interference entry {i}: expected a mapping such as "
-                                      f"{{kind: cpu_hog, stage: 0}}; got {entry!r}.", entry=i)
+        raise InterferenceConfigError(
+            f"interference entry {i}: expected a mapping such as {{kind: cpu_hog, stage: 0}}; got {entry!r}.", entry=i
+        )
     unknown = sorted(str(k) for k in entry if k not in _FIELD_NAMES)
     if unknown:
         name = unknown[0]
         close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
         raise InterferenceConfigError(
-            f"interference entry {i}: unknown field {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-            + f"; valid fields: {', '.join(_FIELD_NAMES)}.", field=name, entry=i)
+            f"interference entry {i}: unknown field {name!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; valid fields: {', '.join(_FIELD_NAMES)}.",
+            field=name,
+            entry=i,
+        )
     for required in ("kind", "stage"):
         if required not in entry:
             raise InterferenceConfigError(
                 f"interference entry {i}: field {required!r} is required (e.g. {{kind: cpu_hog, stage: 0, "
-                f"start_step: 100}}); got fields {sorted(entry)}.", field=required, entry=i)
+                f"start_step: 100}}); got fields {sorted(entry)}.",
+                field=required,
+                entry=i,
+            )
     try:
         return InterferenceSpec(**entry)
     except InterferenceConfigError as exc:
-        raise InterferenceConfigError(f"interference entry {i} (kind {entry.get('kind')!r}, stage "
-                                      f"{entry.get('stage')!r}): {exc}", field=exc.field, entry=i) from None
+        raise InterferenceConfigError(
+            f"interference entry {i} (kind {entry.get('kind')!r}, stage {entry.get('stage')!r}): {exc}",
+            field=exc.field,
+            entry=i,
+        ) from None
 
 
 def _load_yaml(path: Path) -> Sequence[Mapping[str, Any]]:
@@ -293,7 +320,8 @@ def _load_yaml(path: Path) -> Sequence[Mapping[str, Any]]:
     if not isinstance(data, list):
         raise InterferenceConfigError(
             f"The interference schedule {str(path)!r} must hold a list of entries (or a mapping with the list under "
-            f"'interference'); got {type(data).__name__}.")
+            f"'interference'); got {type(data).__name__}."
+        )
     return data
 
 
@@ -307,9 +335,11 @@ def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
     if spec.kind == "cpu_hog":
         from lightning_dynpipe.interference.cpu import CpuHog, allowed_cores
 
-        return CpuHog(cores=list(spec.cores) if spec.cores is not None else allowed_cores(),
-                      duty_cycle=spec.duty_cycle if spec.duty_cycle is not None else 1.0,
-                      period_s=spec.period_s if spec.period_s is not None else 0.05)
+        return CpuHog(
+            cores=list(spec.cores) if spec.cores is not None else allowed_cores(),
+            duty_cycle=spec.duty_cycle if spec.duty_cycle is not None else 1.0,
+            period_s=spec.period_s if spec.period_s is not None else 0.05,
+        )
     if spec.kind == "cpu_quota":
         from lightning_dynpipe.interference.quota import CpuLimit
 
@@ -324,7 +354,9 @@ def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
     if spec.kind == "gpu":
         from lightning_dynpipe.interference.gpu import GpuContention
 
-        return GpuContention(getattr(host, "root_device", "cuda"),
-                             duty_cycle=spec.duty_cycle if spec.duty_cycle is not None else 1.0,
-                             period_s=spec.period_s if spec.period_s is not None else 0.05)
+        return GpuContention(
+            getattr(host, "root_device", "cuda"),
+            duty_cycle=spec.duty_cycle if spec.duty_cycle is not None else 1.0,
+            period_s=spec.period_s if spec.period_s is not None else 0.05,
+        )
     raise AssertionError(f"unhandled interference kind {spec.kind!r}")  # pragma: no cover - checked by the spec

@@ -110,8 +110,13 @@ class CpuThrottle(Lifecycle):
     def __init__(self, pid: int, fraction: float, period_s: float = 0.02, stop_timeout_s: float = 2.0) -> None:
         self.pid = pid or os.getpid()
         cpus = os.cpu_count() or 1
-        self.fraction = check_fraction("fraction", fraction, 0.0, float(cpus),
-                                       f"Use the share of one CPU the process may use, e.g. 0.25 (at most {cpus}).")
+        self.fraction = check_fraction(
+            "fraction",
+            fraction,
+            0.0,
+            float(cpus),
+            f"Use the share of one CPU the process may use, e.g. 0.25 (at most {cpus}).",
+        )
         self.period_s = check_fraction("period_s", period_s, 0.001, 1.0, "Use e.g. 0.02 (20 ms).", low_open=False)
         self._children = ChildProcesses("CpuThrottle", stop_timeout_s, after_stop=functools.partial(_resume, self.pid))
 
@@ -138,8 +143,9 @@ class CpuThrottle(Lifecycle):
         if self._children.procs:
             return
         if not os.path.exists(f"/proc/{self.pid}"):
-            raise InterferenceError(f"CpuThrottle: process {self.pid} does not exist. Pass the pid of a running "
-                                    "process.")
+            raise InterferenceError(
+                f"CpuThrottle: process {self.pid} does not exist. Pass the pid of a running process."
+            )
         self._children.spawn(_THROTTLE_CODE, [[str(self.pid), repr(self.fraction), repr(self.period_s)]])
         log.debug("%r started: controller pid %s", self, self.helper_pid)
 

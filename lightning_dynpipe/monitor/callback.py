@@ -251,8 +251,9 @@ class StageMonitor(Callback):
     def _start(self, trainer: Trainer, strategy: Any) -> None:
         """Starts gathering every rank's report of its window (one all-gather of a few dozen floats)."""
         assert self._acc is not None
-        mine = StageReport(dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx),
-                           summary=self._acc.summary())
+        mine = StageReport(
+            dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx), summary=self._acc.summary()
+        )
         vector = torch.tensor(mine.to_vector(), dtype=torch.float64)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             parts = [torch.empty_like(vector) for _ in range(dist.get_world_size(self._group))]
@@ -283,8 +284,17 @@ class StageMonitor(Callback):
         if self.prog_bar and in_loop and trainer.is_global_zero:
             for key, value in self._prog_bar_values(snapshot).items():
                 if not math.isnan(value):
-                    pl_module.log(key, value, prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                                  batch_size=1, sync_dist=False, rank_zero_only=True)
+                    pl_module.log(
+                        key,
+                        value,
+                        prog_bar=True,
+                        logger=False,
+                        on_step=True,
+                        on_epoch=False,
+                        batch_size=1,
+                        sync_dist=False,
+                        rank_zero_only=True,
+                    )
 
     def _prog_bar_values(self, snapshot: PipelineSnapshot) -> dict[str, float]:
         # Few keys: each self.log call costs a few hundred microseconds in Lightning's result collection.
@@ -293,8 +303,10 @@ class StageMonitor(Callback):
         bottleneck = snapshot.bottleneck_stage
         if bottleneck is None:
             return {}
-        return {"dynpipe/bottleneck_stage": float(bottleneck),
-                "dynpipe/bottleneck_busy_ms": snapshot.stages[bottleneck].busy_s * 1e3}
+        return {
+            "dynpipe/bottleneck_stage": float(bottleneck),
+            "dynpipe/bottleneck_busy_ms": snapshot.stages[bottleneck].busy_s * 1e3,
+        }
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -248,8 +248,7 @@ class StageSummary:
                 values[name] = float(statistics.median(present)) if present else None
             else:
                 values[name] = float(statistics.median([getattr(s, name) for s in items])) if items else math.nan
-        for name, per_step in (("compute_s", [s.compute_s for s in items]),
-                               ("busy_s", [s.busy_s for s in items])):
+        for name, per_step in (("compute_s", [s.compute_s for s in items]), ("busy_s", [s.busy_s for s in items])):
             values[name] = float(statistics.median(per_step)) if items else math.nan
         return cls(count=len(items), **values)  # type: ignore[arg-type]
 
@@ -348,8 +347,12 @@ class StageReport:
         """``[dp_rank, stage_idx, count, <summary fields>]``; None travels as NaN."""
         s = self.summary
         values = [getattr(s, name) for name in _SUMMARY_FIELDS]
-        return [float(self.dp_rank), float(self.stage_idx), float(s.count),
-                *(math.nan if v is None else float(v) for v in values)]
+        return [
+            float(self.dp_rank),
+            float(self.stage_idx),
+            float(s.count),
+            *(math.nan if v is None else float(v) for v in values),
+        ]
 
     @classmethod
     def from_vector(cls, vector: Sequence[float]) -> StageReport:
@@ -454,16 +457,18 @@ class PipelineSnapshot:
                 f"Reports must cover stages 0..S-1 without gaps; got stages {stage_ids}. Gather the reports of "
                 "every process of the pipeline (all ranks of WORLD)."
             )
-        stages = tuple(
-            StageSummary.combine([r.summary for r in ordered if r.stage_idx == k]) for k in stage_ids
-        )
+        stages = tuple(StageSummary.combine([r.summary for r in ordered if r.stage_idx == k]) for k in stage_ids)
         if balance is not None and len(balance) != len(stages):
             raise ValueError(
                 f"balance has {len(balance)} entries but the reports cover {len(stages)} stages; pass the "
                 "partition the reports were measured under."
             )
-        return cls(step=step, stages=stages, replicas=tuple(ordered),
-                   balance=tuple(int(b) for b in balance) if balance is not None else None)
+        return cls(
+            step=step,
+            stages=stages,
+            replicas=tuple(ordered),
+            balance=tuple(int(b) for b in balance) if balance is not None else None,
+        )
 
     @property
     def num_stages(self) -> int:
@@ -536,17 +541,48 @@ class PipelineSnapshot:
         ``F/B/U``: micro-batch forwards, backwards and optimizer updates per step. The title gives the
         step and, when known, the partition (layers per stage) the numbers were measured under.
         """
-        headers = ("stage", "step", "busy", "fwd", "bwd", "opt", "recv wait", "send", "idle", "exp. comm",
-                   "F/B/U", "in flight", "cpu", "rss MiB", "n")
+        headers = (
+            "stage",
+            "step",
+            "busy",
+            "fwd",
+            "bwd",
+            "opt",
+            "recv wait",
+            "send",
+            "idle",
+            "exp. comm",
+            "F/B/U",
+            "in flight",
+            "cpu",
+            "rss MiB",
+            "n",
+        )
         rows = []
         bottleneck = self.bottleneck_stage
         for k, s in enumerate(self.stages):
-            ms = [s.step_s, s.busy_s, s.forward_s, s.backward_s, s.optimizer_s, s.recv_wait_s, s.send_s, s.idle_s,
-                  s.exposed_comm_s]
+            ms = [
+                s.step_s,
+                s.busy_s,
+                s.forward_s,
+                s.backward_s,
+                s.optimizer_s,
+                s.recv_wait_s,
+                s.send_s,
+                s.idle_s,
+                s.exposed_comm_s,
+            ]
             counts = "/".join(f"{c:g}" for c in (s.num_forward, s.num_backward, s.num_updates))
             rows.append(
-                [f"{k}{'*' if k == bottleneck else ''}", *(f"{v * 1e3:.1f}" for v in ms), counts,
-                 f"{s.in_flight:g}", f"{s.cpu_share:.2f}", f"{s.rss_bytes / _MIB:.0f}", str(s.count)]
+                [
+                    f"{k}{'*' if k == bottleneck else ''}",
+                    *(f"{v * 1e3:.1f}" for v in ms),
+                    counts,
+                    f"{s.in_flight:g}",
+                    f"{s.cpu_share:.2f}",
+                    f"{s.rss_bytes / _MIB:.0f}",
+                    str(s.count),
+                ]
             )
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]

@@ -220,7 +220,7 @@ class ProcessSampler:
     # ------------------------------------------------------------------ CUDA and NVML
     def _cuda_allocator(self) -> tuple[int | None, int | None]:
         try:
-            if not getattr(torch.cuda, "is_initialized")():  # untyped in torch; getattr keeps --strict quiet
+            if not torch.cuda.is_initialized():  # untyped in torch; getattr keeps --strict quiet
                 return None, None
             # the nested dict avoids memory_allocated()'s flattening of every allocator statistic
             stats = torch.cuda.memory_stats_as_nested_dict(self.device)

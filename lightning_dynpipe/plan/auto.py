@@ -51,15 +51,25 @@ def best_plan(
         memory_cap: bytes per process.
     """
     n = model_cost.num_layers
-    candidates = [num_stages] if num_stages is not None else [s for s in range(1, min(world_size, n) + 1)
-                                                               if world_size % s == 0]
+    candidates = (
+        [num_stages] if num_stages is not None else [s for s in range(1, min(world_size, n) + 1) if world_size % s == 0]
+    )
     best: Plan | None = None
     reasons: list[str] = []
     for s in candidates:
         try:
-            plan = solve(model_cost, num_devices=world_size, fixed_num_stages=s, dp=world_size // s,
-                         schedule=schedule, convergence=convergence, cost_model=DefaultCostModel(comm or CommModel()),
-                         num_microbatches=num_microbatches, slowdowns=slowdowns, memory_cap=memory_cap)
+            plan = solve(
+                model_cost,
+                num_devices=world_size,
+                fixed_num_stages=s,
+                dp=world_size // s,
+                schedule=schedule,
+                convergence=convergence,
+                cost_model=DefaultCostModel(comm or CommModel()),
+                num_microbatches=num_microbatches,
+                slowdowns=slowdowns,
+                memory_cap=memory_cap,
+            )
         except PartitionError as exc:
             reasons.append(f"S={s}: {exc}")
             continue
@@ -100,5 +110,13 @@ def simulate_plan(
         cut = bounds[k + 1] - 1  # the boundary follows this layer
         hidden = float(overlap[cut])
         comm_time.append(float(comm.transfer_time(model_cost.layers[cut].activation_bytes)) * (1.0 - hidden))
-    return simulate(schedule, S, num_microbatches, num_steps, forward_time=fwd, backward_time=bwd,  # type: ignore[arg-type]
-                    comm_time=comm_time or 0.0, step_sync=step_sync)
+    return simulate(
+        schedule,  # type: ignore[arg-type]
+        S,
+        num_microbatches,
+        num_steps,
+        forward_time=fwd,
+        backward_time=bwd,
+        comm_time=comm_time or 0.0,
+        step_sync=step_sync,
+    )

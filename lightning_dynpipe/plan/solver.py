@@ -459,9 +459,7 @@ class _Problem:
         key = (dp, device)
         if key not in self._prefix:
             assert isinstance(self.cost_model, PrefixCostModel)
-            q, r = self.cost_model.prefix_form(
-                self.model, replicas=dp, device=device, microbatches_per_update=self.mpu
-            )
+            q, r = self.cost_model.prefix_form(self.model, replicas=dp, device=device, microbatches_per_update=self.mpu)
             q = np.asarray(q, dtype=np.float64)
             r = np.asarray(r, dtype=np.float64)
             if q.shape != (self.n + 1,) or r.shape != (self.n + 1,) or np.any(np.diff(q) < 0):
@@ -710,24 +708,24 @@ class _DenseGroup:
         self.T: list[FloatArray] = []
         for k in range(S):
             lo_mem = prob.lo_mem(S - k, self.stage_dev[k].memory_cap_bytes)
-            I, Jm = (x.astype(np.int64) for x in np.triu_indices(n + 1, 1))
+            Im, Jm = (x.astype(np.int64) for x in np.triu_indices(n + 1, 1))
             # stage k starts at >= k (0 for the first), ends by n - (S-1-k) (n for the last), fits memory
-            keep = (I >= lo_mem[Jm]) & ((I == 0) if k == 0 else (I >= k))
+            keep = (Im >= lo_mem[Jm]) & ((Im == 0) if k == 0 else (Im >= k))
             keep &= (Jm == n) if k == S - 1 else (Jm <= n - S + k + 1)
-            I, Jm = I[keep], Jm[keep]
+            Im, Jm = Im[keep], Jm[keep]
             out = np.full((n + 1, n + 1), np.inf)
-            if I.size:
+            if Im.size:
                 t = prob.cost_model.stage_time(
-                    prob.model, I, Jm, stage_idx=k, num_stages=S, replicas=dp, device=self.stage_dev[k],
+                    prob.model, Im, Jm, stage_idx=k, num_stages=S, replicas=dp, device=self.stage_dev[k],
                     microbatches_per_update=prob.mpu,
                 )  # fmt: skip
                 t = np.asarray(t, dtype=np.float64).reshape(-1)
-                if t.shape != I.shape or np.any(np.isnan(t)):
+                if t.shape != Im.shape or np.any(np.isnan(t)):
                     raise ConfigurationError(
                         f"{type(prob.cost_model).__name__}.stage_time must return one time per range; got "
-                        f"shape {t.shape} for {I.size} ranges."
+                        f"shape {t.shape} for {Im.size} ranges."
                     )
-                out[I, Jm] = t
+                out[Im, Jm] = t
             self.T.append(out)
         finite = [t[np.isfinite(t)] for t in self.T]
         mins = [float(x.min()) for x in finite if x.size]

@@ -99,7 +99,10 @@ class LayerStats:
         return max(0, self.peak_bytes - self.activation_bytes - self.grad_bytes)
 
     def to_layer_cost(self) -> LayerCost:
-        """This layer as the planner's :class:`~lightning_dynpipe.plan.costs.LayerCost`; see :meth:`LayerProfile.to_model_cost`."""
+        """This layer as the planner's :class:`~lightning_dynpipe.plan.costs.LayerCost`.
+
+        See :meth:`LayerProfile.to_model_cost`.
+        """
         return LayerCost(
             forward_s=self.forward_s,
             backward_s=self.backward_s,
@@ -178,28 +181,46 @@ class LayerProfile:
         rows: list[tuple[str, ...]] = []
         for s in self.layers:
             shapes = ", ".join("x".join(map(str, sh)) or "scalar" for sh in s.output_shapes) or "-"
-            rows.append((
-                str(s.layer_idx), _shorten(s.name, 40), f"{s.forward_s * 1e3:.3f}", f"{s.backward_s * 1e3:.3f}",
-                _fmt_bytes(s.activation_bytes), _fmt_bytes(s.param_bytes), _fmt_bytes(s.optimizer_state_bytes),
-                _fmt_bytes(s.peak_bytes), shapes,
-            ))
-        rows.append((
-            "", "total", f"{sum(self.forward_s) * 1e3:.3f}", f"{sum(self.backward_s) * 1e3:.3f}",
-            _fmt_bytes(sum(s.activation_bytes for s in self.layers)),
-            _fmt_bytes(sum(s.param_bytes for s in self.layers)),
-            _fmt_bytes(sum(s.optimizer_state_bytes for s in self.layers)),
-            _fmt_bytes(max(s.peak_bytes for s in self.layers)) + " max", "",
-        ))
+            rows.append(
+                (
+                    str(s.layer_idx),
+                    _shorten(s.name, 40),
+                    f"{s.forward_s * 1e3:.3f}",
+                    f"{s.backward_s * 1e3:.3f}",
+                    _fmt_bytes(s.activation_bytes),
+                    _fmt_bytes(s.param_bytes),
+                    _fmt_bytes(s.optimizer_state_bytes),
+                    _fmt_bytes(s.peak_bytes),
+                    shapes,
+                )
+            )
+        rows.append(
+            (
+                "",
+                "total",
+                f"{sum(self.forward_s) * 1e3:.3f}",
+                f"{sum(self.backward_s) * 1e3:.3f}",
+                _fmt_bytes(sum(s.activation_bytes for s in self.layers)),
+                _fmt_bytes(sum(s.param_bytes for s in self.layers)),
+                _fmt_bytes(sum(s.optimizer_state_bytes for s in self.layers)),
+                _fmt_bytes(max(s.peak_bytes for s in self.layers)) + " max",
+                "",
+            )
+        )
         widths = [max(len(r[c]) for r in (head, *rows)) for c in range(len(head))]
         left = {1, 8}
 
         def line(r: Sequence[str]) -> str:
-            return "  ".join(v.ljust(w) if c in left else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))).rstrip()
+            return "  ".join(
+                v.ljust(w) if c in left else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))
+            ).rstrip()
 
         rule = "-" * len(line(head))
         peak = "measured (CUDA allocator)" if self.peak_measured else "estimated (saved tensors + output)"
-        title = (f"Layer profile on {self.device}: median of {self.repeats} after {self.warmup} warm-up; "
-                 f"optimizer state {self.optimizer_state_factor:g} x params; peak memory {peak}")
+        title = (
+            f"Layer profile on {self.device}: median of {self.repeats} after {self.warmup} warm-up; "
+            f"optimizer state {self.optimizer_state_factor:g} x params; peak memory {peak}"
+        )
         return "\n".join([title, line(head), rule, *(line(r) for r in rows[:-1]), rule, line(rows[-1])])
 
 
@@ -223,8 +244,7 @@ def _state_factor_by_type(optimizer: torch.optim.Optimizer) -> float | None:
         return 1.0 if d.get("momentum", 0) else 0.0  # momentum_buffer
     if isinstance(optimizer, (optim.Adam, optim.AdamW)):
         return 3.0 if d.get("amsgrad", False) else 2.0  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
-    if isinstance(optimizer, (optim.NAdam, optim.RAdam, optim.Adamax, optim.SparseAdam, optim.Adadelta,
-                              optim.Rprop)):
+    if isinstance(optimizer, (optim.NAdam, optim.RAdam, optim.Adamax, optim.SparseAdam, optim.Adadelta, optim.Rprop)):
         return 2.0  # two running tensors each (exp_avg/exp_avg_sq, exp_inf, square_avg/acc_delta, prev/step_size)
     if isinstance(optimizer, optim.RMSprop):
         return 1.0 + (1.0 if d.get("momentum", 0) else 0.0) + (1.0 if d.get("centered", False) else 0.0)
@@ -246,7 +266,8 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
     Example::
 
         >>> params = [torch.nn.Parameter(torch.zeros(3))]
-        >>> optimizer_state_factor(torch.optim.Adam(params)), optimizer_state_factor(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        >>> sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        >>> optimizer_state_factor(torch.optim.Adam(params)), optimizer_state_factor(sgd)
         (2.0, 1.0)
 
     Raises:
@@ -265,8 +286,20 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
         return state_bytes / param_bytes
     factor = _state_factor_by_type(optimizer)
     if factor is None:
-        known = ["SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam", "Adadelta", "Rprop", "RMSprop",
-                 "Adagrad", "ASGD"]
+        known = [
+            "SGD",
+            "Adam",
+            "AdamW",
+            "NAdam",
+            "RAdam",
+            "Adamax",
+            "SparseAdam",
+            "Adadelta",
+            "Rprop",
+            "RMSprop",
+            "Adagrad",
+            "ASGD",
+        ]
         raise ConfigurationError(
             f"optimizer_state_factor does not know {type(optimizer).__name__} and it has no state yet to measure. "
             f"Known types: {known}. Either take one step first, or pass "
@@ -449,8 +482,9 @@ def profile_layers(
     if len(layers) == 0:
         raise ConfigurationError("profile_layers got an empty nn.Sequential; the pipeline needs at least one layer.")
     if not (isinstance(warmup, int) and warmup >= 0 and isinstance(repeats, int) and repeats >= 1):
-        raise ConfigurationError(f"warmup must be an int >= 0 and repeats an int >= 1; got warmup={warmup!r}, "
-                                 f"repeats={repeats!r}.")
+        raise ConfigurationError(
+            f"warmup must be an int >= 0 and repeats an int >= 1; got warmup={warmup!r}, repeats={repeats!r}."
+        )
     factor = float(optimizer_state_bytes_per_param_byte)
     if not (math.isfinite(factor) and factor >= 0):
         raise ConfigurationError(

@@ -169,8 +169,13 @@ class GainOverCostPolicy:
     _backfired: list[_Backfired] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.horizon_steps < 1 or self.margin < 0 or self.patience < 1 or self.cooldown_steps < 0
-                or self.memory_steps < 0):
+        if (
+            self.horizon_steps < 1
+            or self.margin < 0
+            or self.patience < 1
+            or self.cooldown_steps < 0
+            or self.memory_steps < 0
+        ):
             raise ConfigurationError(
                 f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, cooldown_steps >= 0, "
                 f"memory_steps >= 0; got {self.horizon_steps}, {self.margin}, {self.patience}, "
@@ -179,8 +184,9 @@ class GainOverCostPolicy:
 
     def decide(self, inputs: PolicyInputs) -> Decision:
         """See the class docstring."""
-        horizon = self.horizon_steps if inputs.remaining_steps is None else min(self.horizon_steps,
-                                                                                 inputs.remaining_steps)
+        horizon = (
+            self.horizon_steps if inputs.remaining_steps is None else min(self.horizon_steps, inputs.remaining_steps)
+        )
         saving = inputs.current_step_s - inputs.candidate_step_s
         gain = saving * max(horizon, 0)
 
@@ -194,19 +200,28 @@ class GainOverCostPolicy:
             loss = (inputs.measured_step_s - move.before_s) * max(horizon, 0)
             if self.rollback and loss > self.margin * inputs.migration_cost_s:
                 self._streak, self._streak_candidate = 0, None
-                return Decision(True, move.old, loss,
-                                f"roll back: {move.new} measured {inputs.measured_step_s * 1e3:.1f} ms/step, slower "
-                                f"than {move.before_s * 1e3:.1f} ms/step under {move.old} before the move", inputs)
+                return Decision(
+                    True,
+                    move.old,
+                    loss,
+                    f"roll back: {move.new} measured {inputs.measured_step_s * 1e3:.1f} ms/step, slower "
+                    f"than {move.before_s * 1e3:.1f} ms/step under {move.old} before the move",
+                    inputs,
+                )
         if inputs.candidate == inputs.current:
             return no("the current partition is already the best")
         self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
         for b in reversed(self._backfired):
             if b.refuses(inputs.current, inputs.candidate):
-                return no(f"moving {b.old} -> {b.new} made the pipeline slower at step {b.step} "
-                          f"({b.measured_s * 1e3:.1f} ms/step); {inputs.candidate} is refused for {self.memory_steps} "
-                          "steps after that")
+                return no(
+                    f"moving {b.old} -> {b.new} made the pipeline slower at step {b.step} "
+                    f"({b.measured_s * 1e3:.1f} ms/step); {inputs.candidate} is refused for {self.memory_steps} "
+                    "steps after that"
+                )
         if self._last_migration is not None and inputs.step - self._last_migration < self.cooldown_steps:
-            return no(f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move")
+            return no(
+                f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move"
+            )
         if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:
             return no(f"gain below {self.min_relative_gain:.0%} of the step time")
         if gain <= self.margin * inputs.migration_cost_s:
@@ -216,8 +231,13 @@ class GainOverCostPolicy:
         else:
             self._streak, self._streak_candidate = 1, inputs.candidate
         if self._streak < self.patience:
-            return Decision(False, inputs.current, gain, f"waiting for {self.patience} checks in a row "
-                                                         f"({self._streak} so far)", inputs)
+            return Decision(
+                False,
+                inputs.current,
+                gain,
+                f"waiting for {self.patience} checks in a row ({self._streak} so far)",
+                inputs,
+            )
         self._streak, self._streak_candidate = 0, None
         self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s)
         return Decision(True, inputs.candidate, gain, "predicted gain pays the migration", inputs)

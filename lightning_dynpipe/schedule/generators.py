@@ -182,9 +182,7 @@ def max_stash(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
     return w + 1 if w > 0 else 0
 
 
-def in_flight_after(
-    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
-) -> int:
+def in_flight_after(kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
     """Micro-batches forwarded but not yet backwarded on a stage after ``steps_done`` steps.
 
     Example::

@@ -47,7 +47,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 from lightning_dynpipe.errors import ScheduleError
 
@@ -103,14 +103,12 @@ class Forward(_InstructionBase):
     code: ClassVar[str] = "F"
 
 
-
 @dataclass(frozen=True, slots=True)
 class Backward(_InstructionBase):
     """Backward micro-batch ``mb_idx`` with the weight version its forward used; ``"B3"``."""
 
     mb_idx: int
     code: ClassVar[str] = "B"
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +137,12 @@ class StashWeights(_InstructionBase):
     code: ClassVar[str] = "W"
 
 
-
 @dataclass(frozen=True, slots=True)
 class RecvActivation(_InstructionBase):
     """Receive micro-batch ``mb_idx``'s activation from the previous stage; ``"RA3"``."""
 
     mb_idx: int
     code: ClassVar[str] = "RA"
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +153,12 @@ class SendActivation(_InstructionBase):
     code: ClassVar[str] = "SA"
 
 
-
 @dataclass(frozen=True, slots=True)
 class RecvGrad(_InstructionBase):
     """Receive the gradient of micro-batch ``mb_idx``'s output from the next stage; ``"RG3"``."""
 
     mb_idx: int
     code: ClassVar[str] = "RG"
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,17 +169,7 @@ class SendGrad(_InstructionBase):
     code: ClassVar[str] = "SG"
 
 
-
-Instruction = Union[
-    Forward,
-    Backward,
-    OptimizerStep,
-    StashWeights,
-    RecvActivation,
-    SendActivation,
-    RecvGrad,
-    SendGrad,
-]
+Instruction = Forward | Backward | OptimizerStep | StashWeights | RecvActivation | SendActivation | RecvGrad | SendGrad
 """Any pipeline instruction; an executor dispatches on its type."""
 
 INSTRUCTION_TYPES: tuple[type[Instruction], ...] = (

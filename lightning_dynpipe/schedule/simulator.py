@@ -41,16 +41,16 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Union, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from lightning_dynpipe.errors import ScheduleError
-from lightning_dynpipe.schedule.generators import _check as _check_args
 from lightning_dynpipe.schedule.generators import (
     ScheduleKind,
     drain_instructions,
     in_flight_after,
     step_instructions,
 )
+from lightning_dynpipe.schedule.generators import _check as _check_args
 from lightning_dynpipe.schedule.instructions import (
     Backward,
     Forward,
@@ -79,7 +79,7 @@ StepSync = Literal["none", "last_stage_broadcast"]
 
 STEP_SYNCS: tuple[StepSync, ...] = get_args(StepSync)
 
-Times = Union[float, Sequence[float]]
+Times = float | Sequence[float]
 """One value for every stage (or boundary), or one value per stage (or per boundary)."""
 
 
@@ -176,9 +176,7 @@ class SimResult:
             us_per_unit: microseconds per simulated time unit (default: a unit is a millisecond).
         """
         name = f"{self.kind} pipeline" if self.kind is not None else "pipeline"
-        trace: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": name}}
-        ]
+        trace: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": name}}]
         for stage_idx in range(self.num_stages):
             trace.append(
                 {"name": "thread_name", "ph": "M", "pid": 0, "tid": stage_idx, "args": {"name": f"stage {stage_idx}"}}
@@ -251,7 +249,7 @@ class _Gate:
         self.step = step
 
 
-_Op = Union[Instruction, _StepEnd, _Gate, _Host]
+_Op = Instruction | _StepEnd | _Gate | _Host
 
 
 def _check_times(name: str, value: Times, count: int, what: str, positive: bool = False) -> list[float]:
@@ -311,9 +309,13 @@ def _check_matching(flat: Sequence[Sequence[_Op]]) -> None:
                 )
             parts = []
             if missing:
-                parts.append(f"stage {k} receives ({recv_code}) micro-batches {missing[:8]} that stage {peer} never sends")
+                parts.append(
+                    f"stage {k} receives ({recv_code}) micro-batches {missing[:8]} that stage {peer} never sends"
+                )
             if extra:
-                parts.append(f"stage {peer} sends ({send_code}) micro-batches {extra[:8]} that stage {k} never receives")
+                parts.append(
+                    f"stage {peer} sends ({send_code}) micro-batches {extra[:8]} that stage {k} never receives"
+                )
             if dup_recv:
                 parts.append(f"stage {k} receives ({recv_code}) micro-batches {dup_recv[:8]} more than once")
             if dup_sent:
@@ -630,9 +632,13 @@ def _deadlock_error(flat: Sequence[Sequence[_Op]], ptr: Sequence[int]) -> Schedu
         if isinstance(inst, _Gate):
             lines.append(f"stage {k} waits before step {inst.step + 1} for the last stage to finish step {inst.step}")
         elif isinstance(inst, RecvActivation):
-            lines.append(f"stage {k} blocked at instruction #{i} '{inst}' waiting for 'SA{inst.mb_idx}' from stage {k - 1}")
+            lines.append(
+                f"stage {k} blocked at instruction #{i} '{inst}' waiting for 'SA{inst.mb_idx}' from stage {k - 1}"
+            )
         elif isinstance(inst, RecvGrad):
-            lines.append(f"stage {k} blocked at instruction #{i} '{inst}' waiting for 'SG{inst.mb_idx}' from stage {k + 1}")
+            lines.append(
+                f"stage {k} blocked at instruction #{i} '{inst}' waiting for 'SG{inst.mb_idx}' from stage {k + 1}"
+            )
         else:  # only receives and gates block
             lines.append(f"stage {k} stopped at instruction #{i} {inst!r}")
     return ScheduleDeadlockError(

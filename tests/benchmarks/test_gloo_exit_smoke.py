@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 
-
 @pytest.mark.multiprocess
-def test_gloo_exit_reports_every_arm_and_the_hook_exits_cleanly(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
+def test_gloo_exit_reports_every_arm_and_the_hook_exits_cleanly(
+    tmp_path: Path, run_benchmark: Callable[..., Any]
+) -> None:
     proc = run_benchmark("gloo_exit.py", "--trials", "1", "--out-dir", str(tmp_path))
     for arm in ("no hook", "hook", "hook, group referenced"):
         assert any(line.startswith(arm) for line in proc.stdout.splitlines()), proc.stdout

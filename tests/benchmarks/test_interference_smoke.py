@@ -19,8 +19,9 @@ HEADER = ("scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migr
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_scenario_table(tmp_path: Path, run_benchmark: Callable[..., Any],
-                                        table_rows: Callable[..., list[str]]) -> None:
+def test_quick_run_prints_scenario_table(
+    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+) -> None:
     proc = run_benchmark("interference.py", "--quick", "--out-dir", str(tmp_path))
 
     rows = table_rows(proc.stdout, HEADER, 2)

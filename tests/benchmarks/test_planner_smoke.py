@@ -1,4 +1,5 @@
-"""Smoke tests of ``benchmarks/simulator_accuracy.py``, ``benchmarks/planner.py`` and ``benchmarks/profile_inputs.py`` (``--quick``).
+"""Smoke tests of ``benchmarks/simulator_accuracy.py``, ``benchmarks/planner.py`` and
+``benchmarks/profile_inputs.py`` (``--quick``).
 
 Not performance tests: no speed is asserted (STYLE.md: a benchmark is a script that prints a table, not a timed
 unit test). Each runs the script as a user would, in a subprocess, with tiny models and sizes (two spawned gloo
@@ -17,22 +18,26 @@ from typing import Any
 import pytest
 
 
-
 def _run(run_benchmark: Callable[..., Any], script: str, tmp_path: Path, *extra: str) -> str:
     proc = run_benchmark(script, "--quick", "--out-dir", str(tmp_path), *extra)
     return proc.stdout
 
 
 @pytest.mark.multiprocess
-def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
+def test_simulator_accuracy_quick_prints_table_for_three_models(
+    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+) -> None:
     out = _run(run_benchmark, "simulator_accuracy.py", tmp_path)
 
-    rows = table_rows(out, ("model", "partition", "predicted: profile", "predicted: profile + framework",
-                             "measured (median)"), 3)
+    rows = table_rows(
+        out, ("model", "partition", "predicted: profile", "predicted: profile + framework", "measured (median)"), 3
+    )
     assert [r.split()[0] for r in rows] == ["MLP", "CNN", "HeavyLayerMLP"], "\n".join(rows)
     for row in rows:
         assert row.count("%") == 2, f"not two error percentages in row {row!r}"
-    assert "target |predicted/measured - 1| <= 15% on every model (profile + framework costs from the null model)" in out
+    assert (
+        "target |predicted/measured - 1| <= 15% on every model (profile + framework costs from the null model)" in out
+    )
     framework = table_rows(out, ("null model / stage", "per forward", "per send", "per step"), 2)
     assert [r.split()[:4] for r in framework] == [["null", "32/4", "/", "stage"]] * 2, "\n".join(framework)
     assert "sim: costs inside the runs" in out
@@ -49,7 +54,9 @@ def test_simulator_accuracy_quick_prints_table_for_three_models(tmp_path: Path, 
 
 
 @pytest.mark.multiprocess
-def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
+def test_planner_quick_prints_all_three_parts(
+    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+) -> None:
     out = _run(run_benchmark, "planner.py", tmp_path)
 
     rows = table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
@@ -67,7 +74,9 @@ def test_planner_quick_prints_all_three_parts(tmp_path: Path, run_benchmark: Cal
         assert (tmp_path / f"{name}-quick.png").is_file(), name
 
 
-def test_profile_inputs_quick_compares_the_three_samples(tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]) -> None:
+def test_profile_inputs_quick_compares_the_three_samples(
+    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+) -> None:
     out = _run(run_benchmark, "profile_inputs.py", tmp_path)
 
     rows = table_rows(out, ("model / stage", "fwd zeros", "fwd random", "fwd MNIST", "fwd zeros/MNIST"), 4)

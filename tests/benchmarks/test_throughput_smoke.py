@@ -20,8 +20,9 @@ HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_table_of_all_systems(tmp_path: Path, run_benchmark: Callable[..., Any],
-                                               table_rows: Callable[..., list[str]]) -> None:
+def test_quick_run_prints_table_of_all_systems(
+    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+) -> None:
     proc = run_benchmark("throughput.py", "--quick", "--out-dir", str(tmp_path))
 
     rows = table_rows(proc.stdout, HEADER, len(LABELS))

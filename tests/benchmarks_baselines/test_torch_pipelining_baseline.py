@@ -9,7 +9,6 @@ tolerance is ``atol=1e-5, rtol=0``.
 
 from __future__ import annotations
 
-import copy
 import socket
 import sys
 from pathlib import Path
@@ -17,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.spawn import spawn
 
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -42,8 +42,10 @@ TIMEOUT_S = 300
 
 
 def _summary(schedule: str = "async", num_microbatches: int = 4, balance: str = r"\d+, \d+") -> str:
-    return (rf"DynPipe: 2 stages x 1 pipeline\(s\), balance \[{balance}\], schedule={schedule}, "
-            rf"num_microbatches={num_microbatches}\n")
+    return (
+        rf"DynPipe: 2 stages x 1 pipeline\(s\), balance \[{balance}\], schedule={schedule}, "
+        rf"num_microbatches={num_microbatches}\n"
+    )
 
 
 #: What each shipped config must set up: the strategy's one-line summary that rank 0 logs in ``setup`` (a regex;
@@ -55,12 +57,25 @@ EXPECTED_SUMMARY = {
 }
 DYNPIPE_ARGS = {name for name in inspect.signature(DynPipeStrategy.__init__).parameters if name != "self"}
 #: DDPStrategy's own arguments and the DistributedDataParallel ones it forwards through ``**kwargs``.
-DDP_ONLY_ARGS = ({name for name in inspect.signature(DDPStrategy.__init__).parameters if name != "self"}
-                 | {"output_device", "broadcast_buffers", "find_unused_parameters", "static_graph",
-                    "gradient_as_bucket_view", "bucket_cap_mb"}) - DYNPIPE_ARGS
+DDP_ONLY_ARGS = (
+    {name for name in inspect.signature(DDPStrategy.__init__).parameters if name != "self"}
+    | {
+        "output_device",
+        "broadcast_buffers",
+        "find_unused_parameters",
+        "static_graph",
+        "gradient_as_bucket_view",
+        "bucket_cap_mb",
+    }
+) - DYNPIPE_ARGS
 #: A small model and data module for the parse checks of ``python -m lightning_dynpipe``.
-SMALL = ["--model=lightning_dynpipe.demos.MLP", "--model.in_features=64", "--model.width=16", "--model.depth=1",
-         "--data=lightning_dynpipe.demos.DigitsDataModule"]
+SMALL = [
+    "--model=lightning_dynpipe.demos.MLP",
+    "--model.in_features=64",
+    "--model.width=16",
+    "--model.depth=1",
+    "--data=lightning_dynpipe.demos.DigitsDataModule",
+]
 TWO_CPUS = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
 
 
@@ -133,8 +148,10 @@ def test_shipped_config_parses(capsys: pytest.CaptureFixture[str], config: str, 
         pytest.param(["--config", str(CONFIGS / "mnist_mlp.yaml")], id="yaml-class-path"),
         pytest.param(["--config", str(CONFIGS / "digits_sync.yaml")], id="yaml-short-class-name"),
         pytest.param(SMALL, id="entry-point-default"),
-        pytest.param([*SMALL, "--trainer.strategy=DynPipeStrategy", "--trainer.strategy.schedule=sync"],
-                     id="flag-with-nested-arg"),
+        pytest.param(
+            [*SMALL, "--trainer.strategy=DynPipeStrategy", "--trainer.strategy.schedule=sync"],
+            id="flag-with-nested-arg",
+        ),
     ],
 )
 def test_print_config_shows_exactly_dynpipe_init_args(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
@@ -149,8 +166,18 @@ def test_user_script_print_config_shows_exactly_dynpipe_init_args(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     config = tmp_path / "strategy.yaml"
-    config.write_text(yaml.safe_dump({"trainer": {"strategy": {
-        "class_path": "lightning_dynpipe.DynPipeStrategy", "init_args": {"num_microbatches": 8}}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "strategy": {
+                        "class_path": "lightning_dynpipe.DynPipeStrategy",
+                        "init_args": {"num_microbatches": 8},
+                    }
+                }
+            }
+        )
+    )
     strategy = _print_config(capsys, user_script.cli_main, ["fit", "--config", str(config)])["trainer"]["strategy"]
     assert set(strategy["init_args"]) == DYNPIPE_ARGS
     assert strategy["init_args"]["num_microbatches"] == 8
@@ -174,11 +201,19 @@ FORMS = [
     pytest.param(["--trainer.strategy=lightning_dynpipe.DynPipeStrategy"], {}, id="bare-class-path"),
     pytest.param(["--trainer.strategy=lightning_dynpipe.strategy.DynPipeStrategy"], {}, id="bare-module-path"),
     pytest.param(["--trainer.strategy=DynPipeStrategy"], {}, id="bare-class-name"),
-    pytest.param(["--trainer.strategy=lightning_dynpipe.DynPipeStrategy", "--trainer.strategy.num_microbatches=8"],
-                 {"num_microbatches": 8}, id="class-path-with-nested-flag"),
-    pytest.param(['--trainer.strategy={"class_path": "lightning_dynpipe.DynPipeStrategy",'
-                  ' "init_args": {"schedule": "gpipe", "balance": [1, 1]}}'],
-                 {"schedule": "gpipe", "_balance": [1, 1]}, id="json"),
+    pytest.param(
+        ["--trainer.strategy=lightning_dynpipe.DynPipeStrategy", "--trainer.strategy.num_microbatches=8"],
+        {"num_microbatches": 8},
+        id="class-path-with-nested-flag",
+    ),
+    pytest.param(
+        [
+            '--trainer.strategy={"class_path": "lightning_dynpipe.DynPipeStrategy",'
+            ' "init_args": {"schedule": "gpipe", "balance": [1, 1]}}'
+        ],
+        {"schedule": "gpipe", "_balance": [1, 1]},
+        id="json",
+    ),
     pytest.param(["--config", "STRATEGY_YAML"], {"num_microbatches": 8, "schedule": "sync"}, id="yaml"),
     pytest.param(["--trainer.strategy=dynpipe_spawn"], {"_start_method": "spawn"}, id="registered-spawn"),
 ]
@@ -221,11 +256,29 @@ def test_plan_command_prints_the_plan_and_writes_the_timeline(
 ) -> None:
     """``python -m lightning_dynpipe plan``: profile, plan and simulate without starting any process."""
     timeline, trace = tmp_path / "timeline.png", tmp_path / "trace.json"
-    status = entry.dispatch([
-        "plan", "--model", "lightning_dynpipe.demos:MLP", "--init-args", '{"width": 64, "depth": 3}',
-        "--devices", "2", "--batch-size", "32", "--num-microbatches", "4", "--timeline", str(timeline),
-        "--trace", str(trace), "--latency-us", "50", "--bandwidth-gbps", "1",
-    ])
+    status = entry.dispatch(
+        [
+            "plan",
+            "--model",
+            "lightning_dynpipe.demos:MLP",
+            "--init-args",
+            '{"width": 64, "depth": 3}',
+            "--devices",
+            "2",
+            "--batch-size",
+            "32",
+            "--num-microbatches",
+            "4",
+            "--timeline",
+            str(timeline),
+            "--trace",
+            str(trace),
+            "--latency-us",
+            "50",
+            "--bandwidth-gbps",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
     assert "Per-layer profile (micro-batch of 8)" in out
@@ -243,8 +296,17 @@ class NoExampleInput(torch.nn.Module):
 
 
 def test_plan_command_explains_a_missing_input_shape(tmp_path: Path) -> None:
-    args = ["plan", "--model", f"{__name__}:NoExampleInput", "--devices", "2", "--batch-size", "8",
-            "--timeline", str(tmp_path / "t.png")]
+    args = [
+        "plan",
+        "--model",
+        f"{__name__}:NoExampleInput",
+        "--devices",
+        "2",
+        "--batch-size",
+        "8",
+        "--timeline",
+        str(tmp_path / "t.png"),
+    ]
     with pytest.raises(ConfigurationError, match="give --input-shape"):
         entry.dispatch(args)
     assert entry.dispatch([*args, "--input-shape", "4"]) == 0
@@ -263,7 +325,11 @@ def _run(command: list[str], root_dir: Path) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     proc = subprocess.run(
         [sys.executable, *command, *FEW_STEPS, f"--trainer.default_root_dir={root_dir}"],
-        cwd=root_dir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=root_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command} exited with {proc.returncode}:\n{out[-4000:]}"

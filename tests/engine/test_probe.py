@@ -27,8 +27,11 @@ def _probe(group: object, rank: int, repeats: int) -> dict[str, object]:
     t0 = time.perf_counter()
     try:
         comm = probe_p2p(group, 1 - rank, initiator=rank == 0, repeats=repeats)
-        result: dict[str, object] = {"latency_s": comm.latency_s, "bandwidth_Bps": comm.bandwidth_Bps,
-                                     "overlap": comm.overlap}
+        result: dict[str, object] = {
+            "latency_s": comm.latency_s,
+            "bandwidth_Bps": comm.bandwidth_Bps,
+            "overlap": comm.overlap,
+        }
     except ConfigurationError as exc:
         result = {"error": str(exc)}
     result["elapsed_s"] = time.perf_counter() - t0
@@ -36,8 +39,9 @@ def _probe(group: object, rank: int, repeats: int) -> dict[str, object]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         group = dist.new_group([0, 1])
         results = {

@@ -71,7 +71,7 @@ def _stage_tables(out: str) -> list[tuple[str, list[dict[str, str]]]]:
         header = lines[i + 1].split("  ")
         header = [h.strip() for h in header if h.strip()]  # headers may contain one space ("recv wait")
         rows = []
-        for row in lines[i + 2:]:
+        for row in lines[i + 2 :]:
             cells = row.split()
             if len(cells) != len(header) or not cells[0].rstrip("*").isdigit():
                 break
@@ -84,13 +84,20 @@ def _stage_tables(out: str) -> list[tuple[str, list[dict[str, str]]]]:
 def test_mnist_demo_tiny_prints_stage_table_and_test_accuracy() -> None:
     out = _run(
         "mnist_demo.py",
-        "--max-epochs", "1",
-        "--width", "32",
-        "--depth", "1",
-        "--batch-size", "32",
-        "--num-microbatches", "4",
-        "--limit-train-batches", "20",
-        "--print-every", "10",
+        "--max-epochs",
+        "1",
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--batch-size",
+        "32",
+        "--num-microbatches",
+        "4",
+        "--limit-train-batches",
+        "20",
+        "--print-every",
+        "10",
     )
     # Rank 0 (the last stage) prints where the stages run, from the strategy's topology, once.
     assert out.count("stage placement: stage 0 on rank 1, stage 1 on rank 0\n") == 1, out[-4000:]
@@ -128,7 +135,9 @@ def test_digits_quickstart_trains_to_a_useful_accuracy() -> None:
 def test_schedules_doc_embeds_the_current_timelines() -> None:
     """docs/schedules.md shows the output of examples/schedule_timelines.py; regenerate it when this fails."""
     doc = (ROOT / "docs" / "schedules.md").read_text()
-    m = re.search(r"<!-- schedule_timelines:begin -->\n```text\n(.*?)\n```\n<!-- schedule_timelines:end -->", doc, re.DOTALL)
+    m = re.search(
+        r"<!-- schedule_timelines:begin -->\n```text\n(.*?)\n```\n<!-- schedule_timelines:end -->", doc, re.DOTALL
+    )
     assert m is not None, "docs/schedules.md lost its schedule_timelines block"
     assert m.group(1) == schedule_timelines.report(), (
         "docs/schedules.md is out of date: paste the output of `python examples/schedule_timelines.py` "

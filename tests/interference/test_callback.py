@@ -65,18 +65,28 @@ def test_entries_run_over_their_steps_on_their_stage() -> None:
     log: list[tuple[str, str]] = []
     callback = InterferenceCallback(SCHEDULE, factory=_factory(log))
     assert _run_steps(callback, stage_idx=0, steps=range(7)) == [
-        (0, []), (1, [2]), (2, [0, 2]), (3, [0]), (4, [0]), (5, []), (6, [])]
+        (0, []),
+        (1, [2]),
+        (2, [0, 2]),
+        (3, [0]),
+        (4, [0]),
+        (5, []),
+        (6, []),
+    ]
     assert log == [("start", "link_delay"), ("start", "cpu_hog"), ("stop", "link_delay"), ("stop", "cpu_hog")]
     assert [(e.action, e.index, e.step, e.stage_idx) for e in callback.events] == [
-        ("start", 2, 1, 0), ("start", 0, 2, 0), ("stop", 2, 3, 0), ("stop", 0, 5, 0)]
+        ("start", 2, 1, 0),
+        ("start", 0, 2, 0),
+        ("stop", 2, 3, 0),
+        ("stop", 0, 5, 0),
+    ]
     assert all(isinstance(e, InterferenceEvent) for e in callback.events)
 
 
 def test_the_other_stage_gets_its_entries_and_both_sides_of_the_link() -> None:
     log: list[tuple[str, str]] = []
     callback = InterferenceCallback(SCHEDULE, factory=_factory(log))
-    assert _run_steps(callback, stage_idx=1, steps=range(5)) == [
-        (0, []), (1, [2]), (2, [2]), (3, [1]), (4, [1])]
+    assert _run_steps(callback, stage_idx=1, steps=range(5)) == [(0, []), (1, [2]), (2, [2]), (3, [1]), (4, [1])]
     callback.on_fit_end(None, None)  # type: ignore[arg-type]
     assert log == [("start", "link_delay"), ("stop", "link_delay"), ("start", "cpu_quota"), ("stop", "cpu_quota")]
     assert callback.active == {}
@@ -146,12 +156,24 @@ class _Failing(LightningModule):
 def test_a_real_trainer_drives_the_callback_and_cleans_up(fail_at: int | None, tmp_path: Path) -> None:
     log: list[tuple[str, str]] = []
     # A strategy without stages counts as stage 0 of 1.
-    callback = InterferenceCallback([{"kind": "cpu_hog", "stage": 0, "start_step": 2},
-                                     {"kind": "cpu_quota", "stage": 0, "start_step": 1, "stop_step": 3,
-                                      "fraction": 0.5}], factory=_factory(log))
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[callback], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=tmp_path)
+    callback = InterferenceCallback(
+        [
+            {"kind": "cpu_hog", "stage": 0, "start_step": 2},
+            {"kind": "cpu_quota", "stage": 0, "start_step": 1, "stop_step": 3, "fraction": 0.5},
+        ],
+        factory=_factory(log),
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     if fail_at is None:
         trainer.fit(_Failing(None))
     else:
@@ -168,8 +190,11 @@ def test_only_the_callback_module_imports_lightning() -> None:
     importers = []
     for path in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             if any(n == "lightning" or n.startswith("lightning.") for n in names):
                 importers.append(path.name)
     assert sorted(set(importers)) == ["callback.py"]

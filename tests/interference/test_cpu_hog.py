@@ -15,7 +15,6 @@ import pytest
 from lightning_dynpipe.interference import base as base_module
 from lightning_dynpipe.interference.base import ChildProcesses, InterferenceConfigError, InterferenceError
 from lightning_dynpipe.interference.cpu import _HOG_CODE, CpuHog, allowed_cores, pin_current_process
-
 from tests.interference.helpers import cpu_shares, gone, wait_gone
 
 CORES = allowed_cores()[:2]
@@ -67,13 +66,19 @@ def test_processes_end_when_the_hog_is_garbage_collected() -> None:
 def test_hog_process_exits_when_its_parent_is_killed() -> None:
     # A parent killed with SIGKILL runs no finaliser: the hog notices its parent is gone and exits by itself.
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, os, signal\n"
-         "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], '0', '0.2', '0.05', str(os.getpid())],"
-         " stdout=subprocess.PIPE)\n"
-         "assert p.stdout.readline().strip() == b'ready'\n"
-         "print(p.pid, flush=True)\n"
-         "os.kill(os.getpid(), signal.SIGKILL)\n", _HOG_CODE],
-        stdout=subprocess.PIPE)
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, os, signal\n"
+            "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], '0', '0.2', '0.05', str(os.getpid())],"
+            " stdout=subprocess.PIPE)\n"
+            "assert p.stdout.readline().strip() == b'ready'\n"
+            "print(p.pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+            _HOG_CODE,
+        ],
+        stdout=subprocess.PIPE,
+    )
     assert parent.stdout is not None
     hog_pid = int(parent.stdout.readline())
     parent.wait(10)
@@ -102,8 +107,11 @@ def test_a_helper_that_fails_to_start_is_reported_with_its_reason() -> None:
 
 def test_stop_kills_a_helper_that_ignores_sigterm() -> None:
     children = ChildProcesses("Stubborn", stop_timeout_s=0.3)
-    children.spawn("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                   "print('ready', flush=True)\ntime.sleep(60)", [[]])
+    children.spawn(
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\ntime.sleep(60)",
+        [[]],
+    )
     pid = children.pids[0]
     children.stop()
     assert gone(pid)

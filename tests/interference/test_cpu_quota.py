@@ -15,12 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lightning_dynpipe.cgroups import CgroupMount
 from lightning_dynpipe.interference import quota as quota_module
 from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError, InterferenceUnavailable
-from lightning_dynpipe.cgroups import CgroupMount
 from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota
 from lightning_dynpipe.interference.throttle import CpuThrottle
-
 from tests.interference.helpers import cpu_shares, gone
 
 FRACTION = 0.3
@@ -106,8 +105,9 @@ def test_throttle_leaves_the_target_running_however_it_ends(busy: int) -> None:
     assert gone(helper) and _running(busy)
 
 
-def test_cpu_limit_prefers_cgroups_and_falls_back_to_the_throttle(busy: int, monkeypatch: pytest.MonkeyPatch,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_limit_prefers_cgroups_and_falls_back_to_the_throttle(
+    busy: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     with CpuLimit(busy, 0.5) as limit:
         assert limit.backend in ("cgroup v1", "cgroup v2", "throttle")
     assert limit.backend is None and not limit.active
@@ -126,8 +126,10 @@ def test_unavailable_cgroups_say_why_and_what_to_use_instead(busy: int, monkeypa
     monkeypatch.setattr(quota_module, "cgroup_mounts", lambda: [])
     with pytest.raises(InterferenceUnavailable, match="no cgroup filesystem is mounted.*CpuHog"):
         CpuQuota(busy, 0.5).start()
-    read_only = [CgroupMount("cgroup2", "/", Path("/sys/fs/cgroup"), True, frozenset()),
-                 CgroupMount("cgroup", "/", Path("/sys/fs/cgroup/cpu"), True, frozenset({"rw", "cpu"}))]
+    read_only = [
+        CgroupMount("cgroup2", "/", Path("/sys/fs/cgroup"), True, frozenset()),
+        CgroupMount("cgroup", "/", Path("/sys/fs/cgroup/cpu"), True, frozenset({"rw", "cpu"})),
+    ]
     monkeypatch.setattr(quota_module, "cgroup_mounts", lambda: read_only)
     monkeypatch.setattr(quota_module, "process_cgroups", lambda pid: {"": "/", "cpu": "/"})
     with pytest.raises(InterferenceUnavailable) as info:
@@ -138,11 +140,13 @@ def test_unavailable_cgroups_say_why_and_what_to_use_instead(busy: int, monkeypa
     assert "CpuThrottle" in message and "CpuLimit" in message
 
 
-def test_a_v2_hierarchy_without_the_cpu_controller_is_reported(busy: int, monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
+def test_a_v2_hierarchy_without_the_cpu_controller_is_reported(
+    busy: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     (tmp_path / "cgroup.controllers").write_text("memory pids\n")
-    monkeypatch.setattr(quota_module, "cgroup_mounts",
-                        lambda: [CgroupMount("cgroup2", "/", tmp_path, False, frozenset())])
+    monkeypatch.setattr(
+        quota_module, "cgroup_mounts", lambda: [CgroupMount("cgroup2", "/", tmp_path, False, frozenset())]
+    )
     monkeypatch.setattr(quota_module, "process_cgroups", lambda pid: {"": "/"})
     with pytest.raises(InterferenceUnavailable, match="has no cpu controller .controllers: memory pids"):
         CpuQuota(busy, 0.5).start()
@@ -155,8 +159,9 @@ def test_quota_arguments_are_checked() -> None:
         CpuQuota(os.getpid(), 0.005, period_s=0.1)
     with pytest.raises(InterferenceConfigError, match="backend must be one of"):
         CpuLimit(os.getpid(), 0.5, backend="nice")  # type: ignore[arg-type]
-    gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              check=True).stdout.strip()
+    gone_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    ).stdout.strip()
     with pytest.raises(InterferenceError, match="does not exist"):
         CpuThrottle(int(gone_pid), 0.5).start()
     with pytest.raises(InterferenceError, match="does not exist"):

@@ -20,7 +20,8 @@ def _strategy(stage_idx: int, num_stages: int = 3) -> SimpleNamespace:
     """A stand-in for a set-up DynPipeStrategy: its stage and real (unconnected) send channels."""
     channels = StageChannels(
         send_activation=SendChannel(None, 0, f"activations {stage_idx}->{stage_idx + 1}")
-        if stage_idx < num_stages - 1 else None,
+        if stage_idx < num_stages - 1
+        else None,
         send_grad=SendChannel(None, 0, f"gradients {stage_idx}->{stage_idx - 1}") if stage_idx > 0 else None,
     )
     return SimpleNamespace(stage_idx=stage_idx, num_stages=num_stages, executor=SimpleNamespace(channels=channels))

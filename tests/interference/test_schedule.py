@@ -61,27 +61,42 @@ def test_which_entries_a_stage_wants_at_a_step() -> None:
     assert schedule.wanted(10_000, stage_idx=0) == [0, 2]  # no stop_step: until the end
 
 
-@pytest.mark.parametrize(("entry", "field", "message"), [
-    ({"kind": "cpu_hgo", "stage": 0}, "kind",
-     "must be one of cpu_hog, cpu_quota, link_delay, gpu.*Did you mean 'cpu_hog'"),
-    ({"kind": "cpu_hog", "stage": 0, "dutycycle": 0.5}, "dutycycle",
-     "unknown field 'dutycycle' .did you mean 'duty_cycle'"),
-    ({"stage": 0}, "kind", "field 'kind' is required"),
-    ({"kind": "cpu_hog"}, "stage", "field 'stage' is required"),
-    ({"kind": "cpu_hog", "stage": -1}, "stage", "must be a stage index"),
-    ({"kind": "cpu_hog", "stage": 0, "start_step": 10, "stop_step": 10}, "stop_step",
-     "must be an integer > start_step .10."),
-    ({"kind": "cpu_hog", "stage": 0, "fraction": 0.5}, "fraction",
-     "does not apply to kind 'cpu_hog' .it applies to cpu_quota"),
-    ({"kind": "cpu_quota", "stage": 1}, "fraction", "field 'fraction' is required for kind 'cpu_quota'"),
-    ({"kind": "cpu_quota", "stage": 1, "fraction": 0}, "fraction", "must be a positive number"),
-    ({"kind": "cpu_hog", "stage": 0, "duty_cycle": 1.5}, "duty_cycle", r"must be a number in \(0, 1\]; got 1.5"),
-    ({"kind": "cpu_hog", "stage": 0, "cores": [0, 0]}, "cores", "distinct core ids"),
-    ({"kind": "cpu_hog", "stage": 0, "cores": "0,1"}, "cores", "must be a list of core ids"),
-    ({"kind": "link_delay", "stage": 0, "delay_s": 0}, "delay_s", "would do nothing"),
-    ({"kind": "link_delay", "stage": 0, "delay_s": -0.1}, "delay_s", "seconds >= 0"),
-    ({"kind": "gpu", "stage": 0, "period_s": 0}, "period_s", r"in \(0, 60\]"),
-])
+@pytest.mark.parametrize(
+    ("entry", "field", "message"),
+    [
+        (
+            {"kind": "cpu_hgo", "stage": 0},
+            "kind",
+            "must be one of cpu_hog, cpu_quota, link_delay, gpu.*Did you mean 'cpu_hog'",
+        ),
+        (
+            {"kind": "cpu_hog", "stage": 0, "dutycycle": 0.5},
+            "dutycycle",
+            "unknown field 'dutycycle' .did you mean 'duty_cycle'",
+        ),
+        ({"stage": 0}, "kind", "field 'kind' is required"),
+        ({"kind": "cpu_hog"}, "stage", "field 'stage' is required"),
+        ({"kind": "cpu_hog", "stage": -1}, "stage", "must be a stage index"),
+        (
+            {"kind": "cpu_hog", "stage": 0, "start_step": 10, "stop_step": 10},
+            "stop_step",
+            "must be an integer > start_step .10.",
+        ),
+        (
+            {"kind": "cpu_hog", "stage": 0, "fraction": 0.5},
+            "fraction",
+            "does not apply to kind 'cpu_hog' .it applies to cpu_quota",
+        ),
+        ({"kind": "cpu_quota", "stage": 1}, "fraction", "field 'fraction' is required for kind 'cpu_quota'"),
+        ({"kind": "cpu_quota", "stage": 1, "fraction": 0}, "fraction", "must be a positive number"),
+        ({"kind": "cpu_hog", "stage": 0, "duty_cycle": 1.5}, "duty_cycle", r"must be a number in \(0, 1\]; got 1.5"),
+        ({"kind": "cpu_hog", "stage": 0, "cores": [0, 0]}, "cores", "distinct core ids"),
+        ({"kind": "cpu_hog", "stage": 0, "cores": "0,1"}, "cores", "must be a list of core ids"),
+        ({"kind": "link_delay", "stage": 0, "delay_s": 0}, "delay_s", "would do nothing"),
+        ({"kind": "link_delay", "stage": 0, "delay_s": -0.1}, "delay_s", "seconds >= 0"),
+        ({"kind": "gpu", "stage": 0, "period_s": 0}, "period_s", r"in \(0, 60\]"),
+    ],
+)
 def test_errors_name_the_entry_and_the_field(entry: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(InterferenceConfigError, match=message) as info:
         InterferenceSchedule.from_config([{"kind": "cpu_hog", "stage": 0}, entry])

@@ -20,8 +20,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "interfered_fit.py"
 @pytest.mark.parametrize("mode", ["fail"])  # "ok" also works; the failing run checks the same and the clean-up
 def test_schedule_on_a_two_stage_run(mode: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == (0 if mode == "ok" else 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     if mode == "fail":
         assert "training failed on purpose" in proc.stderr
@@ -34,10 +35,18 @@ def test_schedule_on_a_two_stage_run(mode: str, tmp_path: Path) -> None:
         assert delayed == [1, 2]
     # stage 1 (the cpu_quota, from step 2) and stage 0 (the cpu_hog, from step 3) stop everything at the end.
     assert [e[:3] for e in ranks[1]["events"]] == [
-        ["start", "link_delay", 1], ["start", "cpu_quota", 2], ["stop", "link_delay", 3], ["stop", "cpu_quota", None]]
+        ["start", "link_delay", 1],
+        ["start", "cpu_quota", 2],
+        ["stop", "link_delay", 3],
+        ["stop", "cpu_quota", None],
+    ]
     assert ranks[1]["events"][1][3] in ("cgroup v1", "cgroup v2", "throttle")
     assert [e[:3] for e in ranks[0]["events"]] == [
-        ["start", "link_delay", 1], ["stop", "link_delay", 3], ["start", "cpu_hog", 3], ["stop", "cpu_hog", None]]
+        ["start", "link_delay", 1],
+        ["stop", "link_delay", 3],
+        ["start", "cpu_hog", 3],
+        ["stop", "cpu_hog", None],
+    ]
     hog_steps = [s["step"] for s in ranks[0]["steps"] if s["children"]]
     assert hog_steps == list(range(3, last + 1))
     helpers = {pid for r in ranks.values() for s in r["steps"] for pid in s["children"]} - {ranks[0]["pid"]}

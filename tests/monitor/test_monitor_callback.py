@@ -54,8 +54,9 @@ class _FakeLogger:
 
 
 def _fake_trainer() -> Any:
-    return SimpleNamespace(strategy=_FakeStrategy(), world_size=1, global_step=0, is_global_zero=True,
-                           loggers=[_FakeLogger()])
+    return SimpleNamespace(
+        strategy=_FakeStrategy(), world_size=1, global_step=0, is_global_zero=True, loggers=[_FakeLogger()]
+    )
 
 
 def _steps(monitor: StageMonitor, trainer: Any, module: Any, n: int, step_s: float | None = None) -> None:
@@ -290,10 +291,15 @@ def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> Non
     monitor.add_listener(lambda snap, tr: snaps.append(snap))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="dynpipe/s0_busy_ms", mode="min", save_top_k=1)
     trainer = L.Trainer(
-        devices=1, max_steps=6, log_every_n_steps=1,
+        devices=1,
+        max_steps=6,
+        log_every_n_steps=1,
         strategy=DynPipeStrategy(balance=[5], num_microbatches=2),
-        **trainer_kwargs(logger=CSVLogger(tmp_path, name="csv"), enable_checkpointing=True,
-                         callbacks=[monitor, ckpt, EarlyStopping(monitor="train_loss", patience=100)]),
+        **trainer_kwargs(
+            logger=CSVLogger(tmp_path, name="csv"),
+            enable_checkpointing=True,
+            callbacks=[monitor, ckpt, EarlyStopping(monitor="train_loss", patience=100)],
+        ),
     )
     trainer.fit(TinyNet(), loader(n=72))
     assert [s.step for s in snaps] == [2, 4, 6]
@@ -325,8 +331,9 @@ class _CheckInWorkers(L.Callback):
     def __init__(self, monitor: StageMonitor) -> None:
         self.monitor = monitor
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         snap, g = self.monitor.latest, trainer.global_step
         if g <= 4:
             assert snap is None
@@ -357,7 +364,9 @@ class _CheckInWorkers(L.Callback):
 def test_two_stage_fit_logs_every_stage(tmp_path: Path) -> None:
     monitor = StageMonitor(every_n_steps=4, window=4)
     trainer = L.Trainer(
-        devices=2, max_steps=12, log_every_n_steps=1,
+        devices=2,
+        max_steps=12,
+        log_every_n_steps=1,
         strategy=DynPipeStrategy(start_method="spawn", balance=[2, 3], num_microbatches=3),
         **trainer_kwargs(logger=CSVLogger(tmp_path, name="csv"), callbacks=[monitor, _CheckInWorkers(monitor)]),
     )

@@ -11,13 +11,22 @@ from typing import Any
 import pytest
 
 
-
 @pytest.mark.multiprocess
 def test_quick_run_prints_the_overhead_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
     proc = run_benchmark("monitor_overhead.py", "--quick", "--out-dir", str(tmp_path))
     out = proc.stdout
-    for text in ("monitor pieces alone", "sampler.sample", "no monitor", "StageMonitor() (every 10)",
-                 "StageMonitor(every_n_steps=1)", "A/A control", "noise floor", "in-hook share", "extra CPU (paired)", "target: StageMonitor()"):
+    for text in (
+        "monitor pieces alone",
+        "sampler.sample",
+        "no monitor",
+        "StageMonitor() (every 10)",
+        "StageMonitor(every_n_steps=1)",
+        "A/A control",
+        "noise floor",
+        "in-hook share",
+        "extra CPU (paired)",
+        "target: StageMonitor()",
+    ):
         assert text in out, f"{text!r} missing from:\n{out}"
     records = list(tmp_path.glob("monitor_overhead-*-quick.json"))
     assert len(records) == 1

@@ -33,10 +33,24 @@ def _sample(step_s: float = 0.1, **kw: Any) -> StageSample:
 
 def _summary(busy_ms: float, step_ms: float = 100.0, count: int = 5, **kw: float | None) -> StageSummary:
     values: dict[str, Any] = dict(
-        count=count, step_s=step_ms / 1e3, forward_s=busy_ms / 2e3, backward_s=busy_ms / 2e3, optimizer_s=0.0,
-        recv_wait_s=0.0, send_s=0.0, idle_s=0.0, comm_s=0.0, exposed_comm_s=0.0, num_forward=4.0,
-        num_backward=4.0, num_updates=4.0, in_flight=1.0, stash_depth=1.0, rss_bytes=float(1 << 20),
-        cpu_share=0.5, steal_share=0.0,
+        count=count,
+        step_s=step_ms / 1e3,
+        forward_s=busy_ms / 2e3,
+        backward_s=busy_ms / 2e3,
+        optimizer_s=0.0,
+        recv_wait_s=0.0,
+        send_s=0.0,
+        idle_s=0.0,
+        comm_s=0.0,
+        exposed_comm_s=0.0,
+        num_forward=4.0,
+        num_backward=4.0,
+        num_updates=4.0,
+        in_flight=1.0,
+        stash_depth=1.0,
+        rss_bytes=float(1 << 20),
+        cpu_share=0.5,
+        steal_share=0.0,
     )
     values.update(kw)
     values.setdefault("compute_s", values["forward_s"] + values["backward_s"] + values["optimizer_s"])
@@ -51,11 +65,33 @@ def test_idle_is_the_rest_of_the_step_and_never_negative() -> None:
 
 
 def test_from_step_reads_executor_stats_and_system_reading() -> None:
-    stats = StepStats(forward_s=0.01, backward_s=0.02, optimizer_s=0.005, recv_wait_s=0.03, send_s=0.001,
-                      comm_s=0.004, exposed_comm_s=0.002, step_s=0.07, in_flight=2, stash_depth=3,
-                      max_stash_depth=4, num_forward=4, num_backward=4, num_updates=4)
-    system = SystemReading(wall_s=0.07, cpu_s=0.05, cpu_share=0.7, steal_share=0.01, rss_bytes=123,
-                           cuda_allocated_bytes=10, cuda_reserved_bytes=20, gpu_util=0.5, gpu_mem_used_bytes=30)
+    stats = StepStats(
+        forward_s=0.01,
+        backward_s=0.02,
+        optimizer_s=0.005,
+        recv_wait_s=0.03,
+        send_s=0.001,
+        comm_s=0.004,
+        exposed_comm_s=0.002,
+        step_s=0.07,
+        in_flight=2,
+        stash_depth=3,
+        max_stash_depth=4,
+        num_forward=4,
+        num_backward=4,
+        num_updates=4,
+    )
+    system = SystemReading(
+        wall_s=0.07,
+        cpu_s=0.05,
+        cpu_share=0.7,
+        steal_share=0.01,
+        rss_bytes=123,
+        cuda_allocated_bytes=10,
+        cuda_reserved_bytes=20,
+        gpu_util=0.5,
+        gpu_mem_used_bytes=30,
+    )
     s = StageSample.from_step(stats, system)
     assert (s.step_s, s.forward_s, s.backward_s, s.optimizer_s) == (0.07, 0.01, 0.02, 0.005)
     assert (s.recv_wait_s, s.send_s, s.comm_s, s.exposed_comm_s) == (0.03, 0.001, 0.004, 0.002)
@@ -243,7 +279,8 @@ def test_bottleneck_is_none_without_samples() -> None:
 def test_replicas_are_kept_and_aggregated_per_stage() -> None:
     reports = [
         StageReport(dp_rank=d, stage_idx=k, summary=_summary(busy_ms=10.0 * (k + 1) + d, count=4 + d))
-        for d in range(2) for k in range(3)
+        for d in range(2)
+        for k in range(3)
     ]
     snap = PipelineSnapshot.from_reports(7, reversed(reports))
     assert snap.num_stages == 3 and snap.dp_size == 2
@@ -275,14 +312,39 @@ def test_snapshot_records_the_partition_it_describes() -> None:
 def test_to_metrics_keys_units_and_optional_readings() -> None:
     snap = PipelineSnapshot.from_reports(
         3,
-        [StageReport(0, 0, _summary(20.0, step_ms=42.0, recv_wait_s=0.015, idle_s=0.004, exposed_comm_s=0.002,
-                                    rss_bytes=float(300 << 20), cpu_share=0.8)),
-         StageReport(0, 1, _summary(30.0, cuda_allocated_bytes=float(5 << 20), gpu_util=0.25))],
+        [
+            StageReport(
+                0,
+                0,
+                _summary(
+                    20.0,
+                    step_ms=42.0,
+                    recv_wait_s=0.015,
+                    idle_s=0.004,
+                    exposed_comm_s=0.002,
+                    rss_bytes=float(300 << 20),
+                    cpu_share=0.8,
+                ),
+            ),
+            StageReport(0, 1, _summary(30.0, cuda_allocated_bytes=float(5 << 20), gpu_util=0.25)),
+        ],
     )
     m = snap.to_metrics()
     for k in (0, 1):
-        for name in ("step_ms", "compute_ms", "busy_ms", "recv_wait_ms", "idle_ms", "exposed_comm_ms", "cpu_share",
-                     "rss_mb", "in_flight", "stash_depth", "samples", "comm_overlap"):
+        for name in (
+            "step_ms",
+            "compute_ms",
+            "busy_ms",
+            "recv_wait_ms",
+            "idle_ms",
+            "exposed_comm_ms",
+            "cpu_share",
+            "rss_mb",
+            "in_flight",
+            "stash_depth",
+            "samples",
+            "comm_overlap",
+        ):
             assert f"dynpipe/stage{k}/{name}" in m
     assert m["dynpipe/stage0/step_ms"] == pytest.approx(42.0)
     assert m["dynpipe/stage0/compute_ms"] == pytest.approx(20.0)
@@ -304,9 +366,7 @@ def test_to_metrics_keys_units_and_optional_readings() -> None:
 
 
 def test_to_metrics_prefix_and_per_replica_keys() -> None:
-    snap = PipelineSnapshot.from_reports(
-        0, [StageReport(d, k, _summary(10.0)) for d in range(2) for k in range(2)]
-    )
+    snap = PipelineSnapshot.from_reports(0, [StageReport(d, k, _summary(10.0)) for d in range(2) for k in range(2)])
     m = snap.to_metrics("pipe", per_replica=True)
     assert "pipe/stage1/replica1/step_ms" in m and "pipe/stage0/replica0/busy_ms" in m
     assert not any(key.startswith("dynpipe/") for key in m)
@@ -322,8 +382,10 @@ def test_table_has_one_row_per_stage_and_marks_the_bottleneck() -> None:
 
 
 def test_table_shows_counts_per_step_and_the_balance() -> None:
-    reports = [StageReport(0, 0, _summary(20.0, num_backward=3.5)),
-               StageReport(0, 1, _summary(35.0, num_forward=8.0, num_backward=8.0, num_updates=1.0))]
+    reports = [
+        StageReport(0, 0, _summary(20.0, num_backward=3.5)),
+        StageReport(0, 1, _summary(35.0, num_forward=8.0, num_backward=8.0, num_updates=1.0)),
+    ]
     lines = PipelineSnapshot.from_reports(12, reports, balance=[3, 4]).table().splitlines()
     assert lines[0].startswith("DynPipe stages at step 12, balance [3, 4] (")
     header = [h.strip() for h in lines[1].split("  ") if h.strip()]
@@ -335,9 +397,21 @@ def test_table_shows_counts_per_step_and_the_balance() -> None:
 
 
 def test_report_travels_as_a_fixed_vector_of_floats() -> None:
-    full = StageReport(1, 2, _summary(12.0, cuda_allocated_bytes=5.0, cuda_reserved_bytes=6.0, gpu_util=0.5,
-                                      gpu_mem_used_bytes=7.0, num_forward=8.0, num_backward=7.5, num_updates=1.0,
-                                      cpu_limit=0.25))
+    full = StageReport(
+        1,
+        2,
+        _summary(
+            12.0,
+            cuda_allocated_bytes=5.0,
+            cuda_reserved_bytes=6.0,
+            gpu_util=0.5,
+            gpu_mem_used_bytes=7.0,
+            num_forward=8.0,
+            num_backward=7.5,
+            num_updates=1.0,
+            cpu_limit=0.25,
+        ),
+    )
     bare = StageReport(0, 0, _summary(3.0))
     empty = StageReport(0, 1, StageStatsAccumulator(2).summary())
     for report in (full, bare):

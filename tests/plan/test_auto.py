@@ -34,8 +34,7 @@ def test_infeasible_reports_every_candidate() -> None:
 def test_simulated_step_time_matches_the_hand_computation() -> None:
     """Two stages of 3 layers: F=3, B=6 per stage and micro-batch; comm 0.5 per boundary transfer."""
     plan = best_plan(_cost(), 2, num_stages=2)
-    r = simulate_plan(plan, _cost(), schedule="sync", num_microbatches=4, num_steps=3,
-                      comm=CommModel(latency_s=0.5))
+    r = simulate_plan(plan, _cost(), schedule="sync", num_microbatches=4, num_steps=3, comm=CommModel(latency_s=0.5))
     # sync 1F1B with a flush: (M + S - 1) * (F + B) plus the exposed transfers of fill and drain
     assert r.steady_state_step_time == pytest.approx(5 * 9 + 2 * 0.5, rel=0.05)
     fast = simulate_plan(plan, _cost(), schedule="async", num_microbatches=4, num_steps=3)

@@ -57,8 +57,9 @@ def test_linear_layers_bytes_are_exact() -> None:
 
 
 def test_to_model_cost_maps_every_field() -> None:
-    profile = profile_layers(_linear_stack(), torch.randn(3, 8), warmup=0, repeats=1,
-                             optimizer_state_bytes_per_param_byte=1.0)
+    profile = profile_layers(
+        _linear_stack(), torch.randn(3, 8), warmup=0, repeats=1, optimizer_state_bytes_per_param_byte=1.0
+    )
     model = profile.to_model_cost()
     assert isinstance(model, ModelCost) and model.num_layers == 3
     first = model.layers[0]
@@ -98,8 +99,7 @@ class _Join(nn.Module):
 
 def test_tuple_outputs_are_summed_and_feed_the_next_layer() -> None:
     torch.manual_seed(0)
-    profile = profile_layers(nn.Sequential(_Split(), _Join(), nn.Linear(8, 3)), torch.randn(4, 6),
-                             warmup=1, repeats=2)
+    profile = profile_layers(nn.Sequential(_Split(), _Join(), nn.Linear(8, 3)), torch.randn(4, 6), warmup=1, repeats=2)
     split, join, head = profile.layers
     assert split.output_shapes == ((4, 2), (4, 6))
     assert split.activation_bytes == (4 * 2 + 4 * 6) * F32
@@ -241,8 +241,11 @@ def test_optimizer_state_factor_by_type(make: object, factor: float) -> None:
 
 @pytest.mark.parametrize(
     ("make", "factor"),
-    [(lambda p: torch.optim.Adam(p), 2.0), (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1.0),
-     (lambda p: torch.optim.AdamW(p, amsgrad=True), 3.0)],
+    [
+        (lambda p: torch.optim.Adam(p), 2.0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1.0),
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), 3.0),
+    ],
 )
 def test_optimizer_state_factor_is_measured_after_a_step(make: object, factor: float) -> None:
     layer = nn.Linear(3, 1)  # a one-element bias: its state counts, only 0-dim counters do not
@@ -275,7 +278,9 @@ def test_errors_state_the_rule_and_the_fix() -> None:
     with pytest.raises(ConfigurationError, match="optimizer_state_bytes_per_param_byte must be finite"):
         profile_layers(_linear_stack(), x, optimizer_state_bytes_per_param_byte=-1)
     bad = nn.Sequential(nn.Linear(8, 16), nn.Linear(7, 2))
-    with pytest.raises(ConfigurationError, match=r"layer 1 \(Linear\) failed on an input with tensor shapes \[\(3, 16\)\]"):
+    with pytest.raises(
+        ConfigurationError, match=r"layer 1 \(Linear\) failed on an input with tensor shapes \[\(3, 16\)\]"
+    ):
         profile_layers(bad, x, warmup=0, repeats=1)
 
 
@@ -310,13 +315,22 @@ def test_docstring_examples() -> None:
 def test_profiling_imports_neither_lightning_nor_torch_distributed() -> None:
     """ARCHITECTURE.md: profiling/ is torch only (it runs before any process group exists)."""
     package = Path(lightning_dynpipe.profiling.layers.__file__).parent
-    forbidden = ("lightning", "pytorch_lightning", "torch.distributed", "lightning_dynpipe.engine",
-                 "lightning_dynpipe.strategy", "sklearn")
+    forbidden = (
+        "lightning",
+        "pytorch_lightning",
+        "torch.distributed",
+        "lightning_dynpipe.engine",
+        "lightning_dynpipe.strategy",
+        "sklearn",
+    )
     bad = []
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            )
             bad += [f"{path.name}: {n}" for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)]
     assert not bad
 

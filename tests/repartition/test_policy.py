@@ -12,12 +12,27 @@ from lightning_dynpipe.repartition.policy import GainOverCostPolicy, PolicyInput
 CUR, CAND = Partition((3, 3)), Partition((4, 2))
 
 
-def _inputs(step: int, current_s: float = 1.0, candidate_s: float = 0.6, cost: float = 5.0,
-            candidate: Partition = CAND, remaining: int | None = None, current: Partition = CUR,
-            measured_s: float | None = None) -> PolicyInputs:
-    return PolicyInputs(step=step, current=current, candidate=candidate, current_step_s=current_s,
-                        candidate_step_s=candidate_s, measured_step_s=current_s if measured_s is None else measured_s,
-                        migration_cost_s=cost, remaining_steps=remaining, slowdowns=(1.0, 2.0))
+def _inputs(
+    step: int,
+    current_s: float = 1.0,
+    candidate_s: float = 0.6,
+    cost: float = 5.0,
+    candidate: Partition = CAND,
+    remaining: int | None = None,
+    current: Partition = CUR,
+    measured_s: float | None = None,
+) -> PolicyInputs:
+    return PolicyInputs(
+        step=step,
+        current=current,
+        candidate=candidate,
+        current_step_s=current_s,
+        candidate_step_s=candidate_s,
+        measured_step_s=current_s if measured_s is None else measured_s,
+        migration_cost_s=cost,
+        remaining_steps=remaining,
+        slowdowns=(1.0, 2.0),
+    )
 
 
 def test_moves_after_patience_and_then_cools_down() -> None:
@@ -142,10 +157,12 @@ def test_direction_rule_with_three_stages() -> None:
     policy.migrated(20)
 
     def refused(balance: tuple[int, ...]) -> bool:
-        return "made the pipeline slower" in policy.decide(_inputs(30, current=old, candidate=Partition(balance))).reason
+        return (
+            "made the pipeline slower" in policy.decide(_inputs(30, current=old, candidate=Partition(balance))).reason
+        )
 
-    assert refused((4, 1, 1))      # (4, 5): both boundaries further the same way
-    assert refused((2, 3, 1))      # (2, 5): only the second, the same way
-    assert refused((3, 1, 2))      # (3, 4): only the first, the same way
+    assert refused((4, 1, 1))  # (4, 5): both boundaries further the same way
+    assert refused((2, 3, 1))  # (2, 5): only the second, the same way
+    assert refused((3, 1, 2))  # (3, 4): only the first, the same way
     assert not refused((1, 3, 2))  # (1, 4): the first boundary the other way
     assert not refused((2, 1, 3))  # (2, 3): the second boundary the other way

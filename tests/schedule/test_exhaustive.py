@@ -36,7 +36,5 @@ def test_lightning_broadcast_never_deadlocks() -> None:
     for kind in SCHEDULES:
         for num_stages in (1, 2, 3, 4, 7, 16):
             for num_microbatches in (1, 2, 3, 5, 16):
-                r = simulate(
-                    kind, num_stages, num_microbatches, 3, comm_time=0.25, step_sync="last_stage_broadcast"
-                )
+                r = simulate(kind, num_stages, num_microbatches, 3, comm_time=0.25, step_sync="last_stage_broadcast")
                 assert all(len(ends) == 3 for ends in r.step_end_times)

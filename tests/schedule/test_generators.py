@@ -236,9 +236,13 @@ def test_unknown_kind() -> None:
 
 
 def test_range_errors() -> None:
-    with pytest.raises(ScheduleError, match=r"stage_idx must be an int in \[0, num_stages\) = \[0, 2\); got stage_idx=2\."):
+    with pytest.raises(
+        ScheduleError, match=r"stage_idx must be an int in \[0, num_stages\) = \[0, 2\); got stage_idx=2\."
+    ):
         step_instructions("async", 2, 2, 4, 0)
-    with pytest.raises(ScheduleError, match=r"stage_idx must be an int in \[0, num_stages\) = \[0, 2\); got stage_idx=-1\."):
+    with pytest.raises(
+        ScheduleError, match=r"stage_idx must be an int in \[0, num_stages\) = \[0, 2\); got stage_idx=-1\."
+    ):
         staleness("async", -1, 2)
     with pytest.raises(ScheduleError, match=r"num_stages must be a positive int; got num_stages=0\."):
         step_instructions("async", 0, 0, 4, 0)

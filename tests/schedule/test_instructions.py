@@ -100,9 +100,14 @@ def test_parse_rejects(text: str) -> None:
 
 
 def test_parse_error_messages() -> None:
-    with pytest.raises(ScheduleError, match=r"Cannot parse 'X3' as an instruction: the form is a code \(B, F, RA, RG, SA, SG, U, W\)"):
+    with pytest.raises(
+        ScheduleError, match=r"Cannot parse 'X3' as an instruction: the form is a code \(B, F, RA, RG, SA, SG, U, W\)"
+    ):
         parse_instruction("X3")
-    with pytest.raises(ScheduleError, match=r"Instruction 'F' needs a micro-batch index: only the synchronous update 'U' has none. Write e.g. 'F0'."):
+    with pytest.raises(
+        ScheduleError,
+        match=r"Instruction 'F' needs a micro-batch index: only the synchronous update 'U' has none. Write e.g. 'F0'.",
+    ):
         parse_instruction("F")
     with pytest.raises(ScheduleError, match="must be a str; got 3"):
         parse_instruction(3)  # type: ignore[arg-type]
@@ -110,10 +115,14 @@ def test_parse_error_messages() -> None:
 
 @pytest.mark.parametrize("bad", [-1, 1.0, True, "3", None])
 def test_bad_index_rejected(bad: object) -> None:
-    with pytest.raises(ScheduleError, match=r"Forward.mb_idx must be a non-negative int \(micro-batches are counted 0, 1, 2"):
+    with pytest.raises(
+        ScheduleError, match=r"Forward.mb_idx must be a non-negative int \(micro-batches are counted 0, 1, 2"
+    ):
         Forward(bad)  # type: ignore[arg-type]
 
 
 def test_optimizer_step_index_rejected() -> None:
-    with pytest.raises(ScheduleError, match=r"OptimizerStep.mb_idx must be a non-negative int or None \(micro-batches .*\); got -2\."):
+    with pytest.raises(
+        ScheduleError, match=r"OptimizerStep.mb_idx must be a non-negative int or None \(micro-batches .*\); got -2\."
+    ):
         OptimizerStep(-2)

@@ -80,8 +80,9 @@ def test_gpipe_two_stages() -> None:
 
 def test_kinds_compared_with_broadcast() -> None:
     times = {
-        kind: simulate(kind, 2, 4, 6, forward_time=1.0, backward_time=2.0, step_sync="last_stage_broadcast")
-        .steady_state_step_time
+        kind: simulate(
+            kind, 2, 4, 6, forward_time=1.0, backward_time=2.0, step_sync="last_stage_broadcast"
+        ).steady_state_step_time
         for kind in SCHEDULES
     }
     assert times == {"async": 13.0, "sync": 15.0, "gpipe": 15.0}
@@ -124,8 +125,12 @@ def test_send_overhead_keeps_the_sender_busy_before_the_transfer() -> None:
     sa0 = next(e for e in r.events[0] if e.instruction == "SA0")
     assert (sa0.start, sa0.end) == (1.0, 1.5)
     # with comm 0.25 the transfer starts when the send ends: F0 on stage 1 at 1.75, gradient back at 5.5
-    assert simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]], send_overhead=[0.5, 0.5],
-                             comm_time=0.25).makespan == 7.5
+    assert (
+        simulate_programs(
+            [[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]], send_overhead=[0.5, 0.5], comm_time=0.25
+        ).makespan
+        == 7.5
+    )
     assert simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0")]]).makespan == 6.0  # the default: 0
 
 
@@ -133,12 +138,17 @@ def test_step_overhead_runs_after_the_gate_at_every_step() -> None:
     # F=1, overhead [0.5, 0.25], Lightning's broadcast: stage 0 H0 [0,0.5] F0 [0.5,1.5]; stage 1 H0 [0,0.25]
     # waits until 1.5, F0 [1.5,2.5]; stage 0 waits for stage 1's step 0 (2.5), H1 [2.5,3] F1 [3,4];
     # stage 1 H1 [2.5,2.75], F1 [4,5].
-    r = simulate_programs([[p("F0 SA0"), p("F1 SA1")], [p("RA0 F0"), p("RA1 F1")]],
-                          step_overhead=[0.5, 0.25], step_sync="last_stage_broadcast")
+    r = simulate_programs(
+        [[p("F0 SA0"), p("F1 SA1")], [p("RA0 F0"), p("RA1 F1")]],
+        step_overhead=[0.5, 0.25],
+        step_sync="last_stage_broadcast",
+    )
     assert r.step_end_times == ((1.5, 4.0), (2.5, 5.0))
     assert r.busy_times == (3.0, 2.5)
     assert [(e.instruction, e.start, e.end) for e in r.events[0] if e.instruction.startswith("H")] == [
-        ("H0", 0.0, 0.5), ("H1", 2.5, 3.0)]
+        ("H0", 0.0, 0.5),
+        ("H1", 2.5, 3.0),
+    ]
     assert {ev["cat"] for ev in r.to_chrome_trace()["traceEvents"] if ev["name"].startswith("H")} == {"host"}
     # one stage, M=2: every step is F F B B (F=1, B=2) plus the overhead
     assert simulate("gpipe", 1, 2, 3, step_overhead=0.5).steady_state_step_time == 6.5
@@ -254,27 +264,38 @@ def test_async_staleness_rule_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
         ),
     ):
         simulate("async", 2, 2, 2)
-    with pytest.raises(ScheduleError, match=r"sync rule broken: stage 0 must forward micro-batch 2 after exactly 2 // 2 = 1"):
+    with pytest.raises(
+        ScheduleError, match=r"sync rule broken: stage 0 must forward micro-batch 2 after exactly 2 // 2 = 1"
+    ):
         simulate("sync", 2, 2, 2)
 
 
 def test_stash_bound_is_checked() -> None:
     # stage 0 of 2 may keep 2 versions; a third distinct version bound to an in-flight micro-batch breaks it.
-    with pytest.raises(ScheduleError, match=r"Stash bound broken: stage 0 of 2 may keep at most S - k = 2 weight versions, but binding micro-batch 2 \(instruction #6\) makes 3"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"Stash bound broken: stage 0 of 2 may keep at most S - k = 2 weight versions, "
+        r"but binding micro-batch 2 \(instruction #6\) makes 3",
+    ):
         simulate_programs([[p("W0 F0 U W1 F1 U W2 F2")], [[]]])
     with pytest.raises(ScheduleError, match="stashes weights for micro-batch 0 twice"):
         simulate_programs([[p("W0 W0 F0")]])
 
 
 def test_backward_needs_forward() -> None:
-    with pytest.raises(ScheduleError, match=r"Stage 0 backwards micro-batch 0 \(instruction #0\) without a pending forward"):
+    with pytest.raises(
+        ScheduleError, match=r"Stage 0 backwards micro-batch 0 \(instruction #0\) without a pending forward"
+    ):
         simulate_programs([[p("B0 F0")]])
     with pytest.raises(ScheduleError, match="forwards micro-batch 0 twice"):
         simulate_programs([[p("F0 F0")]])
 
 
 def test_unmatched_transfers() -> None:
-    with pytest.raises(ScheduleError, match=r"Unmatched activation transfer: .*stage 1 receives \(RA\) micro-batches \[1\] that stage 0 never sends"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"Unmatched activation transfer: .*stage 1 receives \(RA\) micro-batches \[1\] that stage 0 never sends",
+    ):
         simulate_programs([[p("F0 SA0 F1")], [p("RA0 F0 RA1 F1")]])
     with pytest.raises(ScheduleError, match=r"stage 0 sends \(SA\) micro-batches \[1\] that stage 1 never receives"):
         simulate_programs([[p("F0 SA0 F1 SA1")], [p("RA0 F0")]])
@@ -282,7 +303,9 @@ def test_unmatched_transfers() -> None:
         simulate_programs([[p("F0 SA0 RG0 B0")], [p("RA0 F0 B0 SG0 SG0")]])
     with pytest.raises(ScheduleError, match=r"Stage 0 of 1 has no next stage, but it runs SA for micro-batches \[0\]"):
         simulate_programs([[p("F0 SA0")]])
-    with pytest.raises(ScheduleError, match=r"Stage 0 of 2 has no previous stage, but it runs RA for micro-batches \[0\]"):
+    with pytest.raises(
+        ScheduleError, match=r"Stage 0 of 2 has no previous stage, but it runs RA for micro-batches \[0\]"
+    ):
         simulate_programs([[p("RA0 F0")], [[]]])
     with pytest.raises(ScheduleError, match=r"Stage 0 of 1 has no previous stage, but it runs SG"):
         simulate_programs([[p("F0 B0 SG0")]])
@@ -291,7 +314,9 @@ def test_unmatched_transfers() -> None:
 def test_argument_errors() -> None:
     with pytest.raises(ScheduleError, match="Unknown schedule 'zb'. Valid schedules: 'async', 'sync', 'gpipe'"):
         simulate("zb", 2, 2, 1)  # type: ignore[arg-type]
-    with pytest.raises(ScheduleError, match="Unknown step_sync 'barrier'. Valid options: 'none', 'last_stage_broadcast'"):
+    with pytest.raises(
+        ScheduleError, match="Unknown step_sync 'barrier'. Valid options: 'none', 'last_stage_broadcast'"
+    ):
         simulate("async", 2, 2, 1, step_sync="barrier")  # type: ignore[arg-type]
     with pytest.raises(ScheduleError, match=r"num_steps must be a positive int; got num_steps=0"):
         simulate("async", 2, 2, 0)
@@ -301,13 +326,17 @@ def test_argument_errors() -> None:
         validate_schedule("sync", 2, 0)
     with pytest.raises(ScheduleError, match=r"forward_time must be one number or one per stage \(3\); got 2 values"):
         simulate("async", 3, 2, 1, forward_time=[1.0, 2.0])
-    with pytest.raises(ScheduleError, match=r"comm_time must be one number or one per stage boundary \(num_stages - 1\) \(2\)"):
+    with pytest.raises(
+        ScheduleError, match=r"comm_time must be one number or one per stage boundary \(num_stages - 1\) \(2\)"
+    ):
         simulate("async", 3, 2, 1, comm_time=[1.0, 2.0, 3.0])
     with pytest.raises(ScheduleError, match=r"backward_time must be finite and >= 0"):
         simulate("async", 2, 2, 1, backward_time=-1.0)
     with pytest.raises(ScheduleError, match=r"slowdown must be finite and > 0"):
         simulate("async", 2, 2, 1, slowdown=[1.0, 0.0])
-    with pytest.raises(ScheduleError, match=r"Every stage must run the same number of steps; stage 0 has 1 and stage 1 has 2"):
+    with pytest.raises(
+        ScheduleError, match=r"Every stage must run the same number of steps; stage 0 has 1 and stage 1 has 2"
+    ):
         simulate_programs([[p("F0")], [p("F0"), p("F1")]])
     with pytest.raises(ScheduleError, match="not an instruction"):
         simulate_programs([[["F0"]]])  # type: ignore[list-item]

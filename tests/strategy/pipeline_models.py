@@ -22,9 +22,7 @@ class TinyNet(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.pipeline = nn.Sequential(
-            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
-        )
+        self.pipeline = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -24,8 +24,11 @@ N = 48  # 4 steps per epoch with batch 12
 
 
 def _trainer(tmp: Path, devices: int | None, epochs: int, stages: int | None = None) -> L.Trainer:
-    kw = trainer_kwargs(max_epochs=epochs, enable_checkpointing=True,
-                        callbacks=[ModelCheckpoint(dirpath=tmp, save_last=True, save_top_k=0)])
+    kw = trainer_kwargs(
+        max_epochs=epochs,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp, save_last=True, save_top_k=0)],
+    )
     if stages is None:
         return L.Trainer(devices=1, **kw)
     strategy = DynPipeStrategy(num_stages=stages, num_microbatches=3, schedule="sync", start_method="spawn")
@@ -83,5 +86,7 @@ def test_plain_checkpoint_resumes_under_dynpipe(tmp_path: Path) -> None:
     m1 = copy.deepcopy(model)
     _trainer(tmp_path / "plain", devices=None, epochs=1).fit(m1, loader(n=N))
     m2 = copy.deepcopy(model)
-    _trainer(tmp_path / "s2", devices=2, epochs=2, stages=2).fit(m2, loader(n=N), ckpt_path=tmp_path / "plain" / "last.ckpt")
+    _trainer(tmp_path / "s2", devices=2, epochs=2, stages=2).fit(
+        m2, loader(n=N), ckpt_path=tmp_path / "plain" / "last.ckpt"
+    )
     _assert_close(m2, ref2)

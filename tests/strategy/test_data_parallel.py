@@ -47,7 +47,7 @@ def _global_batches() -> list[Any]:
         rows = []
         for i in range(M):
             for r in range(2):
-                rows += shards[r][t * B + i * (B // M): t * B + (i + 1) * (B // M)]
+                rows += shards[r][t * B + i * (B // M) : t * B + (i + 1) * (B // M)]
         out.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
     return out
 
@@ -55,12 +55,17 @@ def _global_batches() -> list[Any]:
 def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
-    trainer = L.Trainer(devices=4, max_epochs=1,
-                        strategy=DynPipeStrategy(num_stages=2, balance=[2, 3], num_microbatches=M,
-                                                 start_method="spawn", adaptive=False),
-                        **trainer_kwargs(callbacks=[Checks()]))
+    trainer = L.Trainer(
+        devices=4,
+        max_epochs=1,
+        strategy=DynPipeStrategy(
+            num_stages=2, balance=[2, 3], num_microbatches=M, start_method="spawn", adaptive=False
+        ),
+        **trainer_kwargs(callbacks=[Checks()]),
+    )
     trainer.fit(model, datamodule=ShardedData())
-    replay_async(ref.pipeline, [2, 3], make_optimizer, _global_batches(), M,
-                 lambda out, mb: F.cross_entropy(out, mb[1]))
+    replay_async(
+        ref.pipeline, [2, 3], make_optimizer, _global_batches(), M, lambda out, mb: F.cross_entropy(out, mb[1])
+    )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k

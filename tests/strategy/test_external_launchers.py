@@ -47,8 +47,15 @@ def _env() -> dict[str, str]:
 
 def test_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "state.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}",
-           str(SCRIPT), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_port()}",
+        str(SCRIPT),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(out)
@@ -60,10 +67,23 @@ def test_two_nodes_one_device_each(tmp_path: Path) -> None:
     port = str(_port())
     procs = []
     for node in (1, 0):
-        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
-               "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--devices", "1", "--num-nodes", "2"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "NODE_RANK": str(node),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(out), "--devices", "1", "--num-nodes", "2"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]

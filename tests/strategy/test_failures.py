@@ -20,8 +20,14 @@ def _run(mode: str) -> tuple[int, str, float]:
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()
     # a new session, so that the whole process group can be inspected and killed
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), mode], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -55,8 +61,14 @@ def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
 
 def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "long"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "long"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # wait until the children exist and training runs

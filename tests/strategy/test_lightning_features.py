@@ -58,12 +58,14 @@ class FeatureNet(TinyNet):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         # threshold=10 (absolute): no epoch "improves", so the LR halves after every validation but the first
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0,
-                                                           threshold_mode="abs")
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, factor=0.5, patience=0, threshold=10.0, threshold_mode="abs"
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "epoch"}}
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if not gradient_clip_val:
             return
@@ -122,11 +124,22 @@ def test_training_with_loggers_monitors_metrics_and_clipping(tmp_path: Path) -> 
     model = FeatureNet()
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1, save_last=True)
     trainer = L.Trainer(
-        devices=2, strategy=_strategy(), max_epochs=4, gradient_clip_val=CLIP, log_every_n_steps=1,
-        **trainer_kwargs(logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
-                         enable_checkpointing=True, num_sanity_val_steps=2, enable_model_summary=True,
-                         callbacks=[ckpt_cb, EarlyStopping(monitor="val_loss", patience=10),
-                                    RankChecks(sum(p.numel() for p in model.parameters()))]),
+        devices=2,
+        strategy=_strategy(),
+        max_epochs=4,
+        gradient_clip_val=CLIP,
+        log_every_n_steps=1,
+        **trainer_kwargs(
+            logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
+            enable_checkpointing=True,
+            num_sanity_val_steps=2,
+            enable_model_summary=True,
+            callbacks=[
+                ckpt_cb,
+                EarlyStopping(monitor="val_loss", patience=10),
+                RankChecks(sum(p.numel() for p in model.parameters())),
+            ],
+        ),
     )
     trainer.fit(model, loader(n=48), loader(n=24))
 
@@ -149,8 +162,16 @@ class _SavePredictions(BasePredictionWriter):
         self.path = path
         self.preds: list[torch.Tensor] = []
 
-    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any,
-                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if trainer.is_global_zero:
             self.preds.append(prediction)
             torch.save(self.preds, self.path)
@@ -183,6 +204,5 @@ class _StepCount(L.Callback):
 
 
 def test_fast_dev_run() -> None:
-    trainer = L.Trainer(devices=2, strategy=_strategy(), fast_dev_run=2,
-                        **trainer_kwargs(callbacks=[_StepCount()]))
+    trainer = L.Trainer(devices=2, strategy=_strategy(), fast_dev_run=2, **trainer_kwargs(callbacks=[_StepCount()]))
     trainer.fit(FeatureNet(), loader(n=48), loader(n=24))

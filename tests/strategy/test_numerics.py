@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
-import torch
 import torch.nn.functional as F
 from pipeline_models import TinyNet, loader, make_optimizer, plain_training, trainer_kwargs
 
@@ -61,13 +60,26 @@ class _PipelineInvariants(L.Callback):
         assert self.updates == expected, f"{self.updates} optimizer-step hooks, expected {expected}"
 
 
-def _fit(model: TinyNet, devices: int, schedule: str, M: int = 4, epochs: int = 2, optimizer: str = "sgd",
-         start_method: str = "spawn") -> None:
+def _fit(
+    model: TinyNet,
+    devices: int,
+    schedule: str,
+    M: int = 4,
+    epochs: int = 2,
+    optimizer: str = "sgd",
+    start_method: str = "spawn",
+) -> None:
     balance = {1: [5], 2: [2, 3], 3: [2, 2, 1]}[devices]  # the replay must use the same partition
-    strategy = DynPipeStrategy(num_microbatches=M, schedule=schedule, start_method=start_method,  # type: ignore[arg-type]
-                               balance=balance, adaptive=False)  # the reference keeps the partition
-    trainer = L.Trainer(devices=devices, max_epochs=epochs, strategy=strategy,
-                        callbacks=[_PipelineInvariants(M)], **trainer_kwargs())
+    strategy = DynPipeStrategy(
+        num_microbatches=M,
+        schedule=schedule,
+        start_method=start_method,  # type: ignore[arg-type]
+        balance=balance,
+        adaptive=False,
+    )  # the reference keeps the partition
+    trainer = L.Trainer(
+        devices=devices, max_epochs=epochs, strategy=strategy, callbacks=[_PipelineInvariants(M)], **trainer_kwargs()
+    )
     trainer.fit(model, loader())
 
 
@@ -94,8 +106,9 @@ def test_async_equals_pipedream_replay(num_stages: int) -> None:
     ref = copy.deepcopy(model)
     _fit(model, devices=num_stages, schedule="async")
     balance = {2: [2, 3], 3: [2, 2, 1]}[num_stages]  # as in _fit
-    replay_async(ref.pipeline, balance, make_optimizer, list(loader()) * 2, 4,
-                 lambda out, mb: F.cross_entropy(out, mb[1]))
+    replay_async(
+        ref.pipeline, balance, make_optimizer, list(loader()) * 2, 4, lambda out, mb: F.cross_entropy(out, mb[1])
+    )
     _assert_close(model, ref, atol=0.0)
     # and the async run really is different from synchronous training
     sync_ref = plain_training(TinyNet(), list(loader()) * 2)

@@ -110,8 +110,11 @@ def test_parameters_outside_the_pipeline() -> None:
 
 
 def test_balance_must_sum_to_layer_count() -> None:
-    _refused(TinyNet(), r"balance must sum to the number of layers.*= 4, but the pipeline has 5",
-             DynPipeStrategy(balance=[4]))
+    _refused(
+        TinyNet(),
+        r"balance must sum to the number of layers.*= 4, but the pipeline has 5",
+        DynPipeStrategy(balance=[4]),
+    )
 
 
 def test_balance_without_zero_entries() -> None:
@@ -152,5 +155,6 @@ def test_overridden_backward_warns() -> None:
 def test_more_stages_than_layers_refused_on_every_rank() -> None:
     """Two processes: both raise the refusal (spawn re-raises the first), none hangs."""
     with pytest.raises(Exception, match=r"Cannot run 2 stages on a pipeline of 1 layers"):
-        L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="spawn"),
-                  **trainer_kwargs()).fit(OneLayer(), loader())
+        L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="spawn"), **trainer_kwargs()).fit(
+            OneLayer(), loader()
+        )

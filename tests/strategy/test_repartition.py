@@ -29,7 +29,9 @@ MOVES = {3: [1, 3, 1], 6: [3, 1, 1]}  # before batch 3 and batch 6 of the first 
 
 
 class Repartitioner(L.Callback):
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.current_epoch == 0 and batch_idx in MOVES:
             trainer.strategy.repartition(MOVES[batch_idx])  # type: ignore[attr-defined]
 
@@ -43,12 +45,22 @@ class Repartitioner(L.Callback):
 def test_a_migrating_run_equals_the_replay_with_the_same_partition_changes() -> None:
     model = TinyNet(optimizer="adam")
     ref = copy.deepcopy(model)
-    trainer = L.Trainer(devices=3, max_epochs=1,
-                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
-                        **trainer_kwargs(callbacks=[Repartitioner()]))
+    trainer = L.Trainer(
+        devices=3,
+        max_epochs=1,
+        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
+        **trainer_kwargs(callbacks=[Repartitioner()]),
+    )
     trainer.fit(model, loader())
-    replay_async(ref.pipeline, [2, 2, 1], lambda ps: make_optimizer(ps, "adam"), list(loader()), 4,
-                 lambda out, mb: F.cross_entropy(out, mb[1]), repartitions={k - 1: v for k, v in MOVES.items()})
+    replay_async(
+        ref.pipeline,
+        [2, 2, 1],
+        lambda ps: make_optimizer(ps, "adam"),
+        list(loader()),
+        4,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        repartitions={k - 1: v for k, v in MOVES.items()},
+    )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
 
@@ -57,7 +69,9 @@ class RandomMigrations(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx != 2:
             return
         s = trainer.strategy
@@ -80,15 +94,19 @@ class RandomMigrations(L.Callback):
             assert after[1]["param_groups"] == before[1]["param_groups"]
             for idx, st in before[1]["state"].items():
                 assert sorted(after[1]["state"][idx]) == sorted(st)
-                assert all(torch.equal(torch.as_tensor(after[1]["state"][idx][k]), torch.as_tensor(v))
-                           for k, v in st.items()), idx
+                assert all(
+                    torch.equal(torch.as_tensor(after[1]["state"][idx][k]), torch.as_tensor(v)) for k, v in st.items()
+                ), idx
 
 
 def test_random_migrations_preserve_state_and_checkpoints(tmp_path: Path) -> None:
     ckpt = tmp_path / "after_migrations.ckpt"
-    trainer = L.Trainer(devices=3, max_steps=4,
-                        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
-                        **trainer_kwargs(callbacks=[RandomMigrations(ckpt)]))
+    trainer = L.Trainer(
+        devices=3,
+        max_steps=4,
+        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
+        **trainer_kwargs(callbacks=[RandomMigrations(ckpt)]),
+    )
     model = TinyNet(optimizer="adam")
     trainer.fit(model, loader())
     loaded = TinyNet.load_from_checkpoint(ckpt, optimizer="adam")  # strict, original names

@@ -34,12 +34,15 @@ class MigrateAndCheck(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx in MOVES:
             trainer.strategy.repartition(MOVES[batch_idx])  # type: ignore[attr-defined]
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         s = trainer.strategy
         assert isinstance(s, DynPipeStrategy) and s.partition is not None
         if batch_idx in MOVES:
@@ -67,10 +70,14 @@ def test_replicas_migrate_like_one_pipeline_on_the_same_global_batches(tmp_path:
     ckpt = tmp_path / "after_migrations.ckpt"
     model = TinyNet()
     ref = copy.deepcopy(model)
-    trainer = L.Trainer(devices=4, max_epochs=1,
-                        strategy=DynPipeStrategy(num_stages=2, balance=BALANCE, num_microbatches=M,
-                                                 start_method="spawn", adaptive=False),
-                        **trainer_kwargs(callbacks=[MigrateAndCheck(ckpt)]))
+    trainer = L.Trainer(
+        devices=4,
+        max_epochs=1,
+        strategy=DynPipeStrategy(
+            num_stages=2, balance=BALANCE, num_microbatches=M, start_method="spawn", adaptive=False
+        ),
+        **trainer_kwargs(callbacks=[MigrateAndCheck(ckpt)]),
+    )
     trainer.fit(model, datamodule=ShardedData())
 
     ref_opts: list[torch.optim.Optimizer] = []
@@ -79,8 +86,15 @@ def test_replicas_migrate_like_one_pipeline_on_the_same_global_batches(tmp_path:
         ref_opts.append(make_optimizer(params))
         return ref_opts[-1]
 
-    replay_async(ref.pipeline, BALANCE, recording_optimizer, _global_batches(), M,
-                 lambda out, mb: F.cross_entropy(out, mb[1]), repartitions={k - 1: v for k, v in MOVES.items()})
+    replay_async(
+        ref.pipeline,
+        BALANCE,
+        recording_optimizer,
+        _global_batches(),
+        M,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        repartitions={k - 1: v for k, v in MOVES.items()},
+    )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
 

@@ -20,9 +20,14 @@ def test_registered_names() -> None:
     assert lightning_dynpipe.__version__
 
 
-@pytest.mark.parametrize(("name", "launcher"), [("dynpipe", _SubprocessScriptLauncher),
-                                                  ("dynpipe_spawn", _MultiProcessingLauncher),
-                                                  ("lightning_dynpipe.DynPipeStrategy", _SubprocessScriptLauncher)])
+@pytest.mark.parametrize(
+    ("name", "launcher"),
+    [
+        ("dynpipe", _SubprocessScriptLauncher),
+        ("dynpipe_spawn", _MultiProcessingLauncher),
+        ("lightning_dynpipe.DynPipeStrategy", _SubprocessScriptLauncher),
+    ],
+)
 def test_trainer_wiring(name: str, launcher: type) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
     s = trainer.strategy

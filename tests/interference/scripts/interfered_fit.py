@@ -41,11 +41,13 @@ class Recorder(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         s: Any = trainer.strategy
         ch = s.executor.channels
-        self.steps.append({
-            "step": trainer.global_step,
-            "delays": [c.name for c in (ch.send_activation, ch.send_grad) if c is not None and c.delay is not None],
-            "children": sorted(p.pid for p in psutil.Process().children()),
-        })
+        self.steps.append(
+            {
+                "step": trainer.global_step,
+                "delays": [c.name for c in (ch.send_activation, ch.send_grad) if c is not None and c.delay is not None],
+                "children": sorted(p.pid for p in psutil.Process().children()),
+            }
+        )
         if self.fail and trainer.global_step == FAIL_STEP and s.stage_idx == 0:
             raise RuntimeError("training failed on purpose")
 
@@ -58,8 +60,12 @@ class Recorder(L.Callback):
     def dump(self, trainer: L.Trainer) -> None:
         cb = next(c for c in trainer.callbacks if isinstance(c, InterferenceCallback))  # type: ignore[attr-defined]
         s: Any = trainer.strategy
-        record = {"stage": s.stage_idx, "steps": self.steps, "pid": os.getpid(),
-                  "events": [[e.action, e.spec.kind, e.step, e.detail] for e in cb.events]}
+        record = {
+            "stage": s.stage_idx,
+            "steps": self.steps,
+            "pid": os.getpid(),
+            "events": [[e.action, e.spec.kind, e.step, e.detail] for e in cb.events],
+        }
         (self.out / f"rank{s.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -67,6 +73,10 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     interference = InterferenceCallback(SCHEDULE)
-    trainer = L.Trainer(devices=2, max_steps=6, strategy=DynPipeStrategy(num_microbatches=2, balance=[2, 3]),
-                        **trainer_kwargs(callbacks=[interference, Recorder(out, mode == "fail")]))
+    trainer = L.Trainer(
+        devices=2,
+        max_steps=6,
+        strategy=DynPipeStrategy(num_microbatches=2, balance=[2, 3]),
+        **trainer_kwargs(callbacks=[interference, Recorder(out, mode == "fail")]),
+    )
     trainer.fit(TinyNet(), loader())

@@ -24,8 +24,13 @@ if __name__ == "__main__":
     p.add_argument("--num-nodes", type=int, default=1)
     a = p.parse_args()
     model = TinyNet()
-    trainer = L.Trainer(devices=a.devices, num_nodes=a.num_nodes, max_epochs=1,
-                        strategy=DynPipeStrategy(balance=[2, 3], num_microbatches=4, adaptive=False), **trainer_kwargs())
+    trainer = L.Trainer(
+        devices=a.devices,
+        num_nodes=a.num_nodes,
+        max_epochs=1,
+        strategy=DynPipeStrategy(balance=[2, 3], num_microbatches=4, adaptive=False),
+        **trainer_kwargs(),
+    )
     trainer.fit(model, loader())
     assert trainer.world_size == 2 and trainer.global_step == 8
     assert isinstance(trainer.strategy, DynPipeStrategy)

@@ -50,7 +50,9 @@ class FailingNet(TinyNet):
 
 
 class KillStageZero(L.Callback):
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == FAIL_STEP and trainer.strategy.stage_idx == 0:  # type: ignore[attr-defined]
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -62,6 +64,10 @@ if __name__ == "__main__":
     epochs = 10_000 if mode == "long" else 2
     if mode == "long":
         print("TRAINING STARTED", flush=True)
-    trainer = L.Trainer(devices=2, max_epochs=epochs, strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
-                        **trainer_kwargs(callbacks=callbacks))
+    trainer = L.Trainer(
+        devices=2,
+        max_epochs=epochs,
+        strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
+        **trainer_kwargs(callbacks=callbacks),
+    )
     trainer.fit(FailingNet(mode), loader())
