@@ -8,12 +8,11 @@ compute and per-boundary communication times for the schedule simulator.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from lightning_dynpipe.errors import PartitionError
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, DefaultCostModel, ModelCost
 from lightning_dynpipe.plan.solver import Plan, solve
+from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 from lightning_dynpipe.schedule.simulator import SimResult, StepSync, simulate
 
 __all__ = ["best_plan", "simulate_plan"]
@@ -24,7 +23,7 @@ def best_plan(
     world_size: int,
     *,
     num_stages: int | None = None,
-    schedule: Literal["async", "sync"] = "async",
+    schedule: Schedule | str = "async",
     convergence: ConvergenceModel | None = None,
     comm: CommModel | None = None,
     num_microbatches: int | None = None,
@@ -43,7 +42,7 @@ def best_plan(
         model_cost: per-layer costs (from the profiler).
         world_size: processes; ``S`` must divide it (the rest are pipeline replicas).
         num_stages: fix ``S``; default: every divisor of ``world_size`` up to the number of layers.
-        schedule: ``"async"`` or ``"sync"`` (``"gpipe"`` plans as ``"sync"``).
+        schedule: a :class:`~lightning_dynpipe.schedule.Schedule` or its name.
         convergence: the staleness model.
         comm: the measured link; default: no communication charged.
         num_microbatches: ``M``.
@@ -86,7 +85,7 @@ def simulate_plan(
     plan: Plan,
     model_cost: ModelCost,
     *,
-    schedule: str = "async",
+    schedule: Schedule | str = "async",
     num_microbatches: int = 4,
     num_steps: int = 6,
     comm: CommModel | None = None,
@@ -111,7 +110,7 @@ def simulate_plan(
         hidden = float(overlap[cut])
         comm_time.append(float(comm.transfer_time(model_cost.layers[cut].activation_bytes)) * (1.0 - hidden))
     return simulate(
-        schedule,  # type: ignore[arg-type]
+        get_schedule(schedule),
         S,
         num_microbatches,
         num_steps,

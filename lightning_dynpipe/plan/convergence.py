@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 
 __all__ = ["DEFAULT_BETA", "ConvergenceModel", "Observation", "fit_beta", "staleness_profile"]
 
@@ -40,15 +41,12 @@ is marginal. Calibrate it before trusting a plan that hinges on it.
 """
 
 
-def staleness_profile(num_stages: int, schedule: str = "async") -> tuple[int, ...]:
-    """Per-stage staleness: ``(S-1, S-2, ..., 0)`` for ``"async"``, all zero for ``"sync"``."""
+def staleness_profile(num_stages: int, schedule: Schedule | str = "async") -> tuple[int, ...]:
+    """Per-stage staleness of ``schedule``: ``(S-1, S-2, ..., 0)`` for ``"async"``, all zero for ``"sync"``."""
     if num_stages < 1:
         raise ConfigurationError(f"num_stages must be >= 1; got {num_stages}.")
-    if schedule == "async":
-        return tuple(num_stages - 1 - k for k in range(num_stages))
-    if schedule == "sync":
-        return (0,) * num_stages
-    raise ConfigurationError(f"Unknown schedule {schedule!r}; valid options are ['async', 'sync'].")
+    sched = get_schedule(schedule)
+    return tuple(sched.staleness(k, num_stages) for k in range(num_stages))
 
 
 def _shares(weights: Sequence[float], n: int) -> NDArray[np.float64]:

@@ -1,56 +1,52 @@
 """Per-device memory of a pipeline stage: weight versions, optimizer state, in-flight activations.
 
+The schedule says how many of each a stage keeps (:class:`~lightning_dynpipe.schedule.Schedule`):
 PipeDream-style asynchronous 1F1B keeps, on stage ``k`` of ``S``, ``S - k`` weight versions (the live
 weights plus one stashed version per micro-batch whose backward is still to come) and the activations of
-``S - k`` micro-batches in flight. With ``schedule="sync"`` (flush every step) one version suffices and at
-most ``min(S - k, M)`` micro-batches are in flight.
+``S - k`` micro-batches in flight. With ``schedule="sync"`` (1F1B, flush every step) one version suffices and
+at most ``min(S - k, M)`` micro-batches are in flight; ``"gpipe"`` holds all ``M``.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
+from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 
-__all__ = ["Schedule", "weight_versions", "in_flight_microbatches", "stage_memory"]
+__all__ = ["ScheduleLike", "weight_versions", "in_flight_microbatches", "stage_memory"]
 
-Schedule = Literal["async", "sync"]
-_SCHEDULES = ("async", "sync")
+ScheduleLike = Schedule | str
+"""A schedule object or its name (``"async"``, ``"sync"``, ``"gpipe"``)."""
 
 
-def _check(stage_idx: int, num_stages: int, schedule: str, num_microbatches: int | None) -> None:
-    if schedule not in _SCHEDULES:
-        raise ConfigurationError(f"Unknown schedule {schedule!r}; valid options are {list(_SCHEDULES)}.")
+def _check(stage_idx: int, num_stages: int, schedule: ScheduleLike, num_microbatches: int | None) -> Schedule:
+    sched = get_schedule(schedule)
     if not 0 <= stage_idx < num_stages:
         raise ConfigurationError(f"stage_idx must be in [0, {num_stages}); got stage_idx={stage_idx}.")
-    if schedule == "sync" and (num_microbatches is None or num_microbatches < 1):
+    if sched.accumulates and (num_microbatches is None or num_microbatches < 1):
         raise ConfigurationError(
-            f'schedule="sync" needs num_microbatches >= 1 (micro-batches per step); got {num_microbatches!r}.'
+            f'schedule="{sched}" needs num_microbatches >= 1 (micro-batches per step); got {num_microbatches!r}.'
         )
+    return sched
 
 
-def weight_versions(stage_idx: int, num_stages: int, schedule: Schedule = "async") -> int:
-    """Weight versions stage ``stage_idx`` keeps: ``S - k`` for async (stashing), 1 for sync."""
-    _check(stage_idx, num_stages, schedule, 1)
-    return num_stages - stage_idx if schedule == "async" else 1
+def weight_versions(stage_idx: int, num_stages: int, schedule: ScheduleLike = "async") -> int:
+    """Weight versions stage ``stage_idx`` keeps: ``S - k`` for async (stashing), 1 for sync and gpipe."""
+    return _check(stage_idx, num_stages, schedule, 1).weight_versions(stage_idx, num_stages)
 
 
 def in_flight_microbatches(
-    stage_idx: int, num_stages: int, schedule: Schedule = "async", num_microbatches: int | None = None
+    stage_idx: int, num_stages: int, schedule: ScheduleLike = "async", num_microbatches: int | None = None
 ) -> int:
-    """Micro-batches whose activations stage ``stage_idx`` holds at once in steady-state 1F1B.
+    """Micro-batches whose activations stage ``stage_idx`` holds at once in steady state.
 
-    ``S - k`` for async; ``min(S - k, M)`` for sync, where ``M = num_microbatches`` per step.
+    ``S - k`` for async; ``min(S - k, M)`` for sync and ``M`` for gpipe, where ``M = num_microbatches``.
     """
-    _check(stage_idx, num_stages, schedule, num_microbatches)
-    if schedule == "async":
-        return num_stages - stage_idx
-    assert num_microbatches is not None
-    return min(num_stages - stage_idx, num_microbatches)
+    sched = _check(stage_idx, num_stages, schedule, num_microbatches)
+    return sched.in_flight(stage_idx, num_stages, num_microbatches or 1)
 
 
 def stage_memory(
@@ -60,7 +56,7 @@ def stage_memory(
     *,
     stage_idx: int,
     num_stages: int,
-    schedule: Schedule = "async",
+    schedule: ScheduleLike = "async",
     num_microbatches: int | None = None,
 ) -> NDArray[np.int64]:
     """Peak bytes on each device of the stage owning layers ``[first, stop)``, vectorised over ranges.

@@ -70,8 +70,9 @@ from numpy.typing import NDArray
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.convergence import ConvergenceModel, staleness_profile
 from lightning_dynpipe.plan.costs import CostModel, DefaultCostModel, DeviceSpec, ModelCost, PrefixCostModel
-from lightning_dynpipe.plan.memory import Schedule, in_flight_microbatches, stage_memory, weight_versions
+from lightning_dynpipe.plan.memory import ScheduleLike, in_flight_microbatches, stage_memory, weight_versions
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 
 __all__ = ["Plan", "assign_devices", "evaluate", "solve", "throughput_optimal"]
 
@@ -81,7 +82,6 @@ IntArray = NDArray[np.int64]
 _OkFn = Callable[[IntArray, IntArray], NDArray[np.bool_]]
 
 _RTOL = 1e-12  # prune a node whose lower bound is within this relative distance of the incumbent
-_SCHEDULES = ("async", "sync")
 
 
 # --------------------------------------------------------------------------------------------------- Plan
@@ -120,7 +120,7 @@ class Plan:
 
     Attributes:
         partition: layers and replicas per stage (what the engine builds).
-        schedule: ``"async"`` or ``"sync"``.
+        schedule: the schedule's name (``"async"``, ``"sync"``, ``"gpipe"``).
         devices: device indices of each stage (``dp`` of them), in the order of ``slowdowns``.
         stage_times_s: predicted seconds per micro-batch of each stage, all replicas together.
         stage_memory_bytes: predicted peak bytes on each device of each stage.
@@ -134,7 +134,7 @@ class Plan:
     """
 
     partition: Partition
-    schedule: Schedule
+    schedule: str
     devices: tuple[tuple[int, ...], ...]
     stage_times_s: tuple[float, ...]
     stage_memory_bytes: tuple[int, ...]
@@ -258,17 +258,25 @@ def _stage_device(devices: Sequence[DeviceSpec], ids: Sequence[int]) -> DeviceSp
     )
 
 
-def _check_schedule(schedule: str, num_microbatches: int | None) -> int:
-    if schedule not in _SCHEDULES:
-        raise ConfigurationError(f"Unknown schedule {schedule!r}; valid options are {list(_SCHEDULES)}.")
-    if schedule == "sync":
+def _check_schedule(schedule: ScheduleLike, num_microbatches: int | None) -> tuple[Schedule, int]:
+    """The schedule object and the micro-batches per update; refuses what the solver's objective cannot model."""
+    sched = get_schedule(schedule)
+    if sched.accumulates:
         if num_microbatches is None or num_microbatches < 1:
             raise ConfigurationError(
-                'schedule="sync" flushes the pipeline every step, so its time depends on the micro-batches per '
+                f'schedule="{sched}" flushes the pipeline every step, so its time depends on the micro-batches per '
                 f"step: pass num_microbatches >= 1 (got {num_microbatches!r})."
             )
-        return num_microbatches
-    return 1
+        return sched, num_microbatches
+    # Without a flush the objective charges staleness through the cuts' parameter prefixes, which is exact
+    # for PipeDream's profile S-1-k only.
+    for S in (1, 2, 5):
+        if [sched.staleness(k, S) for k in range(S)] != [S - 1 - k for k in range(S)]:
+            raise ConfigurationError(
+                f"The planner models schedules that flush every step, or that run 1F1B without a flush with "
+                f"staleness S-1-k; schedule {sched.name!r} does neither. Plan it as 'async' or 'sync'."
+            )
+    return sched, 1
 
 
 # ------------------------------------------------------------------------------------------- evaluate
@@ -278,7 +286,7 @@ def evaluate(
     model_cost: ModelCost,
     partition: Partition,
     *,
-    schedule: Schedule = "async",
+    schedule: ScheduleLike = "async",
     convergence: ConvergenceModel | None = None,
     cost_model: CostModel | None = None,
     slowdowns: Sequence[float] | None = None,
@@ -300,17 +308,17 @@ def evaluate(
     Args:
         model_cost: per-layer costs.
         partition: the layers (and replicas, which must all be equal) per stage.
-        schedule: ``"async"`` or ``"sync"``.
+        schedule: a :class:`~lightning_dynpipe.schedule.Schedule` or its name.
         convergence: the staleness model (default :class:`ConvergenceModel`).
         cost_model: the stage time model (default :class:`DefaultCostModel`).
         slowdowns: per-device compute slowdown factors; their count is the number of devices.
         memory_cap: bytes per device, one number or one per device.
-        num_microbatches: micro-batches per step (required for ``"sync"``).
+        num_microbatches: micro-batches per step (required for schedules that flush every step).
         num_devices: devices available; default: the length of ``slowdowns`` or ``memory_cap`` when given
             as sequences, else ``num_stages * dp``.
         devices: device indices per stage; default :func:`assign_devices`.
     """
-    mpu = _check_schedule(schedule, num_microbatches)
+    sched, mpu = _check_schedule(schedule, num_microbatches)
     convergence = convergence or ConvergenceModel()
     cost_model = cost_model or DefaultCostModel()
     S = partition.num_stages
@@ -349,7 +357,7 @@ def evaluate(
         )  # fmt: skip
         times.append(float(np.asarray(t).reshape(-1)[0]))
         mem = stage_memory(
-            model_cost, [bounds[k]], [bounds[k + 1]], stage_idx=k, num_stages=S, schedule=schedule,
+            model_cost, [bounds[k]], [bounds[k + 1]], stage_idx=k, num_stages=S, schedule=sched,
             num_microbatches=num_microbatches,
         )  # fmt: skip
         mems.append(int(mem[0]))
@@ -357,17 +365,12 @@ def evaluate(
     params = [model_cost.param_bytes(bounds[k], bounds[k + 1]) for k in range(S)]
     total = sum(params)
     shares = tuple(p / total if total > 0 else 0.0 for p in params)
-    stale = staleness_profile(S, schedule)
-    bottleneck = max(times)
-    if schedule == "async":
-        iteration_time = bottleneck
-    else:
-        M = mpu
-        iteration_time = ((M - 1) * bottleneck + math.fsum(times)) / M
+    stale = staleness_profile(S, sched)
+    iteration_time = sched.iteration_time(times, mpu)
     iterations = convergence.iterations(stale, params)
     return Plan(
         partition=partition,
-        schedule=schedule,
+        schedule=sched.name,
         devices=ids,
         stage_times_s=tuple(times),
         stage_memory_bytes=tuple(mems),
@@ -377,7 +380,7 @@ def evaluate(
         iteration_time_s=iteration_time,
         iterations=iterations,
         time_to_accuracy_s=iterations * iteration_time,
-        num_microbatches=num_microbatches if schedule == "sync" else None,
+        num_microbatches=num_microbatches if sched.accumulates else None,
     )
 
 
@@ -392,17 +395,16 @@ class _Problem:
         model: ModelCost,
         cost_model: CostModel,
         convergence: ConvergenceModel,
-        schedule: Schedule,
+        schedule: ScheduleLike,
         num_microbatches: int | None,
         devices: tuple[DeviceSpec, ...],
     ) -> None:
         self.model = model
         self.cost_model = cost_model
         self.convergence = convergence
-        self.schedule = schedule
+        self.schedule, self.mpu = _check_schedule(schedule, num_microbatches)
         self.num_microbatches = num_microbatches
-        self.mpu = _check_schedule(schedule, num_microbatches)
-        self.sync = schedule == "sync"
+        self.sync = self.schedule.accumulates  # the flush objective; otherwise the staleness-charged one
         self.devices = devices
         self.n = model.num_layers
         self.cut_cost = model.param_prefix.astype(np.float64)
@@ -904,7 +906,7 @@ def solve(
     *,
     num_devices: int,
     max_stages: int | None = None,
-    schedule: Schedule = "async",
+    schedule: ScheduleLike = "async",
     convergence: ConvergenceModel | None = None,
     cost_model: CostModel | None = None,
     slowdowns: Sequence[float] | None = None,
@@ -983,7 +985,7 @@ def throughput_optimal(
     *,
     num_devices: int,
     max_stages: int | None = None,
-    schedule: Schedule = "async",
+    schedule: ScheduleLike = "async",
     convergence: ConvergenceModel | None = None,
     cost_model: CostModel | None = None,
     slowdowns: Sequence[float] | None = None,

@@ -39,6 +39,7 @@ from lightning_dynpipe.schedule.instructions import (
     parse_instruction,
     parse_instructions,
 )
+from lightning_dynpipe.schedule.kinds import ASYNC, GPIPE, SYNC, Schedule, get_schedule
 from lightning_dynpipe.schedule.simulator import (
     STEP_SYNCS,
     ScheduleDeadlockError,
@@ -65,7 +66,12 @@ __all__ = [
     "parse_instruction",
     "parse_instructions",
     "format_instructions",
-    # generators
+    # schedules
+    "Schedule",
+    "ASYNC",
+    "SYNC",
+    "GPIPE",
+    "get_schedule",
     "ScheduleKind",
     "SCHEDULES",
     "step_instructions",

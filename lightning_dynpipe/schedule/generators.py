@@ -46,20 +46,9 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, get_args
 
-from lightning_dynpipe.errors import ScheduleError
-from lightning_dynpipe.schedule.instructions import (
-    Backward,
-    Forward,
-    Instruction,
-    OptimizerStep,
-    RecvActivation,
-    RecvGrad,
-    SendActivation,
-    SendGrad,
-    StashWeights,
-)
+from lightning_dynpipe.schedule.instructions import Instruction
+from lightning_dynpipe.schedule.kinds import SCHEDULES, Schedule, ScheduleKind, _check, get_schedule
 
 __all__ = [
     "ScheduleKind",
@@ -72,61 +61,8 @@ __all__ = [
     "max_stash",
 ]
 
-ScheduleKind = Literal["async", "sync", "gpipe"]
-"""Name of a pipeline schedule."""
 
-SCHEDULES: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
-"""Every schedule name, the default (``"async"``) first."""
-
-
-_SYNC_UPDATE = OptimizerStep(None)
-
-
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
-def _check_kind(kind: object) -> None:
-    if kind not in SCHEDULES:
-        raise ScheduleError(
-            f"Unknown schedule {kind!r}. Valid schedules: {', '.join(repr(s) for s in SCHEDULES)} "
-            "('async' = PipeDream 1F1B without flush, 'sync' = 1F1B with a flush every step, "
-            "'gpipe' = all forwards then all backwards)."
-        )
-
-
-def _check_stage(kind: object, stage_idx: object, num_stages: object) -> None:
-    _check_kind(kind)
-    if not _is_int(num_stages) or num_stages < 1:  # type: ignore[operator]
-        raise ScheduleError(
-            f"num_stages must be a positive int; got num_stages={num_stages!r}. Pass the number of pipeline "
-            "stages, e.g. num_stages=2."
-        )
-    if not _is_int(stage_idx) or not 0 <= stage_idx < num_stages:  # type: ignore[operator]
-        raise ScheduleError(
-            f"stage_idx must be an int in [0, num_stages) = [0, {num_stages}); got stage_idx={stage_idx!r}. "
-            "Stages are numbered from 0 (the first layers) to num_stages - 1 (the loss)."
-        )
-
-
-def _check(kind: object, stage_idx: object, num_stages: object, num_microbatches: object) -> None:
-    _check_stage(kind, stage_idx, num_stages)
-    if not _is_int(num_microbatches) or num_microbatches < 1:  # type: ignore[operator]
-        raise ScheduleError(
-            f"num_microbatches must be a positive int; got num_microbatches={num_microbatches!r}. Pass how "
-            "many micro-batches each Lightning batch is split into, e.g. num_microbatches=4."
-        )
-
-
-def _check_count(name: str, value: object) -> None:
-    if not _is_int(value) or value < 0:  # type: ignore[operator]
-        raise ScheduleError(
-            f"{name} must be a non-negative int (steps are counted 0, 1, 2, ... since the last drain); "
-            f"got {name}={value!r}."
-        )
-
-
-def staleness(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
+def staleness(kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int) -> int:
     """Stage ``stage_idx``'s staleness: updates between a micro-batch's forward and its own update.
 
     Equivalently, how many versions older than the live weights are the weights that the stage computes a
@@ -150,11 +86,10 @@ def staleness(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
     Raises:
         ScheduleError: unknown ``kind`` or a stage out of range.
     """
-    _check_stage(kind, stage_idx, num_stages)
-    return num_stages - 1 - stage_idx if kind == "async" else 0
+    return get_schedule(kind).staleness(stage_idx, num_stages)
 
 
-def max_stash(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
+def max_stash(kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int) -> int:
     """Most weight versions stage ``stage_idx`` keeps stashed (bound by ``W`` to in-flight micro-batches).
 
     In ``"async"`` a stage with staleness ``w = S - 1 - k > 0`` has up to ``w + 1 = S - k`` micro-batches
@@ -178,11 +113,12 @@ def max_stash(kind: ScheduleKind, stage_idx: int, num_stages: int) -> int:
     Raises:
         ScheduleError: unknown ``kind`` or a stage out of range.
     """
-    w = staleness(kind, stage_idx, num_stages)
-    return w + 1 if w > 0 else 0
+    return get_schedule(kind).max_stash(stage_idx, num_stages)
 
 
-def in_flight_after(kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
+def in_flight_after(
+    kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
+) -> int:
     """Micro-batches forwarded but not yet backwarded on a stage after ``steps_done`` steps.
 
     Example::
@@ -203,63 +139,11 @@ def in_flight_after(kind: ScheduleKind, stage_idx: int, num_stages: int, num_mic
     Raises:
         ScheduleError: an argument out of range.
     """
-    _check(kind, stage_idx, num_stages, num_microbatches)
-    _check_count("steps_done", steps_done)
-    if kind != "async":
-        return 0
-    return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
-
-
-# Instructions are immutable, so schedules share them: the instructions around one micro-batch's forward
-# (or backward) are built once as a block, and regenerating a step (every Lightning step, and thousands of
-# times in validation) costs a dict lookup per block. Bounded because mb_idx grows between drains.
-_BLOCK_LIMIT = 8192
-_BLOCKS: dict[int, tuple[Instruction, ...]] = {}
-
-
-def _store(key: int, block: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
-    if len(_BLOCKS) >= _BLOCK_LIMIT:
-        _BLOCKS.clear()
-    _BLOCKS[key] = block
-    return block
-
-
-def _forward_block(j: int, first: bool, last: bool, stash: bool) -> tuple[Instruction, ...]:
-    """``[RA j] [W j] F j [SA j]``."""
-    key = j << 4 | first | last << 1 | stash << 2
-    block = _BLOCKS.get(key)
-    if block is None:
-        out: list[Instruction] = []
-        if not first:
-            out.append(RecvActivation(j))
-        if stash:
-            out.append(StashWeights(j))
-        out.append(Forward(j))
-        if not last:
-            out.append(SendActivation(j))
-        block = _store(key, tuple(out))
-    return block
-
-
-def _backward_block(j: int, first: bool, last: bool, update: bool) -> tuple[Instruction, ...]:
-    """``[RG j] B j [SG j] [U j]``."""
-    key = j << 4 | first | last << 1 | update << 2 | 8
-    block = _BLOCKS.get(key)
-    if block is None:
-        out: list[Instruction] = []
-        if not last:
-            out.append(RecvGrad(j))
-        out.append(Backward(j))
-        if not first:
-            out.append(SendGrad(j))
-        if update:
-            out.append(OptimizerStep(j))
-        block = _store(key, tuple(out))
-    return block
+    return get_schedule(kind).in_flight_after(stage_idx, num_stages, num_microbatches, steps_done)
 
 
 def step_instructions(
-    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, step: int
+    kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int, num_microbatches: int, step: int
 ) -> tuple[Instruction, ...]:
     """The instructions stage ``stage_idx`` runs in step ``step`` (counted since the last drain).
 
@@ -285,41 +169,11 @@ def step_instructions(
     Raises:
         ScheduleError: unknown ``kind`` or an argument out of range.
     """
-    _check(kind, stage_idx, num_stages, num_microbatches)
-    _check_count("step", step)
-    first = stage_idx == 0
-    last = stage_idx == num_stages - 1
-    w = num_stages - 1 - stage_idx
-    begin = step * num_microbatches
-    end = begin + num_microbatches
-    out: list[Instruction] = []
-    if kind == "async":
-        stash = w > 0
-        for j in range(begin, end):
-            out.extend(_forward_block(j, first, last, stash))
-            if j >= w:
-                out.extend(_backward_block(j - w, first, last, True))
-    elif kind == "sync":
-        warmup = min(w, num_microbatches)
-        for j in range(begin, begin + warmup):
-            out.extend(_forward_block(j, first, last, False))
-        for j in range(begin + warmup, end):
-            out.extend(_forward_block(j, first, last, False))
-            out.extend(_backward_block(j - warmup, first, last, False))
-        for j in range(end - warmup, end):
-            out.extend(_backward_block(j, first, last, False))
-        out.append(_SYNC_UPDATE)
-    else:  # gpipe
-        for j in range(begin, end):
-            out.extend(_forward_block(j, first, last, False))
-        for j in range(begin, end):
-            out.extend(_backward_block(j, first, last, False))
-        out.append(_SYNC_UPDATE)
-    return tuple(out)
+    return get_schedule(kind).step_instructions(stage_idx, num_stages, num_microbatches, step)
 
 
 def drain_instructions(
-    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
+    kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
 ) -> tuple[Instruction, ...]:
     """The instructions that finish the work still in flight on a stage after ``steps_done`` steps.
 
@@ -347,18 +201,11 @@ def drain_instructions(
     Raises:
         ScheduleError: unknown ``kind`` or an argument out of range.
     """
-    pending = in_flight_after(kind, stage_idx, num_stages, num_microbatches, steps_done)
-    first = stage_idx == 0
-    last = stage_idx == num_stages - 1
-    end = steps_done * num_microbatches
-    out: list[Instruction] = []
-    for j in range(end - pending, end):
-        out.extend(_backward_block(j, first, last, True))
-    return tuple(out)
+    return get_schedule(kind).drain_instructions(stage_idx, num_stages, num_microbatches, steps_done)
 
 
 def iter_steps(
-    kind: ScheduleKind, stage_idx: int, num_stages: int, num_microbatches: int
+    kind: ScheduleKind | Schedule, stage_idx: int, num_stages: int, num_microbatches: int
 ) -> Iterator[tuple[Instruction, ...]]:
     """Yields :func:`step_instructions` for steps 0, 1, 2, ... without end (until the caller drains).
 
@@ -372,12 +219,13 @@ def iter_steps(
         ScheduleError: unknown ``kind`` or an argument out of range (raised on creation, not on first
             ``next``).
     """
-    _check(kind, stage_idx, num_stages, num_microbatches)
+    sched = get_schedule(kind)
+    _check(sched, stage_idx, num_stages, num_microbatches)
 
     def _steps() -> Iterator[tuple[Instruction, ...]]:
         step = 0
         while True:
-            yield step_instructions(kind, stage_idx, num_stages, num_microbatches, step)
+            yield sched.step_instructions(stage_idx, num_stages, num_microbatches, step)
             step += 1
 
     return _steps()

@@ -44,13 +44,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, get_args
 
 from lightning_dynpipe.errors import ScheduleError
-from lightning_dynpipe.schedule.generators import (
-    ScheduleKind,
-    drain_instructions,
-    in_flight_after,
-    step_instructions,
-)
-from lightning_dynpipe.schedule.generators import _check as _check_args
 from lightning_dynpipe.schedule.instructions import (
     Backward,
     Forward,
@@ -62,6 +55,8 @@ from lightning_dynpipe.schedule.instructions import (
     SendGrad,
     StashWeights,
 )
+from lightning_dynpipe.schedule.kinds import Schedule, ScheduleKind, get_schedule
+from lightning_dynpipe.schedule.kinds import _check as _check_args
 
 __all__ = [
     "StepSync",
@@ -338,7 +333,7 @@ def _run(
     programs: Sequence[Sequence[Sequence[Instruction]]],
     drains: Sequence[Sequence[Instruction]],
     *,
-    kind: ScheduleKind | None,
+    kind: Schedule | None,
     num_microbatches: int,
     forward: Sequence[float],
     backward: Sequence[float],
@@ -387,7 +382,7 @@ def _run(
     last_step_end: dict[int, float] = {}
     gate_waiters: dict[int, list[int]] = {}
 
-    check = 1 if kind == "async" else (2 if kind is not None else 0)
+    sched = kind
     M = max(num_microbatches, 1)
     clock = [0.0] * S
     ptr = [0] * S
@@ -418,7 +413,6 @@ def _run(
         n = len(program)
         c = clock[k]
         fcost, bcost, ucost, scost = forward[k], backward[k], update[k], send[k]
-        w = last - k
         my_act, my_grad = act_at[k], grad_at[k]
         next_act, prev_grad = act_at[k + 1], grad_at[k - 1]
         sa_delay, sg_delay = act_delay[k], grad_delay[k]
@@ -440,19 +434,10 @@ def _run(
                         "Each micro-batch is forwarded once between drains."
                     )
                 fwd.add(mb)
-                if check == 1:
-                    expected = mb - w if mb > w else 0
+                if sched is not None:
+                    expected = sched.updates_before_forward(mb, k, S, M)
                     if n_updates != expected:
-                        raise ScheduleError(
-                            f"async staleness rule broken: stage {k} (staleness w={w}) must forward micro-batch "
-                            f"{mb} after exactly max(0, {mb} - {w}) = {expected} updates, but it has run "
-                            f"{n_updates}. Each stage must run F(j) then B(j-w) U(j-w), 1F1B without flush."
-                        )
-                elif check == 2 and n_updates != mb // M:
-                    raise ScheduleError(
-                        f"{kind} rule broken: stage {k} must forward micro-batch {mb} after exactly "
-                        f"{mb} // {M} = {mb // M} updates (one per step), but it has run {n_updates}."
-                    )
+                        raise ScheduleError(sched.forward_rule_broken(mb, k, S, M, n_updates))
                 e = c + fcost
                 stage_busy += fcost
                 if record:
@@ -606,7 +591,7 @@ def _run(
     if kind is None:
         num_microbatches = sum(1 for inst in programs[last][0] if type(inst) is Forward)
     return SimResult(
-        kind=kind,
+        kind=kind.name if kind is not None else None,  # type: ignore[arg-type]
         num_stages=S,
         num_microbatches=num_microbatches,
         num_steps=num_steps,
@@ -671,21 +656,21 @@ def _costs(
 
 
 def _generated(
-    kind: ScheduleKind, num_stages: int, num_microbatches: int, num_steps: int, drain_at_end: bool
+    kind: Schedule, num_stages: int, num_microbatches: int, num_steps: int, drain_at_end: bool
 ) -> tuple[list[list[tuple[Instruction, ...]]], list[tuple[Instruction, ...]]]:
     programs = [
-        [step_instructions(kind, k, num_stages, num_microbatches, t) for t in range(num_steps)]
+        [kind.step_instructions(k, num_stages, num_microbatches, t) for t in range(num_steps)]
         for k in range(num_stages)
     ]
     drains = [
-        drain_instructions(kind, k, num_stages, num_microbatches, num_steps) if drain_at_end else ()
+        kind.drain_instructions(k, num_stages, num_microbatches, num_steps) if drain_at_end else ()
         for k in range(num_stages)
     ]
     return programs, drains
 
 
 def simulate(
-    kind: ScheduleKind,
+    kind: ScheduleKind | Schedule,
     num_stages: int,
     num_microbatches: int,
     num_steps: int,
@@ -736,18 +721,19 @@ def simulate(
     """
     _check_steps(num_steps)
     _check_step_sync(step_sync)
-    _check_args(kind, 0, num_stages, num_microbatches)
-    programs, drains = _generated(kind, num_stages, num_microbatches, num_steps, drain_at_end)
+    sched = get_schedule(kind)
+    _check_args(sched, 0, num_stages, num_microbatches)
+    programs, drains = _generated(sched, num_stages, num_microbatches, num_steps, drain_at_end)
     fwd, bwd, upd, comm = _costs(num_stages, forward_time, backward_time, update_time, comm_time, slowdown)
     expect = (
         [0] * num_stages
         if drain_at_end
-        else [in_flight_after(kind, k, num_stages, num_microbatches, num_steps) for k in range(num_stages)]
+        else [sched.in_flight_after(k, num_stages, num_microbatches, num_steps) for k in range(num_stages)]
     )
     return _run(
         programs,
         drains,
-        kind=kind,
+        kind=sched,
         num_microbatches=num_microbatches,
         forward=fwd,
         backward=bwd,
@@ -832,7 +818,9 @@ def simulate_programs(
     )
 
 
-def validate_schedule(kind: ScheduleKind, num_stages: int, num_microbatches: int, num_steps: int = 3) -> None:
+def validate_schedule(
+    kind: ScheduleKind | Schedule, num_stages: int, num_microbatches: int, num_steps: int = 3
+) -> None:
     """Checks schedule ``kind`` by a zero-duration dry run of ``num_steps`` steps and the drain.
 
     Example::
@@ -843,14 +831,15 @@ def validate_schedule(kind: ScheduleKind, num_stages: int, num_microbatches: int
         ScheduleError: unmatched transfers or a broken staleness, stash or drain rule.
         ScheduleDeadlockError: the stages would wait for each other forever.
     """
-    _check_args(kind, 0, num_stages, num_microbatches)
+    sched = get_schedule(kind)
+    _check_args(sched, 0, num_stages, num_microbatches)
     _check_steps(num_steps)
-    programs, drains = _generated(kind, num_stages, num_microbatches, num_steps, True)
+    programs, drains = _generated(sched, num_stages, num_microbatches, num_steps, True)
     zeros = [0.0] * num_stages
     _run(
         programs,
         drains,
-        kind=kind,
+        kind=sched,
         num_microbatches=num_microbatches,
         forward=zeros,
         backward=zeros,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.errors import ConfigurationError, ScheduleError
 from lightning_dynpipe.plan import DEFAULT_BETA, ConvergenceModel, Observation, fit_beta, staleness_profile
 
 
@@ -15,8 +15,9 @@ def test_staleness_profile() -> None:
     assert staleness_profile(4) == (3, 2, 1, 0)
     assert staleness_profile(4, "sync") == (0, 0, 0, 0)
     assert staleness_profile(1) == (0,)
-    with pytest.raises(ConfigurationError, match="valid options"):
-        staleness_profile(2, "gpipe")
+    assert staleness_profile(3, "gpipe") == (0, 0, 0)  # every schedule object knows its own staleness
+    with pytest.raises(ScheduleError, match="Valid schedules: 'async', 'sync', 'gpipe'"):
+        staleness_profile(2, "zb")
 
 
 def test_iterations_formula() -> None:

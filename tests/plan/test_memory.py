@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.errors import ConfigurationError, ScheduleError
 from lightning_dynpipe.plan import ModelCost, in_flight_microbatches, stage_memory, weight_versions
 
 
@@ -31,7 +31,17 @@ def test_stage_memory_errors() -> None:
     model = ModelCost.from_arrays([1.0], [1.0])
     with pytest.raises(ConfigurationError, match="num_microbatches"):
         stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="sync")
-    with pytest.raises(ConfigurationError, match=r"valid options are \['async', 'sync'\]"):
-        stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="gpipe")  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match="Valid schedules: 'async', 'sync', 'gpipe'"):
+        stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="zb")
+    with pytest.raises(ConfigurationError, match="num_microbatches"):
+        stage_memory(model, [0], [1], stage_idx=0, num_stages=1, schedule="gpipe")
     with pytest.raises(ConfigurationError, match="stage_idx"):
         weight_versions(3, 3)
+
+
+def test_each_schedule_brings_its_own_memory_model() -> None:
+    # gpipe holds every micro-batch of the step before the first backward; 1F1B with a flush at most S - k.
+    assert [in_flight_microbatches(k, 3, "gpipe", 5) for k in range(3)] == [5, 5, 5]
+    assert [in_flight_microbatches(k, 3, "sync", 5) for k in range(3)] == [3, 2, 1]
+    assert [in_flight_microbatches(k, 3, "async") for k in range(3)] == [3, 2, 1]
+    assert [weight_versions(k, 3, s) for s in ("async", "sync", "gpipe") for k in range(3)] == [3, 2, 1] + [1] * 6

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.errors import ConfigurationError, PartitionError, ScheduleError
 from lightning_dynpipe.plan import (
     CommModel,
     ConvergenceModel,
@@ -131,7 +131,8 @@ def test_infeasible_memory_cap_names_the_rule_the_values_and_the_fix() -> None:
     ("kwargs", "error", "match"),
     [
         ({"num_devices": 0}, ConfigurationError, "num_devices must be a positive integer"),
-        ({"num_devices": 2, "schedule": "gpipe"}, ConfigurationError, r"valid options are \['async', 'sync'\]"),
+        ({"num_devices": 2, "schedule": "zb"}, ScheduleError, r"Valid schedules: 'async', 'sync', 'gpipe'"),
+        ({"num_devices": 2, "schedule": "gpipe"}, ConfigurationError, "pass num_microbatches >= 1"),
         ({"num_devices": 2, "schedule": "sync"}, ConfigurationError, "pass num_microbatches >= 1"),
         ({"num_devices": 8, "fixed_num_stages": 5}, PartitionError, r"fixed_num_stages must be in \[1, num_layers=4\]"),
         ({"num_devices": 2, "fixed_num_stages": 3}, ConfigurationError, "exceeds num_devices=2"),
@@ -224,3 +225,12 @@ def test_large_model_plans_and_is_at_least_as_good_as_simple_splits() -> None:
         assert plan.time_to_accuracy_s <= evaluate(model, even, cost_model=cost).time_to_accuracy_s
     assert not math.isnan(plan.time_to_accuracy_s)
     assert DeviceSpec() == DeviceSpec(math.inf, 1.0)
+
+
+def test_gpipe_plans_with_the_flush_objective_and_its_own_memory() -> None:
+    model = ModelCost.from_arrays([1.0, 2.0, 3.0, 1.0], [2.0, 4.0, 6.0, 2.0], param_bytes=10, activation_bytes=5)
+    sync = solve(model, num_devices=2, schedule="sync", num_microbatches=4)
+    gpipe = solve(model, num_devices=2, schedule="gpipe", num_microbatches=4)
+    assert gpipe.partition == sync.partition and gpipe.iteration_time_s == sync.iteration_time_s
+    assert gpipe.schedule == "gpipe" and gpipe.staleness == (0, 0)
+    assert gpipe.stage_memory_bytes[0] > sync.stage_memory_bytes[0]  # 4 micro-batches in flight, not 2

@@ -261,7 +261,8 @@ def test_range_errors() -> None:
 
 
 def test_schedule_package_is_pure() -> None:
-    """schedule/ imports only the standard library, errors and itself: no torch, no Lightning."""
+    """schedule/ imports only the standard library, errors and itself: no torch, no Lightning (the timeline plot
+    imports matplotlib inside its function, where a missing matplotlib gives an install hint)."""
     root = Path(schedule_pkg.__file__).parent
     allowed = {"lightning_dynpipe.errors"}
     files = sorted(root.glob("*.py"))
@@ -279,4 +280,5 @@ def test_schedule_package_is_pure() -> None:
             for name in names:
                 top = name.split(".")[0]
                 ok = top in sys.stdlib_module_names or name in allowed or name.startswith("lightning_dynpipe.schedule")
+                ok = ok or (path.name == "plot.py" and top == "matplotlib" and node.col_offset > 0)
                 assert ok, f"{path.name} imports {name}; schedule/ must stay pure (stdlib only)"

@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 
-import lightning_dynpipe.schedule.simulator as simulator_mod
 from lightning_dynpipe.errors import ScheduleError
 from lightning_dynpipe.schedule import (
+    ASYNC,
+    GPIPE,
     SCHEDULES,
+    SYNC,
     OptimizerStep,
+    Schedule,
     ScheduleDeadlockError,
     SimResult,
     instructions,
@@ -233,29 +236,33 @@ def test_deadlock_through_the_lightning_broadcast() -> None:
     assert "stage 1 blocked at instruction #2 'RA1' waiting for 'SA1' from stage 0" in msg
 
 
-def test_generated_schedule_broken_on_purpose(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gpipe variant whose stage 0 waits for gradients before sending its last activation deadlocks."""
-    real = step_instructions
+def _variant(base: Schedule, edit: Any) -> Schedule:
+    """``base`` with each step program passed through ``edit(stage_idx, program)``: a schedule broken on purpose."""
 
-    def broken(kind: Any, k: int, S: int, M: int, t: int) -> Any:
-        prog = list(real(kind, k, S, M, t))
+    class Edited(type(base)):  # type: ignore[misc]
+        def _step(self, k: int, S: int, M: int, t: int) -> Any:
+            return tuple(edit(k, list(super()._step(k, S, M, t))))
+
+    return Edited()
+
+
+def test_generated_schedule_broken_on_purpose() -> None:
+    """A gpipe variant whose stage 0 waits for gradients before sending its last activation deadlocks."""
+
+    def late_send(k: int, prog: list[Any]) -> list[Any]:
         if k == 0:  # move SA of the step's last micro-batch after the backwards
             last_send = max(i for i, inst in enumerate(prog) if str(inst).startswith("SA"))
             prog.insert(len(prog) - 1, prog.pop(last_send))
-        return tuple(prog)
+        return prog
 
-    monkeypatch.setattr(simulator_mod, "step_instructions", broken)
     with pytest.raises(ScheduleDeadlockError, match=r"stage 0 blocked at instruction #\d+ 'RG0' waiting for 'SG0'"):
-        validate_schedule("gpipe", 3, 2, num_steps=1)
+        validate_schedule(_variant(GPIPE, late_send), 3, 2, num_steps=1)
 
 
-def test_async_staleness_rule_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = step_instructions
+def test_async_staleness_rule_is_checked() -> None:
+    def no_updates_on_stage_0(k: int, prog: list[Any]) -> list[Any]:
+        return [i for i in prog if not (k == 0 and isinstance(i, OptimizerStep))]
 
-    def no_updates_on_stage_0(kind: Any, k: int, S: int, M: int, t: int) -> Any:
-        return tuple(i for i in real(kind, k, S, M, t) if not (k == 0 and isinstance(i, OptimizerStep)))
-
-    monkeypatch.setattr(simulator_mod, "step_instructions", no_updates_on_stage_0)
     with pytest.raises(
         ScheduleError,
         match=re.escape(
@@ -263,11 +270,11 @@ def test_async_staleness_rule_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
             "max(0, 2 - 1) = 1 updates, but it has run 0."
         ),
     ):
-        simulate("async", 2, 2, 2)
+        simulate(_variant(ASYNC, no_updates_on_stage_0), 2, 2, 2)
     with pytest.raises(
         ScheduleError, match=r"sync rule broken: stage 0 must forward micro-batch 2 after exactly 2 // 2 = 1"
     ):
-        simulate("sync", 2, 2, 2)
+        simulate(_variant(SYNC, no_updates_on_stage_0), 2, 2, 2)
 
 
 def test_stash_bound_is_checked() -> None:
@@ -407,7 +414,7 @@ def test_docstring_timeline_matches_simulation() -> None:
 
 def test_timeline_plot_draws_sends_and_step_overhead(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from lightning_dynpipe.plotting import plot_timeline
+    from lightning_dynpipe.schedule.plot import plot_timeline
 
     r = simulate("async", 2, 4, 3, step_overhead=0.5, send_overhead=0.2, step_sync="last_stage_broadcast")
     path = tmp_path / "timeline.png"

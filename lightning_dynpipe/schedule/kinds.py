@@ -1,0 +1,393 @@
+"""Pipeline schedules as objects: one instance per kind, each with its generators and its rules.
+
+A :class:`Schedule` answers everything the rest of the package needs to know about a schedule: the
+instructions of each stage in each step and in a drain, the staleness of each stage, the weight versions and
+in-flight micro-batches it keeps (the planner's memory model), whether it accumulates the gradients of a step
+into one update, how many updates precede each forward (the simulator's version rule) and how long an
+iteration takes given the stage times (the planner's closed form). ``"async"``, ``"sync"`` and ``"gpipe"`` are
+the names of :data:`ASYNC`, :data:`SYNC` and :data:`GPIPE`; :func:`get_schedule` resolves a name, and code
+outside this package calls the object's methods instead of comparing names.
+
+Example::
+
+    >>> from lightning_dynpipe.schedule import format_instructions, get_schedule
+    >>> sched = get_schedule("async")
+    >>> [sched.staleness(k, 3) for k in range(3)], sched.accumulates
+    ([2, 1, 0], False)
+    >>> format_instructions(sched.step_instructions(1, 2, 2, step=0))
+    'RA0 F0 B0 SG0 U0 RA1 F1 B1 SG1 U1'
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+from lightning_dynpipe.errors import ScheduleError
+from lightning_dynpipe.schedule.instructions import (
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    StashWeights,
+)
+
+__all__ = ["Schedule", "ScheduleKind", "SCHEDULES", "ASYNC", "SYNC", "GPIPE", "get_schedule"]
+
+ScheduleKind = Literal["async", "sync", "gpipe"]
+"""Name of a pipeline schedule."""
+
+SCHEDULES: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
+"""Every schedule name, the default (``"async"``) first."""
+
+_SYNC_UPDATE = OptimizerStep(None)
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _check_kind(kind: object) -> None:
+    if not isinstance(kind, Schedule) and kind not in SCHEDULES:
+        raise ScheduleError(
+            f"Unknown schedule {kind!r}. Valid schedules: {', '.join(repr(s) for s in SCHEDULES)} "
+            "('async' = PipeDream 1F1B without flush, 'sync' = 1F1B with a flush every step, "
+            "'gpipe' = all forwards then all backwards)."
+        )
+
+
+def _check_stage(kind: object, stage_idx: object, num_stages: object) -> None:
+    _check_kind(kind)
+    if not _is_int(num_stages) or num_stages < 1:  # type: ignore[operator]
+        raise ScheduleError(
+            f"num_stages must be a positive int; got num_stages={num_stages!r}. Pass the number of pipeline "
+            "stages, e.g. num_stages=2."
+        )
+    if not _is_int(stage_idx) or not 0 <= stage_idx < num_stages:  # type: ignore[operator]
+        raise ScheduleError(
+            f"stage_idx must be an int in [0, num_stages) = [0, {num_stages}); got stage_idx={stage_idx!r}. "
+            "Stages are numbered from 0 (the first layers) to num_stages - 1 (the loss)."
+        )
+
+
+def _check(kind: object, stage_idx: object, num_stages: object, num_microbatches: object) -> None:
+    _check_stage(kind, stage_idx, num_stages)
+    if not _is_int(num_microbatches) or num_microbatches < 1:  # type: ignore[operator]
+        raise ScheduleError(
+            f"num_microbatches must be a positive int; got num_microbatches={num_microbatches!r}. Pass how "
+            "many micro-batches each Lightning batch is split into, e.g. num_microbatches=4."
+        )
+
+
+def _check_count(name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ScheduleError(
+            f"{name} must be a non-negative int (steps are counted 0, 1, 2, ... since the last drain); "
+            f"got {name}={value!r}."
+        )
+
+
+# Instructions are immutable, so schedules share them: the instructions around one micro-batch's forward
+# (or backward) are built once as a block, and regenerating a step (every Lightning step, and thousands of
+# times in validation) costs a dict lookup per block. Bounded because mb_idx grows between drains.
+_BLOCK_LIMIT = 8192
+_BLOCKS: dict[int, tuple[Instruction, ...]] = {}
+
+
+def _store(key: int, block: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
+    if len(_BLOCKS) >= _BLOCK_LIMIT:
+        _BLOCKS.clear()
+    _BLOCKS[key] = block
+    return block
+
+
+def _forward_block(j: int, first: bool, last: bool, stash: bool) -> tuple[Instruction, ...]:
+    """``[RA j] [W j] F j [SA j]``."""
+    key = j << 4 | first | last << 1 | stash << 2
+    block = _BLOCKS.get(key)
+    if block is None:
+        out: list[Instruction] = []
+        if not first:
+            out.append(RecvActivation(j))
+        if stash:
+            out.append(StashWeights(j))
+        out.append(Forward(j))
+        if not last:
+            out.append(SendActivation(j))
+        block = _store(key, tuple(out))
+    return block
+
+
+def _backward_block(j: int, first: bool, last: bool, update: bool) -> tuple[Instruction, ...]:
+    """``[RG j] B j [SG j] [U j]``."""
+    key = j << 4 | first | last << 1 | update << 2 | 8
+    block = _BLOCKS.get(key)
+    if block is None:
+        out: list[Instruction] = []
+        if not last:
+            out.append(RecvGrad(j))
+        out.append(Backward(j))
+        if not first:
+            out.append(SendGrad(j))
+        if update:
+            out.append(OptimizerStep(j))
+        block = _store(key, tuple(out))
+    return block
+
+
+class Schedule(ABC):
+    """One pipeline schedule: its per-stage programs and the rules the planner and the simulator use.
+
+    Subclass it to add a schedule; the executor, the planner and the simulator take any instance. Stage
+    arguments are checked (:class:`~lightning_dynpipe.errors.ScheduleError` names the valid range).
+    """
+
+    name: str
+    """The schedule's name (``str(schedule)``)."""
+    accumulates: bool
+    """Whether the gradients of a step's ``M`` micro-batches are accumulated into one update (a flush every
+    step), rather than applied after every micro-batch."""
+    description: str
+    """One line for messages and docs."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"get_schedule({self.name!r})"
+
+    # ------------------------------------------------------------------ programs
+    def step_instructions(
+        self, stage_idx: int, num_stages: int, num_microbatches: int, step: int
+    ) -> tuple[Instruction, ...]:
+        """The instructions stage ``stage_idx`` runs in step ``step`` (counted since the last drain)."""
+        _check(self, stage_idx, num_stages, num_microbatches)
+        _check_count("step", step)
+        return self._step(stage_idx, num_stages, num_microbatches, step)
+
+    def drain_instructions(
+        self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int
+    ) -> tuple[Instruction, ...]:
+        """The instructions that finish the work still in flight on a stage after ``steps_done`` steps."""
+        pending = self.in_flight_after(stage_idx, num_stages, num_microbatches, steps_done)
+        first = stage_idx == 0
+        last = stage_idx == num_stages - 1
+        end = steps_done * num_microbatches
+        out: list[Instruction] = []
+        for j in range(end - pending, end):
+            out.extend(_backward_block(j, first, last, True))
+        return tuple(out)
+
+    def in_flight_after(self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
+        """Micro-batches forwarded but not yet backwarded on a stage after ``steps_done`` steps."""
+        _check(self, stage_idx, num_stages, num_microbatches)
+        _check_count("steps_done", steps_done)
+        return self._carried(stage_idx, num_stages, num_microbatches, steps_done)
+
+    # ------------------------------------------------------------------ rules
+    def staleness(self, stage_idx: int, num_stages: int) -> int:
+        """Updates between a micro-batch's forward and its own update on stage ``stage_idx``, in steady state."""
+        _check_stage(self, stage_idx, num_stages)
+        return self._staleness(stage_idx, num_stages)
+
+    def max_stash(self, stage_idx: int, num_stages: int) -> int:
+        """Most weight versions stage ``stage_idx`` keeps stashed: ``S - k`` with staleness ``> 0``, else 0."""
+        w = self.staleness(stage_idx, num_stages)
+        return w + 1 if w > 0 else 0
+
+    def weight_versions(self, stage_idx: int, num_stages: int) -> int:
+        """Copies of the stage's weights held at most, the live weights included (at least 1)."""
+        return max(1, self.max_stash(stage_idx, num_stages))
+
+    @abstractmethod
+    def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        """Micro-batches whose activations the stage holds at once, in steady state."""
+
+    def updates_per_step(self, num_microbatches: int) -> int:
+        """Optimizer updates per step: 1 when the schedule accumulates, else ``M``."""
+        return 1 if self.accumulates else num_microbatches
+
+    def microbatches_per_update(self, num_microbatches: int) -> int:
+        """Micro-batches whose gradients one update applies: ``M`` when the schedule accumulates, else 1."""
+        return num_microbatches if self.accumulates else 1
+
+    @abstractmethod
+    def updates_before_forward(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        """Updates the stage has applied when it forwards micro-batch ``mb_idx`` (counted since the last drain).
+
+        The simulator checks every schedule against this rule; with weight stashing, the backward of the
+        micro-batch uses the same version.
+        """
+
+    def forward_rule_broken(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int, ran: int) -> str:
+        """The simulator's message when a stage forwards ``mb_idx`` after ``ran`` updates, against the rule."""
+        expected = self.updates_before_forward(mb_idx, stage_idx, num_stages, num_microbatches)
+        return (
+            f"{self.name} rule broken: stage {stage_idx} must forward micro-batch {mb_idx} after exactly {expected} "
+            f"updates, but it has run {ran}."
+        )
+
+    @abstractmethod
+    def iteration_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
+        """The planner's closed form: seconds per micro-batch given each stage's time per micro-batch."""
+
+    # ------------------------------------------------------------------ the kind's own program
+    @abstractmethod
+    def _step(self, stage_idx: int, num_stages: int, num_microbatches: int, step: int) -> tuple[Instruction, ...]:
+        """The step program, arguments already checked."""
+
+    def _staleness(self, stage_idx: int, num_stages: int) -> int:
+        return 0
+
+    def _carried(self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
+        return 0
+
+
+class _FlushSchedule(Schedule):
+    """A schedule that flushes every step: one update per step, the gradients of its ``M`` micro-batches
+    accumulated, no staleness."""
+
+    accumulates = True
+
+    def updates_before_forward(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        return mb_idx // num_microbatches
+
+    def forward_rule_broken(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int, ran: int) -> str:
+        M = num_microbatches
+        return (
+            f"{self.name} rule broken: stage {stage_idx} must forward micro-batch {mb_idx} after exactly "
+            f"{mb_idx} // {M} = {mb_idx // M} updates (one per step), but it has run {ran}."
+        )
+
+    def iteration_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
+        # M micro-batches through S stages with a flush: (M - 1) bottleneck slots plus one pass through all.
+        M = num_microbatches
+        return ((M - 1) * max(stage_times) + math.fsum(stage_times)) / M
+
+
+class AsyncSchedule(Schedule):
+    """PipeDream 1F1B without a flush: an update after every backward, weight stashing, staleness ``S-1-k``."""
+
+    name = "async"
+    accumulates = False
+    description = "PipeDream 1F1B without flush"
+
+    def _step(self, stage_idx: int, num_stages: int, num_microbatches: int, step: int) -> tuple[Instruction, ...]:
+        first = stage_idx == 0
+        last = stage_idx == num_stages - 1
+        w = num_stages - 1 - stage_idx
+        begin = step * num_microbatches
+        out: list[Instruction] = []
+        stash = w > 0
+        for j in range(begin, begin + num_microbatches):
+            out.extend(_forward_block(j, first, last, stash))
+            if j >= w:
+                out.extend(_backward_block(j - w, first, last, True))
+        return tuple(out)
+
+    def _staleness(self, stage_idx: int, num_stages: int) -> int:
+        return num_stages - 1 - stage_idx
+
+    def _carried(self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
+        return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
+
+    def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        _check_stage(self, stage_idx, num_stages)
+        return num_stages - stage_idx
+
+    def updates_before_forward(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        return max(0, mb_idx - (num_stages - 1 - stage_idx))
+
+    def forward_rule_broken(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int, ran: int) -> str:
+        w = num_stages - 1 - stage_idx
+        expected = self.updates_before_forward(mb_idx, stage_idx, num_stages, num_microbatches)
+        return (
+            f"async staleness rule broken: stage {stage_idx} (staleness w={w}) must forward micro-batch {mb_idx} "
+            f"after exactly max(0, {mb_idx} - {w}) = {expected} updates, but it has run {ran}. Each stage must run "
+            "F(j) then B(j-w) U(j-w), 1F1B without flush."
+        )
+
+    def iteration_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
+        return max(stage_times)  # steady state: the bottleneck stage sets the pace
+
+
+class SyncSchedule(_FlushSchedule):
+    """1F1B with a flush every step: ``min(w, M)`` warm-up forwards, alternating forwards and backwards, the
+    remaining backwards, one update."""
+
+    name = "sync"
+    description = "1F1B with a flush every step"
+
+    def _step(self, stage_idx: int, num_stages: int, num_microbatches: int, step: int) -> tuple[Instruction, ...]:
+        first = stage_idx == 0
+        last = stage_idx == num_stages - 1
+        w = num_stages - 1 - stage_idx
+        begin = step * num_microbatches
+        end = begin + num_microbatches
+        out: list[Instruction] = []
+        warmup = min(w, num_microbatches)
+        for j in range(begin, begin + warmup):
+            out.extend(_forward_block(j, first, last, False))
+        for j in range(begin + warmup, end):
+            out.extend(_forward_block(j, first, last, False))
+            out.extend(_backward_block(j - warmup, first, last, False))
+        for j in range(end - warmup, end):
+            out.extend(_backward_block(j, first, last, False))
+        out.append(_SYNC_UPDATE)
+        return tuple(out)
+
+    def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        _check(self, stage_idx, num_stages, num_microbatches)
+        return min(num_stages - stage_idx, num_microbatches)
+
+
+class GPipeSchedule(_FlushSchedule):
+    """All ``M`` forwards, then all ``M`` backwards (ascending), then one update."""
+
+    name = "gpipe"
+    description = "all forwards then all backwards"
+
+    def _step(self, stage_idx: int, num_stages: int, num_microbatches: int, step: int) -> tuple[Instruction, ...]:
+        first = stage_idx == 0
+        last = stage_idx == num_stages - 1
+        begin = step * num_microbatches
+        end = begin + num_microbatches
+        out: list[Instruction] = []
+        for j in range(begin, end):
+            out.extend(_forward_block(j, first, last, False))
+        for j in range(begin, end):
+            out.extend(_backward_block(j, first, last, False))
+        out.append(_SYNC_UPDATE)
+        return tuple(out)
+
+    def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
+        _check(self, stage_idx, num_stages, num_microbatches)
+        return num_microbatches
+
+
+ASYNC: Schedule = AsyncSchedule()
+"""``"async"``: PipeDream 1F1B without flush (the default)."""
+SYNC: Schedule = SyncSchedule()
+"""``"sync"``: 1F1B with a flush every step."""
+GPIPE: Schedule = GPipeSchedule()
+"""``"gpipe"``: all forwards, then all backwards, every step."""
+
+_BY_NAME: dict[str, Schedule] = {s.name: s for s in (ASYNC, SYNC, GPIPE)}
+
+
+def get_schedule(schedule: Schedule | str) -> Schedule:
+    """The schedule object for a name (``"async"``, ``"sync"``, ``"gpipe"``), or the object itself.
+
+    Raises:
+        ScheduleError: an unknown name, with the valid ones.
+    """
+    if isinstance(schedule, Schedule):
+        return schedule
+    _check_kind(schedule)
+    return _BY_NAME[schedule]
