@@ -1,4 +1,4 @@
-"""Moving one layer's weights, buffers and optimizer state between two ranks as tensors (no pickle).
+"""Moving layers' weights, buffers and optimizer state between stages as tensors (no pickle).
 
 Both sides hold the layer's module structure: the sender the live layer, the receiver a ``meta`` skeleton
 with the same parameter and buffer shapes, so the weights travel as bare tensors in ``state_dict`` order.
@@ -9,6 +9,7 @@ with the state's key names, then one tensor per key (Python numbers as 0-d float
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,9 +18,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.p2p import decode_text, encode_text
+from lightning_dynpipe.engine.shard import StageShard
 from lightning_dynpipe.engine.wire import HEADER_LEN, MessageKind, decode, encode
+from lightning_dynpipe.repartition.plan import LayerMove
 
-__all__ = ["send_layer", "recv_layer"]
+__all__ = ["send_layer", "recv_layer", "apply_moves"]
 
 
 def _send_tensors(tensors: list[Tensor], dst: int, group: Any) -> int:
@@ -90,3 +93,31 @@ def recv_layer(skeleton: nn.Module, optimizer: Optimizer | None, src: int, group
 
 def _capturable(optimizer: Optimizer) -> bool:
     return any(bool(g.get("capturable", False)) or bool(g.get("fused", False)) for g in optimizer.param_groups)
+
+
+def apply_moves(
+    shard: StageShard,
+    moves: Sequence[LayerMove],
+    optimizer: Optimizer | None,
+    *,
+    rank: int,
+    rank_of_stage: Callable[[int], int],
+    group: Any,
+    device: torch.device,
+) -> int:
+    """Runs ``moves`` on a drained pipeline; returns the bytes this rank sent.
+
+    Collective over the pipeline (every rank walks the same moves in the same order; only the two ranks of a
+    move take part in it). The sender's layer goes to ``meta`` behind a placeholder, the receiver materialises
+    its skeleton. The caller then records the new partition on the shard and refilters the optimizer.
+    """
+    sent = 0
+    for move in moves:
+        src, dst = rank_of_stage(move.src), rank_of_stage(move.dst)
+        if rank == src:
+            sent += send_layer(shard.pipeline[move.layer_idx], optimizer, dst, group)
+            shard.offload(move.layer_idx, move.dst)
+        elif rank == dst:
+            recv_layer(shard.skeleton(move.layer_idx), optimizer, src, group, device)
+            shard.adopt(move.layer_idx)
+    return sent
