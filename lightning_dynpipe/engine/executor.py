@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_dynpipe.engine.p2p import Message, RecvChannel, SendChannel
+from lightning_dynpipe.engine.microbatch import check_batch_size, split_microbatches
+from lightning_dynpipe.engine.p2p import Message, Receiver, Sender
 from lightning_dynpipe.engine.stash import WeightStash
 from lightning_dynpipe.engine.wire import MessageKind
 from lightning_dynpipe.errors import ConfigurationError, ScheduleError
@@ -29,76 +30,16 @@ from lightning_dynpipe.schedule import (
     OptimizerStep,
     RecvActivation,
     RecvGrad,
+    Schedule,
     SendActivation,
     SendGrad,
     StashWeights,
-    drain_instructions,
-    staleness,
-    step_instructions,
+    get_schedule,
 )
 
-__all__ = ["StageExecutor", "StageChannels", "StepStats", "split_microbatches"]
+__all__ = ["StageExecutor", "StageChannels", "StepStats"]
 
 log = logging.getLogger(__name__)
-
-
-def _batch_len(obj: Any) -> int | None:
-    if isinstance(obj, Tensor):
-        return int(obj.shape[0]) if obj.dim() > 0 else None
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            n = _batch_len(v)
-            if n is not None:
-                return n
-    if isinstance(obj, (list, tuple)):
-        for v in obj:
-            n = _batch_len(v)
-            if n is not None:
-                return n
-    return None
-
-
-def _split(obj: Any, sections: Sequence[int]) -> list[Any]:
-    if isinstance(obj, Tensor) and obj.dim() > 0:
-        return list(torch.split(obj, list(sections)))
-    if isinstance(obj, Mapping):
-        parts = {k: _split(v, sections) for k, v in obj.items()}
-        factory = type(obj) if isinstance(obj, dict) else dict
-        return [factory({k: parts[k][i] for k in obj}) for i in range(len(sections))]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        cols = [_split(v, sections) for v in obj]
-        return [type(obj)(*(c[i] for c in cols)) for i in range(len(sections))]
-    if isinstance(obj, (list, tuple)):
-        cols = [_split(v, sections) for v in obj]
-        return [type(obj)(c[i] for c in cols) for i in range(len(sections))]
-    return [obj] * len(sections)
-
-
-def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
-    """Splits every tensor of ``batch`` along dim 0 into ``num_microbatches`` near-equal parts.
-
-    Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
-    """
-    n = _check_batch_size(batch, num_microbatches)
-    base, extra = divmod(n, num_microbatches)
-    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
-    return _split(batch, sizes), sizes
-
-
-def _check_batch_size(batch: Any, num_microbatches: int) -> int:
-    n = _batch_len(batch)
-    if n is None:
-        raise ConfigurationError(
-            "The batch holds no tensor with a batch dimension, so it cannot be split into micro-batches. "
-            "Return tensors (or tuples/dicts of tensors) from your dataloader."
-        )
-    if n < num_microbatches:
-        raise ConfigurationError(
-            f"A batch of size {n} cannot be split into num_microbatches={num_microbatches}: every micro-batch "
-            f"needs at least one sample. Use a batch size >= {num_microbatches} (or drop_last=True in the "
-            "dataloader), or lower num_microbatches."
-        )
-    return n
 
 
 def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
@@ -116,10 +57,10 @@ def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
 class StageChannels:
     """The four channels a stage may have: activations in/out and gradients in/out."""
 
-    recv_activation: RecvChannel | None = None
-    send_activation: SendChannel | None = None
-    recv_grad: RecvChannel | None = None
-    send_grad: SendChannel | None = None
+    recv_activation: Receiver | None = None
+    send_activation: Sender | None = None
+    recv_grad: Receiver | None = None
+    send_grad: Sender | None = None
 
     def flush(self) -> None:
         """Waits for all outstanding sends."""
@@ -208,7 +149,8 @@ class StageExecutor:
         stage_module: the layers this stage owns, in order.
         stage_idx: ``k``, position of the stage in the pipeline.
         num_stages: ``S``.
-        schedule: ``"async"``, ``"sync"`` or ``"gpipe"``.
+        schedule: the :class:`~lightning_dynpipe.schedule.Schedule` (or its name: ``"async"``, ``"sync"``,
+            ``"gpipe"``).
         num_microbatches: ``M``, micro-batches per step.
         channels: P2P channels to the neighbouring stages.
         first_stage_input: on stage 0 (when ``S > 1``), maps a micro-batch to the pipeline input.
@@ -223,7 +165,7 @@ class StageExecutor:
         stage_module: nn.Module,
         stage_idx: int,
         num_stages: int,
-        schedule: str,
+        schedule: Schedule | str,
         num_microbatches: int,
         channels: StageChannels,
         first_stage_input: Callable[[Any], Any] | None,
@@ -233,7 +175,7 @@ class StageExecutor:
         self.stage_module = stage_module
         self.stage_idx = stage_idx
         self.num_stages = num_stages
-        self.schedule = schedule
+        self.schedule = get_schedule(schedule)
         self.num_microbatches = num_microbatches
         self.channels = channels
         self._first_stage_input = first_stage_input
@@ -241,7 +183,7 @@ class StageExecutor:
         self._optimizer_step = optimizer_step
         self.is_first = stage_idx == 0
         self.is_last = stage_idx == num_stages - 1
-        self.staleness = staleness(schedule, stage_idx, num_stages)  # type: ignore[arg-type]
+        self.staleness = self.schedule.staleness(stage_idx, num_stages)
         self.stash: WeightStash | None = WeightStash(stage_module) if self.staleness > 0 else None
         self._names = [n for n, _ in stage_module.named_parameters()]
         self._live: list[Tensor] = [p for _, p in stage_module.named_parameters()]
@@ -294,11 +236,10 @@ class StageExecutor:
         if self.is_first or self.is_last:
             self._step_batches, self._step_sizes = split_microbatches(batch, self.num_microbatches)
         else:  # middle stages do not need the data, but must refuse the same batches as their neighbours
-            _check_batch_size(batch, self.num_microbatches)
+            check_batch_size(batch, self.num_microbatches)
         self._step_base = self._steps_since_drain * self.num_microbatches
         self._step_losses = []
-        program = step_instructions(
-            self.schedule,  # type: ignore[arg-type]
+        program = self.schedule.step_instructions(
             self.stage_idx,
             self.num_stages,
             self.num_microbatches,
@@ -319,8 +260,7 @@ class StageExecutor:
         """Finishes every micro-batch in flight (their backwards and updates), then waits for all sends."""
         if self._steps_since_drain == 0:
             return
-        program = drain_instructions(
-            self.schedule,  # type: ignore[arg-type]
+        program = self.schedule.drain_instructions(
             self.stage_idx,
             self.num_stages,
             self.num_microbatches,
@@ -446,7 +386,7 @@ class StageExecutor:
             try:
                 if self.is_last:
                     assert self._last_stage_loss is not None
-                    if self.schedule != "async":
+                    if self.schedule.accumulates:  # one update for the step: weight by micro-batch size
                         mb.scale = self._step_sizes[mb.slot] / sum(self._step_sizes)
                     mb.loss = self._last_stage_loss(mb.batch, mb.slot)
                     mb.loss_value = float(mb.loss.detach())

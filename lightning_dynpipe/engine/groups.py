@@ -130,6 +130,7 @@ def build_channels(
     d, k = groups.dp_rank, groups.stage_idx
     on_failure = failure.peer_failed if failure is not None else None
     ch = StageChannels()
+    senders: list[SendChannel] = []
     if k > 0:
         up = topo.rank_of(d, k - 1)
         ch.recv_activation = RecvChannel(
@@ -141,13 +142,15 @@ def build_channels(
             peer_stage=k - 1,
             on_failure=on_failure,
         )
-        ch.send_grad = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
+        ch.send_grad = grad_out = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
+        senders.append(grad_out)
     if k < topo.num_stages - 1:
         down = topo.rank_of(d, k + 1)
-        ch.send_activation = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
+        ch.send_activation = act_out = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
+        senders.insert(0, act_out)
         ch.recv_grad = RecvChannel(
             groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}", peer_stage=k + 1, on_failure=on_failure
         )
     if failure is not None:
-        failure.channels = [c for c in (ch.send_activation, ch.send_grad) if c is not None]
+        failure.channels = senders  # activations first, as the failure path has always sent
     return ch

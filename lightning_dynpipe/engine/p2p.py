@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,17 @@ from torch import Tensor
 from lightning_dynpipe.engine.wire import HEADER_LEN, Header, MessageKind, decode, encode
 from lightning_dynpipe.errors import CommunicationError, PeerFailure, PipelineTimeoutError
 
-__all__ = ["SendChannel", "RecvChannel", "Message", "DelayInjector", "FailureHandler", "encode_text", "decode_text"]
+__all__ = [
+    "Sender",
+    "Receiver",
+    "SendChannel",
+    "RecvChannel",
+    "Message",
+    "SendDelay",
+    "FailureHandler",
+    "encode_text",
+    "decode_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +63,53 @@ class Message:
         return min(self.transfer_s, max(0.0, self.arrived_at - wanted_at))
 
 
-class DelayInjector:
-    """Adds a delay (and jitter) before each send on a channel: network interference for tests and what-ifs.
+class SendDelay(Protocol):
+    """Something that decides how long to hold each send back (network interference in our own P2P layer).
 
-    ``tc netem`` needs privileges we do not assume, so delay is injected in our own P2P layer.
+    :class:`lightning_dynpipe.interference.LinkDelay` installs one on the channels of a boundary.
     """
-
-    def __init__(self, delay_s: float = 0.0, jitter_s: float = 0.0, seed: int = 0) -> None:
-        import random
-
-        self.delay_s = delay_s
-        self.jitter_s = jitter_s
-        self._rng = random.Random(seed)
 
     def sample(self) -> float:
         """Seconds to wait before the next send."""
-        if self.jitter_s <= 0:
-            return max(0.0, self.delay_s)
-        return max(0.0, self.delay_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
+        ...
+
+
+class Sender(Protocol):
+    """The sending end of one direction of a stage boundary (:class:`SendChannel`, or a loopback one)."""
+
+    name: str
+    delay: SendDelay | None
+
+    def send(
+        self,
+        kind: MessageKind,
+        mb_idx: int,
+        tensors: Sequence[Tensor | None],
+        aux: float = float("nan"),
+        is_tuple: bool = False,
+    ) -> None:
+        """Queues ``tensors`` for the peer."""
+        ...
+
+    def flush(self) -> None:
+        """Waits until every queued send has completed."""
+        ...
+
+    def close(self) -> None:
+        """Tells the peer that nothing more will come."""
+        ...
+
+
+class Receiver(Protocol):
+    """The receiving end of one direction of a stage boundary (:class:`RecvChannel`, or a loopback one)."""
+
+    def get(self, kind: MessageKind, mb_idx: int) -> Message:
+        """The next message, which must be ``kind`` for ``mb_idx``."""
+        ...
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Waits for the receiving side to stop after the peer closed the channel."""
+        ...
 
 
 class SendChannel:
@@ -86,7 +125,7 @@ class SendChannel:
         self.group = group
         self.peer = peer
         self.name = name
-        self.delay: DelayInjector | None = None
+        self.delay: SendDelay | None = None
         self._pending: deque[tuple[Any, list[Tensor]]] = deque()
         self._lock = threading.Lock()  # the failure path sends from a receiver thread
         self.bytes_sent = 0

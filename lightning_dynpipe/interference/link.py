@@ -1,10 +1,11 @@
 """Network interference inside DynPipe's own P2P layer: delay and jitter on the sends across one stage boundary.
 
-``tc netem`` needs privileges (and would slow every connection of the host); a
-:class:`~lightning_dynpipe.engine.p2p.DelayInjector` on a :class:`~lightning_dynpipe.engine.p2p.SendChannel`
-delays exactly the pipeline traffic of one boundary. Boundary ``b`` is the link between stage ``b`` and stage
-``b + 1``: its activations are sent by stage ``b`` and its gradients by stage ``b + 1``, so each of those ranks
-(in every data-parallel replica) delays its own send channel.
+``tc netem`` needs privileges (and would slow every connection of the host); a :class:`DelayInjector` set as
+the ``delay`` of a :class:`~lightning_dynpipe.engine.p2p.SendChannel` (any object with a ``sample()`` method,
+see :class:`~lightning_dynpipe.engine.p2p.SendDelay`) delays exactly the pipeline traffic of one boundary.
+Boundary ``b`` is the link between stage ``b`` and stage ``b + 1``: its activations are sent by stage ``b`` and
+its gradients by stage ``b + 1``, so each of those ranks (in every data-parallel replica) delays its own send
+channel.
 """
 
 from __future__ import annotations
@@ -12,12 +13,31 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from lightning_dynpipe.engine.p2p import DelayInjector
 from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError, Lifecycle, check_fraction
 
-__all__ = ["LinkDelay", "BoundLinkDelay", "PipelineHost"]
+__all__ = ["LinkDelay", "BoundLinkDelay", "PipelineHost", "DelayInjector"]
 
 log = logging.getLogger(__name__)
+
+
+class DelayInjector:
+    """A delay (and jitter) before each send on a channel: network interference for tests and what-ifs.
+
+    ``tc netem`` needs privileges we do not assume, so delay is injected in our own P2P layer.
+    """
+
+    def __init__(self, delay_s: float = 0.0, jitter_s: float = 0.0, seed: int = 0) -> None:
+        import random
+
+        self.delay_s = delay_s
+        self.jitter_s = jitter_s
+        self._rng = random.Random(seed)
+
+    def sample(self) -> float:
+        """Seconds to wait before the next send."""
+        if self.jitter_s <= 0:
+            return max(0.0, self.delay_s)
+        return max(0.0, self.delay_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
 
 
 class _Sender(Protocol):

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
 from lightning_dynpipe.interference.base import (
     InterferenceConfigError,
     InterferenceError,
@@ -30,6 +29,7 @@ from lightning_dynpipe.interference.base import (
     check_fraction,
 )
 from lightning_dynpipe.interference.throttle import CpuThrottle
+from lightning_dynpipe.monitor.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
 
 __all__ = ["CpuQuota", "CpuLimit"]
 

@@ -89,7 +89,7 @@ class SystemReading:
             several busy threads).
         steal_share: share of the machine's CPU time stolen by the hypervisor (0 where not reported).
         cpu_limit: the cgroup CPU bandwidth limit on this process in cores
-            (:func:`~lightning_dynpipe.cgroups.cpu_limit_cores`), None when nothing limits it.
+            (:func:`~lightning_dynpipe.monitor.cgroups.cpu_limit_cores`), None when nothing limits it.
         rss_bytes: resident set size at the end of the window.
         cuda_allocated_bytes / cuda_reserved_bytes: the CUDA caching allocator's current numbers (None when
             the stage is not on a CUDA device).

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from lightning_dynpipe.cgroups import cpu_limit_cores
+from lightning_dynpipe.monitor.cgroups import cpu_limit_cores
 from lightning_dynpipe.monitor.stats import SystemReading
 
 __all__ = ["ProcessSampler", "load_pynvml"]

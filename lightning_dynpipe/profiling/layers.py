@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_dynpipe.engine.microbatch import iter_tensors as _tensors
+from lightning_dynpipe.engine.microbatch import tree_map as _tree_map
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import LayerCost, ModelCost
-from lightning_dynpipe.trees import iter_tensors as _tensors
-from lightning_dynpipe.trees import tree_map as _tree_map
 
 __all__ = ["LayerStats", "LayerProfile", "profile_layers", "optimizer_state_factor"]
 

@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 
 import lightning_dynpipe.__main__ as entry
 from lightning_dynpipe import ConfigurationError, DynPipeStrategy
-from lightning_dynpipe.cli import main
+from lightning_dynpipe.cli.lightning_cli import main
 
 # Lightning 2.6's LightningCLI calls jsonargparse APIs deprecated in jsonargparse 4.49; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning")
@@ -211,7 +211,7 @@ FORMS = [
             '--trainer.strategy={"class_path": "lightning_dynpipe.DynPipeStrategy",'
             ' "init_args": {"schedule": "gpipe", "balance": [1, 1]}}'
         ],
-        {"schedule": "gpipe", "_balance": [1, 1]},
+        {"schedule": "gpipe", "balance": [1, 1]},
         id="json",
     ),
     pytest.param(["--config", "STRATEGY_YAML"], {"num_microbatches": 8, "schedule": "sync"}, id="yaml"),

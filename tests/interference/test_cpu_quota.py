@@ -15,11 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lightning_dynpipe.cgroups import CgroupMount
 from lightning_dynpipe.interference import quota as quota_module
 from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError, InterferenceUnavailable
 from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota
 from lightning_dynpipe.interference.throttle import CpuThrottle
+from lightning_dynpipe.monitor.cgroups import CgroupMount
 from tests.interference.helpers import cpu_shares, gone
 
 FRACTION = 0.3

@@ -10,10 +10,10 @@ import torch
 
 from lightning_dynpipe.engine import p2p
 from lightning_dynpipe.engine.executor import StageChannels
-from lightning_dynpipe.engine.p2p import DelayInjector, SendChannel
+from lightning_dynpipe.engine.p2p import SendChannel
 from lightning_dynpipe.engine.wire import MessageKind
 from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError
-from lightning_dynpipe.interference.link import LinkDelay
+from lightning_dynpipe.interference.link import DelayInjector, LinkDelay
 
 
 def _strategy(stage_idx: int, num_stages: int = 3) -> SimpleNamespace:

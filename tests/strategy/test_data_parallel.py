@@ -16,7 +16,7 @@ from pipeline_models import TinyNet, dataset, make_optimizer, trainer_kwargs
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dynpipe import DynPipeStrategy
-from lightning_dynpipe.emulator import replay_async
+from lightning_dynpipe.calibration import replay_async
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from pipeline_models import TinyNet, loader, make_optimizer
 
-from lightning_dynpipe.emulator import replay_async
+from lightning_dynpipe.calibration import replay_async
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).parent / "scripts" / "external_launch.py"

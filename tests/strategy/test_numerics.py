@@ -3,7 +3,7 @@
 - S=1 equals plain Lightning training.
 - ``sync``/``gpipe`` with S=2, 3 equal plain single-device training on the same batches (float32 reassociation
   of the micro-batch gradient sum: 1e-6).
-- ``async`` with S=2, 3 equals the single-process PipeDream replay (`lightning_dynpipe.emulator.replay_async`)
+- ``async`` with S=2, 3 equals the single-process PipeDream replay (`lightning_dynpipe.calibration.replay_async`)
   bit for bit (same operations in the same order; tolerance 0).
 - Stage k never stashes more than S-k weight versions; hooks fire once per step / once per micro-update.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pipeline_models import TinyNet, loader, make_optimizer, plain_training, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy
-from lightning_dynpipe.emulator import replay_async
+from lightning_dynpipe.calibration import replay_async
 
 pytestmark = pytest.mark.multiprocess
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pipeline_models import TinyNet, loader, make_optimizer, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy, Partition
-from lightning_dynpipe.emulator import replay_async
+from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.repartition import plan_moves
 
 pytestmark = pytest.mark.multiprocess

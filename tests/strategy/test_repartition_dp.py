@@ -22,7 +22,7 @@ from test_data_parallel import M, ShardedData, _global_batches
 from torch import nn
 
 from lightning_dynpipe import DynPipeStrategy
-from lightning_dynpipe.emulator import replay_async
+from lightning_dynpipe.calibration import replay_async
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 from torch import nn
 
-from lightning_dynpipe.strategy import _Placeholder
-from lightning_dynpipe.summary import install, uninstall, whole_pipeline_summary
+from lightning_dynpipe.engine.shard import Placeholder as _Placeholder
+from lightning_dynpipe.strategy.summary import install, uninstall, whole_pipeline_summary
 
 
 class Net(L.LightningModule):
@@ -99,7 +99,7 @@ def test_an_example_that_cannot_run_on_meta_gives_a_summary_without_sizes() -> N
 
 
 def test_restores_the_stage_when_the_summary_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_dynpipe.summary as summary_module
+    import lightning_dynpipe.strategy.summary as summary_module
 
     model = Net(example=False)
     offloaded = _partitioned(model, {0})

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import summarize
 from torch import nn
 
-from lightning_dynpipe.trees import tree_map
+from lightning_dynpipe.engine.microbatch import tree_map
 
 __all__ = ["FrozenSummary", "install", "uninstall", "whole_pipeline_summary"]
 

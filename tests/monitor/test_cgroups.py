@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dynpipe.cgroups import cgroup_dir, cgroup_mounts, cpu_limit_cores, process_cgroups
+from lightning_dynpipe.monitor.cgroups import cgroup_dir, cgroup_mounts, cpu_limit_cores, process_cgroups
 
 
 def _fake(tmp_path: Path, cgroup_lines: str, mounts: list[tuple[str, Path, str]]) -> tuple[Path, Path]:

@@ -37,12 +37,11 @@ from typing import Any
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightning_dynpipe  # noqa: F401  (registers "dynpipe" and the class-path aliases before parsing)
-from lightning_dynpipe.strategy import DynPipeStrategy
 
 __all__ = ["DEFAULT_STRATEGY", "main"]
 
 #: The strategy this entry point uses when the configuration names none.
-DEFAULT_STRATEGY: dict[str, Any] = {"class_path": f"{DynPipeStrategy.__module__}.{DynPipeStrategy.__qualname__}"}
+DEFAULT_STRATEGY: dict[str, Any] = {"class_path": "lightning_dynpipe.DynPipeStrategy"}
 
 
 _DESCRIPTION = (

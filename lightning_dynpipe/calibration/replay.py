@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.optim import Optimizer
 
-from lightning_dynpipe.engine.executor import split_microbatches
+from lightning_dynpipe.engine.microbatch import split_microbatches
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 

@@ -18,7 +18,7 @@ import importlib
 import json
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +27,9 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.auto import best_plan, simulate_plan
 from lightning_dynpipe.plan.convergence import DEFAULT_BETA, ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel
-from lightning_dynpipe.plotting import plot_timeline
 from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
+from lightning_dynpipe.schedule import SCHEDULES
+from lightning_dynpipe.schedule.plot import plot_timeline
 
 __all__ = ["main", "build_parser"]
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-stages", default=None, help="a number, or 'auto' to let the planner choose")
     p.add_argument("--batch-size", type=int, required=True, help="the Lightning batch size")
     p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--schedule", choices=("async", "sync", "gpipe"), default="async")
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0])
     p.add_argument(
         "--input-shape",
         default=None,
@@ -117,12 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_stages = None if a.num_stages == "auto" else min(a.devices, cost.num_layers)
     else:
         num_stages = int(a.num_stages)
-    schedule: Literal["async", "sync"] = "async" if a.schedule == "async" else "sync"
     plan = best_plan(
         cost,
         a.devices,
         num_stages=num_stages,
-        schedule=schedule,
+        schedule=a.schedule,
         convergence=ConvergenceModel(beta=a.beta),
         comm=comm,
         num_microbatches=a.num_microbatches,

@@ -3,7 +3,7 @@
 The planner charges a deeper pipeline more iterations to reach a target through
 :class:`~lightning_dynpipe.plan.ConvergenceModel`, ``I = I0 * (1 + beta * sum_k w_k * staleness_k)``.
 Its ``beta`` is a prior until it is measured. This module measures it without any pipeline: it trains
-fresh copies of the model in one process with :func:`~lightning_dynpipe.emulator.replay_async`, which
+fresh copies of the model in one process with :func:`~lightning_dynpipe.calibration.replay_async`, which
 reproduces exactly what PipeDream's staleness does to the updates, once per staleness profile and seed,
 records how many iterations each run needs to reach a target metric, and fits ``I0`` and ``beta`` with
 :func:`~lightning_dynpipe.plan.fit_beta`.
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dynpipe.emulator import default_staleness, replay_async
+from lightning_dynpipe.calibration.replay import default_staleness, replay_async
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.convergence import ConvergenceModel, Observation, fit_beta
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
@@ -144,7 +144,7 @@ def steps_to_target(
 ) -> int | None:
     """Trains a fresh model with PipeDream staleness and returns the first evaluated step that meets ``target``.
 
-    The model trains in one process with :func:`~lightning_dynpipe.emulator.replay_async`, in a single call,
+    The model trains in one process with :func:`~lightning_dynpipe.calibration.replay_async`, in a single call,
     so the staleness is never reset by a drain (evaluation reads the live weights, which a real pipeline
     would drain for; draining only for evaluation would make the emulated pipeline less stale than the
     real one that validates once an epoch).

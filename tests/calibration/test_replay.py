@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynpipe.emulator import default_staleness, replay_async
+from lightning_dynpipe.calibration import default_staleness, replay_async
 from lightning_dynpipe.errors import ConfigurationError
 
 

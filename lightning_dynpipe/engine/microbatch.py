@@ -1,0 +1,110 @@
+"""Batches and layer outputs as nested collections of tensors, and splitting a batch into micro-batches.
+
+Batches and layer outputs come as tensors, tuples, named tuples, lists and dicts of them. Pure torch, no
+process groups: the executor, the single-process replay, the profiler and the model summary share these.
+
+Example::
+
+    >>> import torch
+    >>> micro, sizes = split_microbatches((torch.zeros(5, 3), torch.arange(5)), 2)
+    >>> sizes, micro[1][1].tolist()
+    ([3, 2], [3, 4])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dynpipe.errors import ConfigurationError
+
+__all__ = ["iter_tensors", "tree_map", "batch_len", "split_microbatches", "check_batch_size"]
+
+
+def tree_map(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor; containers keep their type, other leaves stay as they are."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(tree_map(fn, v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(tree_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: tree_map(fn, v) for k, v in value.items()}
+    return value
+
+
+def iter_tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor in ``value``, depth first."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from iter_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_tensors(v)
+
+
+def batch_len(obj: Any) -> int | None:
+    """The size of the first dimension of the first tensor (with one) in ``obj``; ``None`` if there is none."""
+    if isinstance(obj, Tensor):
+        return int(obj.shape[0]) if obj.dim() > 0 else None
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            n = batch_len(v)
+            if n is not None:
+                return n
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            n = batch_len(v)
+            if n is not None:
+                return n
+    return None
+
+
+def _split(obj: Any, sections: Sequence[int]) -> list[Any]:
+    if isinstance(obj, Tensor) and obj.dim() > 0:
+        return list(torch.split(obj, list(sections)))
+    if isinstance(obj, Mapping):
+        parts = {k: _split(v, sections) for k, v in obj.items()}
+        factory = type(obj) if isinstance(obj, dict) else dict
+        return [factory({k: parts[k][i] for k in obj}) for i in range(len(sections))]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        cols = [_split(v, sections) for v in obj]
+        return [type(obj)(*(c[i] for c in cols)) for i in range(len(sections))]
+    if isinstance(obj, (list, tuple)):
+        cols = [_split(v, sections) for v in obj]
+        return [type(obj)(c[i] for c in cols) for i in range(len(sections))]
+    return [obj] * len(sections)
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
+    """Splits every tensor of ``batch`` along dim 0 into ``num_microbatches`` near-equal parts.
+
+    Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
+    """
+    n = check_batch_size(batch, num_microbatches)
+    base, extra = divmod(n, num_microbatches)
+    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    return _split(batch, sizes), sizes
+
+
+def check_batch_size(batch: Any, num_microbatches: int) -> int:
+    """The batch size of ``batch``; raises if it cannot be split into ``num_microbatches`` non-empty parts."""
+    n = batch_len(batch)
+    if n is None:
+        raise ConfigurationError(
+            "The batch holds no tensor with a batch dimension, so it cannot be split into micro-batches. "
+            "Return tensors (or tuples/dicts of tensors) from your dataloader."
+        )
+    if n < num_microbatches:
+        raise ConfigurationError(
+            f"A batch of size {n} cannot be split into num_microbatches={num_microbatches}: every micro-batch "
+            f"needs at least one sample. Use a batch size >= {num_microbatches} (or drop_last=True in the "
+            "dataloader), or lower num_microbatches."
+        )
+    return n

@@ -1,0 +1,187 @@
+"""One stage's share of the user's model: the layers it owns, placeholders for the rest, optimizer slots.
+
+A :class:`StageShard` edits the user's ``nn.Sequential`` in place, so the LightningModule stays the object
+Lightning and the user hold: layers the stage owns stay where they are, every other layer is replaced by a
+:class:`Placeholder` and kept aside on the ``meta`` device (shapes and dtypes, no data) as the skeleton a
+layer is received into when it moves here, or when the whole model is put back together.
+
+:class:`OptimizerSlots` remembers where each parameter sat in the optimizer the user built on the whole model
+(its parameter group and its canonical index, the index of the plain optimizer's ``state_dict``), so that a
+stage's optimizer holds exactly its own layers' parameters in canonical order, and checkpoints can be written
+in the plain layout from any partition.
+
+Pure torch: no process groups, no Lightning.
+
+Example::
+
+    shard = StageShard(model.pipeline, Partition((2, 1)), stage_idx=0)
+    slots = OptimizerSlots.record(model.pipeline, [optimizer])   # before partitioning
+    shard.partition_module()                                      # layer 2 -> placeholder, skeleton on meta
+    slots.refilter([optimizer], shard)                            # optimizer keeps layers 0 and 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_dynpipe.plan.partition import Partition
+
+__all__ = ["Placeholder", "StageShard", "OptimizerSlots"]
+
+
+class Placeholder(nn.Module):
+    """Stands in for a layer that another stage owns."""
+
+    def __init__(self, layer_idx: int, stage_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.owner_stage = stage_idx
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Layer {self.layer_idx} of the pipeline lives on stage {self.owner_stage}, not on this process. Under "
+            "DynPipeStrategy call the whole pipeline once (self.pipeline(x)) from a *_step method; single layers "
+            "cannot be called during fit/validate/test/predict."
+        )
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, owner_stage={self.owner_stage}"
+
+
+class StageShard:
+    """The layers of one stage inside the user's pipeline; the others as placeholders and ``meta`` skeletons.
+
+    Args:
+        pipeline: the user's ``nn.Sequential`` (edited in place).
+        partition: layers per stage.
+        stage_idx: the stage this process runs.
+    """
+
+    def __init__(self, pipeline: nn.Sequential, partition: Partition, stage_idx: int) -> None:
+        self.pipeline = pipeline
+        self.partition = partition
+        self.stage_idx = stage_idx
+        self.offloaded: dict[int, nn.Module] = {}
+
+    @property
+    def owned(self) -> list[int]:
+        """Indices of the layers this stage owns, in order."""
+        return list(self.partition.stage_layers(self.stage_idx))
+
+    def partition_module(self) -> None:
+        """Replaces every layer the stage does not own by a placeholder; keeps the layer on ``meta``."""
+        owned = set(self.owned)
+        for layer_idx in range(len(self.pipeline)):
+            if layer_idx not in owned:
+                self.offload(layer_idx, self.partition.stage_of_layer(layer_idx))
+
+    def stage_module(self) -> nn.Sequential:
+        """The owned layers as one module (sharing them with the pipeline), what the executor runs."""
+        return nn.Sequential(*[self.pipeline[i] for i in self.owned])
+
+    def offload(self, layer_idx: int, owner_stage: int) -> nn.Module:
+        """Moves layer ``layer_idx`` out of this process (to ``meta``) and puts a placeholder in its place."""
+        layer = self.pipeline[layer_idx]
+        layer.to("meta")
+        self.offloaded[layer_idx] = layer
+        self.pipeline[layer_idx] = Placeholder(layer_idx, owner_stage)
+        return layer
+
+    def skeleton(self, layer_idx: int) -> nn.Module:
+        """The ``meta`` skeleton of an offloaded layer (to receive its state into)."""
+        return self.offloaded[layer_idx]
+
+    def adopt(self, layer_idx: int) -> nn.Module:
+        """Puts an offloaded layer back into the pipeline (its skeleton must have been materialised)."""
+        layer = self.offloaded.pop(layer_idx)
+        self.pipeline[layer_idx] = layer
+        return layer
+
+    def set_partition(self, partition: Partition) -> None:
+        """Records a new partition after layers moved, and points the placeholders at their new owners."""
+        self.partition = partition
+        for i, layer in enumerate(self.pipeline):
+            if isinstance(layer, Placeholder):
+                layer.owner_stage = partition.stage_of_layer(i)
+
+    def empty_state(self, layer_idx: int, device: torch.device) -> dict[str, Tensor]:
+        """Uninitialised tensors shaped like an offloaded layer's ``state_dict`` (to receive it into)."""
+        return {k: torch.empty_like(v, device=device) for k, v in self.offloaded[layer_idx].state_dict().items()}
+
+    def restore(self, states: dict[int, dict[str, Tensor]], device: torch.device) -> None:
+        """Puts every offloaded layer back, materialised on ``device`` with ``states[layer_idx]``."""
+        for layer_idx in sorted(self.offloaded):
+            layer = self.offloaded[layer_idx]
+            layer.to_empty(device=device)
+            layer.load_state_dict(states[layer_idx])
+            self.pipeline[layer_idx] = layer
+        self.offloaded.clear()
+
+    def placeholders(self) -> dict[int, nn.Module]:
+        """The placeholders currently in the pipeline, by layer index."""
+        return {i: m for i, m in enumerate(self.pipeline) if isinstance(m, Placeholder)}
+
+
+@dataclass
+class OptimizerSlots:
+    """Where every pipeline parameter sits in each optimizer built on the whole model.
+
+    Attributes:
+        slots: per optimizer, ``(layer_idx, parameter name) -> (group index, canonical index)``.
+        group_sizes: per optimizer, the number of parameters of each group in the whole model.
+        canonical: per optimizer and group, the canonical index of each parameter the stage's optimizer holds
+            (filled by :meth:`refilter`), in the order of the group's ``params``.
+    """
+
+    slots: list[dict[tuple[int, str], tuple[int, int]]]
+    group_sizes: list[list[int]]
+    canonical: list[list[list[int]]]
+
+    @classmethod
+    def record(cls, pipeline: nn.Sequential, optimizers: Sequence[Optimizer]) -> OptimizerSlots:
+        """Reads the slots off optimizers built on the whole model (before any layer is offloaded)."""
+        names = {id(p): (i, n) for i in range(len(pipeline)) for n, p in pipeline[i].named_parameters()}
+        slots_all, sizes_all = [], []
+        for opt in optimizers:
+            slots: dict[tuple[int, str], tuple[int, int]] = {}
+            sizes, base = [], 0
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) in names:
+                        slots[names[id(p)]] = (g, base + j)
+                sizes.append(len(group["params"]))
+                base += len(group["params"])
+            slots_all.append(slots)
+            sizes_all.append(sizes)
+        return cls(slots_all, sizes_all, [])
+
+    def refilter(self, optimizers: Sequence[Optimizer], shard: StageShard) -> None:
+        """Puts exactly the owned layers' parameters in the optimizer groups, in canonical order.
+
+        Groups are edited in place and never removed, so LR schedulers and ``LightningOptimizer`` wrappers keep
+        working; the state of parameters that left this stage is dropped (they travelled with their layer).
+        """
+        pipeline = shard.pipeline
+        self.canonical = []
+        for opt, slots in zip(optimizers, self.slots):
+            per_group: list[list[tuple[int, nn.Parameter]]] = [[] for _ in opt.param_groups]
+            for i in shard.owned:
+                for n, p in pipeline[i].named_parameters():
+                    if (i, n) in slots:
+                        g, c = slots[(i, n)]
+                        per_group[g].append((c, p))
+            canon = []
+            for group, items in zip(opt.param_groups, per_group):
+                items.sort(key=lambda item: item[0])
+                group["params"] = [p for _, p in items]
+                canon.append([c for c, _ in items])
+            live = {id(q) for group in opt.param_groups for q in group["params"]}
+            for stale in [q for q in opt.state if id(q) not in live]:
+                del opt.state[stale]
+            self.canonical.append(canon)

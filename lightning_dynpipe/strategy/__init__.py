@@ -1,0 +1,12 @@
+"""The Lightning strategy: the only part of lightning-dynpipe coupled to Lightning's Trainer.
+
+:class:`DynPipeStrategy` keeps the Lightning hooks and delegates the rest: argument validation and the model
+contract, the set-up decision (profile, probe, plan), and the callbacks it installs live in this package; the
+pipeline itself (stage shard, executor, checkpoints) in :mod:`lightning_dynpipe.engine`.
+"""
+
+from __future__ import annotations
+
+from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy, MigrationRecord
+
+__all__ = ["DynPipeStrategy", "MigrationRecord"]

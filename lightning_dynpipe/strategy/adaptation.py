@@ -1,0 +1,119 @@
+"""Wiring of the stage monitor and the adaptive loop into a fit.
+
+:class:`AdaptationWiring` adds the :class:`~lightning_dynpipe.monitor.StageMonitor` to the Trainer (unless the
+user added one), builds the :class:`~lightning_dynpipe.repartition.controller.AdaptiveController` from the
+set-up profile, turns each monitor snapshot (the same on every rank) into the controller's window, and hands a
+decision to move back to the strategy, which applies it at the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_dynpipe.monitor.callback import StageMonitor
+from lightning_dynpipe.monitor.stats import PipelineSnapshot
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor.base import StageTimes
+from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.strategy.config import DynPipeConfig
+
+__all__ = ["AdaptationWiring", "MIN_SAMPLES"]
+
+MIN_SAMPLES = 5
+"""Steps of a monitor window (under the current partition) the adaptive loop needs before it decides."""
+
+
+class AdaptationWiring:
+    """The monitor and the adaptive loop of one fit.
+
+    Args:
+        config: the strategy's configuration.
+        partition: returns the partition in use (``None`` when torn down).
+        pending: returns whether a repartition is already queued.
+        repartition: queues a repartition (the strategy's :meth:`~lightning_dynpipe.DynPipeStrategy.repartition`).
+        past_pauses: the measured pauses of the migrations so far.
+    """
+
+    def __init__(
+        self,
+        config: DynPipeConfig,
+        *,
+        partition: Callable[[], Partition | None],
+        pending: Callable[[], bool],
+        repartition: Callable[[Partition], None],
+        past_pauses: Callable[[], Sequence[float]],
+    ) -> None:
+        self.config = config
+        self._partition = partition
+        self._pending = pending
+        self._repartition = repartition
+        self._past_pauses = past_pauses
+        self.monitor: StageMonitor | None = None
+        self.controller: AdaptiveController | None = None
+        self._own_monitor: StageMonitor | None = None
+
+    def attach(
+        self, trainer: Trainer, *, model_cost: ModelCost | None, comm: CommModel, num_stages: int, replicas: int
+    ) -> None:
+        """Adds the stage monitor (unless the user added one) and, with adaptation on, the adaptive loop."""
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        monitor = next((c for c in callbacks if isinstance(c, StageMonitor)), None)
+        if monitor is None and self.config.monitor_every_n_steps is None:
+            return
+        if monitor is None:
+            monitor = self._own_monitor = StageMonitor(every_n_steps=self.config.monitor_every_n_steps or 10)
+            callbacks.insert(1, monitor)  # after the metrics mirror, before the user's callbacks
+        self.monitor = monitor
+        self.controller = None
+        if self.config.policy is not None and model_cost is not None and num_stages > 1:
+            self.controller = AdaptiveController(
+                self.config.policy,
+                model_cost=model_cost,
+                comm=comm,
+                schedule=self.config.schedule,
+                num_microbatches=self.config.num_microbatches,
+                replicas=replicas,
+                convergence=self.config.convergence,
+            )
+            monitor.add_listener(self.on_snapshot)
+
+    def on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
+        """Runs on every rank with the same snapshot, so every rank takes the same decision."""
+        partition = self._partition()
+        if self.controller is None or partition is None or self._pending():
+            return
+        # A window restarts at every repartition: decide only on enough steps of the current partition.
+        if any(st.count < MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
+            return
+        times = [
+            StageTimes(
+                compute_s=st.forward_s + st.backward_s,
+                step_s=st.step_s,
+                comm_s=st.comm_s,
+                exposed_comm_s=st.exposed_comm_s,
+                cpu_limit=st.cpu_limit,
+            )
+            for st in snapshot.stages
+        ]
+        step = trainer.global_step
+        remaining = max(0, int(trainer.estimated_stepping_batches) - step)
+        decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
+        if decision is not None and decision.repartition:
+            self._repartition(decision.partition)
+            self.controller.migrated(step)
+            rank_zero_info(f"DynPipe adaptation: {decision}")
+
+    def detach(self, trainer: Trainer | None) -> None:
+        """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""
+        if self.monitor is not None and self.controller is not None:
+            self.monitor.remove_listener(self.on_snapshot)
+        callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+        if self._own_monitor is not None and self._own_monitor in callbacks:
+            callbacks.remove(self._own_monitor)
+        self.monitor = self._own_monitor = None

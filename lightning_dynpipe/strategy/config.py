@@ -1,0 +1,138 @@
+"""The strategy's arguments, validated once and frozen: :class:`DynPipeConfig`.
+
+Every check here runs when :class:`~lightning_dynpipe.DynPipeStrategy` is constructed, before any process
+starts, and states the rule, the value and the fix. No Trainer is needed to test them.
+
+Example::
+
+    >>> cfg = DynPipeConfig.from_arguments(num_microbatches=8, schedule="sync", balance=[3, 2])
+    >>> cfg.schedule.name, cfg.num_stages, cfg.balance_mode
+    ('sync', 2, 'list')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.interference.schedule import InterferenceSchedule
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
+from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
+
+__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""How long collectives and stage-to-stage receives wait by default."""
+
+BalanceMode = Literal["list", "auto", "parameters"]
+
+
+@dataclass(frozen=True)
+class DynPipeConfig:
+    """The validated arguments of :class:`~lightning_dynpipe.DynPipeStrategy` (see its docstring for each).
+
+    Attributes:
+        num_stages: the requested ``S``; ``None``: one stage per process (or the planner's choice when
+            ``stages_auto``).
+        stages_auto: ``num_stages="auto"``: the planner chooses ``S``.
+        num_microbatches: ``M``.
+        schedule: the :class:`~lightning_dynpipe.schedule.Schedule`.
+        balance: layers per stage when given as a list, else ``None``.
+        balance_mode: ``"list"``, ``"auto"`` or ``"parameters"``.
+        convergence: the planner's staleness model (``None``: its default).
+        policy: the repartition policy, ``None`` when adaptation is off.
+        monitor_every_n_steps: how often the stage monitor gathers statistics; ``None``: no monitor.
+        interference: the interference schedule, if any.
+        pipeline_attr: where the ``nn.Sequential`` lives on the LightningModule.
+        timeout: how long collectives and receives may wait.
+    """
+
+    num_stages: int | None
+    stages_auto: bool
+    num_microbatches: int
+    schedule: Schedule
+    balance: tuple[int, ...] | None
+    balance_mode: BalanceMode
+    convergence: ConvergenceModel | None
+    policy: RepartitionPolicy | None
+    monitor_every_n_steps: int | None
+    interference: InterferenceSchedule | None
+    pipeline_attr: str
+    timeout: timedelta
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        num_stages: int | Literal["auto"] | None = None,
+        num_microbatches: int = 4,
+        schedule: str | Schedule = "async",
+        balance: list[int] | tuple[int, ...] | Literal["auto", "parameters"] = "auto",
+        convergence: ConvergenceModel | None = None,
+        adaptive: bool | RepartitionPolicy = True,
+        monitor_every_n_steps: int | None = 10,
+        interference: list[dict[str, Any]] | str | InterferenceSchedule | None = None,
+        pipeline_attr: str = "pipeline",
+        timeout: float | timedelta | None = None,
+    ) -> DynPipeConfig:
+        """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ConfigurationError(f"schedule must be one of {list(SCHEDULES)}; got {schedule!r}.")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ConfigurationError(
+                f"num_microbatches must be a positive integer; got {num_microbatches!r}. Use e.g. num_microbatches=4."
+            )
+        if num_stages is not None and num_stages != "auto" and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ConfigurationError(f"num_stages must be a positive integer, 'auto' or None; got {num_stages!r}.")
+        if num_stages == "auto" and balance != "auto":
+            raise ConfigurationError(
+                f"num_stages='auto' lets the planner choose the number of stages, which needs balance='auto'; got "
+                f"balance={balance!r}. Use balance='auto' or give num_stages as a number."
+            )
+        mode: BalanceMode
+        if isinstance(balance, str):
+            if balance not in ("auto", "parameters"):
+                raise ConfigurationError(
+                    f"balance must be a list of layers per stage, 'auto' or 'parameters'; got {balance!r}."
+                )
+            mode, fixed = balance, None
+        else:
+            Partition.from_balance(balance)  # validates entries early, before any process starts
+            if isinstance(num_stages, int) and len(balance) != num_stages:
+                raise PartitionError(
+                    f"balance has {len(balance)} entries but num_stages={num_stages}; give one entry per stage."
+                )
+            mode, fixed = "list", tuple(balance)
+        if monitor_every_n_steps is not None and monitor_every_n_steps < 1:
+            raise ConfigurationError(f"monitor_every_n_steps must be >= 1 or None; got {monitor_every_n_steps}.")
+        if monitor_every_n_steps is None and adaptive is not False:
+            raise ConfigurationError(
+                "Runtime adaptation needs the stage monitor's measurements, but monitor_every_n_steps=None turns "
+                "it off. Pass adaptive=False with monitor_every_n_steps=None, or keep the monitor on."
+            )
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=float(timeout))
+        if isinstance(interference, InterferenceSchedule) or interference is None:
+            schedule_of_interference = interference
+        else:
+            schedule_of_interference = InterferenceSchedule.from_config(interference)
+        policy: RepartitionPolicy | None
+        policy = GainOverCostPolicy() if adaptive is True else (adaptive if adaptive is not False else None)
+        return cls(
+            num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
+            stages_auto=num_stages == "auto",
+            num_microbatches=num_microbatches,
+            schedule=get_schedule(schedule),
+            balance=fixed,
+            balance_mode=mode,
+            convergence=convergence,
+            policy=policy,
+            monitor_every_n_steps=monitor_every_n_steps,
+            interference=schedule_of_interference,
+            pipeline_attr=pipeline_attr,
+            timeout=timeout or DEFAULT_TIMEOUT,
+        )

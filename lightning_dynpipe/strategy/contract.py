@@ -1,0 +1,140 @@
+"""The model contract: what a LightningModule must satisfy to be split into pipeline stages.
+
+:func:`check_model` runs every refusal before any process group exists (so a bad set-up fails fast and on
+every rank, with the rule, the values and the fix); :func:`find_pipeline` resolves the ``nn.Sequential``.
+Both take plain arguments and are testable without a Trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
+
+from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.plan.partition import Partition
+
+__all__ = ["find_pipeline", "check_model"]
+
+
+def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
+    """The module's ``nn.Sequential`` at ``pipeline_attr`` (dotted paths allowed).
+
+    Raises:
+        ConfigurationError: the attribute is missing or not an ``nn.Sequential``.
+    """
+    obj: Any = module
+    for part in pipeline_attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigurationError(
+                f"DynPipeStrategy needs the model's layers in `{type(module).__name__}.{pipeline_attr}`, an "
+                f"nn.Sequential, but `{part}` does not exist. Put your layers in `self.{pipeline_attr} = "
+                "nn.Sequential(...)` or pass DynPipeStrategy(pipeline_attr=...) naming where they are."
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, nn.Sequential):
+        raise ConfigurationError(
+            f"`{pipeline_attr}` must be an nn.Sequential whose elements are the pipeline's layers; got "
+            f"{type(obj).__name__}. Wrap your layers: `self.{pipeline_attr} = nn.Sequential(...)`."
+        )
+    return obj
+
+
+def check_model(
+    module: LightningModule,
+    *,
+    pipeline_attr: str,
+    fitting: bool,
+    accumulate_grad_batches: int,
+    precision_plugin: Precision,
+    sync_batchnorm: bool,
+    balance: tuple[int, ...] | None,
+    num_stages: int | None,
+) -> nn.Sequential:
+    """Refuses what the pipeline cannot run exactly; returns the pipeline.
+
+    Args:
+        module: the LightningModule.
+        pipeline_attr: where its ``nn.Sequential`` lives.
+        fitting: whether the run trains (optimizer-related refusals apply only then).
+        accumulate_grad_batches: the Trainer's setting.
+        precision_plugin: the Trainer's precision plugin.
+        sync_batchnorm: whether the Trainer converts BatchNorm layers to SyncBatchNorm.
+        balance: the given layers per stage, if any.
+        num_stages: the number of stages that will run (``None`` when the planner chooses).
+
+    Raises:
+        ConfigurationError: a set-up the strategy refuses (the message says why and what to do instead).
+        PartitionError: a balance or stage count that does not fit the pipeline.
+    """
+    pipeline = find_pipeline(module, pipeline_attr)
+    if fitting:
+        if not module.automatic_optimization:
+            raise ConfigurationError(
+                "DynPipeStrategy runs the optimizer itself (one update per micro-batch on each stage), so "
+                "manual optimization (automatic_optimization=False) is not supported. Remove "
+                "`self.automatic_optimization = False` and return the loss from training_step."
+            )
+        if accumulate_grad_batches != 1:
+            raise ConfigurationError(
+                f"accumulate_grad_batches={accumulate_grad_batches} is not supported by DynPipeStrategy: "
+                "the pipeline already splits each batch. Use DynPipeStrategy(num_microbatches=N) with "
+                "schedule='sync' to accumulate gradients over N micro-batches, and accumulate_grad_batches=1."
+            )
+        if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+            raise ConfigurationError(
+                "training_step(dataloader_iter) is not supported by DynPipeStrategy: the pipeline splits each batch "
+                "into micro-batches itself. Use training_step(self, batch, batch_idx)."
+            )
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
+        raise ConfigurationError(
+            f"precision={precision_plugin.precision!r} uses a GradScaler, whose single scale cannot follow "
+            "per-stage, per-micro-batch updates. Use precision='bf16-mixed' (no scaler), 'bf16-true' or "
+            "'32-true' with DynPipeStrategy."
+        )
+    if type(precision_plugin).__name__ in ("TransformerEnginePrecision", "BitsandbytesPrecision"):
+        raise ConfigurationError(
+            f"{type(precision_plugin).__name__} is not supported by DynPipeStrategy; use precision="
+            "'bf16-mixed', 'bf16-true' or '32-true'."
+        )
+    if sync_batchnorm:
+        raise ConfigurationError(
+            "sync_batchnorm=True is not supported by DynPipeStrategy: SyncBatchNorm all-reduces over WORLD "
+            "from inside a layer, which only one stage runs. Set sync_batchnorm=False."
+        )
+    if getattr(module, "_compiler_ctx", None) is not None or any(
+        isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in pipeline
+    ):
+        raise ConfigurationError(
+            "A torch.compile'd model cannot be partitioned by DynPipeStrategy (the compiled graph spans all "
+            "layers). Pass the uncompiled LightningModule; compile inside a layer if you need it."
+        )
+    if is_overridden("backward", module, LightningModule):
+        rank_zero_warn(
+            f"{type(module).__name__}.backward is overridden but DynPipeStrategy does not call it: the pipeline "
+            "back-propagates each micro-batch itself (on_before_backward/on_after_backward still fire once per "
+            "step)."
+        )
+    pipeline_params = {id(p) for p in pipeline.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in pipeline_params]
+    if outside:
+        raise ConfigurationError(
+            f"All trainable parameters must live in `{pipeline_attr}`, but {outside[:5]} "
+            f"{'(and more) ' if len(outside) > 5 else ''}are outside it. Move those modules into the "
+            "nn.Sequential or freeze them (requires_grad=False)."
+        )
+    if balance is not None:
+        Partition.from_balance(balance, len(pipeline))
+    if num_stages is not None and num_stages > len(pipeline):
+        raise PartitionError(
+            f"Cannot run {num_stages} stages on a pipeline of {len(pipeline)} layers: every stage needs at "
+            f"least one layer. Use num_stages <= {len(pipeline)} (or fewer devices), or split the model into "
+            "more layers."
+        )
+    return pipeline

@@ -1,0 +1,165 @@
+"""The set-up decision: which partition this run starts with, and the costs the adaptive loop re-plans from.
+
+When fitting with ``balance="auto"`` or with adaptation on, global rank 0 profiles the layers on one
+micro-batch of the first training batch, every rank joins a probe of the link between ranks 0 and 1, rank 0
+plans (for ``"auto"``), and one broadcast gives every rank the same decision, per-layer costs and link model.
+A failed profile or plan is not fatal: the run falls back to the given balance (or the parameter count) and
+says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_dynpipe.engine.microbatch import batch_len, split_microbatches
+from lightning_dynpipe.plan.auto import best_plan
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition, balance_by_weights
+from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.strategy.config import DynPipeConfig
+
+__all__ = ["SetupDecision", "decide", "probe_link", "first_stage_input"]
+
+
+@dataclass(frozen=True)
+class SetupDecision:
+    """What every rank starts the run with.
+
+    Attributes:
+        partition: the layers per stage.
+        model_cost: the profiled per-layer costs (``None`` when nothing was profiled).
+        comm: the measured link between stages (free when not probed).
+        plan: the planner's full plan (global rank 0 only, with ``balance="auto"``).
+        plan_table: the plan as a table (every rank), for logs.
+    """
+
+    partition: Partition
+    model_cost: ModelCost | None = None
+    comm: CommModel = CommModel()
+    plan: Plan | None = None
+    plan_table: str | None = None
+
+
+def first_stage_input(module: Any, batch: Any) -> Any:
+    """Stage 0's input for ``batch``: the module's ``pipeline_input(batch)``, else ``batch[0]``, else the batch."""
+    user_input = getattr(module, "pipeline_input", None)
+    if callable(user_input):
+        return user_input(batch)
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def probe_link(global_rank: int, world_size: int, timeout: timedelta) -> CommModel:
+    """Latency and bandwidth between global ranks 0 and 1 (collective: every rank joins the group)."""
+    if world_size == 1:
+        return CommModel()
+    from lightning_dynpipe.engine.probe import probe_p2p
+
+    group = dist.new_group([0, 1], timeout=timeout)
+    try:
+        if global_rank in (0, 1):
+            # device=None: the probe picks what the backend can send (CPU tensors for gloo)
+            return probe_p2p(group, 1 - global_rank, initiator=global_rank == 0)
+        return CommModel()
+    finally:
+        if global_rank in (0, 1):
+            dist.destroy_process_group(group)
+
+
+def _profile(pipeline: nn.Sequential, sample: Any, device: torch.device, optimizer: Optimizer | None) -> ModelCost:
+    from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
+
+    factor = optimizer_state_factor(optimizer) if optimizer is not None else 0.0
+    profile = profile_layers(pipeline, sample, device=device, optimizer_state_bytes_per_param_byte=factor)
+    return profile.to_model_cost()
+
+
+def _one_microbatch(x: Any, num_microbatches: int) -> Any:
+    n = batch_len(x)
+    micro, _ = split_microbatches(x, min(num_microbatches, n if n is not None and n > 0 else 1))
+    return micro[0]
+
+
+def decide(
+    config: DynPipeConfig,
+    *,
+    pipeline: nn.Sequential,
+    fitting: bool,
+    global_rank: int,
+    world_size: int,
+    num_stages: int,
+    first_batch: Callable[[], Any],
+    module: Any,
+    optimizer: Optimizer | None,
+    device: torch.device,
+) -> SetupDecision:
+    """The partition this run starts with (collective when it profiles: every rank must call it).
+
+    Args:
+        config: the strategy's configuration.
+        pipeline: the user's whole ``nn.Sequential`` (not partitioned yet).
+        fitting: whether the run trains (only training runs profile and plan).
+        global_rank: this rank.
+        world_size: all processes.
+        num_stages: the stages to plan for (ignored with ``num_stages="auto"``).
+        first_batch: returns the first training batch on ``device`` (called on rank 0 only).
+        module: the LightningModule (for its ``pipeline_input`` hook).
+        optimizer: the optimizer built on the whole model (its state size enters the memory model).
+        device: where the profile runs.
+    """
+    if fitting and (config.balance_mode == "auto" or config.policy is not None):
+        comm = probe_link(global_rank, world_size, config.timeout)
+        decision: list[Any] = [None]
+        plan: Plan | None = None
+        if global_rank == 0:
+            try:
+                sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
+                cost = _profile(pipeline, sample, device, optimizer)
+                balance, table = config.balance, None
+                if config.balance_mode == "auto":
+                    plan = best_plan(
+                        cost,
+                        world_size,
+                        num_stages=None if config.stages_auto else num_stages,
+                        schedule=config.schedule,
+                        convergence=config.convergence,
+                        comm=comm,
+                        num_microbatches=config.num_microbatches,
+                    )
+                    balance, table = plan.partition.balance, plan.table()
+                link = (comm.latency_s, comm.bandwidth_Bps)
+                decision[0] = (balance, table, cost.to_arrays(), link, None)
+            except Exception as exc:  # the run must not die because a heuristic failed; say why
+                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}")
+        if world_size > 1:
+            dist.broadcast_object_list(decision, src=0)
+        balance, table, arrays, link, error = decision[0]
+        cost_all = ModelCost.from_arrays(**arrays) if arrays is not None else None
+        comm_all = CommModel(latency_s=link[0], bandwidth_Bps=link[1]) if link is not None else CommModel()
+        if error is not None:
+            rank_zero_warn(
+                f"DynPipe could not profile/plan this run ({error}); "
+                f"{'balancing by parameter count' if balance is None else 'using the given balance'}"
+                f"{' and not adapting' if config.policy is not None else ''}."
+            )
+        if table is not None:
+            rank_zero_info(f"DynPipe plan (balance='auto'):\n{table}")
+        if balance is not None:
+            return SetupDecision(Partition.from_balance(balance, len(pipeline)), cost_all, comm_all, plan, table)
+        return SetupDecision(_by_parameters(pipeline, num_stages), cost_all, comm_all, plan, table)
+    if config.balance is not None:
+        return SetupDecision(Partition.from_balance(config.balance, len(pipeline)))
+    return SetupDecision(_by_parameters(pipeline, num_stages))
+
+
+def _by_parameters(pipeline: nn.Sequential, num_stages: int) -> Partition:
+    weights = [sum(p.numel() for p in layer.parameters()) for layer in pipeline]
+    return balance_by_weights(weights, num_stages)

@@ -1,0 +1,777 @@
+"""DynPipeStrategy: asynchronous pipeline-parallel training inside Lightning's Trainer.
+
+The class keeps Lightning's hooks and delegates: :mod:`.config` validates the arguments, :mod:`.contract`
+checks the model, :mod:`.decision` chooses the partition, :mod:`.adaptation` wires the monitor and the
+adaptive loop, :mod:`.callbacks` and :mod:`.summary` are what it adds to the Trainer; the pipeline itself is
+the engine's (:class:`~lightning_dynpipe.engine.shard.StageShard`,
+:class:`~lightning_dynpipe.engine.executor.StageExecutor`, :mod:`~lightning_dynpipe.engine.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed import ReduceOp
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dynpipe.engine import checkpoint
+from lightning_dynpipe.engine.collectives import DistCollectives
+from lightning_dynpipe.engine.executor import StageChannels, StageExecutor
+from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups, destroy_default_group_at_exit
+from lightning_dynpipe.engine.p2p import FailureHandler
+from lightning_dynpipe.engine.replica import average_replica_gradients
+from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
+from lightning_dynpipe.engine.topology import PipelineTopology
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.callback import StageMonitor
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.repartition.migrate import apply_moves
+from lightning_dynpipe.repartition.plan import plan_moves
+from lightning_dynpipe.repartition.policy import RepartitionPolicy
+from lightning_dynpipe.strategy import summary
+from lightning_dynpipe.strategy.adaptation import AdaptationWiring
+from lightning_dynpipe.strategy.callbacks import MetricsMirror, restore_sync_dist_advice, silence_sync_dist_advice
+from lightning_dynpipe.strategy.config import DynPipeConfig
+from lightning_dynpipe.strategy.contract import check_model, find_pipeline
+from lightning_dynpipe.strategy.decision import decide, first_stage_input
+
+__all__ = ["DynPipeStrategy", "MigrationRecord"]
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """One live repartition: when, from which partition to which, what moved and how long training paused."""
+
+    step: int
+    old: Partition
+    new: Partition
+    moved: tuple[int, ...]
+    bytes_sent: int
+    pause_s: float
+
+
+class DynPipeStrategy(DDPStrategy):
+    """Pipeline-parallel training of a LightningModule's ``nn.Sequential`` with asynchronous 1F1B.
+
+    Example::
+
+        import lightning.pytorch as L
+        from lightning_dynpipe import DynPipeStrategy
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=200,
+                            strategy=DynPipeStrategy(num_microbatches=4))
+        trainer.fit(model, datamodule)      # model.pipeline is an nn.Sequential holding every trainable parameter
+
+    The user's ``training_step`` runs on the last stage, once per micro-batch, and calls ``self.pipeline(x)``
+    once; the strategy routes that call through the stages. ``schedule="async"`` (PipeDream 1F1B, weight
+    stashing, an update after every micro-batch, no flush between steps) trains with staleness ``S-1-k`` on
+    stage ``k``; ``"sync"`` and ``"gpipe"`` accumulate the gradients of the ``M`` micro-batches and update once
+    per step, exactly like single-device training on the whole batch.
+
+    Args:
+        num_stages: number of pipeline stages ``S``; default: all devices of a node, one stage each. With more
+            processes than stages, ``world_size / S`` pipeline replicas train data-parallel. ``"auto"``: the
+            planner chooses ``S`` among the divisors of the process count (needs ``balance="auto"``).
+        num_microbatches: micro-batches ``M`` each Lightning batch is split into (along dim 0).
+        schedule: ``"async"`` (default), ``"sync"`` or ``"gpipe"``.
+        balance: layers per stage, e.g. ``[5, 3]``; ``"auto"`` (default): profile the layers on a sample
+            micro-batch, probe the link between ranks 0 and 1, and let the time-to-accuracy planner choose the
+            partition (and, with ``num_stages="auto"``, the number of stages); ``"parameters"``: balance by
+            parameter count. Evaluation-only runs (validate/test/predict) balance by parameter count unless a
+            list is given.
+        convergence: the planner's staleness model (iterations to accuracy vs. staleness); default
+            :class:`~lightning_dynpipe.plan.convergence.ConvergenceModel` with its default ``beta``.
+        adaptive: runtime adaptation: ``True`` (default) uses
+            :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy`; pass a
+            :class:`~lightning_dynpipe.repartition.policy.RepartitionPolicy` to decide differently, or ``False``
+            to keep the partition fixed. Every ``monitor_every_n_steps`` the stage statistics are gathered, each
+            stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
+        monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
+            ``dynpipe/stage{k}/...``; ``None``: no stage monitor (and so no adaptation).
+        interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
+            entries or the path of a YAML file; see :mod:`lightning_dynpipe.interference`), e.g.
+            ``[{"kind": "cpu_hog", "stage": 0, "start_step": 100}]``.
+        pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
+        start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
+            ``"spawn"`` (tests) or ``"fork"`` (notebooks).
+        timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);
+            default 30 minutes.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default: chosen from the device.
+        cluster_environment: Lightning's cluster environment plugin.
+        checkpoint_io: Lightning's checkpoint IO plugin.
+        precision_plugin: Lightning's precision plugin.
+    """
+
+    strategy_name = "dynpipe"
+
+    def __init__(
+        self,
+        *,
+        num_stages: int | Literal["auto"] | None = None,
+        num_microbatches: int = 4,
+        schedule: Literal["async", "sync", "gpipe"] = "async",
+        balance: list[int] | Literal["auto", "parameters"] = "auto",
+        convergence: ConvergenceModel | None = None,
+        adaptive: bool | RepartitionPolicy = True,
+        monitor_every_n_steps: int | None = 10,
+        interference: list[dict[str, Any]] | str | None = None,
+        pipeline_attr: str = "pipeline",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: float | timedelta | None = None,
+        process_group_backend: str | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self.config = DynPipeConfig.from_arguments(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            balance=balance,
+            convergence=convergence,
+            adaptive=adaptive,
+            monitor_every_n_steps=monitor_every_n_steps,
+            interference=interference,
+            pipeline_attr=pipeline_attr,
+            timeout=timeout,
+        )
+        super().__init__(
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=self.config.timeout,
+            start_method=start_method,
+        )
+        self.model_cost: ModelCost | None = None  # per-layer costs from the set-up profile (every rank)
+        self.comm: CommModel = CommModel()
+        self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
+        self.plan_table: str | None = None
+        self.shard: StageShard | None = None
+        self.slots: OptimizerSlots | None = None
+        self.executor: StageExecutor | None = None
+        self.migrations: list[MigrationRecord] = []
+        # bound methods, not lambdas: the spawn launcher pickles the strategy
+        self.adaptation = AdaptationWiring(
+            self.config,
+            partition=self._current_partition,
+            pending=self._has_pending_partition,
+            repartition=self.repartition,
+            past_pauses=self._migration_pauses,
+        )
+        self._planned_num_stages: int | None = None
+        self._topology: PipelineTopology | None = None
+        self._groups: PipelineGroups | None = None
+        self._full_keys: list[str] = []
+        self._pending_partition: Partition | None = None
+        self._mirror: MetricsMirror | None = None
+        self._summaries: list[Any] = []  # ModelSummary callbacks told to summarise the whole pipeline
+        self._interference_cb: Callback | None = None
+        self._sync_dist_filter: Any = None
+        self._failure: FailureHandler | None = None
+        self._batch_idx = 0
+
+    # ------------------------------------------------------------------ configuration, read-only
+    num_microbatches = property(lambda self: self.config.num_microbatches, doc="``M``, micro-batches per batch.")
+    schedule = property(lambda self: self.config.schedule.name, doc="The schedule's name.")
+    balance_mode = property(lambda self: self.config.balance_mode, doc="``'list'``, ``'auto'`` or ``'parameters'``.")
+    balance = property(
+        lambda self: list(self.config.balance) if self.config.balance is not None else self.config.balance_mode,
+        doc="The requested balance: layers per stage, ``'auto'`` or ``'parameters'``.",
+    )
+    convergence = property(lambda self: self.config.convergence, doc="The planner's staleness model.")
+    adaptive_policy = property(lambda self: self.config.policy, doc="The repartition policy (``None``: off).")
+    monitor_every_n_steps = property(lambda self: self.config.monitor_every_n_steps, doc="Monitor period.")
+    interference = property(lambda self: self.config.interference, doc="The interference schedule, if any.")
+    pipeline_attr = property(lambda self: self.config.pipeline_attr, doc="Where the ``nn.Sequential`` lives.")
+
+    @property
+    def monitor(self) -> StageMonitor | None:
+        """The stage monitor of the running fit."""
+        return self.adaptation.monitor
+
+    @property
+    def controller(self) -> AdaptiveController | None:
+        """The adaptive loop of the last fit (its ``decisions`` stay readable after it)."""
+        return self.adaptation.controller
+
+    @property
+    def partition(self) -> Partition | None:
+        """The partition in use (``None`` outside fit/validate/test/predict)."""
+        return self.shard.partition if self.shard is not None else None
+
+    def _current_partition(self) -> Partition | None:
+        return self.partition
+
+    def _has_pending_partition(self) -> bool:
+        return self._pending_partition is not None
+
+    def _migration_pauses(self) -> list[float]:
+        return [m.pause_s for m in self.migrations]
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def _lm(self) -> LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("DynPipeStrategy has no LightningModule attached yet (call trainer.fit/validate first).")
+        return module
+
+    @property
+    def num_stages(self) -> int:
+        """``S``: stages per pipeline."""
+        if self._planned_num_stages is not None:
+            return self._planned_num_stages
+        return self.config.num_stages if self.config.num_stages is not None else max(1, self.num_processes)
+
+    @property
+    def topology(self) -> PipelineTopology:
+        """Placement of stages and replicas on global ranks."""
+        if self._topology is None:
+            self._topology = PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
+        return self._topology
+
+    @property
+    def stage_idx(self) -> int:
+        """``k``: the stage this rank runs."""
+        return self.topology.coords(self.global_rank)[1]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which pipeline replica this rank belongs to."""
+        return self.topology.coords(self.global_rank)[0]
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0 (which reads the pipeline input from the batch)."""
+        return self.stage_idx == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (where the user's *_step code and logging run)."""
+        return self.stage_idx == self.num_stages - 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard data across pipelines only: every stage of a pipeline must see the same batches.
+        return {"num_replicas": self.topology.dp_size, "rank": self.dp_rank}
+
+    def _rank_of_stage(self, stage_idx: int) -> int:
+        return self.topology.rank_of(self.dp_rank, stage_idx)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Checked at Trainer construction, before any process is launched (and again in each launched process).
+        if not self.config.stages_auto:
+            PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        # Refusals run before the process group exists, so a bad configuration fails fast on every rank.
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            trainer = module._trainer
+            check_model(
+                module,
+                pipeline_attr=self.config.pipeline_attr,
+                fitting=trainer.state.fn == TrainerFn.FITTING,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+                precision_plugin=self.precision_plugin,
+                sync_batchnorm=self._layer_sync is not None,
+                balance=self.config.balance,
+                num_stages=None if self.config.stages_auto else self.num_stages,
+            )
+        super().setup_environment()
+        self._topology = None
+        self._planned_num_stages = None
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning destroys the default group at exit only for NCCL; a gloo group left alive aborts the process.
+        destroy_default_group_at_exit()
+
+    # ------------------------------------------------------------------ set-up
+    def _pipeline(self) -> nn.Sequential:
+        return find_pipeline(self._lm, self.config.pipeline_attr)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._full_keys = list(self._lm.state_dict().keys())
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) > 1:
+                raise ConfigurationError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers; DynPipeStrategy supports "
+                    "one (with any number of parameter groups). Use parameter groups instead."
+                )
+        world = self.num_nodes * self.num_processes
+        decision = decide(
+            self.config,
+            pipeline=pipeline,
+            fitting=fitting,
+            global_rank=self.global_rank,
+            world_size=world,
+            num_stages=self.num_stages,
+            first_batch=lambda: self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader()))),
+            module=self._lm,
+            optimizer=self.optimizers[0] if self.optimizers else None,
+            device=self.root_device,
+        )
+        if decision.model_cost is not None:
+            self.model_cost, self.comm = decision.model_cost, decision.comm
+        self.plan, self.plan_table = decision.plan, decision.plan_table
+        partition = decision.partition
+        self._planned_num_stages = partition.num_stages
+        self._topology = PipelineTopology(partition.num_stages, world)
+        self._groups = build_groups(
+            self._topology, self.global_rank, self._get_process_group_backend(), self.config.timeout
+        )
+        # record the optimizer slots before partitioning: offloading may replace Parameter objects
+        self.slots = OptimizerSlots.record(pipeline, self.optimizers) if fitting else None
+        self.shard = StageShard(pipeline, partition, self.stage_idx)
+        self.shard.partition_module()
+        if self.slots is not None:
+            self.slots.refilter(self.optimizers, self.shard)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_callbacks(trainer, fitting)
+        self._failure = FailureHandler(self.stage_idx, self.global_rank)
+        self._make_executor(build_channels(self._groups, self.root_device, self._timeout_s, self._failure))
+        rank_zero_info(
+            f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {partition}, "
+            f"schedule={self.schedule}, num_microbatches={self.num_microbatches}"
+        )
+
+    @property
+    def _timeout_s(self) -> float:
+        return float(self._timeout.total_seconds()) if self._timeout is not None else 1800.0
+
+    def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
+        """Metrics rebinding, the metrics mirror, the warning filter, and for fits the monitor and the summary."""
+        self._bind_metrics()
+        callbacks: list[Any] = cast(Any, trainer).callbacks
+        if self.topology.dp_size == 1 and self._sync_dist_filter is None:
+            self._sync_dist_filter = silence_sync_dist_advice()
+        if self._mirror is None:
+            self._mirror = MetricsMirror(self.root_device)
+            callbacks.insert(0, self._mirror)
+        if not fitting:
+            return
+        self.adaptation.attach(
+            trainer,
+            model_cost=self.model_cost,
+            comm=self.comm,
+            num_stages=self.num_stages,
+            replicas=self.topology.dp_size,
+        )
+        if not self._summaries:
+            assert self.shard is not None
+            self._summaries = summary.install(callbacks, self._pipeline, self.shard.offloaded)
+        if self.config.interference is not None and self._interference_cb is None:
+            from lightning_dynpipe.interference.callback import InterferenceCallback
+
+            self.config.interference.validate(self.num_stages)
+            self._interference_cb = InterferenceCallback(self.config.interference)
+            callbacks.append(self._interference_cb)
+
+    def _bind_metrics(self) -> None:
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics ships with lightning
+            return
+        groups = self._groups
+        for m in self._lm.modules():
+            if isinstance(m, Metric):
+                # Only the last stage updates metrics; syncing over WORLD would wait for the other stages forever.
+                if self.topology.dp_size == 1 or groups is None:
+                    m.distributed_available_fn = lambda: False
+                else:
+                    m.process_group = groups.stage_dp
+
+    def _make_executor(self, channels: StageChannels) -> None:
+        assert self.shard is not None
+        module = self._lm
+        self.executor = StageExecutor(
+            stage_module=self.shard.stage_module(),
+            stage_idx=self.stage_idx,
+            num_stages=self.num_stages,
+            schedule=self.config.schedule,
+            num_microbatches=self.num_microbatches,
+            channels=channels,
+            first_stage_input=lambda batch: first_stage_input(module, batch),
+            last_stage_loss=self._last_stage_loss,
+            optimizer_step=self._stage_optimizer_step,
+        )
+        executor = self.executor
+        self._pipeline().forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ live repartitioning
+    def repartition(self, balance: list[int] | Partition) -> None:
+        """Moves layers between stages at the start of the next training step, without a restart.
+
+        Call it with the same ``balance`` on every rank (from a callback, say); the pipeline drains, the layers
+        that change stage travel with their optimizer state, and training resumes. A run that migrates equals
+        a run with the same drains and no migration. The pause is recorded in :attr:`migrations`.
+
+        Example::
+
+            class MoveOneLayer(L.Callback):
+                def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                    if batch_idx == 100:
+                        trainer.strategy.repartition([3, 6])
+        """
+        if self.partition is None:
+            raise ConfigurationError("repartition() needs a running pipeline: call it during fit.")
+        new = balance if isinstance(balance, Partition) else Partition.from_balance(balance, self.partition.num_layers)
+        plan_moves(self.partition, new)  # validates the shape of the new partition
+        self._pending_partition = new
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._pending_partition is not None:
+            new, self._pending_partition = self._pending_partition, None
+            self._migrate(new, step=self._lm.trainer.global_step)
+
+    def _migrate(self, new: Partition, step: int) -> MigrationRecord:
+        """Drains, moves the layers that change stage (collective over each pipeline), rebuilds the stage."""
+        assert self.shard is not None and self._groups is not None and self.executor is not None
+        t0 = time.perf_counter()
+        old = self.shard.partition
+        moves = plan_moves(old, new)
+        self.drain()
+        optimizer = self.optimizers[0] if self.optimizers else None
+        sent = apply_moves(
+            self.shard,
+            moves,
+            optimizer,
+            rank=self.global_rank,
+            rank_of_stage=self._rank_of_stage,
+            group=self._groups.pipeline,
+            device=self.root_device,
+        )
+        self.shard.set_partition(new)
+        if self.slots is not None:
+            self.slots.refilter(self.optimizers, self.shard)
+        self._make_executor(self.executor.channels)
+        # Every rank must see the same pause: policies use it, and ranks that decide differently deadlock.
+        agreed = torch.tensor([time.perf_counter() - t0, float(sent)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        record = MigrationRecord(step, old, new, tuple(m.layer_idx for m in moves), int(agreed[1]), float(agreed[0]))
+        self.migrations.append(record)
+        rank_zero_info(
+            f"DynPipe repartition at step {step}: {old} -> {new}, moved layers {list(record.moved)}, "
+            f"pause {record.pause_s * 1e3:.1f} ms"
+        )
+        return record
+
+    # ------------------------------------------------------------------ training step take-over
+    def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
+        out = self._lm.training_step(micro_batch, self._batch_idx)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise ConfigurationError(
+                f"training_step must return the loss (a Tensor, or a dict with key 'loss') on every micro-batch; "
+                f"got {type(out).__name__}. DynPipeStrategy cannot skip a micro-batch: the other stages are "
+                "already working on it."
+            )
+        return loss
+
+    def _stage_optimizer_step(self) -> None:
+        if not self.optimizers:
+            return
+        opt = self.optimizers[0]
+        if self.topology.dp_size > 1:
+            assert self._groups is not None
+            params = [p for g in opt.param_groups for p in g["params"]]
+            coll = DistCollectives(self._groups.stage_dp, self.global_rank)
+            average_replica_gradients(params, coll, self.topology.dp_size)
+        # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
+        self.precision_plugin._after_closure(self._lm, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        assert self.executor is not None
+        with self.precision_plugin.train_step_context():
+            loss = self.executor.train_step(batch)
+        return torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # The executor already back-propagated every micro-batch; only fire the hooks, once per step.
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
+        return self.precision_plugin.post_backward(closure_loss, self._lm)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Lightning's closure must run (it calls training_step); the executor already applied the updates.
+        return closure()
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        """Finishes all in-flight micro-batches (a quiescent point). Collective over the pipeline."""
+        if self.executor is not None:
+            self.executor.drain()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.executor is not None
+        batch = args[0] if args else kwargs["batch"]
+        module = self._lm
+        with context:
+            return self.executor.eval_step(batch, lambda: getattr(module, hook)(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_test_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_train_end(self) -> None:
+        self.drain()
+
+    # ------------------------------------------------------------------ collectives used by user code
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # User logging code runs on one stage only, so the default group is that stage's replicas.
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None:
+            if self._groups is None or self.topology.dp_size == 1:
+                return tensor
+            group = self._groups.stage_dp
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if group is None and self._groups is not None:
+            group = self._groups.stage_dp
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # The last stage (global rank 0) is authoritative: the monitored metrics are computed there.
+        t = torch.tensor(int(decision), device=self.root_device)
+        if self._groups is not None and self.topology.dp_size > 1 and self.is_last_stage:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups.last_stage_dp)
+            dp = self.topology.dp_size
+            t = torch.tensor(int(t.item() == dp) if all else int(t.item() > 0), device=self.root_device)
+        if self.world_size > 1:
+            dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    # ------------------------------------------------------------------ partition-independent state
+    def _pipeline_collectives(self) -> DistCollectives:
+        assert self._groups is not None
+        return DistCollectives(self._groups.pipeline, self.global_rank)
+
+    def _gather_layers(self, root: int | None) -> dict[int, dict[str, Tensor]]:
+        assert self.shard is not None
+        if root is not None and self.dp_rank != 0:
+            return {}  # one pipeline replica writes the checkpoint
+        return checkpoint.gather_layer_states(
+            self.shard,
+            self._pipeline_collectives(),
+            rank_of_stage=self._rank_of_stage,
+            device=self.root_device,
+            root=root,
+        )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.shard is None or self.num_stages == 1:
+            return super().lightning_module_state_dict()
+        self.drain()
+        layers = self._gather_layers(root=0)
+        if self.global_rank != 0:
+            return {}
+        prefix = self.config.pipeline_attr + "."
+        return checkpoint.full_state_dict(self._lm.state_dict(), layers, prefix, self._full_keys)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.shard is None or self.slots is None or not self.slots.canonical:
+            return super().optimizer_state(optimizer)
+        self.drain()
+        opt_idx = self.optimizers.index(optimizer)
+        coll = self._pipeline_collectives() if self.num_stages > 1 else None
+        return checkpoint.gather_optimizer_state(
+            optimizer.state_dict(),
+            self.slots.canonical[opt_idx],
+            self.slots.group_sizes[opt_idx],
+            gather=coll.all_gather_object if coll is not None else (lambda obj: [obj]),
+            is_root=self.global_rank == 0,
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint_: Mapping[str, Any]) -> None:
+        if self.slots is None or not self.slots.canonical:
+            return super().load_optimizer_state_dict(checkpoint_)
+        for opt, full, canon in zip(self.optimizers, checkpoint_["optimizer_states"], self.slots.canonical):
+            checkpoint.load_optimizer_state(opt, full, canon)
+            _optimizers_to_device([opt], self.root_device)
+
+    @override
+    def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
+        if self.shard is None:
+            return super().load_model_state_dict(checkpoint_, strict=strict)
+        prefix = self.config.pipeline_attr + "."
+        self._lm.load_state_dict(
+            checkpoint.owned_state_dict(checkpoint_["state_dict"], prefix, self.shard.owned), strict=False
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.partition is not None:
+            checkpoint["dynpipe"] = {
+                "version": 1,
+                "num_stages": self.num_stages,
+                "balance": list(self.partition.balance),
+                "schedule": self.schedule,
+                "num_microbatches": self.num_microbatches,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Tell the other stages at once, so they end with an error naming this stage instead of waiting.
+        # (Not on Ctrl-C: Lightning's launcher kills the other processes itself.)
+        if self._failure is not None and not isinstance(exception, KeyboardInterrupt):
+            self._failure.local_failure(exception)
+        super().on_exception(exception)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if self.lightning_module is not None and self.shard is not None:
+            pipeline = self._pipeline()
+            if "forward" in pipeline.__dict__:
+                del pipeline.forward
+            if self.executor is not None and not interrupted:
+                self.executor.drain()
+                self.executor.channels.close()
+            if not interrupted:
+                if self.shard.offloaded:  # put every layer back into the user's pipeline on every rank
+                    self.shard.restore(self._gather_layers(root=None), self.root_device)
+            else:
+                rank_zero_warn(
+                    "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
+                    "(other layers are placeholders). Load the last checkpoint for the full model."
+                )
+        self._remove_callbacks(trainer)
+        self.executor = None
+        self.shard = None
+        self._planned_num_stages = None
+        self._topology = None
+        if self._groups is not None:
+            if not interrupted:
+                # No rank may tear its channel groups down while a peer is still completing sends on them.
+                if self._groups.pipeline is not None and self.num_stages > 1:
+                    dist.barrier(group=self._groups.pipeline)
+                self._groups.destroy()
+            self._groups = None
+        super().teardown()
+
+    def _remove_callbacks(self, trainer: Trainer | None) -> None:
+        callbacks: list[Any] = cast(Any, trainer).callbacks if trainer is not None else []
+        if self._mirror is not None and self._mirror in callbacks:
+            callbacks.remove(self._mirror)
+        self._mirror = None
+        self.adaptation.detach(trainer)
+        summary.uninstall(self._summaries)
+        self._summaries = []
+        if self._interference_cb is not None and self._interference_cb in callbacks:
+            self._interference_cb.teardown(cast(Trainer, trainer), self._lm, "fit")  # stops what is still running
+            callbacks.remove(self._interference_cb)
+        self._interference_cb = None
+        if self._sync_dist_filter is not None:
+            restore_sync_dist_advice(self._sync_dist_filter)
+            self._sync_dist_filter = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = [("dynpipe", "popen"), ("dynpipe_spawn", "spawn"), ("dynpipe_fork", "fork")]
+        for name, method in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"DynPipe pipeline parallelism ({method} launcher)", start_method=method
+                )
+        # A bare class path on the command line (--trainer.strategy=lightning_dynpipe.DynPipeStrategy) reaches
+        # the registry lower-cased.
+        for alias in (
+            "lightning_dynpipe.dynpipestrategy",
+            "lightning_dynpipe.strategy.dynpipestrategy",
+            "lightning_dynpipe.strategy.dynpipe.dynpipestrategy",
+            "dynpipestrategy",
+        ):
+            if alias not in strategy_registry:
+                strategy_registry.register(alias, cls, description="DynPipe pipeline parallelism")
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_groups"] = None
+        state["executor"] = None
+        state["_failure"] = None
+        return state
