@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dynpipe-installed
 
-.PHONY: demo test typecheck lint format bench clean
+.PHONY: demo test test-fast typecheck lint format bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements/cpu-constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -33,6 +33,16 @@ _ENV_ALLOWED_TO_CHANGE = {
 }
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks as ``slow`` every test that starts processes and every benchmark smoke test (``make test-fast``
+    runs the rest)."""
+    for item in items:
+        path = Path(str(item.fspath))
+        benchmark = path.parent.name.startswith("benchmarks") or path.stem.endswith("_smoke")
+        if benchmark or item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def teardown_process_group() -> Iterator[None]:
     """A test must not leave a process group behind."""

@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"errors", "schedule", "plan"},
     "monitor": {"errors"},
     "calibration": {"errors", "plan", "engine.microbatch"},
-    "repartition": {"errors", "plan", "schedule", "predictor", "engine"},
+    "repartition": {"errors", "plan", "schedule", "predictor"},
     "interference": {"errors", "monitor"},
     "demos": {"errors"},
     "strategy": {
@@ -51,7 +51,7 @@ HEAVY = {"torch", "lightning", "pytorch_lightning", "sklearn", "matplotlib", "to
 LIGHTNING = {"lightning", "pytorch_lightning", "torchmetrics"}
 
 # package (or module) -> third-party tops it must not import at module level / at all
-PURE = {"schedule", "plan", "predictor", "monitor.stats"}
+PURE = {"schedule", "plan", "predictor", "repartition", "monitor.stats"}
 NO_LIGHTNING = {"engine", "profiling", "repartition", "calibration", "interference", "monitor", "predictor"}
 LIGHTNING_CALLBACKS = {"monitor/callback.py", "interference/callback.py"}  # thin Lightning callbacks
 
@@ -173,7 +173,7 @@ def test_pure_packages_load_without_lightning_or_torch() -> None:
     out = _run(
         "import sys\n"
         "import lightning_dynpipe.plan, lightning_dynpipe.schedule, lightning_dynpipe.monitor.stats\n"
-        "import lightning_dynpipe.predictor\n"
+        "import lightning_dynpipe.predictor, lightning_dynpipe.repartition\n"
         "print(sorted(m for m in ('lightning', 'torch', 'torch.distributed', 'sklearn') if m in sys.modules))"
     )
     assert out == "[]"

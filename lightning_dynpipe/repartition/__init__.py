@@ -1,5 +1,20 @@
-"""Live repartitioning: which layers move (pure), and moving them between stages without a restart."""
+"""When to repartition: the policy (pure) and the controller that turns a measured window into a decision.
 
-from lightning_dynpipe.repartition.plan import LayerMove, plan_moves
+The strategy applies a decision at the next step; the layers move with
+:meth:`lightning_dynpipe.engine.stage.PipelineStage.migrate`, along the moves of
+:func:`~lightning_dynpipe.plan.moves.plan_moves`.
+"""
 
-__all__ = ["LayerMove", "plan_moves"]
+from lightning_dynpipe.plan.moves import LayerMove, plan_moves
+from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.repartition.policy import Decision, GainOverCostPolicy, PolicyInputs, RepartitionPolicy
+
+__all__ = [
+    "AdaptiveController",
+    "Decision",
+    "GainOverCostPolicy",
+    "PolicyInputs",
+    "RepartitionPolicy",
+    "LayerMove",
+    "plan_moves",
+]

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, DefaultCostModel, ModelCost
+from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.solver import evaluate
 from lightning_dynpipe.predictor.base import InterferencePredictor, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
-from lightning_dynpipe.repartition.plan import plan_moves
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
 from lightning_dynpipe.schedule import Schedule, get_schedule
 

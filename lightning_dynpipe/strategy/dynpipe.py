@@ -32,22 +32,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynpipe.engine import checkpoint
-from lightning_dynpipe.engine.collectives import DistCollectives
-from lightning_dynpipe.engine.executor import StageChannels, StageExecutor
-from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups, destroy_default_group_at_exit
-from lightning_dynpipe.engine.p2p import FailureHandler
-from lightning_dynpipe.engine.replica import average_replica_gradients
-from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
+from lightning_dynpipe.engine.executor import StageExecutor
+from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
+from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.repartition.controller import AdaptiveController
-from lightning_dynpipe.repartition.migrate import apply_moves
-from lightning_dynpipe.repartition.plan import plan_moves
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
@@ -168,9 +164,7 @@ class DynPipeStrategy(DDPStrategy):
         self.comm: CommModel = CommModel()
         self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
         self.plan_table: str | None = None
-        self.shard: StageShard | None = None
-        self.slots: OptimizerSlots | None = None
-        self.executor: StageExecutor | None = None
+        self.stage: PipelineStage | None = None  # this process's part of the running pipeline
         self.migrations: list[MigrationRecord] = []
         # bound methods, not lambdas: the spawn launcher pickles the strategy
         self.adaptation = AdaptationWiring(
@@ -182,14 +176,12 @@ class DynPipeStrategy(DDPStrategy):
         )
         self._planned_num_stages: int | None = None
         self._topology: PipelineTopology | None = None
-        self._groups: PipelineGroups | None = None
         self._full_keys: list[str] = []
         self._pending_partition: Partition | None = None
         self._mirror: MetricsMirror | None = None
         self._summaries: list[Any] = []  # ModelSummary callbacks told to summarise the whole pipeline
         self._interference_cb: Callback | None = None
         self._sync_dist_filter: Any = None
-        self._failure: FailureHandler | None = None
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ configuration, read-only
@@ -219,7 +211,12 @@ class DynPipeStrategy(DDPStrategy):
     @property
     def partition(self) -> Partition | None:
         """The partition in use (``None`` outside fit/validate/test/predict)."""
-        return self.shard.partition if self.shard is not None else None
+        return self.stage.partition if self.stage is not None else None
+
+    @property
+    def executor(self) -> StageExecutor | None:
+        """This process's stage executor (``None`` outside fit/validate/test/predict)."""
+        return self.stage.executor if self.stage is not None else None
 
     def _current_partition(self) -> Partition | None:
         return self.partition
@@ -277,9 +274,6 @@ class DynPipeStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard data across pipelines only: every stage of a pipeline must see the same batches.
         return {"num_replicas": self.topology.dp_size, "rank": self.dp_rank}
-
-    def _rank_of_stage(self, stage_idx: int) -> int:
-        return self.topology.rank_of(self.dp_rank, stage_idx)
 
     @override
     def _configure_launcher(self) -> None:
@@ -353,29 +347,30 @@ class DynPipeStrategy(DDPStrategy):
         partition = decision.partition
         self._planned_num_stages = partition.num_stages
         self._topology = PipelineTopology(partition.num_stages, world)
-        self._groups = build_groups(
-            self._topology, self.global_rank, self._get_process_group_backend(), self.config.timeout
+        module = self._lm
+        self.stage = PipelineStage.start(
+            pipeline=pipeline,
+            partition=partition,
+            topology=self._topology,
+            rank=self.global_rank,
+            backend=self._get_process_group_backend(),
+            timeout=self.config.timeout,
+            device=self.root_device,
+            schedule=self.config.schedule,
+            num_microbatches=self.num_microbatches,
+            optimizers=self.optimizers if fitting else [],
+            first_stage_input=lambda batch: first_stage_input(module, batch),
+            last_stage_loss=self._last_stage_loss,
+            before_update=self._before_update,
         )
-        # record the optimizer slots before partitioning: offloading may replace Parameter objects
-        self.slots = OptimizerSlots.record(pipeline, self.optimizers) if fitting else None
-        self.shard = StageShard(pipeline, partition, self.stage_idx)
-        self.shard.partition_module()
-        if self.slots is not None:
-            self.slots.refilter(self.optimizers, self.shard)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_callbacks(trainer, fitting)
-        self._failure = FailureHandler(self.stage_idx, self.global_rank)
-        self._make_executor(build_channels(self._groups, self.root_device, self._timeout_s, self._failure))
         rank_zero_info(
             f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {partition}, "
             f"schedule={self.schedule}, num_microbatches={self.num_microbatches}"
         )
-
-    @property
-    def _timeout_s(self) -> float:
-        return float(self._timeout.total_seconds()) if self._timeout is not None else 1800.0
 
     def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
         """Metrics rebinding, the metrics mirror, the warning filter, and for fits the monitor and the summary."""
@@ -396,8 +391,8 @@ class DynPipeStrategy(DDPStrategy):
             replicas=self.topology.dp_size,
         )
         if not self._summaries:
-            assert self.shard is not None
-            self._summaries = summary.install(callbacks, self._pipeline, self.shard.offloaded)
+            assert self.stage is not None
+            self._summaries = summary.install(callbacks, self._pipeline, self.stage.shard.offloaded)
         if self.config.interference is not None and self._interference_cb is None:
             from lightning_dynpipe.interference.callback import InterferenceCallback
 
@@ -410,7 +405,7 @@ class DynPipeStrategy(DDPStrategy):
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover - torchmetrics ships with lightning
             return
-        groups = self._groups
+        groups = self.stage.groups if self.stage is not None else None
         for m in self._lm.modules():
             if isinstance(m, Metric):
                 # Only the last stage updates metrics; syncing over WORLD would wait for the other stages forever.
@@ -418,23 +413,6 @@ class DynPipeStrategy(DDPStrategy):
                     m.distributed_available_fn = lambda: False
                 else:
                     m.process_group = groups.stage_dp
-
-    def _make_executor(self, channels: StageChannels) -> None:
-        assert self.shard is not None
-        module = self._lm
-        self.executor = StageExecutor(
-            stage_module=self.shard.stage_module(),
-            stage_idx=self.stage_idx,
-            num_stages=self.num_stages,
-            schedule=self.config.schedule,
-            num_microbatches=self.num_microbatches,
-            channels=channels,
-            first_stage_input=lambda batch: first_stage_input(module, batch),
-            last_stage_loss=self._last_stage_loss,
-            optimizer_step=self._stage_optimizer_step,
-        )
-        executor = self.executor
-        self._pipeline().forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ live repartitioning
     def repartition(self, balance: list[int] | Partition) -> None:
@@ -465,25 +443,11 @@ class DynPipeStrategy(DDPStrategy):
 
     def _migrate(self, new: Partition, step: int) -> MigrationRecord:
         """Drains, moves the layers that change stage (collective over each pipeline), rebuilds the stage."""
-        assert self.shard is not None and self._groups is not None and self.executor is not None
+        stage = self.stage
+        assert stage is not None
         t0 = time.perf_counter()
-        old = self.shard.partition
-        moves = plan_moves(old, new)
-        self.drain()
-        optimizer = self.optimizers[0] if self.optimizers else None
-        sent = apply_moves(
-            self.shard,
-            moves,
-            optimizer,
-            rank=self.global_rank,
-            rank_of_stage=self._rank_of_stage,
-            group=self._groups.pipeline,
-            device=self.root_device,
-        )
-        self.shard.set_partition(new)
-        if self.slots is not None:
-            self.slots.refilter(self.optimizers, self.shard)
-        self._make_executor(self.executor.channels)
+        old = stage.partition
+        moves, sent = stage.migrate(new)
         # Every rank must see the same pause: policies use it, and ranks that decide differently deadlock.
         agreed = torch.tensor([time.perf_counter() - t0, float(sent)], dtype=torch.float64)
         if self.world_size > 1:
@@ -508,19 +472,9 @@ class DynPipeStrategy(DDPStrategy):
             )
         return loss
 
-    def _stage_optimizer_step(self) -> None:
-        if not self.optimizers:
-            return
-        opt = self.optimizers[0]
-        if self.topology.dp_size > 1:
-            assert self._groups is not None
-            params = [p for g in opt.param_groups for p in g["params"]]
-            coll = DistCollectives(self._groups.stage_dp, self.global_rank)
-            average_replica_gradients(params, coll, self.topology.dp_size)
+    def _before_update(self, optimizer: Optimizer) -> None:
         # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
-        self.precision_plugin._after_closure(self._lm, opt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.precision_plugin._after_closure(self._lm, optimizer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -595,23 +549,23 @@ class DynPipeStrategy(DDPStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None:
-            if self._groups is None or self.topology.dp_size == 1:
+            if self.stage is None or self.topology.dp_size == 1:
                 return tensor
-            group = self._groups.stage_dp
+            group = self.stage.groups.stage_dp
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if group is None and self._groups is not None:
-            group = self._groups.stage_dp
+        if group is None and self.stage is not None:
+            group = self.stage.groups.stage_dp
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # The last stage (global rank 0) is authoritative: the monitored metrics are computed there.
         t = torch.tensor(int(decision), device=self.root_device)
-        if self._groups is not None and self.topology.dp_size > 1 and self.is_last_stage:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups.last_stage_dp)
+        if self.stage is not None and self.topology.dp_size > 1 and self.is_last_stage:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.stage.groups.last_stage_dp)
             dp = self.topology.dp_size
             t = torch.tensor(int(t.item() == dp) if all else int(t.item() > 0), device=self.root_device)
         if self.world_size > 1:
@@ -619,28 +573,12 @@ class DynPipeStrategy(DDPStrategy):
         return bool(t.item())
 
     # ------------------------------------------------------------------ partition-independent state
-    def _pipeline_collectives(self) -> DistCollectives:
-        assert self._groups is not None
-        return DistCollectives(self._groups.pipeline, self.global_rank)
-
-    def _gather_layers(self, root: int | None) -> dict[int, dict[str, Tensor]]:
-        assert self.shard is not None
-        if root is not None and self.dp_rank != 0:
-            return {}  # one pipeline replica writes the checkpoint
-        return checkpoint.gather_layer_states(
-            self.shard,
-            self._pipeline_collectives(),
-            rank_of_stage=self._rank_of_stage,
-            device=self.root_device,
-            root=root,
-        )
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.shard is None or self.num_stages == 1:
+        if self.stage is None or self.num_stages == 1:
             return super().lightning_module_state_dict()
         self.drain()
-        layers = self._gather_layers(root=0)
+        layers = self.stage.layer_states(root=0)
         if self.global_rank != 0:
             return {}
         prefix = self.config.pipeline_attr + "."
@@ -648,35 +586,25 @@ class DynPipeStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.shard is None or self.slots is None or not self.slots.canonical:
+        if self.stage is None or self.stage.slots is None:
             return super().optimizer_state(optimizer)
         self.drain()
-        opt_idx = self.optimizers.index(optimizer)
-        coll = self._pipeline_collectives() if self.num_stages > 1 else None
-        return checkpoint.gather_optimizer_state(
-            optimizer.state_dict(),
-            self.slots.canonical[opt_idx],
-            self.slots.group_sizes[opt_idx],
-            gather=coll.all_gather_object if coll is not None else (lambda obj: [obj]),
-            is_root=self.global_rank == 0,
-        )
+        return self.stage.optimizer_state(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint_: Mapping[str, Any]) -> None:
-        if self.slots is None or not self.slots.canonical:
+        if self.stage is None or self.stage.slots is None:
             return super().load_optimizer_state_dict(checkpoint_)
-        for opt, full, canon in zip(self.optimizers, checkpoint_["optimizer_states"], self.slots.canonical):
-            checkpoint.load_optimizer_state(opt, full, canon)
-            _optimizers_to_device([opt], self.root_device)
+        self.stage.load_optimizer_states(checkpoint_["optimizer_states"])
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
-        if self.shard is None:
+        if self.stage is None:
             return super().load_model_state_dict(checkpoint_, strict=strict)
         prefix = self.config.pipeline_attr + "."
-        self._lm.load_state_dict(
-            checkpoint.owned_state_dict(checkpoint_["state_dict"], prefix, self.shard.owned), strict=False
-        )
+        owned = checkpoint.owned_state_dict(checkpoint_["state_dict"], prefix, self.stage.shard.owned)
+        self._lm.load_state_dict(owned, strict=False)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -694,8 +622,8 @@ class DynPipeStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Tell the other stages at once, so they end with an error naming this stage instead of waiting.
         # (Not on Ctrl-C: Lightning's launcher kills the other processes itself.)
-        if self._failure is not None and not isinstance(exception, KeyboardInterrupt):
-            self._failure.local_failure(exception)
+        if self.stage is not None and not isinstance(exception, KeyboardInterrupt):
+            self.stage.failure.local_failure(exception)
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
@@ -703,33 +631,17 @@ class DynPipeStrategy(DDPStrategy):
     def teardown(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        if self.lightning_module is not None and self.shard is not None:
-            pipeline = self._pipeline()
-            if "forward" in pipeline.__dict__:
-                del pipeline.forward
-            if self.executor is not None and not interrupted:
-                self.executor.drain()
-                self.executor.channels.close()
-            if not interrupted:
-                if self.shard.offloaded:  # put every layer back into the user's pipeline on every rank
-                    self.shard.restore(self._gather_layers(root=None), self.root_device)
-            else:
+        if self.stage is not None:
+            self.stage.close(interrupted)  # puts the whole model back into the user's module unless interrupted
+            if interrupted:
                 rank_zero_warn(
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
                     "(other layers are placeholders). Load the last checkpoint for the full model."
                 )
         self._remove_callbacks(trainer)
-        self.executor = None
-        self.shard = None
+        self.stage = None
         self._planned_num_stages = None
         self._topology = None
-        if self._groups is not None:
-            if not interrupted:
-                # No rank may tear its channel groups down while a peer is still completing sends on them.
-                if self._groups.pipeline is not None and self.num_stages > 1:
-                    dist.barrier(group=self._groups.pipeline)
-                self._groups.destroy()
-            self._groups = None
         super().teardown()
 
     def _remove_callbacks(self, trainer: Trainer | None) -> None:
@@ -771,7 +683,5 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_groups"] = None
-        state["executor"] = None
-        state["_failure"] = None
+        state["stage"] = None  # process groups and threads do not travel
         return state

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import lightning.pytorch as L
 import pytest
 import torch
@@ -51,7 +53,7 @@ def test_constructor_refusals() -> None:
 
 
 def test_timeout_accepts_seconds() -> None:
-    assert DynPipeStrategy(timeout=12)._timeout_s == 12.0
+    assert DynPipeStrategy(timeout=12).config.timeout == timedelta(seconds=12)
 
 
 def test_adaptation_needs_the_monitor() -> None:

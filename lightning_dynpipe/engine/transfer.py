@@ -1,4 +1,4 @@
-"""Moving layers' weights, buffers and optimizer state between stages as tensors (no pickle).
+"""Moving layers' weights, buffers and optimizer state between stages as tensors (no pickle): live migration.
 
 Both sides hold the layer's module structure: the sender the live layer, the receiver a ``meta`` skeleton
 with the same parameter and buffer shapes, so the weights travel as bare tensors in ``state_dict`` order.
@@ -20,9 +20,9 @@ from torch.optim import Optimizer
 from lightning_dynpipe.engine.p2p import decode_text, encode_text
 from lightning_dynpipe.engine.shard import StageShard
 from lightning_dynpipe.engine.wire import HEADER_LEN, MessageKind, decode, encode
-from lightning_dynpipe.repartition.plan import LayerMove
+from lightning_dynpipe.plan.moves import LayerMove
 
-__all__ = ["send_layer", "recv_layer", "apply_moves"]
+__all__ = ["send_layer", "recv_layer", "move_layers"]
 
 
 def _send_tensors(tensors: list[Tensor], dst: int, group: Any) -> int:
@@ -95,7 +95,7 @@ def _capturable(optimizer: Optimizer) -> bool:
     return any(bool(g.get("capturable", False)) or bool(g.get("fused", False)) for g in optimizer.param_groups)
 
 
-def apply_moves(
+def move_layers(
     shard: StageShard,
     moves: Sequence[LayerMove],
     optimizer: Optimizer | None,
@@ -109,7 +109,8 @@ def apply_moves(
 
     Collective over the pipeline (every rank walks the same moves in the same order; only the two ranks of a
     move take part in it). The sender's layer goes to ``meta`` behind a placeholder, the receiver materialises
-    its skeleton. The caller then records the new partition on the shard and refilters the optimizer.
+    its skeleton. The caller then records the new partition on the shard and refilters the optimizer
+    (:meth:`~lightning_dynpipe.engine.stage.PipelineStage.migrate` does all of it).
     """
     sent = 0
     for move in moves:

@@ -1,4 +1,4 @@
-"""The migration plan: a pure diff of two partitions."""
+"""The layers a repartition moves: a pure diff of two partitions (every rank executes it in the same order)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,259 @@
+"""One process's part of a running pipeline: its process groups, stage shard, optimizer slots and executor.
+
+:class:`PipelineStage` is what the strategy builds at set-up and tears down at the end of a run. It owns the
+engine objects and the operations on them that need several of them at once: moving layers between stages,
+gathering a partition-independent state, and putting the whole model back into the user's module. It knows
+nothing of Lightning: user code reaches it as plain callables (stage 0's input, the last stage's loss, the
+hooks to run before each optimizer update).
+
+Example::
+
+    stage = PipelineStage.start(pipeline=model.pipeline, partition=Partition((2, 1)), topology=topo, rank=rank,
+                                backend="gloo", timeout=timedelta(minutes=30), device=torch.device("cpu"),
+                                schedule="async", num_microbatches=4, optimizers=[opt],
+                                first_stage_input=lambda b: b[0], last_stage_loss=loss_fn,
+                                before_update=lambda opt: None)
+    loss = stage.executor.train_step(batch)
+    stage.close(interrupted=False)      # drains, restores every layer, destroys the groups
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_dynpipe.engine import checkpoint
+from lightning_dynpipe.engine.collectives import DistCollectives
+from lightning_dynpipe.engine.executor import StageExecutor
+from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
+from lightning_dynpipe.engine.p2p import FailureHandler
+from lightning_dynpipe.engine.replica import average_replica_gradients
+from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
+from lightning_dynpipe.engine.topology import PipelineTopology
+from lightning_dynpipe.engine.transfer import move_layers
+from lightning_dynpipe.plan.moves import LayerMove, plan_moves
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.schedule import Schedule
+
+__all__ = ["PipelineStage"]
+
+
+class PipelineStage:
+    """The running stage of this process (build it with :meth:`start`).
+
+    Attributes:
+        shard: the stage's layers inside the user's pipeline.
+        slots: where each parameter sits in the optimizers built on the whole model (``None`` outside fit).
+        executor: runs the stage's instructions.
+        groups: the process groups of this rank.
+        topology: stages and replicas on global ranks.
+        rank: this process's global rank.
+        failure: spreads a failure to the neighbouring stages.
+    """
+
+    def __init__(
+        self,
+        *,
+        shard: StageShard,
+        slots: OptimizerSlots | None,
+        groups: PipelineGroups,
+        topology: PipelineTopology,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+        schedule: Schedule | str,
+        num_microbatches: int,
+        optimizers: Sequence[Optimizer],
+        first_stage_input: Callable[[Any], Any],
+        last_stage_loss: Callable[[Any, int], Tensor],
+        before_update: Callable[[Optimizer], None],
+    ) -> None:
+        self.shard = shard
+        self.slots = slots
+        self.groups = groups
+        self.topology = topology
+        self.rank = rank
+        self.device = device
+        self.optimizers = list(optimizers)
+        self._schedule = schedule
+        self._num_microbatches = num_microbatches
+        self._first_stage_input = first_stage_input
+        self._last_stage_loss = last_stage_loss
+        self._before_update = before_update
+        self.failure = FailureHandler(self.stage_idx, rank)
+        self.executor = self._executor(build_channels(groups, device, timeout_s, self.failure))
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        pipeline: nn.Sequential,
+        partition: Partition,
+        topology: PipelineTopology,
+        rank: int,
+        backend: str | None,
+        timeout: timedelta,
+        device: torch.device,
+        schedule: Schedule | str,
+        num_microbatches: int,
+        optimizers: Sequence[Optimizer],
+        first_stage_input: Callable[[Any], Any],
+        last_stage_loss: Callable[[Any, int], Tensor],
+        before_update: Callable[[Optimizer], None],
+    ) -> PipelineStage:
+        """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
+
+        ``optimizers`` must have been built on the whole model (their groups fix the canonical order); they are
+        refiltered in place to this stage's parameters. Pass ``[]`` outside fit.
+        """
+        groups = build_groups(topology, rank, backend, timeout)
+        # record the optimizer slots before partitioning: offloading may replace Parameter objects
+        slots = OptimizerSlots.record(pipeline, optimizers) if optimizers else None
+        shard = StageShard(pipeline, partition, topology.coords(rank)[1])
+        shard.partition_module()
+        if slots is not None:
+            slots.refilter(optimizers, shard)
+        return cls(
+            shard=shard,
+            slots=slots,
+            groups=groups,
+            topology=topology,
+            rank=rank,
+            device=device,
+            timeout_s=timeout.total_seconds(),
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            optimizers=optimizers,
+            first_stage_input=first_stage_input,
+            last_stage_loss=last_stage_loss,
+            before_update=before_update,
+        )
+
+    # ------------------------------------------------------------------ where this stage sits
+    @property
+    def stage_idx(self) -> int:
+        """``k``: the stage this process runs."""
+        return self.topology.coords(self.rank)[1]
+
+    @property
+    def dp_rank(self) -> int:
+        """The pipeline replica this process belongs to."""
+        return self.topology.coords(self.rank)[0]
+
+    @property
+    def partition(self) -> Partition:
+        """The partition in use."""
+        return self.shard.partition
+
+    def rank_of_stage(self, stage_idx: int) -> int:
+        """The global rank of stage ``stage_idx`` in this process's pipeline."""
+        return self.topology.rank_of(self.dp_rank, stage_idx)
+
+    def _pipeline_collectives(self) -> DistCollectives:
+        return DistCollectives(self.groups.pipeline, self.rank)
+
+    # ------------------------------------------------------------------ running
+    def _executor(self, channels: Any) -> StageExecutor:
+        executor = StageExecutor(
+            stage_module=self.shard.stage_module(),
+            stage_idx=self.stage_idx,
+            num_stages=self.topology.num_stages,
+            schedule=self._schedule,
+            num_microbatches=self._num_microbatches,
+            channels=channels,
+            first_stage_input=self._first_stage_input,
+            last_stage_loss=self._last_stage_loss,
+            optimizer_step=self._optimizer_step,
+        )
+        # The user's self.pipeline(x) call is this stage's part of the pipeline.
+        self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
+        return executor
+
+    def _optimizer_step(self) -> None:
+        if not self.optimizers:
+            return
+        opt = self.optimizers[0]
+        if self.topology.dp_size > 1:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            average_replica_gradients(params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size)
+        self._before_update(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def migrate(self, new: Partition) -> tuple[tuple[LayerMove, ...], int]:
+        """Drains, moves the layers that change stage, rebuilds the stage; returns the moves and the bytes sent.
+
+        Collective over the pipeline: every rank calls it with the same ``new``. The layers travel with their
+        buffers and optimizer state; the optimizer groups are refiltered in place.
+        """
+        moves = plan_moves(self.shard.partition, new)
+        self.executor.drain()
+        sent = move_layers(
+            self.shard,
+            moves,
+            self.optimizers[0] if self.optimizers else None,
+            rank=self.rank,
+            rank_of_stage=self.rank_of_stage,
+            group=self.groups.pipeline,
+            device=self.device,
+        )
+        self.shard.set_partition(new)
+        if self.slots is not None:
+            self.slots.refilter(self.optimizers, self.shard)
+        self.executor = self._executor(self.executor.channels)
+        return moves, sent
+
+    # ------------------------------------------------------------------ partition-independent state
+    def layer_states(self, root: int | None) -> dict[int, dict[str, Tensor]]:
+        """Every layer's ``state_dict`` on ``root`` (``None``: on every rank of the pipeline). Collective."""
+        if root is not None and self.dp_rank != 0:
+            return {}  # one pipeline replica writes the checkpoint
+        return checkpoint.gather_layer_states(
+            self.shard, self._pipeline_collectives(), rank_of_stage=self.rank_of_stage, device=self.device, root=root
+        )
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The plain optimizer's ``state_dict`` on global rank 0, ``{}`` elsewhere. Collective over the pipeline."""
+        assert self.slots is not None
+        idx = self.optimizers.index(optimizer)
+        gather = self._pipeline_collectives().all_gather_object if self.topology.num_stages > 1 else (lambda o: [o])
+        return checkpoint.gather_optimizer_state(
+            optimizer.state_dict(),
+            self.slots.canonical[idx],
+            self.slots.group_sizes[idx],
+            gather=gather,
+            is_root=self.rank == 0,
+        )
+
+    def load_optimizer_states(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Loads plain optimizer ``state_dict``\\ s: each optimizer takes its own parameters' entries."""
+        assert self.slots is not None
+        for opt, full, canon in zip(self.optimizers, states, self.slots.canonical):
+            checkpoint.load_optimizer_state(opt, full, canon)
+
+    # ------------------------------------------------------------------ the end
+    def close(self, interrupted: bool) -> None:
+        """Ends the stage: drains, puts every layer back into the user's pipeline, destroys the groups.
+
+        After an interruption (a failure, Ctrl-C) nothing collective runs: the module keeps only this stage's
+        layers, and the groups are left to the process's exit.
+        """
+        pipeline = self.shard.pipeline
+        if "forward" in pipeline.__dict__:
+            del pipeline.forward
+        if interrupted:
+            return
+        self.executor.drain()
+        self.executor.channels.close()
+        if self.shard.offloaded:
+            self.shard.restore(self.layer_states(root=None), self.device)
+        # No rank may tear its channel groups down while a peer is still completing sends on them.
+        if self.groups.pipeline is not None and self.topology.num_stages > 1:
+            dist.barrier(group=self.groups.pipeline)
+        self.groups.destroy()

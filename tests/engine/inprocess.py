@@ -1,0 +1,88 @@
+"""A whole pipeline in one process: every stage's StageExecutor on its own thread, over loopback channels.
+
+The engine's numerics can then be checked against the single-process references without starting processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_dynpipe.engine.executor import StageExecutor
+from lightning_dynpipe.engine.loopback import loopback_channels, run_stages
+from lightning_dynpipe.engine.shard import StageShard
+from lightning_dynpipe.plan.partition import Partition
+
+
+@dataclass
+class InProcessPipeline:
+    """Executors of every stage of ``pipeline`` (edited in place: each stage holds its own layers)."""
+
+    executors: list[StageExecutor]
+    optimizers: list[Optimizer | None]
+    shards: list[StageShard]
+
+    def train(self, batches: Sequence[Any]) -> list[list[float]]:
+        """Runs one ``train_step`` per batch on every stage, then drains; returns each stage's step losses."""
+
+        def run(k: int) -> list[float]:
+            losses = [self.executors[k].train_step(b) for b in batches]
+            self.executors[k].drain()
+            return losses
+
+        return run_stages(run, len(self.executors))
+
+
+def build(
+    pipeline: nn.Sequential,
+    balance: Sequence[int],
+    *,
+    schedule: str,
+    num_microbatches: int,
+    make_optimizer: Callable[[list[nn.Parameter]], Optimizer],
+    loss_fn: Callable[[Any, Any], Tensor],
+    input_fn: Callable[[Any], Any] = lambda batch: batch[0],
+) -> InProcessPipeline:
+    """Splits ``pipeline`` by ``balance`` into stages that share its layers (no copies), one executor each."""
+    partition = Partition.from_balance(balance, len(pipeline))
+    S = partition.num_stages
+    channels = loopback_channels(S, timeout=30.0)
+    executors: list[StageExecutor] = []
+    optimizers: list[Optimizer | None] = []
+    shards: list[StageShard] = []
+    for k in range(S):
+        shard = StageShard(pipeline, partition, k)  # not partitioned: all stages share the one module
+        stage = shard.stage_module()
+        params = list(stage.parameters())
+        opt = make_optimizer(params) if params else None
+
+        def step(opt: Optimizer | None = opt) -> None:
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        holder: list[StageExecutor] = []
+
+        def last_loss(mb: Any, slot: int, holder: list[StageExecutor] = holder) -> Tensor:
+            return loss_fn(holder[0].local_forward(input_fn(mb) if S == 1 else None), mb)
+
+        executor = StageExecutor(
+            stage_module=stage,
+            stage_idx=k,
+            num_stages=S,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            channels=channels[k],
+            first_stage_input=input_fn,
+            last_stage_loss=last_loss if k == S - 1 else None,
+            optimizer_step=step,
+        )
+        holder.append(executor)
+        executors.append(executor)
+        optimizers.append(opt)
+        shards.append(shard)
+    return InProcessPipeline(executors, optimizers, shards)

@@ -1,0 +1,77 @@
+"""The executor's numerics with every stage in one process (loopback channels, one thread per stage).
+
+``async`` equals the single-process PipeDream replay bit for bit; ``sync`` and ``gpipe`` equal plain training
+on the whole batch to float tolerance. The multi-process tests in tests/strategy check the same through
+Lightning and gloo; these run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dynpipe.calibration import replay_async
+from tests.engine.inprocess import build
+
+M = 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh()),
+        nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+        nn.Linear(16, 16),
+        nn.Linear(16, 3),
+    )
+
+
+def _batches(n: int = 5) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
+
+
+def _loss(out: Tensor, mb: tuple[Tensor, Tensor]) -> Tensor:
+    return F.cross_entropy(out, mb[1])
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("balance", [[2, 2], [1, 2, 1], [1, 1, 1, 1]])
+def test_async_equals_the_pipedream_replay_bit_for_bit(balance: list[int]) -> None:
+    model, reference = _model(), _model()
+    losses = build(model, balance, schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss).train(
+        _batches()
+    )
+    ref_losses = replay_async(reference, balance, _sgd, _batches(), M, _loss)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    step_means = [sum(ref_losses[i : i + M]) / M for i in range(0, len(ref_losses), M)]
+    assert losses[-1] == pytest.approx(step_means, abs=0)  # the last stage reports the mean loss of each batch
+
+
+@pytest.mark.parametrize("schedule", ["sync", "gpipe"])
+def test_flush_schedules_equal_plain_training(schedule: str) -> None:
+    model = _model()
+    plain = copy.deepcopy(model)
+    build(model, [1, 2, 1], schedule=schedule, num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss).train(_batches())
+    opt = _sgd(list(plain.parameters()))
+    for x, y in _batches():
+        opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_stash_depth_is_bounded_by_s_minus_k() -> None:
+    pipe = build(_model(), [1, 1, 1, 1], schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss)
+    pipe.train(_batches(3))
+    depths = [e.stats.max_stash_depth for e in pipe.executors]
+    assert depths == [4, 3, 2, 0]
