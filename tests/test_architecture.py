@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "profiling": {"errors", "plan", "engine.microbatch"},
     "engine": {"errors", "schedule", "plan"},
     "monitor": {"errors"},
-    "calibration": {"errors", "plan", "engine.microbatch"},
+    "calibration": {"errors", "plan", "engine.microbatch", "engine.updates"},
     "repartition": {"errors", "plan", "schedule", "predictor"},
     "interference": {"errors", "monitor"},
     "demos": {"errors"},

@@ -26,6 +26,7 @@ from torch.func import functional_call
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.microbatch import split_microbatches
+from lightning_dynpipe.engine.updates import scaled_lr
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 
@@ -54,6 +55,7 @@ def replay_async(
     drain_after_steps: Collection[int] = (),
     repartitions: Mapping[int, Sequence[int]] | None = None,
     on_step_end: Callable[[int, list[float]], None] | None = None,
+    lr_scale: float = 1.0,
 ) -> list[float]:
     """Trains ``pipeline`` in place with PipeDream semantics; returns the loss of every micro-batch.
 
@@ -72,6 +74,7 @@ def replay_async(
         repartitions: ``{step: balance}``: after that step the pipeline drains and continues with the new
             balance (what :meth:`DynPipeStrategy.repartition` does; the optimizer state moves with the layers).
         on_step_end: called with ``(step, losses of that step)`` after each step.
+        lr_scale: multiplies the learning rate of every update, as ``DynPipeStrategy(lr_scale=...)`` does.
     """
     part = Partition.from_balance(balance, len(pipeline))
     S = part.num_stages
@@ -115,7 +118,8 @@ def replay_async(
                         g = next(grads)
                         p.grad = None if g is None else g.clone()
                 for opt in opts[k]:
-                    opt.step()
+                    with scaled_lr(opt, lr_scale):
+                        opt.step()
                     opt.zero_grad(set_to_none=True)
                 history[k][i + 1] = snapshot(k)
                 for v in [v for v in history[k] if v < i + 1 - stale[k]]:

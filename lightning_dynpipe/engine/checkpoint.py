@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.collectives import Collectives
-from lightning_dynpipe.engine.shard import StageShard
+from lightning_dynpipe.engine.shard import StageShard, layer_tensors
 from lightning_dynpipe.errors import ConfigurationError
 
 __all__ = [
@@ -39,11 +39,14 @@ def gather_layer_states(
     rank_of_stage: Callable[[int], int],
     device: torch.device,
     root: int | None,
+    everything: bool = False,
 ) -> dict[int, dict[str, Tensor]]:
     """Every layer's ``state_dict``, by layer index: on every member (``root=None``) or only on ``root``.
 
     Collective over the pipeline: every member calls it with the same arguments. Other members than
-    ``root`` return ``{}`` when ``root`` is given.
+    ``root`` return ``{}`` when ``root`` is given. With ``everything``, each layer's
+    :func:`~lightning_dynpipe.engine.shard.layer_tensors` instead (non-persistent buffers too): what it takes to
+    put the layer back into a module, rather than what a checkpoint holds.
 
     Args:
         shard: this member's stage shard (its own layers and the skeletons of the others).
@@ -51,14 +54,15 @@ def gather_layer_states(
         rank_of_stage: the global rank of each stage in this pipeline.
         device: where received tensors are allocated.
         root: the member that collects everything, or ``None`` for all of them.
+        everything: gather every tensor of each layer, not only its ``state_dict``.
     """
     pipeline, partition = shard.pipeline, shard.partition
-    own = {i: pipeline[i].state_dict() for i in shard.owned}
+    own = {i: layer_tensors(pipeline[i]) if everything else pipeline[i].state_dict() for i in shard.owned}
     out: dict[int, dict[str, Tensor]] = {}
     for layer_idx in range(partition.num_layers):
         owner = rank_of_stage(partition.stage_of_layer(layer_idx))
         if root is None:
-            sd = own[layer_idx] if layer_idx in own else shard.empty_state(layer_idx, device)
+            sd = own[layer_idx] if layer_idx in own else shard.empty_state(layer_idx, device, everything=everything)
             if partition.num_stages > 1:
                 for t in sd.values():
                     coll.broadcast(t, src=owner)
@@ -67,7 +71,7 @@ def gather_layer_states(
             if owner == root:
                 out[layer_idx] = own[layer_idx]
             else:
-                sd = shard.empty_state(layer_idx, device)
+                sd = shard.empty_state(layer_idx, device, everything=everything)
                 for t in sd.values():
                     coll.recv(t, src=owner)
                 out[layer_idx] = sd

@@ -131,6 +131,7 @@ class _MicroBatch:
     input_grads: list[Tensor | None] = field(default_factory=list)
     out_grads: list[Tensor | None] | None = None
     scale: float = 1.0
+    calls: int = 0  # how often the user's step called the pipeline on this micro-batch (the rule: once)
 
 
 class StageExecutor:
@@ -317,6 +318,15 @@ class StageExecutor:
                 "self.pipeline(...) was called outside of a pipeline step. Under DynPipeStrategy the pipeline "
                 "can only be called once, from training_step/validation_step/test_step/predict_step."
             )
+        mb.calls += 1
+        if mb.calls > 1:
+            raise ConfigurationError(
+                "self.pipeline(...) was called twice in one step. Under DynPipeStrategy each step runs the pipeline "
+                "once per micro-batch: the other stages have computed one activation for it, so a second call "
+                "cannot see its own input (it would silently get the first call's result). Call the pipeline once, "
+                "e.g. put two views of a batch in one call with torch.cat along the batch dimension and split the "
+                "output."
+            )
         value = x if self.is_first else mb.input_value
         t0 = time.perf_counter()
         if mb.version is not None:
@@ -389,6 +399,13 @@ class StageExecutor:
                     if self.schedule.accumulates:  # one update for the step: weight by micro-batch size
                         mb.scale = self._step_sizes[mb.slot] / sum(self._step_sizes)
                     mb.loss = self._last_stage_loss(mb.batch, mb.slot)
+                    if mb.calls == 0:
+                        raise ConfigurationError(
+                            "training_step returned a loss without calling self.pipeline(...). Under DynPipeStrategy "
+                            "every training step must call the pipeline exactly once: the other stages have already "
+                            "computed this micro-batch, and a loss that does not come from the pipeline's output "
+                            "would train nothing they hold. Call self.pipeline(x) (or self(x)) in training_step."
+                        )
                     mb.loss_value = float(mb.loss.detach())
                     self._step_losses.append(mb.loss_value)
                 else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynpipe.engine.executor import StageChannels
-from lightning_dynpipe.engine.p2p import FailureHandler, RecvChannel, SendChannel
+from lightning_dynpipe.engine.p2p import FailureHandler, RecvChannel, SendChannel, wait_for_receivers
 from lightning_dynpipe.engine.topology import PipelineTopology
 
 __all__ = ["PipelineGroups", "build_groups", "build_channels", "destroy_default_group_at_exit"]
@@ -22,11 +24,19 @@ __all__ = ["PipelineGroups", "build_groups", "build_channels", "destroy_default_
 log = logging.getLogger(__name__)
 _exit_hook_registered = False
 _EXIT_QUIESCE_S = 0.05
+_EXIT_RECEIVER_WAIT_S = 10.0
 
 
 def _destroy_default_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
+    # After a failure a receiver thread may still wait for a peer that is on its way out; its connection closes
+    # within moments, and only then may the groups go (the exit would abort under a blocked receive otherwise).
+    still = wait_for_receivers(_EXIT_RECEIVER_WAIT_S)
+    if still:
+        log.warning("%d DynPipe receiver thread(s) still blocked at exit; ending the process without clean-up.", still)
+        sys.stderr.flush()
+        os._exit(1)
     try:
         dist.destroy_process_group()
     except Exception as exc:  # exiting anyway; a peer may be gone already

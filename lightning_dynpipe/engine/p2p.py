@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_OUTSTANDING = 64
+_RECEIVERS: weakref.WeakSet[RecvChannel] = weakref.WeakSet()  # channels whose thread may still be running
+
+
+def wait_for_receivers(timeout_s: float) -> int:
+    """Waits up to ``timeout_s`` in all for every receiver thread of this process to end; returns how many still run.
+
+    A receiver thread blocked in a receive inside the communication library must not outlive the process
+    groups: destroying them under it (at exit) ends the process with SIGABRT ("terminate called without an
+    active exception"). After a failure the peers close their connections within moments, which ends those
+    receives; this waits for that.
+    """
+    deadline = time.monotonic() + timeout_s
+    for ch in list(_RECEIVERS):
+        ch._thread.join(max(0.0, deadline - time.monotonic()))
+    return sum(1 for ch in list(_RECEIVERS) if ch._thread.is_alive())
 
 
 @dataclass
@@ -220,6 +236,7 @@ class RecvChannel:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dynpipe-recv[{name}]", daemon=True)
         self._thread.start()
+        _RECEIVERS.add(self)
 
     def _run(self) -> None:
         if self.device.type == "cuda":

@@ -32,7 +32,31 @@ from torch.optim import Optimizer
 
 from lightning_dynpipe.plan.partition import Partition
 
-__all__ = ["Placeholder", "StageShard", "OptimizerSlots"]
+__all__ = ["Placeholder", "StageShard", "OptimizerSlots", "layer_tensors", "load_layer_tensors"]
+
+
+def layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
+    """Every tensor a layer needs to compute: its parameters and all its buffers, persistent or not, by name.
+
+    ``state_dict()`` leaves out non-persistent buffers (causal masks, rotary tables, ``position_ids``), which a
+    layer still needs when it moves to another stage or comes back into the user's module; this is what travels.
+    """
+    out: dict[str, Tensor] = {name: p.detach() for name, p in layer.named_parameters()}
+    out.update(layer.named_buffers())
+    return out
+
+
+def load_layer_tensors(layer: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """Copies ``tensors`` (from :func:`layer_tensors` of the same kind of layer) into ``layer``, in place."""
+    mine = layer_tensors(layer)
+    if mine.keys() != tensors.keys():
+        raise RuntimeError(
+            f"Layer tensors do not match: expected {sorted(mine)}, got {sorted(tensors)} (the stages built different "
+            "models; build the same model on every rank)."
+        )
+    with torch.no_grad():
+        for name, t in mine.items():
+            t.copy_(tensors[name])
 
 
 class Placeholder(nn.Module):
@@ -110,16 +134,20 @@ class StageShard:
             if isinstance(layer, Placeholder):
                 layer.owner_stage = partition.stage_of_layer(i)
 
-    def empty_state(self, layer_idx: int, device: torch.device) -> dict[str, Tensor]:
-        """Uninitialised tensors shaped like an offloaded layer's ``state_dict`` (to receive it into)."""
-        return {k: torch.empty_like(v, device=device) for k, v in self.offloaded[layer_idx].state_dict().items()}
+    def empty_state(self, layer_idx: int, device: torch.device, *, everything: bool = False) -> dict[str, Tensor]:
+        """Uninitialised tensors shaped like an offloaded layer's ``state_dict`` (to receive it into); with
+        ``everything``, like its :func:`layer_tensors` (non-persistent buffers included)."""
+        layer = self.offloaded[layer_idx]
+        shapes = layer_tensors(layer) if everything else layer.state_dict()
+        return {k: torch.empty_like(v, device=device) for k, v in shapes.items()}
 
-    def restore(self, states: dict[int, dict[str, Tensor]], device: torch.device) -> None:
-        """Puts every offloaded layer back, materialised on ``device`` with ``states[layer_idx]``."""
+    def restore(self, tensors: dict[int, dict[str, Tensor]], device: torch.device) -> None:
+        """Puts every offloaded layer back, materialised on ``device`` with ``tensors[layer_idx]`` (all of its
+        :func:`layer_tensors`, so non-persistent buffers come back right too)."""
         for layer_idx in sorted(self.offloaded):
             layer = self.offloaded[layer_idx]
             layer.to_empty(device=device)
-            layer.load_state_dict(states[layer_idx])
+            load_layer_tensors(layer, tensors[layer_idx])
             self.pipeline[layer_idx] = layer
         self.offloaded.clear()
 
@@ -137,29 +165,39 @@ class OptimizerSlots:
         group_sizes: per optimizer, the number of parameters of each group in the whole model.
         canonical: per optimizer and group, the canonical index of each parameter the stage's optimizer holds
             (filled by :meth:`refilter`), in the order of the group's ``params``.
+        members: per optimizer and group, every entry of the whole model's group in order: ``(layer_idx, name)``
+            for a pipeline parameter (its ``Parameter`` object may be replaced while offloaded), the parameter
+            itself for one outside the pipeline (frozen ones may sit in the optimizer).
     """
 
     slots: list[dict[tuple[int, str], tuple[int, int]]]
     group_sizes: list[list[int]]
     canonical: list[list[list[int]]]
+    members: list[list[list[tuple[int, str] | nn.Parameter]]]
 
     @classmethod
     def record(cls, pipeline: nn.Sequential, optimizers: Sequence[Optimizer]) -> OptimizerSlots:
         """Reads the slots off optimizers built on the whole model (before any layer is offloaded)."""
         names = {id(p): (i, n) for i in range(len(pipeline)) for n, p in pipeline[i].named_parameters()}
-        slots_all, sizes_all = [], []
+        slots_all, sizes_all, members_all = [], [], []
         for opt in optimizers:
             slots: dict[tuple[int, str], tuple[int, int]] = {}
-            sizes, base = [], 0
+            sizes, members, base = [], [], 0
             for g, group in enumerate(opt.param_groups):
+                entries: list[tuple[int, str] | nn.Parameter] = []
                 for j, p in enumerate(group["params"]):
                     if id(p) in names:
                         slots[names[id(p)]] = (g, base + j)
+                        entries.append(names[id(p)])
+                    else:
+                        entries.append(p)
                 sizes.append(len(group["params"]))
+                members.append(entries)
                 base += len(group["params"])
             slots_all.append(slots)
             sizes_all.append(sizes)
-        return cls(slots_all, sizes_all, [])
+            members_all.append(members)
+        return cls(slots_all, sizes_all, [], members_all)
 
     def refilter(self, optimizers: Sequence[Optimizer], shard: StageShard) -> None:
         """Puts exactly the owned layers' parameters in the optimizer groups, in canonical order.
@@ -185,3 +223,13 @@ class OptimizerSlots:
             for stale in [q for q in opt.state if id(q) not in live]:
                 del opt.state[stale]
             self.canonical.append(canon)
+
+    def unfilter(self, optimizers: Sequence[Optimizer], pipeline: nn.Sequential, states: Sequence[Any]) -> None:
+        r"""Gives each optimizer back every parameter of the whole model, in canonical order, with ``states``
+        (plain optimizer ``state_dict``\ s), after every layer is back in ``pipeline``."""
+        for opt, members, full in zip(optimizers, self.members, states):
+            for group, entries in zip(opt.param_groups, members):
+                group["params"] = [
+                    dict(pipeline[e[0]].named_parameters())[e[1]] if isinstance(e, tuple) else e for e in entries
+                ]
+            opt.load_state_dict(full)

@@ -37,6 +37,7 @@ from lightning_dynpipe.engine.replica import average_replica_gradients
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.engine.transfer import move_layers
+from lightning_dynpipe.engine.updates import scaled_lr
 from lightning_dynpipe.plan.moves import LayerMove, plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
@@ -73,8 +74,10 @@ class PipelineStage:
         first_stage_input: Callable[[Any], Any],
         last_stage_loss: Callable[[Any, int], Tensor],
         before_update: Callable[[Optimizer], None],
+        lr_scale: float = 1.0,
     ) -> None:
         self.shard = shard
+        self.lr_scale = lr_scale
         self.slots = slots
         self.groups = groups
         self.topology = topology
@@ -106,11 +109,13 @@ class PipelineStage:
         first_stage_input: Callable[[Any], Any],
         last_stage_loss: Callable[[Any, int], Tensor],
         before_update: Callable[[Optimizer], None],
+        lr_scale: float = 1.0,
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
         ``optimizers`` must have been built on the whole model (their groups fix the canonical order); they are
-        refiltered in place to this stage's parameters. Pass ``[]`` outside fit.
+        refiltered in place to this stage's parameters. Pass ``[]`` outside fit. ``lr_scale`` multiplies the
+        learning rate of every update (:func:`~lightning_dynpipe.engine.updates.scaled_lr`).
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -133,6 +138,7 @@ class PipelineStage:
             first_stage_input=first_stage_input,
             last_stage_loss=last_stage_loss,
             before_update=before_update,
+            lr_scale=lr_scale,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -183,7 +189,8 @@ class PipelineStage:
             params = [p for g in opt.param_groups for p in g["params"]]
             average_replica_gradients(params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size)
         self._before_update(opt)
-        opt.step()
+        with scaled_lr(opt, self.lr_scale):
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     def migrate(self, new: Partition) -> tuple[tuple[LayerMove, ...], int]:
@@ -210,16 +217,23 @@ class PipelineStage:
         return moves, sent
 
     # ------------------------------------------------------------------ partition-independent state
-    def layer_states(self, root: int | None) -> dict[int, dict[str, Tensor]]:
-        """Every layer's ``state_dict`` on ``root`` (``None``: on every rank of the pipeline). Collective."""
+    def layer_states(self, root: int | None, everything: bool = False) -> dict[int, dict[str, Tensor]]:
+        """Every layer's ``state_dict`` (``everything``: all its tensors) on ``root`` (``None``: on every rank of
+        the pipeline). Collective."""
         if root is not None and self.dp_rank != 0:
             return {}  # one pipeline replica writes the checkpoint
         return checkpoint.gather_layer_states(
-            self.shard, self._pipeline_collectives(), rank_of_stage=self.rank_of_stage, device=self.device, root=root
+            self.shard,
+            self._pipeline_collectives(),
+            rank_of_stage=self.rank_of_stage,
+            device=self.device,
+            root=root,
+            everything=everything,
         )
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The plain optimizer's ``state_dict`` on global rank 0, ``{}`` elsewhere. Collective over the pipeline."""
+    def optimizer_state(self, optimizer: Optimizer, everywhere: bool = False) -> dict[str, Any]:
+        """The plain optimizer's ``state_dict`` on global rank 0 (``everywhere``: on every rank), ``{}``
+        elsewhere. Collective over the pipeline."""
         assert self.slots is not None
         idx = self.optimizers.index(optimizer)
         gather = self._pipeline_collectives().all_gather_object if self.topology.num_stages > 1 else (lambda o: [o])
@@ -228,7 +242,7 @@ class PipelineStage:
             self.slots.canonical[idx],
             self.slots.group_sizes[idx],
             gather=gather,
-            is_root=self.rank == 0,
+            is_root=everywhere or self.rank == 0,
         )
 
     def load_optimizer_states(self, states: Sequence[Mapping[str, Any]]) -> None:
@@ -239,7 +253,8 @@ class PipelineStage:
 
     # ------------------------------------------------------------------ the end
     def close(self, interrupted: bool) -> None:
-        """Ends the stage: drains, puts every layer back into the user's pipeline, destroys the groups.
+        """Ends the stage: drains, puts every layer back into the user's pipeline and every parameter (with its
+        state) back into the optimizers, in the plain model's order, and destroys the groups.
 
         After an interruption (a failure, Ctrl-C) nothing collective runs: the module keeps only this stage's
         layers, and the groups are left to the process's exit.
@@ -251,8 +266,11 @@ class PipelineStage:
             return
         self.executor.drain()
         self.executor.channels.close()
+        states = [self.optimizer_state(opt, everywhere=True) for opt in self.optimizers] if self.slots else []
         if self.shard.offloaded:
-            self.shard.restore(self.layer_states(root=None), self.device)
+            self.shard.restore(self.layer_states(root=None, everything=True), self.device)
+        if self.slots is not None:
+            self.slots.unfilter(self.optimizers, self.shard.pipeline, states)
         # No rank may tear its channel groups down while a peer is still completing sends on them.
         if self.groups.pipeline is not None and self.topology.num_stages > 1:
             dist.barrier(group=self.groups.pipeline)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.p2p import decode_text, encode_text
-from lightning_dynpipe.engine.shard import StageShard
+from lightning_dynpipe.engine.shard import StageShard, layer_tensors
 from lightning_dynpipe.engine.wire import HEADER_LEN, MessageKind, decode, encode
 from lightning_dynpipe.plan.moves import LayerMove
 
@@ -50,7 +50,7 @@ def _recv_tensors(src: int, group: Any, device: torch.device) -> list[Tensor]:
 def send_layer(layer: nn.Module, optimizer: Optimizer | None, dst: int, group: Any) -> int:
     """Sends ``layer``'s state and its parameters' optimizer state to ``dst``; returns the bytes sent."""
     sent = 0
-    for t in layer.state_dict().values():
+    for t in layer_tensors(layer).values():  # non-persistent buffers too: the layer must compute on arrival
         dist.send(t.detach().contiguous(), dst=dst, group=group)
         sent += t.numel() * t.element_size()
     if optimizer is None:
@@ -72,8 +72,8 @@ def send_layer(layer: nn.Module, optimizer: Optimizer | None, dst: int, group: A
 def recv_layer(skeleton: nn.Module, optimizer: Optimizer | None, src: int, group: Any, device: torch.device) -> None:
     """Materialises ``skeleton`` on ``device`` with the state ``src`` sends, and its optimizer state."""
     skeleton.to_empty(device=device)
-    for t in skeleton.state_dict().values():
-        dist.recv(t, src=src, group=group)  # state_dict tensors share storage with the module's
+    for t in layer_tensors(skeleton).values():
+        dist.recv(t, src=src, group=group)  # these tensors share storage with the module's
     if optimizer is None:
         return
     for p in skeleton.parameters():

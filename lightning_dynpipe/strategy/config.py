@@ -49,6 +49,9 @@ class DynPipeConfig:
         interference: the interference schedule, if any.
         pipeline_attr: where the ``nn.Sequential`` lives on the LightningModule.
         timeout: how long collectives and receives may wait.
+        lr_scale: the factor every optimizer update's learning rate is multiplied by (``"auto"`` resolved:
+            ``1/M`` for a schedule that updates after every micro-batch, 1 for one that accumulates).
+        lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
     """
 
     num_stages: int | None
@@ -63,6 +66,8 @@ class DynPipeConfig:
     interference: InterferenceSchedule | None
     pipeline_attr: str
     timeout: timedelta
+    lr_scale: float = 1.0
+    lr_scale_requested: float | str = "auto"
 
     @classmethod
     def from_arguments(
@@ -78,6 +83,7 @@ class DynPipeConfig:
         interference: list[dict[str, Any]] | str | InterferenceSchedule | None = None,
         pipeline_attr: str = "pipeline",
         timeout: float | timedelta | None = None,
+        lr_scale: float | Literal["auto"] = "auto",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -122,11 +128,21 @@ class DynPipeConfig:
             schedule_of_interference = InterferenceSchedule.from_config(interference)
         policy: RepartitionPolicy | None
         policy = GainOverCostPolicy() if adaptive is True else (adaptive if adaptive is not False else None)
+        sched = get_schedule(schedule)
+        if lr_scale == "auto":
+            scale = 1.0 if sched.accumulates else 1.0 / num_microbatches
+        elif isinstance(lr_scale, (int, float)) and not isinstance(lr_scale, bool) and 0 < lr_scale <= 1e6:
+            scale = float(lr_scale)
+        else:
+            raise ConfigurationError(
+                f"lr_scale must be 'auto' or a positive number; got {lr_scale!r}. 'auto' scales each per-micro-batch "
+                "update of the async schedule by 1/num_microbatches; 1.0 leaves the learning rate as configured."
+            )
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
             num_microbatches=num_microbatches,
-            schedule=get_schedule(schedule),
+            schedule=sched,
             balance=fixed,
             balance_mode=mode,
             convergence=convergence,
@@ -135,4 +151,31 @@ class DynPipeConfig:
             interference=schedule_of_interference,
             pipeline_attr=pipeline_attr,
             timeout=timeout or DEFAULT_TIMEOUT,
+            lr_scale=scale,
+            lr_scale_requested=lr_scale,
         )
+
+    def describe_updates(self) -> str:
+        """One line for the start of a run: what the schedule does to the user's optimizer updates."""
+        M, scale, asked = self.num_microbatches, self.lr_scale, self.lr_scale_requested
+        if self.schedule.accumulates:
+            how = "learning rates as configured" if scale == 1.0 else f"learning rates times {scale:.4g}"
+            return (
+                f"DynPipe {self.schedule}: one optimizer update per batch from the gradients of its {M} "
+                f"micro-batches, as on one device; {how} (lr_scale={asked!r})."
+            )
+        head = (
+            f"DynPipe {self.schedule}: every micro-batch updates the weights ({M} updates per batch; stage k of S "
+            f"computes its gradients on weights S-1-k updates old)"
+        )
+        if scale == 1.0 / M:
+            return (
+                f"{head}; each update's learning rate is scaled by 1/{M}, so that a batch moves the weights about as "
+                f"far as one single-device step (lr_scale={asked!r}; lr_scale=1.0 keeps the configured rate)."
+            )
+        if scale == 1.0:
+            return (
+                f"{head}; learning rates as configured, so a batch moves the weights about {M} times as far as one "
+                f"single-device step (lr_scale={asked!r})."
+            )
+        return f"{head}; each update's learning rate is multiplied by {scale:.4g} (lr_scale={asked!r})."

@@ -7,6 +7,7 @@ Both take plain arguments and are testable without a Trainer.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,11 +17,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
 
-__all__ = ["find_pipeline", "check_model"]
+__all__ = ["find_pipeline", "check_model", "check_batches"]
 
 
 def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
@@ -121,6 +123,16 @@ def check_model(
             "back-propagates each micro-batch itself (on_before_backward/on_after_backward still fire once per "
             "step)."
         )
+    extra = [
+        f"{pipeline_attr}.{name}"
+        for name, m in pipeline.named_modules()
+        if type(m).get_extra_state is not nn.Module.get_extra_state
+    ]
+    if extra:
+        raise ConfigurationError(
+            f"{extra[:3]} define get_extra_state(), whose value (any object) DynPipeStrategy cannot move between "
+            "stages or gather into a checkpoint as tensors. Keep that state in buffers (register_buffer) instead."
+        )
     pipeline_params = {id(p) for p in pipeline.parameters()}
     outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in pipeline_params]
     if outside:
@@ -138,3 +150,46 @@ def check_model(
             "more layers."
         )
     return pipeline
+
+
+def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: float, max_steps: int) -> None:
+    """Refuses, before the first step, a training dataloader whose batches cannot be split into micro-batches.
+
+    Every micro-batch needs at least one sample, so a batch needs ``num_microbatches`` of them. Checked from the
+    loader's ``batch_size``, its sampler's length (the samples of this pipeline replica) and ``drop_last``; the
+    smaller last batch of an epoch only counts when the run reaches it. Loaders whose size is unknown (iterable
+    datasets, custom batch samplers without ``batch_size``) are checked batch by batch as they come.
+
+    Raises:
+        ConfigurationError: the batch size, or the last batch of an epoch, is smaller than ``num_microbatches``.
+    """
+    if not isinstance(loader, DataLoader):
+        return
+    M = num_microbatches
+    sampler = loader.batch_sampler
+    batch_size = loader.batch_size if loader.batch_size is not None else getattr(sampler, "batch_size", None)
+    if not isinstance(batch_size, int):
+        return
+    if batch_size < M:
+        raise ConfigurationError(
+            f"The training dataloader's batch_size={batch_size} is smaller than num_microbatches={M}: every "
+            f"micro-batch needs at least one sample. Use batch_size >= {M} (a multiple of {M} splits evenly), or "
+            f"DynPipeStrategy(num_microbatches={batch_size}) or fewer."
+        )
+    drop_last = loader.drop_last if loader.batch_size is not None else getattr(sampler, "drop_last", False)
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    last = samples % batch_size
+    if drop_last or last == 0 or last >= M:
+        return
+    batches = math.ceil(samples / batch_size)
+    if num_training_batches < batches or 0 <= max_steps < batches:
+        return  # the run stops (or limit_train_batches cuts the epoch) before the last batch
+    raise ConfigurationError(
+        f"The last training batch of each epoch holds {last} samples ({samples} samples per pipeline replica, "
+        f"batch_size={batch_size}), fewer than num_microbatches={M}, so it cannot be split into micro-batches. "
+        f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
+        f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
+    )

@@ -10,6 +10,7 @@ says why.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.microbatch import batch_len, split_microbatches
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
@@ -50,11 +52,25 @@ class SetupDecision:
 
 
 def first_stage_input(module: Any, batch: Any) -> Any:
-    """Stage 0's input for ``batch``: the module's ``pipeline_input(batch)``, else ``batch[0]``, else the batch."""
+    """Stage 0's input for ``batch``: the module's ``pipeline_input(batch)``, else ``batch[0]`` of a tuple or
+    list, else a tensor batch itself.
+
+    Raises:
+        ConfigurationError: a batch of another kind (a dict, a custom object) and no ``pipeline_input`` hook.
+    """
     user_input = getattr(module, "pipeline_input", None)
     if callable(user_input):
         return user_input(batch)
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    if isinstance(batch, torch.Tensor):
+        return batch
+    raise ConfigurationError(
+        f"Stage 0 does not know what to feed the pipeline from a batch of type {type(batch).__name__}: without a "
+        f"pipeline_input hook it takes batch[0] of a tuple or list, or a tensor batch itself. Define "
+        f"`def pipeline_input(self, batch): return batch[...]` on {type(module).__name__}, returning what layer 0 "
+        "of the pipeline takes (the batch itself if layer 0 takes the whole dict)."
+    )
 
 
 def probe_link(global_rank: int, world_size: int, timeout: timedelta) -> CommModel:
@@ -100,6 +116,7 @@ def decide(
     module: Any,
     optimizer: Optimizer | None,
     device: torch.device,
+    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> SetupDecision:
     """The partition this run starts with (collective when it profiles: every rank must call it).
 
@@ -114,6 +131,8 @@ def decide(
         module: the LightningModule (for its ``pipeline_input`` hook).
         optimizer: the optimizer built on the whole model (its state size enters the memory model).
         device: where the profile runs.
+        forward_context: the precision plugin's forward context (autocast for mixed precision), so the layers
+            are profiled as they will run. ``first_batch`` must already be cast like the model's inputs.
     """
     if fitting and (config.balance_mode == "auto" or config.policy is not None):
         comm = probe_link(global_rank, world_size, config.timeout)
@@ -122,7 +141,8 @@ def decide(
         if global_rank == 0:
             try:
                 sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
-                cost = _profile(pipeline, sample, device, optimizer)
+                with forward_context():
+                    cost = _profile(pipeline, sample, device, optimizer)
                 balance, table = config.balance, None
                 if config.balance_mode == "auto":
                     plan = best_plan(

@@ -49,7 +49,7 @@ from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import MetricsMirror, restore_sync_dist_advice, silence_sync_dist_advice
 from lightning_dynpipe.strategy.config import DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_model, find_pipeline
+from lightning_dynpipe.strategy.contract import check_batches, check_model, find_pipeline
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
@@ -109,6 +109,10 @@ class DynPipeStrategy(DDPStrategy):
             entries or the path of a YAML file; see :mod:`lightning_dynpipe.interference`), e.g.
             ``[{"kind": "cpu_hog", "stage": 0, "start_step": 100}]``.
         pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
+        lr_scale: multiplies the learning rate of every optimizer update (applied around the step: schedulers
+            and loggers see the configured rate). ``"auto"`` (default): ``1/num_microbatches`` for ``"async"``,
+            whose ``M`` updates per batch would otherwise move the weights about ``M`` times as far as one plain
+            step, and 1 for ``"sync"``/``"gpipe"``; ``1.0``: unscaled.
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
         timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);
@@ -133,6 +137,7 @@ class DynPipeStrategy(DDPStrategy):
         monitor_every_n_steps: int | None = 10,
         interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
+        lr_scale: float | Literal["auto"] = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
@@ -151,6 +156,7 @@ class DynPipeStrategy(DDPStrategy):
             interference=interference,
             pipeline_attr=pipeline_attr,
             timeout=timeout,
+            lr_scale=lr_scale,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -336,10 +342,13 @@ class DynPipeStrategy(DDPStrategy):
             global_rank=self.global_rank,
             world_size=world,
             num_stages=self.num_stages,
-            first_batch=lambda: self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader()))),
+            first_batch=lambda: self.precision_plugin.convert_input(
+                self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
+            ),
             module=self._lm,
             optimizer=self.optimizers[0] if self.optimizers else None,
             device=self.root_device,
+            forward_context=self.precision_plugin.forward_context,
         )
         if decision.model_cost is not None:
             self.model_cost, self.comm = decision.model_cost, decision.comm
@@ -362,6 +371,7 @@ class DynPipeStrategy(DDPStrategy):
             first_stage_input=lambda batch: first_stage_input(module, batch),
             last_stage_loss=self._last_stage_loss,
             before_update=self._before_update,
+            lr_scale=self.config.lr_scale if fitting else 1.0,
         )
         self.setup_precision_plugin()
         if fitting:
@@ -371,6 +381,8 @@ class DynPipeStrategy(DDPStrategy):
             f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {partition}, "
             f"schedule={self.schedule}, num_microbatches={self.num_microbatches}"
         )
+        if fitting:
+            rank_zero_info(self.config.describe_updates())
 
     def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
         """Metrics rebinding, the metrics mirror, the warning filter, and for fits the monitor and the summary."""
@@ -537,6 +549,17 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def on_predict_start(self) -> None:
         self.drain()
+
+    @override
+    def on_train_start(self) -> None:
+        # Batch sizes against num_microbatches, from the dataloader, before the first step (the data is set up).
+        trainer = self._lm.trainer
+        check_batches(
+            trainer.train_dataloader,
+            num_microbatches=self.num_microbatches,
+            num_training_batches=trainer.num_training_batches,
+            max_steps=trainer.max_steps,
+        )
 
     @override
     def on_train_end(self) -> None:

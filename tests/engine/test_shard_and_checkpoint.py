@@ -28,6 +28,8 @@ class Net(nn.Module):
         torch.manual_seed(0)
         self.pipeline = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 2))
         self.register_buffer("outside", torch.arange(3.0))
+        # a non-persistent buffer, as causal masks and rotary tables are: not in state_dict(), needed to compute
+        self.pipeline[2].register_buffer("table", torch.linspace(0, 1, 4), persistent=False)
 
 
 def _adam(net: Net) -> torch.optim.Optimizer:
@@ -102,7 +104,9 @@ def _two_stage_states(net: Net, opt: torch.optim.Optimizer) -> tuple[list[dict],
         ostate = checkpoint.gather_optimizer_state(
             opts[k].state_dict(), slots.canonical[0], slots.group_sizes[0], coll.all_gather_object, is_root=rank == 0
         )
-        everywhere = checkpoint.gather_layer_states(shard, coll, rank_of_stage=rank_of_stage, device=CPU, root=None)
+        everywhere = checkpoint.gather_layer_states(
+            shard, coll, rank_of_stage=rank_of_stage, device=CPU, root=None, everything=True
+        )
         shard.restore(everywhere, CPU)
         return full, ostate
 
@@ -142,7 +146,7 @@ def test_restore_puts_every_layer_back_on_every_stage() -> None:
         shard = StageShard(nets[k].pipeline, Partition((1, 3)), stage_idx=k)
         shard.partition_module()
         states = checkpoint.gather_layer_states(
-            shard, group.member(rank_of_stage(k)), rank_of_stage=rank_of_stage, device=CPU, root=None
+            shard, group.member(rank_of_stage(k)), rank_of_stage=rank_of_stage, device=CPU, root=None, everything=True
         )
         shard.restore(states, CPU)
 
@@ -151,6 +155,23 @@ def test_restore_puts_every_layer_back_on_every_stage() -> None:
     for n in nets:
         for (key, a), b in zip(n.state_dict().items(), net.state_dict().values()):
             assert torch.equal(a, b), key
+        assert torch.equal(n.pipeline[2].table, torch.linspace(0, 1, 4))  # the non-persistent buffer came back
+
+
+def test_restore_refuses_tensors_of_another_layer() -> None:
+    net = Net()
+    shard = StageShard(net.pipeline, Partition((3, 1)), stage_idx=1)
+    shard.partition_module()
+    with pytest.raises(RuntimeError, match="Layer tensors do not match"):
+        shard.restore({0: {}, 1: {}, 2: {}}, CPU)
+
+
+def test_a_checkpoint_holds_the_state_dict_only() -> None:
+    net = Net()
+    group = LoopbackGroup([0])
+    shard = StageShard(net.pipeline, Partition((4,)), stage_idx=0)
+    layers = checkpoint.gather_layer_states(shard, group.member(0), rank_of_stage=lambda k: 0, device=CPU, root=0)
+    assert "table" not in layers[2] and set(layers[2]) == {"weight", "bias"}
 
 
 def test_load_optimizer_state_takes_the_stage_entries_and_checks_groups() -> None:

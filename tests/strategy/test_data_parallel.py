@@ -65,7 +65,13 @@ def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
     )
     trainer.fit(model, datamodule=ShardedData())
     replay_async(
-        ref.pipeline, [2, 3], make_optimizer, _global_batches(), M, lambda out, mb: F.cross_entropy(out, mb[1])
+        ref.pipeline,
+        [2, 3],
+        make_optimizer,
+        _global_batches(),
+        M,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        lr_scale=1 / M,  # DynPipe's default lr_scale='auto': 1/M per async update
     )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k

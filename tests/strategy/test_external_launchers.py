@@ -29,7 +29,10 @@ def _port() -> int:
 
 def _expected() -> dict[str, torch.Tensor]:
     ref = copy.deepcopy(TinyNet())
-    replay_async(ref.pipeline, [2, 3], make_optimizer, list(loader()), 4, lambda o, mb: F.cross_entropy(o, mb[1]))
+    loss = lambda o, mb: F.cross_entropy(o, mb[1])  # noqa: E731
+    replay_async(
+        ref.pipeline, [2, 3], make_optimizer, list(loader()), 4, loss, lr_scale=1 / 4
+    )  # DynPipe's default lr_scale='auto': 1/M per async update
     return ref.state_dict()
 
 

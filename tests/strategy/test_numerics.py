@@ -107,7 +107,13 @@ def test_async_equals_pipedream_replay(num_stages: int) -> None:
     _fit(model, devices=num_stages, schedule="async")
     balance = {2: [2, 3], 3: [2, 2, 1]}[num_stages]  # as in _fit
     replay_async(
-        ref.pipeline, balance, make_optimizer, list(loader()) * 2, 4, lambda out, mb: F.cross_entropy(out, mb[1])
+        ref.pipeline,
+        balance,
+        make_optimizer,
+        list(loader()) * 2,
+        4,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        lr_scale=1 / 4,  # DynPipe's default lr_scale='auto': 1/M per async update
     )
     _assert_close(model, ref, atol=0.0)
     # and the async run really is different from synchronous training

@@ -128,7 +128,8 @@ def test_num_microbatches_positive() -> None:
 
 
 def test_batch_smaller_than_num_microbatches() -> None:
-    with pytest.raises(ConfigurationError, match=r"batch of size 12 cannot be split into num_microbatches=16"):
+    # refused at fit start from the dataloader, before any step (the executor would refuse the first batch)
+    with pytest.raises(ConfigurationError, match=r"batch_size=12 is smaller than num_microbatches=16"):
         _fit(TinyNet(), DynPipeStrategy(num_microbatches=16))
 
 

@@ -60,6 +60,7 @@ def test_a_migrating_run_equals_the_replay_with_the_same_partition_changes() -> 
         4,
         lambda out, mb: F.cross_entropy(out, mb[1]),
         repartitions={k - 1: v for k, v in MOVES.items()},
+        lr_scale=1 / 4,  # DynPipe's default lr_scale='auto': 1/M per async update
     )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k

@@ -94,6 +94,7 @@ def test_replicas_migrate_like_one_pipeline_on_the_same_global_batches(tmp_path:
         M,
         lambda out, mb: F.cross_entropy(out, mb[1]),
         repartitions={k - 1: v for k, v in MOVES.items()},
+        lr_scale=1 / M,  # DynPipe's default lr_scale='auto': 1/M per async update
     )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
