@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.collectives import Collectives
 from lightning_dynpipe.engine.shard import StageShard, layer_tensors
+from lightning_dynpipe.engine.ties import SharedParameter
 from lightning_dynpipe.errors import ConfigurationError
 
 __all__ = [
@@ -82,7 +83,11 @@ def gather_layer_states(
 
 
 def full_state_dict(
-    module_state: Mapping[str, Any], layers: Mapping[int, Mapping[str, Tensor]], prefix: str, key_order: Sequence[str]
+    module_state: Mapping[str, Any],
+    layers: Mapping[int, Mapping[str, Tensor]],
+    prefix: str,
+    key_order: Sequence[str],
+    ties: Sequence[SharedParameter] = (),
 ) -> dict[str, Any]:
     """The plain module's ``state_dict``: its entries outside the pipeline, plus every layer's, in key order.
 
@@ -91,11 +96,17 @@ def full_state_dict(
         layers: every layer's ``state_dict``, by layer index.
         prefix: the pipeline's key prefix, e.g. ``"pipeline."``.
         key_order: the plain module's keys, in order.
+        ties: parameters shared by several layers: all their keys get one tensor, as in the plain module's
+            ``state_dict`` (so a saved file holds it once).
     """
     merged: dict[str, Any] = {k: v for k, v in module_state.items() if not k.startswith(prefix)}
     for layer_idx, sd in layers.items():
         for k, v in sd.items():
             merged[f"{prefix}{layer_idx}.{k}"] = v
+    for tie in ties:
+        keys = [f"{prefix}{i}.{n}" for i, n in tie.occurrences if f"{prefix}{i}.{n}" in merged]
+        for k in keys[1:]:
+            merged[k] = merged[keys[0]]
     return {k: merged[k] for k in key_order if k in merged}
 
 

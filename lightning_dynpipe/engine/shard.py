@@ -178,7 +178,11 @@ class OptimizerSlots:
     @classmethod
     def record(cls, pipeline: nn.Sequential, optimizers: Sequence[Optimizer]) -> OptimizerSlots:
         """Reads the slots off optimizers built on the whole model (before any layer is offloaded)."""
-        names = {id(p): (i, n) for i in range(len(pipeline)) for n, p in pipeline[i].named_parameters()}
+        # every (layer, name) of each parameter: a parameter shared by two layers has one slot and two names
+        names: dict[int, list[tuple[int, str]]] = {}
+        for i in range(len(pipeline)):
+            for n, p in pipeline[i].named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append((i, n))
         slots_all, sizes_all, members_all = [], [], []
         for opt in optimizers:
             slots: dict[tuple[int, str], tuple[int, int]] = {}
@@ -187,8 +191,9 @@ class OptimizerSlots:
                 entries: list[tuple[int, str] | nn.Parameter] = []
                 for j, p in enumerate(group["params"]):
                     if id(p) in names:
-                        slots[names[id(p)]] = (g, base + j)
-                        entries.append(names[id(p)])
+                        for occurrence in names[id(p)]:
+                            slots[occurrence] = (g, base + j)
+                        entries.append(names[id(p)][0])
                     else:
                         entries.append(p)
                 sizes.append(len(group["params"]))
@@ -209,11 +214,13 @@ class OptimizerSlots:
         self.canonical = []
         for opt, slots in zip(optimizers, self.slots):
             per_group: list[list[tuple[int, nn.Parameter]]] = [[] for _ in opt.param_groups]
+            taken: set[int] = set()  # canonical indices already placed (a shared parameter of two owned layers)
             for i in shard.owned:
-                for n, p in pipeline[i].named_parameters():
-                    if (i, n) in slots:
+                for n, p in pipeline[i].named_parameters(remove_duplicate=False):
+                    if (i, n) in slots and slots[(i, n)][1] not in taken:
                         g, c = slots[(i, n)]
                         per_group[g].append((c, p))
+                        taken.add(c)
             canon = []
             for group, items in zip(opt.param_groups, per_group):
                 items.sort(key=lambda item: item[0])
@@ -230,6 +237,7 @@ class OptimizerSlots:
         for opt, members, full in zip(optimizers, self.members, states):
             for group, entries in zip(opt.param_groups, members):
                 group["params"] = [
-                    dict(pipeline[e[0]].named_parameters())[e[1]] if isinstance(e, tuple) else e for e in entries
+                    dict(pipeline[e[0]].named_parameters(remove_duplicate=False))[e[1]] if isinstance(e, tuple) else e
+                    for e in entries
                 ]
             opt.load_state_dict(full)

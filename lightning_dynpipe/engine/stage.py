@@ -35,6 +35,7 @@ from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, buil
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.replica import average_replica_gradients
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
+from lightning_dynpipe.engine.ties import SharedParameter, retie, split_ties, sum_shared_gradients
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.engine.transfer import move_layers
 from lightning_dynpipe.engine.updates import scaled_lr
@@ -75,9 +76,12 @@ class PipelineStage:
         last_stage_loss: Callable[[Any, int], Tensor],
         before_update: Callable[[Optimizer], None],
         lr_scale: float = 1.0,
+        ties: Sequence[SharedParameter] = (),
     ) -> None:
         self.shard = shard
         self.lr_scale = lr_scale
+        self.ties = tuple(ties)
+        self.split_ties = split_ties(self.ties, shard.partition)
         self.slots = slots
         self.groups = groups
         self.topology = topology
@@ -110,12 +114,15 @@ class PipelineStage:
         last_stage_loss: Callable[[Any, int], Tensor],
         before_update: Callable[[Optimizer], None],
         lr_scale: float = 1.0,
+        ties: Sequence[SharedParameter] = (),
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
         ``optimizers`` must have been built on the whole model (their groups fix the canonical order); they are
         refiltered in place to this stage's parameters. Pass ``[]`` outside fit. ``lr_scale`` multiplies the
-        learning rate of every update (:func:`~lightning_dynpipe.engine.updates.scaled_lr`).
+        learning rate of every update (:func:`~lightning_dynpipe.engine.updates.scaled_lr`). ``ties``: the
+        parameters shared by several layers (:func:`~lightning_dynpipe.engine.ties.shared_parameters` of the
+        whole model); those split across stages have their gradients summed before every update.
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -139,6 +146,7 @@ class PipelineStage:
             last_stage_loss=last_stage_loss,
             before_update=before_update,
             lr_scale=lr_scale,
+            ties=ties,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -188,6 +196,8 @@ class PipelineStage:
         if self.topology.dp_size > 1:
             params = [p for g in opt.param_groups for p in g["params"]]
             average_replica_gradients(params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size)
+        if self.split_ties:  # every stage of the pipeline takes part, holder of a copy or not
+            sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self._pipeline_collectives())
         self._before_update(opt)
         with scaled_lr(opt, self.lr_scale):
             opt.step()
@@ -211,6 +221,8 @@ class PipelineStage:
             device=self.device,
         )
         self.shard.set_partition(new)
+        retie(self.shard.pipeline, self.ties, self.shard.owned)  # a layer that arrived shares what is here
+        self.split_ties = split_ties(self.ties, new)
         if self.slots is not None:
             self.slots.refilter(self.optimizers, self.shard)
         self.executor = self._executor(self.executor.channels)
@@ -269,6 +281,7 @@ class PipelineStage:
         states = [self.optimizer_state(opt, everywhere=True) for opt in self.optimizers] if self.slots else []
         if self.shard.offloaded:
             self.shard.restore(self.layer_states(root=None, everything=True), self.device)
+        retie(self.shard.pipeline, self.ties, range(len(self.shard.pipeline)))
         if self.slots is not None:
             self.slots.unfilter(self.optimizers, self.shard.pipeline, states)
         # No rank may tear its channel groups down while a peer is still completing sends on them.

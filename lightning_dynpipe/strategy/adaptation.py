@@ -8,6 +8,7 @@ decision to move back to the strategy, which applies it at the next step.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_dynpipe.engine.ties import SharedParameter, split_ties
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.monitor.stats import PipelineSnapshot
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
@@ -24,6 +26,8 @@ from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 __all__ = ["AdaptationWiring", "MIN_SAMPLES"]
+
+log = logging.getLogger(__name__)
 
 MIN_SAMPLES = 5
 """Steps of a monitor window (under the current partition) the adaptive loop needs before it decides."""
@@ -56,6 +60,7 @@ class AdaptationWiring:
         self._past_pauses = past_pauses
         self.monitor: StageMonitor | None = None
         self.controller: AdaptiveController | None = None
+        self.ties: list[SharedParameter] = []  # set by the strategy at set-up
         self._own_monitor: StageMonitor | None = None
 
     def attach(
@@ -105,6 +110,9 @@ class AdaptationWiring:
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
         decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
         if decision is not None and decision.repartition:
+            if not self.config.schedule.accumulates and split_ties(self.ties, decision.partition):
+                log.info("DynPipe adaptation: %s not taken: it would split parameters shared by layers", decision)
+                return
             self._repartition(decision.partition)
             self.controller.migrated(step)
             rank_zero_info(f"DynPipe adaptation: {decision}")

@@ -8,6 +8,7 @@ Both take plain arguments and are testable without a Trainer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,10 +20,12 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_dynpipe.engine.ties import SharedParameter, split_ties
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.schedule import Schedule
 
-__all__ = ["find_pipeline", "check_model", "check_batches"]
+__all__ = ["find_pipeline", "check_model", "check_batches", "check_ties"]
 
 
 def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
@@ -193,3 +196,51 @@ def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: f
         f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
         f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
     )
+
+
+def check_ties(
+    ties: Sequence[SharedParameter],
+    partition: Partition | None,
+    *,
+    schedule: Schedule,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None,
+    pipeline_attr: str,
+) -> None:
+    """Refuses parameters shared across stages where the copies could not stay one parameter.
+
+    Under a schedule that accumulates a step's gradients the stages holding a copy sum their gradients before
+    the one update, so the copies stay identical and equal plain tied training. Under ``"async"`` each stage
+    updates after every micro-batch with its own staleness, and the two uses of the parameter would need
+    different weight versions: refused. Clipping by norm is per stage, so the copies would be scaled
+    differently: refused (clipping by value is element-wise and keeps them equal).
+
+    ``partition=None`` (the planner will choose it) counts every shared parameter as split, so the refusal comes
+    before any process group exists; a list ``balance`` that keeps the sharing layers together runs such a set-up.
+
+    Raises:
+        ConfigurationError: a shared parameter split across stages under ``"async"``, or with norm clipping.
+    """
+    split = list(ties) if partition is None else split_ties(ties, partition)
+    if not split:
+        return
+    where = "balance='auto' may split them" if partition is None else f"partition {partition} splits them"
+    names = "; ".join(
+        f"{t.describe(pipeline_attr)} (layers {list(t.layers)}"
+        + (f" on stages {list(t.stages(partition))})" if partition is not None else ")")
+        for t in split[:3]
+    )
+    if not schedule.accumulates:
+        raise ConfigurationError(
+            f"Parameters shared by layers on different stages cannot be trained exactly by schedule={schedule.name!r}: "
+            f"{names}; {where}. Each async stage updates after every micro-batch with its own staleness, so the two "
+            "uses would read different versions of one parameter. Use schedule='sync' or 'gpipe' (the stages sum "
+            "their gradients before each update, exactly like tied training on one device), or a list balance that "
+            "puts those layers on one stage, or untie the weights."
+        )
+    if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
+        raise ConfigurationError(
+            f"Gradient clipping by norm runs per stage, so the copies of a parameter shared across stages would be "
+            f"scaled by different factors and drift apart: {names}; {where}. Use gradient_clip_algorithm='value', "
+            "or a list balance that puts the sharing layers on one stage, or untie the weights."
+        )

@@ -35,6 +35,7 @@ from lightning_dynpipe.engine import checkpoint
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
 from lightning_dynpipe.engine.stage import PipelineStage
+from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
@@ -49,7 +50,7 @@ from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import MetricsMirror, restore_sync_dist_advice, silence_sync_dist_advice
 from lightning_dynpipe.strategy.config import DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_batches, check_model, find_pipeline
+from lightning_dynpipe.strategy.contract import check_batches, check_model, check_ties, find_pipeline
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
@@ -171,6 +172,7 @@ class DynPipeStrategy(DDPStrategy):
         self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
         self.plan_table: str | None = None
         self.stage: PipelineStage | None = None  # this process's part of the running pipeline
+        self.ties: list[SharedParameter] = []  # parameters shared by several layers of the pipeline
         self.migrations: list[MigrationRecord] = []
         # bound methods, not lambdas: the spawn launcher pickles the strategy
         self.adaptation = AdaptationWiring(
@@ -294,7 +296,7 @@ class DynPipeStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             trainer = module._trainer
-            check_model(
+            pipeline = check_model(
                 module,
                 pipeline_attr=self.config.pipeline_attr,
                 fitting=trainer.state.fn == TrainerFn.FITTING,
@@ -304,6 +306,17 @@ class DynPipeStrategy(DDPStrategy):
                 balance=self.config.balance,
                 num_stages=None if self.config.stages_auto else self.num_stages,
             )
+            if trainer.state.fn == TrainerFn.FITTING:  # evaluation makes no updates: copies stay as they are
+                balance = self.config.balance
+                one_stage = not self.config.stages_auto and self.num_stages == 1
+                check_ties(
+                    shared_parameters(pipeline),
+                    Partition((len(pipeline),)) if one_stage else (Partition(balance) if balance else None),
+                    schedule=self.config.schedule,
+                    gradient_clip_val=trainer.gradient_clip_val,
+                    gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+                    pipeline_attr=self.config.pipeline_attr,
+                )
         super().setup_environment()
         self._topology = None
         self._planned_num_stages = None
@@ -335,6 +348,7 @@ class DynPipeStrategy(DDPStrategy):
                     "one (with any number of parameter groups). Use parameter groups instead."
                 )
         world = self.num_nodes * self.num_processes
+        self.ties = self.adaptation.ties = shared_parameters(pipeline)  # on the whole model, before offloading
         decision = decide(
             self.config,
             pipeline=pipeline,
@@ -372,6 +386,7 @@ class DynPipeStrategy(DDPStrategy):
             last_stage_loss=self._last_stage_loss,
             before_update=self._before_update,
             lr_scale=self.config.lr_scale if fitting else 1.0,
+            ties=self.ties,
         )
         self.setup_precision_plugin()
         if fitting:
@@ -404,7 +419,7 @@ class DynPipeStrategy(DDPStrategy):
         )
         if not self._summaries:
             assert self.stage is not None
-            self._summaries = summary.install(callbacks, self._pipeline, self.stage.shard.offloaded)
+            self._summaries = summary.install(callbacks, self._pipeline, self.stage.shard.offloaded, self.ties)
         if self.config.interference is not None and self._interference_cb is None:
             from lightning_dynpipe.interference.callback import InterferenceCallback
 
@@ -445,6 +460,15 @@ class DynPipeStrategy(DDPStrategy):
             raise ConfigurationError("repartition() needs a running pipeline: call it during fit.")
         new = balance if isinstance(balance, Partition) else Partition.from_balance(balance, self.partition.num_layers)
         plan_moves(self.partition, new)  # validates the shape of the new partition
+        trainer = self._lm.trainer
+        check_ties(
+            self.ties,
+            new,
+            schedule=self.config.schedule,
+            gradient_clip_val=trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            pipeline_attr=self.config.pipeline_attr,
+        )
         self._pending_partition = new
 
     @override
@@ -605,7 +629,7 @@ class DynPipeStrategy(DDPStrategy):
         if self.global_rank != 0:
             return {}
         prefix = self.config.pipeline_attr + "."
-        return checkpoint.full_state_dict(self._lm.state_dict(), layers, prefix, self._full_keys)
+        return checkpoint.full_state_dict(self._lm.state_dict(), layers, prefix, self._full_keys, self.ties)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import summarize
 from torch import nn
 
 from lightning_dynpipe.engine.microbatch import tree_map
+from lightning_dynpipe.engine.ties import SharedParameter, resolve, retie
 
 __all__ = ["FrozenSummary", "install", "uninstall", "whole_pipeline_summary"]
 
@@ -74,16 +75,26 @@ def _meta_forward(pipeline: nn.Sequential) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _whole_pipeline(pipeline: nn.Sequential, offloaded: Mapping[int, nn.Module]) -> Iterator[None]:
-    """Puts the ``meta`` layers in place of the placeholders and a ``meta`` forward on the pipeline; undoes both."""
+def _whole_pipeline(
+    pipeline: nn.Sequential, offloaded: Mapping[int, nn.Module], ties: Sequence[SharedParameter] = ()
+) -> Iterator[None]:
+    """Puts the ``meta`` layers in place of the placeholders and a ``meta`` forward on the pipeline; undoes both.
+
+    A parameter shared by layers is one object again for the duration (the offloaded layers hold ``meta``
+    copies of it), so the summary counts it once.
+    """
     placeholders = {i: pipeline[i] for i in offloaded}
     routed = pipeline.__dict__.get("forward")
+    entries = [(owner, leaf, owner._parameters[leaf]) for t in ties for owner, leaf in _owners(pipeline, t, offloaded)]
     try:
         for i, layer in offloaded.items():
             pipeline[i] = layer
+        retie(pipeline, ties, range(len(pipeline)))
         pipeline.forward = _meta_forward(pipeline)  # type: ignore[method-assign]
         yield
     finally:
+        for owner, leaf, param in entries:  # the skeletons' own meta parameters, not the stage's live ones
+            owner._parameters[leaf] = param
         for i, placeholder in placeholders.items():
             pipeline[i] = placeholder
         if routed is not None:
@@ -92,8 +103,19 @@ def _whole_pipeline(pipeline: nn.Sequential, offloaded: Mapping[int, nn.Module])
             del pipeline.forward
 
 
+def _owners(
+    pipeline: nn.Sequential, tie: SharedParameter, offloaded: Mapping[int, nn.Module]
+) -> list[tuple[nn.Module, str]]:
+    layers = {i: offloaded.get(i, pipeline[i]) for i in tie.layers}
+    return [resolve(layers[i], n) for i, n in tie.occurrences]
+
+
 def whole_pipeline_summary(
-    pl_module: LightningModule, pipeline: nn.Sequential, offloaded: Mapping[int, nn.Module], max_depth: int
+    pl_module: LightningModule,
+    pipeline: nn.Sequential,
+    offloaded: Mapping[int, nn.Module],
+    max_depth: int,
+    ties: Sequence[SharedParameter] = (),
 ) -> FrozenSummary:
     """Lightning's summary of ``pl_module`` as if it held every layer of ``pipeline``.
 
@@ -102,8 +124,9 @@ def whole_pipeline_summary(
         pipeline: its ``nn.Sequential`` pipeline, with placeholders for the layers other stages own.
         offloaded: the ``meta``-device layers behind the placeholders, by layer index.
         max_depth: as in :class:`~lightning.pytorch.callbacks.ModelSummary`.
+        ties: the parameters shared by several layers (counted once, as in the plain model).
     """
-    with _whole_pipeline(pipeline, offloaded):
+    with _whole_pipeline(pipeline, offloaded, ties):
         modes = {module: module.training for module in pl_module.modules()}
         try:
             return _frozen(summarize(pl_module, max_depth=max_depth))
@@ -141,7 +164,10 @@ def _frozen(summary: Any) -> FrozenSummary:
 
 
 def install(
-    callbacks: list[Any], pipeline_of: Callable[[], nn.Sequential], offloaded: Mapping[int, nn.Module]
+    callbacks: list[Any],
+    pipeline_of: Callable[[], nn.Sequential],
+    offloaded: Mapping[int, nn.Module],
+    ties: Sequence[SharedParameter] = (),
 ) -> list[ModelSummary]:
     """Makes every :class:`~lightning.pytorch.callbacks.ModelSummary` in ``callbacks`` summarise the whole pipeline.
 
@@ -154,7 +180,7 @@ def install(
             continue
 
         def _summary(trainer: Trainer, pl_module: LightningModule, *, cb: ModelSummary = callback) -> FrozenSummary:
-            return whole_pipeline_summary(pl_module, pipeline_of(), offloaded, cb._max_depth)
+            return whole_pipeline_summary(pl_module, pipeline_of(), offloaded, cb._max_depth, ties)
 
         setattr(callback, _OVERRIDE, _summary)
         setattr(callback, _MARK, True)

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.executor import StageExecutor
-from lightning_dynpipe.engine.loopback import loopback_channels, run_stages
+from lightning_dynpipe.engine.loopback import LoopbackGroup, loopback_channels, run_stages
 from lightning_dynpipe.engine.shard import StageShard
+from lightning_dynpipe.engine.ties import shared_parameters, split_ties, sum_shared_gradients
 from lightning_dynpipe.plan.partition import Partition
 
 
@@ -38,7 +39,7 @@ class InProcessPipeline:
 
 
 def build(
-    pipeline: nn.Sequential,
+    pipeline: nn.Sequential | Sequence[nn.Sequential],
     balance: Sequence[int],
     *,
     schedule: str,
@@ -47,20 +48,36 @@ def build(
     loss_fn: Callable[[Any, Any], Tensor],
     input_fn: Callable[[Any], Any] = lambda batch: batch[0],
 ) -> InProcessPipeline:
-    """Splits ``pipeline`` by ``balance`` into stages that share its layers (no copies), one executor each."""
-    partition = Partition.from_balance(balance, len(pipeline))
+    """One executor per stage of a ``balance`` split of ``pipeline``.
+
+    With one ``nn.Sequential`` the stages share its layers (no copies). With one copy of the model per stage (as
+    separate processes hold), each copy is partitioned like a process's module (the layers of other stages become
+    placeholders), and parameters shared by layers on different stages have their gradients summed between the
+    stages before each update, as the strategy does.
+    """
+    copies = list(pipeline) if not isinstance(pipeline, nn.Sequential) else None
+    first = copies[0] if copies is not None else pipeline
+    assert isinstance(first, nn.Sequential)
+    partition = Partition.from_balance(balance, len(first))
     S = partition.num_stages
     channels = loopback_channels(S, timeout=30.0)
+    ties = split_ties(shared_parameters(first), partition) if copies is not None else []
+    group = LoopbackGroup(list(range(S)))
     executors: list[StageExecutor] = []
     optimizers: list[Optimizer | None] = []
     shards: list[StageShard] = []
     for k in range(S):
-        shard = StageShard(pipeline, partition, k)  # not partitioned: all stages share the one module
+        if copies is not None:
+            shard = StageShard(copies[k], partition, k)
+            shard.partition_module()
+        else:
+            shard = StageShard(first, partition, k)  # not partitioned: all stages share the one module
         stage = shard.stage_module()
         params = list(stage.parameters())
         opt = make_optimizer(params) if params else None
 
-        def step(opt: Optimizer | None = opt) -> None:
+        def step(opt: Optimizer | None = opt, shard: StageShard = shard, k: int = k) -> None:
+            sum_shared_gradients(shard.pipeline, ties, shard.owned, group.member(k))
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -107,3 +107,94 @@ def plain_scheduled_training(model: ScheduledNet, batches: list[Any]) -> Schedul
         opt.step()
         sched.step()
     return ref
+
+
+# ----------------------------------------------------------------------------- a transformer, as people pipeline
+class _Embed(nn.Module):
+    """Tokens -> (hidden, positions): a tuple crosses the stage boundary, with an int64 tensor in it."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.tok(tokens), pos
+
+
+class _Block(nn.Module):
+    """Pre-LN causal self-attention with rotary positions and an MLP. The causal mask and the rotary frequencies
+    are non-persistent buffers, as in real models: not in state_dict(), needed to compute."""
+
+    def __init__(self, dim: int, heads: int, block: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.register_buffer("mask", torch.tril(torch.ones(block, block, dtype=torch.bool)), persistent=False)
+        half = dim // heads // 2
+        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(half) / half)), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        angles = pos[:, None, :, None].to(x.dtype) * self.inv_freq.to(x.dtype)  # (B, 1, T, half)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, pos = inputs
+        B, T, D = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        att = (q @ k.transpose(-1, -2)) / (D // self.heads) ** 0.5
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(-1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(B, T, D))
+        return h + self.mlp(self.ln2(h)), pos
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.out(self.ln(inputs[0]))
+
+
+VOCAB, BLOCK = 32, 8
+
+
+class TinyGPT(L.LightningModule):
+    """Embedding, three transformer blocks, head; no dropout (numerics must match references exactly)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 3, tie: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        units: list[nn.Module] = [_Embed(VOCAB, dim), *(_Block(dim, heads, BLOCK) for _ in range(layers))]
+        self.pipeline = nn.Sequential(*units, _Head(VOCAB, dim))
+        if tie:
+            self.pipeline[-1].out.weight = self.pipeline[0].tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.pipeline(tokens)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = gpt_loss(self.pipeline(x), (x, y))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def gpt_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[1].reshape(-1))
+
+
+def token_loader(n: int = 48, batch_size: int = 8, seed: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, BLOCK), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=batch_size, shuffle=False)

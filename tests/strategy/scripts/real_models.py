@@ -1,0 +1,111 @@
+"""popen launcher, 2 stages: a transformer trained as users train one, then checked in every process after fit.
+
+Usage: python real_models.py {async,tied-sync} CHECKPOINT_PATH
+
+``async``: TinyGPT (non-persistent causal mask and rotary table, a tuple with an int64 tensor across the
+boundary), async, a block moved to stage 0 at step 3. ``tied-sync``: TinyGPT with GPT-2 tying (embedding and
+head on different stages), sync, the same move. After fit every rank checks that the module it holds computes
+what a freshly built model with the same weights computes (so every buffer is right), rank 0 compares the weights
+with the single-process reference, and ``trainer.save_checkpoint(CHECKPOINT_PATH)`` writes the file the test reads.
+Prints ``REAL_MODELS_OK {json}`` per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelSummary
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipeline_models import TinyGPT, gpt_loss, token_loader, trainer_kwargs  # noqa: E402
+
+from lightning_dynpipe import DynPipeStrategy  # noqa: E402
+from lightning_dynpipe.calibration import replay_async  # noqa: E402
+
+M = 4
+MOVE_AT, NEW_BALANCE = 3, [3, 2]
+
+
+class MoveABlock(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == MOVE_AT:
+            trainer.strategy.repartition(NEW_BALANCE)  # type: ignore[attr-defined]
+
+
+class SummaryCount(L.Callback):
+    """What the (whole-pipeline) model summary reports, read when Lightning shows it."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        cb = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))  # type: ignore[attr-defined]
+        self.total = cb._summary(trainer, pl_module).total_parameters
+
+
+def plain_tied(model: TinyGPT, batches: list[Any]) -> TinyGPT:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for x, y in batches:
+        opt.zero_grad()
+        gpt_loss(ref.pipeline(x), (x, y)).backward()
+        opt.step()
+    return ref
+
+
+if __name__ == "__main__":
+    mode, path = sys.argv[1], sys.argv[2]
+    tie = mode == "tied-sync"
+    model = TinyGPT(tie=tie)
+    before = copy.deepcopy(model)
+    summary = SummaryCount()
+    trainer = L.Trainer(
+        devices=2,
+        max_steps=6,
+        strategy=DynPipeStrategy(
+            balance=[2, 3], num_microbatches=M, schedule="sync" if tie else "async", adaptive=False
+        ),
+        **trainer_kwargs(callbacks=[MoveABlock(), summary, ModelSummary()], enable_model_summary=True),
+    )
+    trainer.fit(model, token_loader())
+    x, _ = next(iter(token_loader()))
+    fresh = TinyGPT(tie=tie)
+    fresh.load_state_dict(model.state_dict())  # builds its own buffers; the weights of the trained model
+    out = model(x)
+    result: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "finite": bool(torch.isfinite(out).all()),
+        "equals_fresh": bool(torch.equal(out, fresh(x))),
+        "tied": model.pipeline[4].out.weight is model.pipeline[0].tok.weight,
+        "summary_total": summary.total,
+        "plain_total": sum(p.numel() for p in before.parameters()),
+    }
+    if dist.get_rank() == 0:
+        batches = list(token_loader())
+        if tie:
+            ref = plain_tied(before, batches)
+        else:
+            ref = before
+            replay_async(
+                ref.pipeline,
+                [2, 3],
+                lambda ps: torch.optim.Adam(ps, lr=0.01),
+                batches,
+                M,
+                gpt_loss,
+                repartitions={MOVE_AT - 1: NEW_BALANCE},
+                lr_scale=1 / M,
+            )
+        result["max_diff"] = max(
+            float((a - b).abs().max()) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+        )
+    trainer.save_checkpoint(path)  # collective, like every Lightning checkpoint: called on every rank
+    result["optimizer_entries"] = len(trainer.optimizers[0].state)
+    print("REAL_MODELS_OK " + json.dumps(result), flush=True)
