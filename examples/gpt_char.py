@@ -174,11 +174,10 @@ def run_pipeline(args: argparse.Namespace, cores: list[int]) -> tuple[Trainer, R
     trainer.fit(model, datamodule=data)
     fit_s = time.perf_counter() - start
     val = float(trainer.callback_metrics.get("val_loss", math.nan))
-    result = Result(
-        f"pipeline {args.schedule}", 2, trainer.global_step, val, timer.samples_per_s(args.batch_size), fit_s
+    samples_per_s = timer.samples_per_s(args.batch_size)
+    return trainer, Result(
+        f"pipeline {args.schedule}", 2, trainer.global_step, val, samples_per_s, fit_s, timer.balance
     )
-    result.balance = timer.balance
-    return trainer, result
 
 
 def run_one_device(args: argparse.Namespace, core: int) -> Result:
