@@ -54,6 +54,7 @@ EXPECTED_SUMMARY = {
     "mnist_mlp.yaml": _summary(),
     "digits_sync.yaml": _summary("sync", 2, "2, 1"),
     "mnist_cnn.yaml": _summary(),
+    "gpt_char.yaml": _summary(),
 }
 DYNPIPE_ARGS = {name for name in inspect.signature(DynPipeStrategy.__init__).parameters if name != "self"}
 #: DDPStrategy's own arguments and the DistributedDataParallel ones it forwards through ``**kwargs``.

@@ -8,6 +8,7 @@ most of it process start-up.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -130,6 +131,29 @@ def test_digits_quickstart_trains_to_a_useful_accuracy() -> None:
     # reaches > 0.9, so this catches a pipeline that does not learn, not small numeric differences.
     assert _test_accuracy(out) > 0.85
     assert "DynPipe: 2 stages" in out
+
+
+@pytest.mark.multiprocess
+def test_gpt_char_quick_prints_pipeline_and_one_device_rows() -> None:
+    """The 2-stage async pipeline (popen: rank 1 re-runs the script), then one device in the main process only."""
+    out = _run("gpt_char.py", "--quick")
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in out, "rank 1 was not started by the popen launcher"
+    assert out.count("DynPipe: 2 stages x 1 pipeline(s)") == 1, out[-4000:]  # one pipeline fit, logged by rank 0
+    assert out.count("`Trainer.fit` stopped: `max_steps=12` reached.") == 2, out[-4000:]  # pipeline + one device
+    lines = out.splitlines()
+    columns = ["run", "stages", "steps", "val_loss", "samples/s", "fit_s"]
+    header = [i for i, line in enumerate(lines) if line.split() == columns]
+    assert len(header) == 1, out[-4000:]  # the table is printed once, by the main process
+    rows = {}
+    for line in lines[header[0] + 2 : header[0] + 4]:
+        *name, stages, steps, val_loss, samples_per_s, fit_s = line.split()
+        rows[" ".join(name)] = (int(stages), int(steps), float(val_loss), float(samples_per_s), float(fit_s))
+    assert set(rows) == {"pipeline async", "one device"}, out[-4000:]
+    assert rows["pipeline async"][:2] == (2, 12) and rows["one device"][:2] == (1, 12)
+    for name, (_, _, val_loss, samples_per_s, fit_s) in rows.items():
+        # 12 steps from a uniform start (ln 256 = 5.55 nats): the validation loss is finite and below it.
+        assert math.isfinite(val_loss) and 0 < val_loss < 5.6, (name, out[-4000:])
+        assert samples_per_s > 0 and fit_s > 0, (name, out[-4000:])
 
 
 def test_schedules_doc_embeds_the_current_timelines() -> None:
