@@ -139,8 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(~{plan.dp * a.batch_size / step:,.0f} samples/s with {plan.dp} pipeline(s)); "
         f"bubble per stage {', '.join(f'{b:.0%}' for b in sim.bubble_fraction)}"
     )
-    plot_timeline(sim, a.timeline, title=f"{a.model}: {a.schedule}, balance {list(plan.partition.balance)}")
-    print(f"timeline written to {a.timeline}")
+    try:
+        plot_timeline(sim, a.timeline, title=f"{a.model}: {a.schedule}, balance {list(plan.partition.balance)}")
+    except ImportError as exc:  # matplotlib is optional: the plan above is the result
+        print(f"timeline not written: {exc}")
+    else:
+        print(f"timeline written to {a.timeline}")
     if a.trace:
         sim.write_chrome_trace(a.trace)
         print(f"Chrome trace written to {a.trace}")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_dynpipe.engine.microbatch import check_batch_size, split_microbatches
 from lightning_dynpipe.engine.p2p import Message, Receiver, Sender
@@ -158,6 +159,8 @@ class StageExecutor:
         last_stage_loss: on the last stage, runs the user's step on a micro-batch (its ``self.pipeline(...)``
             call reaching :meth:`local_forward`) and returns the loss.
         optimizer_step: applies one update to this stage's parameters from their ``.grad`` and clears them.
+        checkpoint: per layer of ``stage_module``, whether its activations are recomputed in the backward
+            instead of kept (activation checkpointing); default none.
     """
 
     def __init__(
@@ -172,8 +175,23 @@ class StageExecutor:
         first_stage_input: Callable[[Any], Any] | None,
         last_stage_loss: Callable[[Any, int], Tensor] | None,
         optimizer_step: Callable[[], None],
+        checkpoint: Sequence[bool] = (),
     ) -> None:
         self.stage_module = stage_module
+        num_layers = len(list(stage_module.children()))
+        self.checkpoint = tuple(checkpoint) or (False,) * num_layers
+        if len(self.checkpoint) != num_layers:
+            raise ConfigurationError(
+                f"checkpoint needs one flag per layer of the stage: {num_layers} layers, got "
+                f"{len(self.checkpoint)} flags."
+            )
+        # each layer's parameters under the stage module's names (shared ones under their first name, as a
+        # stashed version holds them), so one layer can run on a stashed version by itself
+        first_name = {id(p): n for n, p in stage_module.named_parameters()}
+        self._layer_names = [
+            [(n, first_name[id(p)]) for n, p in layer.named_parameters(remove_duplicate=False)]
+            for layer in stage_module.children()
+        ]
         self.stage_idx = stage_idx
         self.num_stages = num_stages
         self.schedule = get_schedule(schedule)
@@ -329,13 +347,43 @@ class StageExecutor:
             )
         value = x if self.is_first else mb.input_value
         t0 = time.perf_counter()
+        params = None
         if mb.version is not None:
             assert self.stash is not None
-            out = functional_call(self.stage_module, self.stash.params(mb.version), (value,))
+            params = self.stash.params(mb.version)
+        if any(self.checkpoint) and torch.is_grad_enabled():
+            out = self._checkpointed_forward(value, params)
+        elif params is not None:
+            out = functional_call(self.stage_module, params, (value,))
         else:
             out = self.stage_module(value)
         self._layers_forward_s += time.perf_counter() - t0
         mb.output = out
+        return out
+
+    def _checkpointed_forward(self, value: Any, params: dict[str, Tensor] | None) -> Any:
+        """The stage layer by layer; checkpointed layers keep only their input and recompute in the backward.
+
+        A checkpointed layer runs as a function of its input and of the exact tensors of its weight version
+        (passed to :func:`torch.utils.checkpoint.checkpoint` as inputs), so the recomputation uses the weights
+        the forward used even after an update, and the random state is replayed (the same dropout masks).
+        """
+        live = dict(self.stage_module.named_parameters())
+        tensors = params if params is not None else live
+        out = value
+        for layer, names, ckpt in zip(self.stage_module.children(), self._layer_names, self.checkpoint):
+            local = [n for n, _ in names]
+            weights = [tensors[stage_name] for _, stage_name in names]
+            if ckpt:
+
+                def run(inp: Any, *ws: Tensor, layer: nn.Module = layer, local: list[str] = local) -> Any:
+                    return functional_call(layer, dict(zip(local, ws)), (inp,))
+
+                out = torch_checkpoint(run, out, *weights, use_reentrant=False)
+            elif params is not None:
+                out = functional_call(layer, dict(zip(local, weights)), (out,))
+            else:
+                out = layer(out)
         return out
 
     # ------------------------------------------------------------------ dispatch

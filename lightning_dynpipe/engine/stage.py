@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -77,8 +77,10 @@ class PipelineStage:
         before_update: Callable[[Optimizer], None],
         lr_scale: float = 1.0,
         ties: Sequence[SharedParameter] = (),
+        checkpoint_layers: Collection[int] = (),
     ) -> None:
         self.shard = shard
+        self.checkpoint_layers = frozenset(checkpoint_layers)
         self.lr_scale = lr_scale
         self.ties = tuple(ties)
         self.split_ties = split_ties(self.ties, shard.partition)
@@ -115,6 +117,7 @@ class PipelineStage:
         before_update: Callable[[Optimizer], None],
         lr_scale: float = 1.0,
         ties: Sequence[SharedParameter] = (),
+        checkpoint_layers: Collection[int] = (),
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
@@ -123,6 +126,8 @@ class PipelineStage:
         learning rate of every update (:func:`~lightning_dynpipe.engine.updates.scaled_lr`). ``ties``: the
         parameters shared by several layers (:func:`~lightning_dynpipe.engine.ties.shared_parameters` of the
         whole model); those split across stages have their gradients summed before every update.
+        ``checkpoint_layers``: the pipeline's layer indices whose activations are recomputed in the backward
+        (wherever those layers are, after migrations too).
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -147,6 +152,7 @@ class PipelineStage:
             before_update=before_update,
             lr_scale=lr_scale,
             ties=ties,
+            checkpoint_layers=checkpoint_layers,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -184,6 +190,7 @@ class PipelineStage:
             first_stage_input=self._first_stage_input,
             last_stage_loss=self._last_stage_loss,
             optimizer_step=self._optimizer_step,
+            checkpoint=[i in self.checkpoint_layers for i in self.shard.owned],
         )
         # The user's self.pipeline(x) call is this stage's part of the pipeline.
         self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]

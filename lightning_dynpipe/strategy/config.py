@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -52,6 +53,8 @@ class DynPipeConfig:
         lr_scale: the factor every optimizer update's learning rate is multiplied by (``"auto"`` resolved:
             ``1/M`` for a schedule that updates after every micro-batch, 1 for one that accumulates).
         lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
+        activation_checkpointing: ``True`` (every layer), ``False``, or the pipeline's layer indices whose
+            activations are recomputed in the backward.
     """
 
     num_stages: int | None
@@ -68,6 +71,7 @@ class DynPipeConfig:
     timeout: timedelta
     lr_scale: float = 1.0
     lr_scale_requested: float | str = "auto"
+    activation_checkpointing: bool | tuple[int, ...] = False
 
     @classmethod
     def from_arguments(
@@ -84,6 +88,7 @@ class DynPipeConfig:
         pipeline_attr: str = "pipeline",
         timeout: float | timedelta | None = None,
         lr_scale: float | Literal["auto"] = "auto",
+        activation_checkpointing: bool | Sequence[int] = False,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -138,6 +143,15 @@ class DynPipeConfig:
                 f"lr_scale must be 'auto' or a positive number; got {lr_scale!r}. 'auto' scales each per-micro-batch "
                 "update of the async schedule by 1/num_microbatches; 1.0 leaves the learning rate as configured."
             )
+        if isinstance(activation_checkpointing, bool):
+            ckpt: bool | tuple[int, ...] = activation_checkpointing
+        elif all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in activation_checkpointing):
+            ckpt = tuple(sorted(set(activation_checkpointing)))
+        else:
+            raise ConfigurationError(
+                f"activation_checkpointing must be True, False or a list of the pipeline's layer indices (ints >= 0); "
+                f"got {activation_checkpointing!r}."
+            )
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -153,7 +167,26 @@ class DynPipeConfig:
             timeout=timeout or DEFAULT_TIMEOUT,
             lr_scale=scale,
             lr_scale_requested=lr_scale,
+            activation_checkpointing=ckpt,
         )
+
+    def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
+        """The layer indices to checkpoint in a pipeline of ``num_layers`` layers.
+
+        Raises:
+            ConfigurationError: an index that is not a layer of the pipeline.
+        """
+        if self.activation_checkpointing is True:
+            return frozenset(range(num_layers))
+        if self.activation_checkpointing is False:
+            return frozenset()
+        bad = [i for i in self.activation_checkpointing if i >= num_layers]
+        if bad:
+            raise ConfigurationError(
+                f"activation_checkpointing names layers {bad}, but the pipeline has {num_layers} layers "
+                f"(0..{num_layers - 1}). Give indices of self.pipeline's elements."
+            )
+        return frozenset(self.activation_checkpointing)
 
     def describe_updates(self) -> str:
         """One line for the start of a run: what the schedule does to the user's optimizer updates."""

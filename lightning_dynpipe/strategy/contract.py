@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
 from lightning_dynpipe.engine.ties import SharedParameter, split_ties
@@ -61,6 +62,7 @@ def check_model(
     sync_batchnorm: bool,
     balance: tuple[int, ...] | None,
     num_stages: int | None,
+    checkpoint_layers: frozenset[int] | None = None,
 ) -> nn.Sequential:
     """Refuses what the pipeline cannot run exactly; returns the pipeline.
 
@@ -73,6 +75,7 @@ def check_model(
         sync_batchnorm: whether the Trainer converts BatchNorm layers to SyncBatchNorm.
         balance: the given layers per stage, if any.
         num_stages: the number of stages that will run (``None`` when the planner chooses).
+        checkpoint_layers: the layers whose activations will be recomputed in the backward.
 
     Raises:
         ConfigurationError: a set-up the strategy refuses (the message says why and what to do instead).
@@ -144,6 +147,14 @@ def check_model(
             f"{'(and more) ' if len(outside) > 5 else ''}are outside it. Move those modules into the "
             "nn.Sequential or freeze them (requires_grad=False)."
         )
+    for i in sorted(checkpoint_layers or ()):
+        norms = [n for n, m in pipeline[i].named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        if norms and fitting:
+            raise ConfigurationError(
+                f"Layer {i} of `{pipeline_attr}` contains BatchNorm with running statistics ({norms[:3]}), and "
+                "activation checkpointing runs a layer's forward again in the backward, which would update those "
+                f"statistics twice per micro-batch. Leave layer {i} out of activation_checkpointing."
+            )
     if balance is not None:
         Partition.from_balance(balance, len(pipeline))
     if num_stages is not None and num_stages > len(pipeline):

@@ -110,6 +110,9 @@ class DynPipeStrategy(DDPStrategy):
             entries or the path of a YAML file; see :mod:`lightning_dynpipe.interference`), e.g.
             ``[{"kind": "cpu_hog", "stage": 0, "start_step": 100}]``.
         pipeline_attr: attribute of the LightningModule holding the ``nn.Sequential`` (dotted paths allowed).
+        activation_checkpointing: recompute activations in the backward instead of keeping them: ``True`` for
+            every layer, or a list of ``self.pipeline`` indices (they stay checkpointed wherever migrations move
+            them). Trades one extra forward per checkpointed layer for the memory of its activations.
         lr_scale: multiplies the learning rate of every optimizer update (applied around the step: schedulers
             and loggers see the configured rate). ``"auto"`` (default): ``1/num_microbatches`` for ``"async"``,
             whose ``M`` updates per batch would otherwise move the weights about ``M`` times as far as one plain
@@ -139,6 +142,7 @@ class DynPipeStrategy(DDPStrategy):
         interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
         lr_scale: float | Literal["auto"] = "auto",
+        activation_checkpointing: bool | list[int] = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
@@ -158,6 +162,7 @@ class DynPipeStrategy(DDPStrategy):
             pipeline_attr=pipeline_attr,
             timeout=timeout,
             lr_scale=lr_scale,
+            activation_checkpointing=activation_checkpointing,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -305,6 +310,7 @@ class DynPipeStrategy(DDPStrategy):
                 sync_batchnorm=self._layer_sync is not None,
                 balance=self.config.balance,
                 num_stages=None if self.config.stages_auto else self.num_stages,
+                checkpoint_layers=self.config.checkpoint_layers(len(find_pipeline(module, self.config.pipeline_attr))),
             )
             if trainer.state.fn == TrainerFn.FITTING:  # evaluation makes no updates: copies stay as they are
                 balance = self.config.balance
@@ -387,6 +393,7 @@ class DynPipeStrategy(DDPStrategy):
             before_update=self._before_update,
             lr_scale=self.config.lr_scale if fitting else 1.0,
             ties=self.ties,
+            checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
         )
         self.setup_precision_plugin()
         if fitting:

@@ -47,6 +47,7 @@ def build(
     make_optimizer: Callable[[list[nn.Parameter]], Optimizer],
     loss_fn: Callable[[Any, Any], Tensor],
     input_fn: Callable[[Any], Any] = lambda batch: batch[0],
+    checkpoint: bool = False,
 ) -> InProcessPipeline:
     """One executor per stage of a ``balance`` split of ``pipeline``.
 
@@ -97,6 +98,7 @@ def build(
             first_stage_input=input_fn,
             last_stage_loss=last_loss if k == S - 1 else None,
             optimizer_step=step,
+            checkpoint=[checkpoint] * len(stage),
         )
         holder.append(executor)
         executors.append(executor)

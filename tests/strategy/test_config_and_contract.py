@@ -10,13 +10,17 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dynpipe.strategy.config
+from lightning_dynpipe.engine.ties import shared_parameters
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.repartition import GainOverCostPolicy
-from lightning_dynpipe.schedule import SYNC
+from lightning_dynpipe.schedule import SYNC, get_schedule
 from lightning_dynpipe.strategy.config import DEFAULT_TIMEOUT, DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_model, find_pipeline
+from lightning_dynpipe.strategy.contract import check_batches, check_model, check_ties, find_pipeline
+from lightning_dynpipe.strategy.decision import first_stage_input
 
 
 def test_docstring_examples() -> None:
@@ -116,3 +120,108 @@ def test_a_compiled_layer_is_refused() -> None:
     m.body.layers[0] = torch.compile(m.body.layers[0])
     with pytest.raises(ConfigurationError, match="torch.compile'd model"):
         _check(m)
+
+
+def test_lr_scale_resolves_per_schedule_and_says_so() -> None:
+    cfg = DynPipeConfig.from_arguments(num_microbatches=4)
+    assert cfg.lr_scale == 0.25 and "scaled by 1/4" in cfg.describe_updates()
+    assert DynPipeConfig.from_arguments(schedule="sync").lr_scale == 1.0
+    assert "as on one device" in DynPipeConfig.from_arguments(schedule="gpipe").describe_updates()
+    unscaled = DynPipeConfig.from_arguments(num_microbatches=4, lr_scale=1.0)
+    assert unscaled.lr_scale == 1.0 and "4 times as far" in unscaled.describe_updates()
+    assert DynPipeConfig.from_arguments(lr_scale=0.5).lr_scale == 0.5
+    for bad in (0, -1.0, "1/M", True):
+        with pytest.raises(ConfigurationError, match="lr_scale must be 'auto' or a positive number"):
+            DynPipeConfig.from_arguments(lr_scale=bad)  # type: ignore[arg-type]
+
+
+def test_activation_checkpointing_selection() -> None:
+    assert DynPipeConfig.from_arguments(activation_checkpointing=True).checkpoint_layers(3) == {0, 1, 2}
+    assert DynPipeConfig.from_arguments().checkpoint_layers(3) == frozenset()
+    some = DynPipeConfig.from_arguments(activation_checkpointing=[2, 0, 2])
+    assert some.activation_checkpointing == (0, 2) and some.checkpoint_layers(3) == {0, 2}
+    with pytest.raises(ConfigurationError, match=r"names layers \[5\], but the pipeline has 3 layers"):
+        some.from_arguments(activation_checkpointing=[5]).checkpoint_layers(3)
+    with pytest.raises(ConfigurationError, match="activation_checkpointing must be True, False or a list"):
+        DynPipeConfig.from_arguments(activation_checkpointing=["0"])  # type: ignore[list-item]
+
+
+def test_checkpointing_a_layer_with_batchnorm_statistics_is_refused() -> None:
+    m = Model()
+    m.body.layers = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(ConfigurationError, match="Layer 1 of `body.layers` contains BatchNorm"):
+        _check(m, checkpoint_layers=frozenset({1}))
+    _check(m, checkpoint_layers=frozenset({0}))
+
+
+def test_layers_with_extra_state_are_refused() -> None:
+    class Extra(nn.Linear):
+        def get_extra_state(self) -> object:
+            return {"calls": 1}
+
+    m = Model()
+    m.body.layers[1] = Extra(2, 2)
+    with pytest.raises(ConfigurationError, match=r"\['body.layers.1'\] define get_extra_state\(\)"):
+        _check(m)
+
+
+def _tied() -> nn.Sequential:
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    return nn.Sequential(emb, nn.Linear(4, 4), head)
+
+
+@pytest.mark.parametrize(
+    ("partition", "schedule", "clip", "match"),
+    [
+        (Partition((2, 1)), "async", None, r"cannot be trained exactly by schedule='async': pipeline.0.weight = "),
+        (None, "async", None, "balance='auto' may split them"),
+        (Partition((2, 1)), "sync", 1.0, "Gradient clipping by norm runs per stage"),
+    ],
+)
+def test_split_ties_are_refused_where_the_copies_could_drift(
+    partition: Partition | None, schedule: str, clip: float | None, match: str
+) -> None:
+    ties = shared_parameters(_tied())
+    with pytest.raises(ConfigurationError, match=match):
+        check_ties(ties, partition, schedule=get_schedule(schedule), gradient_clip_val=clip,
+                   gradient_clip_algorithm=None, pipeline_attr="pipeline")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("partition", "schedule", "clip", "algorithm"),
+    [
+        (Partition((3,)), "async", 1.0, None),  # one stage holds both uses
+        (Partition((2, 1)), "sync", None, None),  # the copies sum their gradients
+        (Partition((2, 1)), "gpipe", 0.5, "value"),  # element-wise clipping keeps them equal
+    ],
+)
+def test_ties_that_stay_exact_are_accepted(
+    partition: Partition, schedule: str, clip: float | None, algorithm: str | None
+) -> None:
+    check_ties(shared_parameters(_tied()), partition, schedule=get_schedule(schedule), gradient_clip_val=clip,
+               gradient_clip_algorithm=algorithm, pipeline_attr="pipeline")  # fmt: skip
+
+
+def _loader(n: int, batch_size: int, drop_last: bool = False) -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(n, 2)), batch_size=batch_size, drop_last=drop_last)
+
+
+def test_batches_are_checked_against_num_microbatches_before_training() -> None:
+    with pytest.raises(ConfigurationError, match=r"batch_size=3 is smaller than num_microbatches=4"):
+        check_batches(_loader(12, 3), num_microbatches=4, num_training_batches=4, max_steps=-1)
+    with pytest.raises(ConfigurationError, match=r"last training batch of each epoch holds 2 samples \(18 samples"):
+        check_batches(_loader(18, 8), num_microbatches=4, num_training_batches=3, max_steps=-1)
+    check_batches(_loader(18, 8, drop_last=True), num_microbatches=4, num_training_batches=2, max_steps=-1)
+    check_batches(_loader(18, 8), num_microbatches=4, num_training_batches=2, max_steps=-1)  # limit cuts it off
+    check_batches(_loader(18, 8), num_microbatches=4, num_training_batches=3, max_steps=2)  # stops before it
+    check_batches(_loader(20, 8), num_microbatches=4, num_training_batches=3, max_steps=-1)  # 4 left: enough
+
+
+def test_a_batch_stage_0_cannot_read_names_the_hook() -> None:
+    module = Model()
+    assert first_stage_input(module, (torch.ones(1), 0)) is not None
+    with pytest.raises(ConfigurationError, match=r"batch of type dict.*def pipeline_input\(self, batch\)"):
+        first_stage_input(module, {"x": torch.ones(1)})
+    module.pipeline_input = lambda batch: batch["x"]  # type: ignore[attr-defined]
+    assert torch.equal(first_stage_input(module, {"x": torch.ones(1)}), torch.ones(1))

@@ -54,6 +54,9 @@ def _no_survivors(marker: str) -> None:
 def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
     code, out, elapsed = _run(mode)
     assert code != 0
+    if mode.endswith("exception"):  # the process that called fit ends like any failed Python program
+        assert code == 1, f"exit code {code}: {out[-2000:]}"
+        assert "terminate called" not in out and "Traceback" in out
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert expected in out, out[-4000:]
     _no_survivors(mode)
