@@ -1,0 +1,306 @@
+"""What activation checkpointing saves per stage, and what it costs: the GPT example's model, async, 2 stages.
+
+Two measurements, both on ``lightning_dynpipe.demos.CharGPT`` (the model of ``examples/gpt_char.py``):
+
+* **Activation memory per stage, exact.** Every stage's executor runs the async schedule in one process
+  (each stage on its own thread, over loopback channels) while ``torch.autograd.graph.saved_tensors_hooks``
+  account every tensor autograd keeps for a backward: the peak of the bytes alive at once, per stage, with
+  and without ``activation_checkpointing=True``. A stage keeps ``S-k`` micro-batches in flight, so its peak
+  is about ``S-k`` times what one micro-batch keeps; with checkpointing a layer keeps only its input.
+* **A real 2-process run**: ``Trainer(devices=2, strategy=DynPipeStrategy(activation_checkpointing=...))``
+  spawned as in ``benchmarks/throughput.py``, interleaved repeats of the two settings; per stage the median
+  step time (what the recomputation costs) and the process's peak resident memory during the run (``VmHWM``,
+  reset before each run; it also holds the interpreter, torch and the weights, so the difference is the
+  interesting part).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/activation_memory.py            # the documented run (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/activation_memory.py --quick    # smoke run: tiny model, 1 repeat
+
+Outputs: the tables on stdout, ``benchmarks/out/activation_memory-<stamp>.json`` (config, machine, versions,
+command, every measurement) and ``docs/img/activation_memory.png`` (``--quick``: under ``benchmarks/out/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    fit_dynpipe,
+    format_table,
+    free_port,
+    machine_info,
+    median,
+)
+from lightning_dynpipe.demos import CharGPT  # noqa: E402
+from lightning_dynpipe.engine.executor import StageExecutor  # noqa: E402
+from lightning_dynpipe.engine.loopback import loopback_channels, run_stages  # noqa: E402
+from lightning_dynpipe.engine.shard import StageShard  # noqa: E402
+from lightning_dynpipe.plan.partition import Partition  # noqa: E402
+
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    block_size: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    batch_size: int = 32
+    num_microbatches: int = 4
+    balance: tuple[int, ...] = (3, 3)
+    steps: int = 3  # steps of the schedule for the exact accounting
+    run_steps: int = 30  # steps of each real run (the first warmup ones are not timed)
+    warmup: int = 5
+    repeats: int = 3
+    seed: int = 0
+
+
+QUICK = Config(block_size=16, d_model=32, n_layers=2, n_heads=2, batch_size=8, steps=2, run_steps=6, warmup=2,
+               repeats=1, balance=(2, 2))  # fmt: skip
+
+
+def _model(cfg: Config) -> CharGPT:
+    torch.manual_seed(cfg.seed)
+    return CharGPT(block_size=cfg.block_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+
+
+def _batches(cfg: Config, n: int) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    out = []
+    for _ in range(n):
+        w = torch.randint(0, 256, (cfg.batch_size, cfg.block_size + 1), generator=g)
+        out.append((w[:, :-1], w[:, 1:]))
+    return out
+
+
+class _LiveBytes:
+    """Bytes of the tensors autograd holds for a backward, alive now and at the peak (one per stage thread)."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+        self._lock = threading.Lock()
+
+    def _add(self, n: int) -> None:
+        with self._lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+    def pack(self, t: Tensor) -> Any:
+        holder = _Held(t)
+        n = t.numel() * t.element_size()
+        self._add(n)
+        weakref.finalize(holder, self._add, -n)
+        return holder
+
+    @staticmethod
+    def unpack(holder: Any) -> Tensor:
+        return holder.t
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+
+def exact_peaks(cfg: Config, checkpoint: bool) -> list[int]:
+    """Each stage's peak of bytes kept for the backward over ``cfg.steps`` async steps (one process)."""
+    model = _model(cfg)
+    partition = Partition(cfg.balance)
+    S = partition.num_stages
+    channels = loopback_channels(S, timeout=120.0)
+    holder: list[StageExecutor] = []
+    executors = []
+    for k in range(S):
+        stage = StageShard(model.pipeline, partition, k).stage_module()
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+
+        def step(opt: torch.optim.Optimizer = opt) -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def loss(mb: Any, slot: int) -> Tensor:
+            logits = holder[0].local_forward(None)
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb[1].reshape(-1))
+
+        ex = StageExecutor(
+            stage_module=stage, stage_idx=k, num_stages=S, schedule="async", num_microbatches=cfg.num_microbatches,
+            channels=channels[k], first_stage_input=lambda b: b[0], last_stage_loss=loss if k == S - 1 else None,
+            optimizer_step=step, checkpoint=[checkpoint] * len(stage),
+        )  # fmt: skip
+        if k == S - 1:
+            holder.append(ex)
+        executors.append(ex)
+    batches = _batches(cfg, cfg.steps)
+    meters = [_LiveBytes() for _ in range(S)]
+
+    def run(k: int) -> None:
+        with torch.autograd.graph.saved_tensors_hooks(meters[k].pack, meters[k].unpack):
+            for b in batches:
+                executors[k].train_step(b)
+            executors[k].drain()
+
+    run_stages(run, S, timeout=600.0)
+    return [m.peak for m in meters]
+
+
+def _reset_peak_rss() -> bool:
+    """Resets this process's resident-memory high-water mark (Linux ``clear_refs``); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark since the last reset (or since it started)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    from benchmarks.throughput import _quiet, _step_timer
+    from lightning_dynpipe import DynPipeStrategy
+
+    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD_SIZE),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    torch.set_num_threads(1)  # one core per stage
+    _quiet()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    runs = []
+    try:
+        batches = _batches(cfg, cfg.run_steps)
+        for rep in range(cfg.repeats):
+            order = [False, True] if rep % 2 == 0 else [True, False]  # interleaved, each first half the time
+            for checkpoint in order:
+                dist.barrier()
+                reset = _reset_peak_rss()
+                before = _peak_rss_bytes()
+                strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, balance=list(cfg.balance),
+                                           adaptive=False, activation_checkpointing=checkpoint)  # fmt: skip
+                timer = _step_timer(cfg.warmup, cfg.run_steps - cfg.warmup)
+                res = fit_dynpipe(_model(cfg), batches, strategy, timer, world_size=WORLD_SIZE)
+                peaks: list[Any] = [None] * WORLD_SIZE
+                dist.all_gather_object(peaks, (timer.stage_idx, before, _peak_rss_bytes(), reset))
+                steps = [median([s["step_s"] for s in st["steps"]]) for st in res["stages"]]
+                rss = {str(p[0]): {"before": p[1], "after": p[2], "reset": p[3]} for p in peaks}
+                runs.append({"rep": rep, "checkpoint": checkpoint, "step_s": steps, "rss": rss})
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(runs))
+    finally:
+        dist.destroy_process_group()
+
+
+def real_runs(cfg: Config) -> list[dict[str, Any]]:
+    from torch.multiprocessing import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "runs.json")
+        spawn(_worker, args=(cfg, free_port(), path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+        return json.loads(Path(path).read_text())  # type: ignore[no-any-return]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, one repeat (the smoke test)")
+    p.add_argument("--out-dir", default=None, help="where the JSON and (for --quick) the plot go")
+    a = p.parse_args(argv)
+    cfg = QUICK if a.quick else Config()
+    out_dir = Path(a.out_dir) if a.out_dir else REPO_ROOT / "benchmarks" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    t0 = time.time()
+    exact = {str(c): exact_peaks(cfg, c) for c in (False, True)}
+    runs = real_runs(cfg)
+    S = len(cfg.balance)
+    print(f"CharGPT d={cfg.d_model}, {cfg.n_layers} blocks, batch {cfg.batch_size} x {cfg.block_size} tokens, "
+          f"M={cfg.num_microbatches}, async, balance {list(cfg.balance)}")  # fmt: skip
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+          f"load {machine['load_average_1_5_15']}\n")  # fmt: skip
+    rows = []
+    for k in range(S):
+        off, on = exact["False"][k], exact["True"][k]
+        step_off = median([r["step_s"][k] for r in runs if not r["checkpoint"]])
+        step_on = median([r["step_s"][k] for r in runs if r["checkpoint"]])
+        rss_off = median([r["rss"][str(k)]["after"] for r in runs if not r["checkpoint"]])
+        rss_on = median([r["rss"][str(k)]["after"] for r in runs if r["checkpoint"]])
+        rows.append([str(k), str(S - k), _mib(off), _mib(on), f"{on / off:.2f}" if off else "-",
+                     f"{step_off * 1e3:.1f}", f"{step_on * 1e3:.1f}", f"{step_on / step_off:.2f}",
+                     _mib(rss_off), _mib(rss_on)])  # fmt: skip
+    print(format_table(["stage", "in flight", "activations MiB", "checkpointed MiB", "ratio", "step ms",
+                        "checkpointed ms", "time ratio", "peak RSS MiB", "checkpointed RSS MiB"], rows))  # fmt: skip
+    print("\nactivations: peak bytes kept for the backward (exact, one process); step and RSS: medians of "
+          f"{cfg.repeats} interleaved real 2-process runs ({cfg.run_steps - cfg.warmup} timed steps each); RSS is "
+          "the high-water mark of each run (reset before it), interpreter and weights included.")  # fmt: skip
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(t0))
+    record = {"config": asdict(cfg), "machine": machine, "command": command_line(), "exact_peak_bytes": exact,
+              "runs": runs, "elapsed_s": time.time() - t0}  # fmt: skip
+    path = out_dir / f"activation_memory-{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"\nresults: {path}")
+    _plot(exact, S, (out_dir if a.quick else REPO_ROOT / "docs" / "img") / "activation_memory.png")
+    return 0
+
+
+def _plot(exact: dict[str, list[int]], S: int, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot not written: matplotlib is not installed (pip install 'lightning-dynpipe[plot]')")
+        return
+    fig, ax = plt.subplots(figsize=(5, 3))
+    width = 0.35
+    xs = list(range(S))
+    ax.bar([x - width / 2 for x in xs], [b / 2**20 for b in exact["False"]], width, label="without")
+    ax.bar([x + width / 2 for x in xs], [b / 2**20 for b in exact["True"]], width, label="activation_checkpointing")
+    ax.set_xticks(xs, [f"stage {k}" for k in xs])
+    ax.set_ylabel("peak MiB kept for backward")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
