@@ -205,3 +205,19 @@ def test_replica_gradients_are_averaged_and_missing_ones_count_as_zero() -> None
     for layer in layers:
         assert torch.equal(layer.weight.grad, 2 * torch.ones(2, 2))
         assert torch.equal(layer.bias.grad, 0.5 * torch.ones(2))
+
+
+def test_restored_layers_hold_new_parameter_objects() -> None:
+    """As documented: a layer that was offloaded comes back with new Parameter objects (hold names, not
+    references, across a fit); the layers the stage kept keep theirs."""
+    net = Net()
+    kept, offloaded = net.pipeline[3].weight, net.pipeline[0].weight
+    shard = StageShard(net.pipeline, Partition((3, 1)), stage_idx=1)
+    shard.partition_module()
+    group = LoopbackGroup([0])
+    states = checkpoint.gather_layer_states(
+        StageShard(Net().pipeline, Partition((4,)), 0), group.member(0), rank_of_stage=lambda k: 0, device=CPU,
+        root=None, everything=True,
+    )  # fmt: skip
+    shard.restore(states, CPU)
+    assert net.pipeline[3].weight is kept and net.pipeline[0].weight is not offloaded
