@@ -9,9 +9,9 @@ Two measurements, both on ``lightning_dynpipe.demos.CharGPT`` (the model of ``ex
   is about ``S-k`` times what one micro-batch keeps; with checkpointing a layer keeps only its input.
 * **A real 2-process run**: ``Trainer(devices=2, strategy=DynPipeStrategy(activation_checkpointing=...))``
   spawned as in ``benchmarks/throughput.py``, interleaved repeats of the two settings; per stage the median
-  step time (what the recomputation costs) and the process's peak resident memory during the run (``VmHWM``,
-  reset before each run; it also holds the interpreter, torch and the weights, so the difference is the
-  interesting part).
+  step time (what the recomputation costs) and the process's peak resident memory (``VmHWM``; every run
+  starts fresh processes, so the peak belongs to that setting alone; it also holds the interpreter, torch and
+  the weights, so the difference is the interesting part).
 
 Usage (from the repository root)::
 
@@ -169,17 +169,8 @@ def exact_peaks(cfg: Config, checkpoint: bool) -> list[int]:
     return [m.peak for m in meters]
 
 
-def _reset_peak_rss() -> bool:
-    """Resets this process's resident-memory high-water mark (Linux ``clear_refs``); False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_bytes() -> int:
-    """This process's resident-memory high-water mark since the last reset (or since it started)."""
+    """This process's resident-memory high-water mark."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -189,7 +180,8 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+def _worker(rank: int, cfg: Config, checkpoint: bool, port: int, result_path: str) -> None:
+    """One fit in a fresh pair of processes, so each process's peak memory belongs to this setting alone."""
     from benchmarks.throughput import _quiet, _step_timer
     from lightning_dynpipe import DynPipeStrategy
 
@@ -198,37 +190,33 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
     torch.set_num_threads(1)  # one core per stage
     _quiet()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    runs = []
     try:
-        batches = _batches(cfg, cfg.run_steps)
-        for rep in range(cfg.repeats):
-            order = [False, True] if rep % 2 == 0 else [True, False]  # interleaved, each first half the time
-            for checkpoint in order:
-                dist.barrier()
-                reset = _reset_peak_rss()
-                before = _peak_rss_bytes()
-                strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, balance=list(cfg.balance),
-                                           adaptive=False, activation_checkpointing=checkpoint)  # fmt: skip
-                timer = _step_timer(cfg.warmup, cfg.run_steps - cfg.warmup)
-                res = fit_dynpipe(_model(cfg), batches, strategy, timer, world_size=WORLD_SIZE)
-                peaks: list[Any] = [None] * WORLD_SIZE
-                dist.all_gather_object(peaks, (timer.stage_idx, before, _peak_rss_bytes(), reset))
-                steps = [median([s["step_s"] for s in st["steps"]]) for st in res["stages"]]
-                rss = {str(p[0]): {"before": p[1], "after": p[2], "reset": p[3]} for p in peaks}
-                runs.append({"rep": rep, "checkpoint": checkpoint, "step_s": steps, "rss": rss})
+        strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, balance=list(cfg.balance),
+                                   adaptive=False, activation_checkpointing=checkpoint)  # fmt: skip
+        timer = _step_timer(cfg.warmup, cfg.run_steps - cfg.warmup)
+        res = fit_dynpipe(_model(cfg), _batches(cfg, cfg.run_steps), strategy, timer, world_size=WORLD_SIZE)
+        peaks: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(peaks, (timer.stage_idx, _peak_rss_bytes()))
         if rank == 0:
-            Path(result_path).write_text(json.dumps(runs))
+            steps = [median([s["step_s"] for s in st["steps"]]) for st in res["stages"]]
+            rss = {str(stage): peak for stage, peak in peaks}
+            Path(result_path).write_text(json.dumps({"checkpoint": checkpoint, "step_s": steps, "rss": rss}))
     finally:
         dist.destroy_process_group()
 
 
 def real_runs(cfg: Config) -> list[dict[str, Any]]:
+    """Interleaved repeats of the two settings, each run in its own fresh process pair."""
     from torch.multiprocessing import spawn
 
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "runs.json")
-        spawn(_worker, args=(cfg, free_port(), path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
-        return json.loads(Path(path).read_text())  # type: ignore[no-any-return]
+        for rep in range(cfg.repeats):
+            for checkpoint in [False, True] if rep % 2 == 0 else [True, False]:  # each first half the time
+                path = os.path.join(tmp, f"run-{rep}-{checkpoint}.json")
+                spawn(_worker, args=(cfg, checkpoint, free_port(), path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+                runs.append({"rep": rep, "load_1m": os.getloadavg()[0], **json.loads(Path(path).read_text())})
+    return runs
 
 
 def _mib(n: float) -> str:
@@ -257,16 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         off, on = exact["False"][k], exact["True"][k]
         step_off = median([r["step_s"][k] for r in runs if not r["checkpoint"]])
         step_on = median([r["step_s"][k] for r in runs if r["checkpoint"]])
-        rss_off = median([r["rss"][str(k)]["after"] for r in runs if not r["checkpoint"]])
-        rss_on = median([r["rss"][str(k)]["after"] for r in runs if r["checkpoint"]])
+        rss_off = median([r["rss"][str(k)] for r in runs if not r["checkpoint"]])
+        rss_on = median([r["rss"][str(k)] for r in runs if r["checkpoint"]])
         rows.append([str(k), str(S - k), _mib(off), _mib(on), f"{on / off:.2f}" if off else "-",
                      f"{step_off * 1e3:.1f}", f"{step_on * 1e3:.1f}", f"{step_on / step_off:.2f}",
                      _mib(rss_off), _mib(rss_on)])  # fmt: skip
     print(format_table(["stage", "in flight", "activations MiB", "checkpointed MiB", "ratio", "step ms",
                         "checkpointed ms", "time ratio", "peak RSS MiB", "checkpointed RSS MiB"], rows))  # fmt: skip
     print("\nactivations: peak bytes kept for the backward (exact, one process); step and RSS: medians of "
-          f"{cfg.repeats} interleaved real 2-process runs ({cfg.run_steps - cfg.warmup} timed steps each); RSS is "
-          "the high-water mark of each run (reset before it), interpreter and weights included.")  # fmt: skip
+          f"{cfg.repeats} interleaved real 2-process runs ({cfg.run_steps - cfg.warmup} timed steps each), each in "
+          "fresh processes; RSS is each process's high-water mark (interpreter, torch, weights included).")  # fmt: skip
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(t0))
     record = {"config": asdict(cfg), "machine": machine, "command": command_line(), "exact_peak_bytes": exact,
               "runs": runs, "elapsed_s": time.time() - t0}  # fmt: skip
