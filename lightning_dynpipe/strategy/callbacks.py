@@ -8,6 +8,7 @@ copies them. The whole-pipeline model summary is in :mod:`lightning_dynpipe.stra
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -17,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["MetricsMirror", "silence_sync_dist_advice", "restore_sync_dist_advice"]
+__all__ = ["MetricsMirror", "TrainerAdditions", "bind_metrics", "silence_sync_dist_advice", "restore_sync_dist_advice"]
 
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"
 
@@ -80,3 +81,90 @@ class MetricsMirror(Callback):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mirror(trainer)
+
+
+def bind_metrics(module: LightningModule, stage_dp_group: Any, replicas: int) -> None:
+    """Points the torchmetrics in ``module`` at the last stage's replicas (only the last stage updates them;
+    syncing over all ranks would wait for the other stages forever)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            if replicas == 1 or stage_dp_group is None:
+                m.distributed_available_fn = lambda: False
+            else:
+                m.process_group = stage_dp_group
+
+
+class TrainerAdditions:
+    """What the strategy adds to a Trainer for one run, and takes away at teardown.
+
+    The metrics mirror (every run), the ``sync_dist`` advice filter (one pipeline), and for a fit the
+    whole-pipeline model summary and the interference callback (the monitor and the adaptive loop are
+    :class:`~lightning_dynpipe.strategy.adaptation.AdaptationWiring`'s).
+    """
+
+    def __init__(self) -> None:
+        self.mirror: MetricsMirror | None = None
+        self.summaries: list[Any] = []
+        self.interference: Callback | None = None
+        self._filter: Any = None
+
+    def install(
+        self,
+        trainer: Trainer,
+        *,
+        device: torch.device,
+        replicas: int,
+        fitting: bool,
+        summary_of: Callable[[list[Any]], list[Any]] | None,
+        interference: Any = None,
+        num_stages: int = 1,
+    ) -> None:
+        """Adds the mirror and the filter; for a fit, the whole-pipeline summary and the interference schedule.
+
+        Args:
+            trainer: the Trainer.
+            device: where mirrored metrics go.
+            replicas: pipeline replicas (the filter only applies to one).
+            fitting: whether the run trains.
+            summary_of: installs the whole-pipeline summary on the callbacks and returns those changed.
+            interference: the interference schedule, if any.
+            num_stages: ``S``, to validate the interference schedule.
+        """
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if replicas == 1 and self._filter is None:
+            self._filter = silence_sync_dist_advice()
+        if self.mirror is None:
+            self.mirror = MetricsMirror(device)
+            callbacks.insert(0, self.mirror)
+        if not fitting:
+            return
+        if not self.summaries and summary_of is not None:
+            self.summaries = summary_of(callbacks)
+        if interference is not None and self.interference is None:
+            from lightning_dynpipe.interference.callback import InterferenceCallback
+
+            interference.validate(num_stages)
+            self.interference = InterferenceCallback(interference)
+            callbacks.append(self.interference)
+
+    def remove(self, trainer: Trainer | None, module: LightningModule | None) -> None:
+        """Takes away everything :meth:`install` added (interference sources still running are stopped)."""
+        from lightning_dynpipe.strategy import summary
+
+        callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+        if self.mirror is not None and self.mirror in callbacks:
+            callbacks.remove(self.mirror)
+        self.mirror = None
+        summary.uninstall(self.summaries)
+        self.summaries = []
+        if self.interference is not None and self.interference in callbacks:
+            self.interference.teardown(cast(Trainer, trainer), cast(LightningModule, module), "fit")
+            callbacks.remove(self.interference)
+        self.interference = None
+        if self._filter is not None:
+            restore_sync_dist_advice(self._filter)
+            self._filter = None

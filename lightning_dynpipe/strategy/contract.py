@@ -21,12 +21,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
-from lightning_dynpipe.engine.ties import SharedParameter, split_ties
+from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters, split_ties
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
+from lightning_dynpipe.strategy.config import DynPipeConfig
 
-__all__ = ["find_pipeline", "check_model", "check_batches", "check_ties"]
+__all__ = ["find_pipeline", "check_model", "check_setup", "check_batches", "check_ties", "check_optimizers"]
 
 
 def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
@@ -254,4 +255,59 @@ def check_ties(
             f"Gradient clipping by norm runs per stage, so the copies of a parameter shared across stages would be "
             f"scaled by different factors and drift apart: {names}; {where}. Use gradient_clip_algorithm='value', "
             "or a list balance that puts the sharing layers on one stage, or untie the weights."
+        )
+
+
+def check_setup(
+    module: LightningModule,
+    *,
+    config: DynPipeConfig,
+    fitting: bool,
+    accumulate_grad_batches: int,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None,
+    precision_plugin: Precision,
+    sync_batchnorm: bool,
+    num_stages: int,
+) -> nn.Sequential:
+    """Every refusal that needs the model and the Trainer but no process group (:func:`check_model` and, for a
+    fit, :func:`check_ties` with the partition the configuration fixes, if any); returns the pipeline."""
+    pipeline = find_pipeline(module, config.pipeline_attr)
+    stages = None if config.stages_auto else num_stages
+    check_model(
+        module,
+        pipeline_attr=config.pipeline_attr,
+        fitting=fitting,
+        accumulate_grad_batches=accumulate_grad_batches,
+        precision_plugin=precision_plugin,
+        sync_batchnorm=sync_batchnorm,
+        balance=config.balance,
+        num_stages=stages,
+        checkpoint_layers=config.checkpoint_layers(len(pipeline)),
+    )
+    if fitting:  # evaluation makes no updates: the copies of a shared parameter stay as they are
+        partition = (
+            Partition((len(pipeline),)) if stages == 1 else (Partition(config.balance) if config.balance else None)
+        )
+        check_ties(
+            shared_parameters(pipeline),
+            partition,
+            schedule=config.schedule,
+            gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+            pipeline_attr=config.pipeline_attr,
+        )
+    return pipeline
+
+
+def check_optimizers(optimizers: Sequence[Any]) -> None:
+    """One optimizer (with any number of parameter groups): each stage steps its share of it.
+
+    Raises:
+        ConfigurationError: several optimizers.
+    """
+    if len(optimizers) > 1:
+        raise ConfigurationError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; DynPipeStrategy supports one (with any "
+            "number of parameter groups). Use parameter groups instead."
         )

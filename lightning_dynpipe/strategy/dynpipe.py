@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -48,9 +48,9 @@ from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
-from lightning_dynpipe.strategy.callbacks import MetricsMirror, restore_sync_dist_advice, silence_sync_dist_advice
+from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
 from lightning_dynpipe.strategy.config import DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_batches, check_model, check_ties, find_pipeline
+from lightning_dynpipe.strategy.contract import check_batches, check_optimizers, check_setup, check_ties, find_pipeline
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
@@ -191,10 +191,7 @@ class DynPipeStrategy(DDPStrategy):
         self._topology: PipelineTopology | None = None
         self._full_keys: list[str] = []
         self._pending_partition: Partition | None = None
-        self._mirror: MetricsMirror | None = None
-        self._summaries: list[Any] = []  # ModelSummary callbacks told to summarise the whole pipeline
-        self._interference_cb: Callback | None = None
-        self._sync_dist_filter: Any = None
+        self.additions = TrainerAdditions()  # the metrics mirror, the summary, the interference callback
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ configuration, read-only
@@ -301,28 +298,17 @@ class DynPipeStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             trainer = module._trainer
-            pipeline = check_model(
+            check_setup(
                 module,
-                pipeline_attr=self.config.pipeline_attr,
+                config=self.config,
                 fitting=trainer.state.fn == TrainerFn.FITTING,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
+                gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm,
                 precision_plugin=self.precision_plugin,
                 sync_batchnorm=self._layer_sync is not None,
-                balance=self.config.balance,
-                num_stages=None if self.config.stages_auto else self.num_stages,
-                checkpoint_layers=self.config.checkpoint_layers(len(find_pipeline(module, self.config.pipeline_attr))),
+                num_stages=self.num_stages,
             )
-            if trainer.state.fn == TrainerFn.FITTING:  # evaluation makes no updates: copies stay as they are
-                balance = self.config.balance
-                one_stage = not self.config.stages_auto and self.num_stages == 1
-                check_ties(
-                    shared_parameters(pipeline),
-                    Partition((len(pipeline),)) if one_stage else (Partition(balance) if balance else None),
-                    schedule=self.config.schedule,
-                    gradient_clip_val=trainer.gradient_clip_val,
-                    gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-                    pipeline_attr=self.config.pipeline_attr,
-                )
         super().setup_environment()
         self._topology = None
         self._planned_num_stages = None
@@ -348,11 +334,7 @@ class DynPipeStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) > 1:
-                raise ConfigurationError(
-                    f"configure_optimizers returned {len(self.optimizers)} optimizers; DynPipeStrategy supports "
-                    "one (with any number of parameter groups). Use parameter groups instead."
-                )
+            check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
         self.ties = self.adaptation.ties = shared_parameters(pipeline)  # on the whole model, before offloading
         decision = decide(
@@ -407,46 +389,27 @@ class DynPipeStrategy(DDPStrategy):
             rank_zero_info(self.config.describe_updates())
 
     def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
-        """Metrics rebinding, the metrics mirror, the warning filter, and for fits the monitor and the summary."""
-        self._bind_metrics()
-        callbacks: list[Any] = cast(Any, trainer).callbacks
-        if self.topology.dp_size == 1 and self._sync_dist_filter is None:
-            self._sync_dist_filter = silence_sync_dist_advice()
-        if self._mirror is None:
-            self._mirror = MetricsMirror(self.root_device)
-            callbacks.insert(0, self._mirror)
-        if not fitting:
-            return
-        self.adaptation.attach(
+        """Metrics rebinding and what the strategy adds to the Trainer; for fits the monitor and adaptive loop."""
+        assert self.stage is not None
+        shard, ties = self.stage.shard, self.ties
+        bind_metrics(self._lm, self.stage.groups.stage_dp, self.topology.dp_size)
+        self.additions.install(
             trainer,
-            model_cost=self.model_cost,
-            comm=self.comm,
-            num_stages=self.num_stages,
+            device=self.root_device,
             replicas=self.topology.dp_size,
+            fitting=fitting,
+            summary_of=lambda callbacks: summary.install(callbacks, self._pipeline, shard.offloaded, ties),
+            interference=self.config.interference,
+            num_stages=self.num_stages,
         )
-        if not self._summaries:
-            assert self.stage is not None
-            self._summaries = summary.install(callbacks, self._pipeline, self.stage.shard.offloaded, self.ties)
-        if self.config.interference is not None and self._interference_cb is None:
-            from lightning_dynpipe.interference.callback import InterferenceCallback
-
-            self.config.interference.validate(self.num_stages)
-            self._interference_cb = InterferenceCallback(self.config.interference)
-            callbacks.append(self._interference_cb)
-
-    def _bind_metrics(self) -> None:
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover - torchmetrics ships with lightning
-            return
-        groups = self.stage.groups if self.stage is not None else None
-        for m in self._lm.modules():
-            if isinstance(m, Metric):
-                # Only the last stage updates metrics; syncing over WORLD would wait for the other stages forever.
-                if self.topology.dp_size == 1 or groups is None:
-                    m.distributed_available_fn = lambda: False
-                else:
-                    m.process_group = groups.stage_dp
+        if fitting:
+            self.adaptation.attach(
+                trainer,
+                model_cost=self.model_cost,
+                comm=self.comm,
+                num_stages=self.num_stages,
+                replicas=self.topology.dp_size,
+            )
 
     # ------------------------------------------------------------------ live repartitioning
     def repartition(self, balance: list[int] | Partition) -> None:
@@ -692,27 +655,12 @@ class DynPipeStrategy(DDPStrategy):
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
                     "(other layers are placeholders). Load the last checkpoint for the full model."
                 )
-        self._remove_callbacks(trainer)
+        self.additions.remove(trainer, self.lightning_module)
+        self.adaptation.detach(trainer)
         self.stage = None
         self._planned_num_stages = None
         self._topology = None
         super().teardown()
-
-    def _remove_callbacks(self, trainer: Trainer | None) -> None:
-        callbacks: list[Any] = cast(Any, trainer).callbacks if trainer is not None else []
-        if self._mirror is not None and self._mirror in callbacks:
-            callbacks.remove(self._mirror)
-        self._mirror = None
-        self.adaptation.detach(trainer)
-        summary.uninstall(self._summaries)
-        self._summaries = []
-        if self._interference_cb is not None and self._interference_cb in callbacks:
-            self._interference_cb.teardown(cast(Trainer, trainer), self._lm, "fit")  # stops what is still running
-            callbacks.remove(self._interference_cb)
-        self._interference_cb = None
-        if self._sync_dist_filter is not None:
-            restore_sync_dist_advice(self._sync_dist_filter)
-            self._sync_dist_filter = None
 
     @classmethod
     @override
