@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "REPO_ROOT",
     "command_line",
+    "describe_machine",
     "external_launch_env",
     "fit_dynpipe",
     "format_table",
@@ -121,6 +122,15 @@ def machine_info() -> dict[str, Any]:
         "git_commit": _git_commit(),
         "git_modified_files": _git_dirty(),
     }
+
+
+def describe_machine(machine: dict[str, Any]) -> str:
+    """Two lines for a benchmark's header: the CPU with its load, and the versions (from :func:`machine_info`)."""
+    return (
+        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
+        f"load {machine['load_average_1_5_15']}\n"
+        f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}"
+    )
 
 
 def command_line() -> str:

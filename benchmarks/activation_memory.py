@@ -48,6 +48,7 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
     command_line,
+    describe_machine,
     fit_dynpipe,
     format_table,
     free_port,
@@ -238,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     S = len(cfg.balance)
     print(f"CharGPT d={cfg.d_model}, {cfg.n_layers} blocks, batch {cfg.batch_size} x {cfg.block_size} tokens, "
           f"M={cfg.num_microbatches}, async, balance {list(cfg.balance)}")  # fmt: skip
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-          f"load {machine['load_average_1_5_15']}\n")  # fmt: skip
+    print(describe_machine(machine) + "\n")
     rows = []
     for k in range(S):
         off, on = exact["False"][k], exact["True"][k]

@@ -79,6 +79,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     command_line,
+    describe_machine,
     external_launch_env,
     fit_dynpipe,
     format_table,
@@ -885,11 +886,7 @@ def _config_from_json(d: dict[str, Any]) -> Config:
 
 
 def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(
-        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-        f"load {machine['load_average_1_5_15']}"
-    )
-    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(describe_machine(machine))
     print(
         f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)} for both systems, batch "
         f"{cfg.batch_size}, M={cfg.num_microbatches}, {cfg.schedule}, {cfg.optimizer} lr {cfg.lr}"

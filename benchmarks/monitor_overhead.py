@@ -59,6 +59,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     command_line,
+    describe_machine,
     external_launch_env,
     fit_dynpipe,
     format_table,
@@ -523,11 +524,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(
-        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-        f"load {machine['load_average_1_5_15']}"
-    )
-    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(describe_machine(machine))
     print(
         f"model: MLP width {cfg.width} depth {cfg.depth}, balance {list(cfg.balance)}, batch {cfg.batch_size}, "
         f"M={cfg.num_microbatches}, async; {cfg.repeats} repeats x ({cfg.warmup} warm-up + {cfg.steps} timed steps)"

@@ -60,6 +60,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     command_line,
+    describe_machine,
     external_launch_env,
     fit_dynpipe,
     format_table,
@@ -890,11 +891,7 @@ def config_from_json(d: dict[str, Any]) -> Config:
 
 def print_header(machine: dict[str, Any], cmd: str, lines: Sequence[str]) -> None:
     """Machine, versions, code state and command, then ``lines`` describing the configuration."""
-    print(
-        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-        f"load {machine['load_average_1_5_15']}"
-    )
-    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(describe_machine(machine))
     dirty = machine.get("git_modified_files")
     print(
         f"code: commit {(machine.get('git_commit') or '?')[:10]}"

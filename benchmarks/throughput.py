@@ -62,6 +62,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     command_line,
+    describe_machine,
     fit_dynpipe,
     format_table,
     free_port,
@@ -899,11 +900,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
-    print(
-        f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, "
-        f"load {machine['load_average_1_5_15']}"
-    )
-    print(f"versions: torch {machine['torch']}, lightning {machine['lightning']}, python {machine['python']}")
+    print(describe_machine(machine))
     print(
         f"model: MLP width {cfg.width} depth {cfg.depth} ({cfg.depth + 1} layers), balance {list(cfg.balance)}, "
         f"batch {cfg.batch_size}, M={cfg.num_microbatches}, SGD lr {cfg.lr}; {cfg.repeats} repeats x "

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor
 
 from lightning_dynpipe.engine.executor import StageChannels
-from lightning_dynpipe.engine.p2p import Message, SendDelay
+from lightning_dynpipe.engine.p2p import Message, SendDelay, expect, hold_back
 from lightning_dynpipe.engine.wire import MessageKind, decode, encode
 from lightning_dynpipe.errors import CommunicationError, PipelineTimeoutError
 
@@ -52,13 +51,7 @@ class LoopbackReceiver:
             ) from None
         if item is None:
             raise CommunicationError(f"Loopback channel {self.name} was closed while a message was expected.")
-        if item.header.kind != kind or item.header.mb_idx != mb_idx:
-            raise CommunicationError(
-                f"Pipeline schedules are out of step on channel {self.name}: expected {kind.name.lower()} of "
-                f"micro-batch {mb_idx}, received {item.header.kind.name.lower()} of micro-batch "
-                f"{item.header.mb_idx}."
-            )
-        return item
+        return expect(item, kind, mb_idx, self.name)
 
     def join(self, timeout: float = 5.0) -> None:
         """Nothing to stop: there is no receiver thread."""
@@ -81,10 +74,7 @@ class LoopbackSender:
         aux: float = float("nan"),
         is_tuple: bool = False,
     ) -> None:
-        if self.delay is not None:
-            wait = self.delay.sample()
-            if wait > 0:
-                time.sleep(wait)
+        hold_back(self.delay)
         header = decode(encode(kind, mb_idx, tensors, aux, is_tuple))
         copies = [None if t is None else t.detach().clone() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in copies if t is not None)

@@ -30,6 +30,8 @@ from lightning_dynpipe.engine.wire import HEADER_LEN, Header, MessageKind, decod
 from lightning_dynpipe.errors import CommunicationError, PeerFailure, PipelineTimeoutError
 
 __all__ = [
+    "hold_back",
+    "expect",
     "Sender",
     "Receiver",
     "SendChannel",
@@ -88,6 +90,29 @@ class SendDelay(Protocol):
     def sample(self) -> float:
         """Seconds to wait before the next send."""
         ...
+
+
+def hold_back(delay: SendDelay | None) -> None:
+    """Waits as long as ``delay`` says before a send (no wait without one)."""
+    if delay is not None:
+        wait = delay.sample()
+        if wait > 0:
+            time.sleep(wait)
+
+
+def expect(item: Message, kind: MessageKind, mb_idx: int, channel: str) -> Message:
+    """``item`` if it is ``kind`` for ``mb_idx``; else the schedules are out of step.
+
+    Raises:
+        CommunicationError: another message arrived than the schedule expects.
+    """
+    if item.header.kind != kind or item.header.mb_idx != mb_idx:
+        raise CommunicationError(
+            f"Pipeline schedules are out of step on channel {channel}: expected {kind.name.lower()} of "
+            f"micro-batch {mb_idx}, received {item.header.kind.name.lower()} of micro-batch "
+            f"{item.header.mb_idx}. All stages must run the same schedule and num_microbatches."
+        )
+    return item
 
 
 class Sender(Protocol):
@@ -155,10 +180,7 @@ class SendChannel:
         is_tuple: bool = False,
     ) -> None:
         """Queues ``tensors`` for the peer; returns as soon as the transfers are started."""
-        if self.delay is not None:
-            wait = self.delay.sample()
-            if wait > 0:
-                time.sleep(wait)
+        hold_back(self.delay)
         header = encode(kind, mb_idx, tensors, aux, is_tuple)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
         device = payload[0].device if payload else torch.device("cpu")
@@ -310,13 +332,7 @@ class RecvChannel:
             raise CommunicationError(
                 f"Channel {self.name} was closed by rank {self.peer} while a message was expected."
             )
-        if item.header.kind != kind or item.header.mb_idx != mb_idx:
-            raise CommunicationError(
-                f"Pipeline schedules are out of step on channel {self.name}: expected {kind.name.lower()} of "
-                f"micro-batch {mb_idx}, received {item.header.kind.name.lower()} of micro-batch "
-                f"{item.header.mb_idx}. All stages must run the same schedule and num_microbatches."
-            )
-        return item
+        return expect(item, kind, mb_idx, self.name)
 
     def join(self, timeout: float = 5.0) -> None:
         """Waits for the receiver thread to finish after the peer sent CLOSE; drops anything unread."""
