@@ -180,6 +180,7 @@ class StageExecutor:
         self.stage_module = stage_module
         num_layers = len(list(stage_module.children()))
         self.checkpoint = tuple(checkpoint) or (False,) * num_layers
+        self._checkpointing = any(self.checkpoint)
         if len(self.checkpoint) != num_layers:
             raise ConfigurationError(
                 f"checkpoint needs one flag per layer of the stage: {num_layers} layers, got "
@@ -351,7 +352,7 @@ class StageExecutor:
         if mb.version is not None:
             assert self.stash is not None
             params = self.stash.params(mb.version)
-        if any(self.checkpoint) and torch.is_grad_enabled():
+        if self._checkpointing and torch.is_grad_enabled():
             out = self._checkpointed_forward(value, params)
         elif params is not None:
             out = functional_call(self.stage_module, params, (value,))

@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_dynpipe.engine.ties import SharedParameter, split_ties
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.monitor.stats import PipelineSnapshot
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
@@ -60,7 +60,6 @@ class AdaptationWiring:
         self._past_pauses = past_pauses
         self.monitor: StageMonitor | None = None
         self.controller: AdaptiveController | None = None
-        self.ties: list[SharedParameter] = []  # set by the strategy at set-up
         self._own_monitor: StageMonitor | None = None
 
     def attach(
@@ -110,10 +109,11 @@ class AdaptationWiring:
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
         decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
         if decision is not None and decision.repartition:
-            if not self.config.schedule.accumulates and split_ties(self.ties, decision.partition):
-                log.info("DynPipe adaptation: %s not taken: it would split parameters shared by layers", decision)
+            try:  # a partition the run cannot train exactly (a shared parameter split under async) is not taken
+                self._repartition(decision.partition)
+            except ConfigurationError as exc:
+                log.info("DynPipe adaptation: %s not taken: %s", decision, exc)
                 return
-            self._repartition(decision.partition)
             self.controller.migrated(step)
             rank_zero_info(f"DynPipe adaptation: {decision}")
 

@@ -336,7 +336,7 @@ class DynPipeStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
-        self.ties = self.adaptation.ties = shared_parameters(pipeline)  # on the whole model, before offloading
+        self.ties = shared_parameters(pipeline)  # on the whole model, before any layer is offloaded
         decision = decide(
             self.config,
             pipeline=pipeline,

@@ -1,0 +1,68 @@
+"""The adaptive loop in a fit: decisions are taken from the monitor's snapshots, and a partition the run could
+not train exactly (the strategy refuses it) is skipped, not a crash in the middle of training."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
+from lightning_dynpipe.strategy.config import DynPipeConfig
+
+
+class _Controller:
+    def __init__(self) -> None:
+        self.migrated_at: list[int] = []
+
+    def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(repartition=True, partition=Partition((3, 1)))
+
+    def migrated(self, step: int) -> None:
+        self.migrated_at.append(step)
+
+
+def _snapshot(count: int) -> Any:
+    stage = SimpleNamespace(count=count, step_s=0.1, forward_s=0.02, backward_s=0.04, comm_s=0.0,
+                            exposed_comm_s=0.0, cpu_limit=None)  # fmt: skip
+    return SimpleNamespace(stages=[stage, stage])
+
+
+def _wiring(repartition: Any) -> tuple[AdaptationWiring, _Controller]:
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(),
+        partition=lambda: Partition((2, 2)),
+        pending=lambda: False,
+        repartition=repartition,
+        past_pauses=lambda: [],
+    )
+    controller = _Controller()
+    wiring.controller = controller  # type: ignore[assignment]
+    return wiring, controller
+
+
+TRAINER = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+
+
+def test_a_decision_to_move_is_applied_and_starts_the_cool_down() -> None:
+    moved: list[Partition] = []
+    wiring, controller = _wiring(moved.append)
+    wiring.on_snapshot(_snapshot(MIN_SAMPLES), TRAINER)  # type: ignore[arg-type]
+    assert moved == [Partition((3, 1))] and controller.migrated_at == [40]
+
+
+def test_too_short_a_window_decides_nothing() -> None:
+    moved: list[Partition] = []
+    wiring, controller = _wiring(moved.append)
+    wiring.on_snapshot(_snapshot(MIN_SAMPLES - 1), TRAINER)  # type: ignore[arg-type]
+    assert moved == [] and controller.migrated_at == []
+
+
+def test_a_refused_partition_is_skipped() -> None:
+    def refuse(p: Partition) -> None:
+        raise ConfigurationError("Parameters shared by layers on different stages cannot be trained exactly")
+
+    wiring, controller = _wiring(refuse)
+    wiring.on_snapshot(_snapshot(MIN_SAMPLES), TRAINER)  # type: ignore[arg-type]
+    assert controller.migrated_at == []
