@@ -34,7 +34,7 @@ another model.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/async_lr.py            # the documented run (about 30-40 min on 2 shared cores)
+    .venv/bin/python benchmarks/async_lr.py            # the documented run (about 40 min on 2 shared cores)
     .venv/bin/python benchmarks/async_lr.py --quick    # smoke run: digits only, 2 seeds, 1 epoch (seconds)
     .venv/bin/python benchmarks/async_lr.py --cases digits-sgd,digits-adamw --seeds 5
     .venv/bin/python benchmarks/async_lr.py --from-json benchmarks/out/async_lr-<stamp>.json   # re-analyse
@@ -119,10 +119,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--grid-digits",
-        default="4,2,1,1/2,1/4,1/8,1/16",
+        default="16,8,4,2,1,1/2,1/4,1/8,1/16",
         help="lr multipliers (plain) and lr_scale values (async S=2) for the digits cases",
     )
-    p.add_argument("--grid-mnist", default="2,1,1/2,1/4,1/8,1/16", help="the same for the MNIST cases")
+    p.add_argument("--grid-mnist", default="8,4,2,1,1/2,1/4,1/8", help="the same for the MNIST cases")
     p.add_argument(
         "--deep-grid",
         default="1,1/2,1/4",
