@@ -593,6 +593,9 @@ def plot(runs: Sequence[dict[str, Any]], result: dict[str, Any], args: argparse.
             ax.axvline(f(M), color="0.8", lw=0.8, zorder=0)
             ax.text(f(M), 3.9, name, fontsize=7, ha="center", va="top", color="0.4")
         ax.set_xscale("log", base=2)
+        ticks = sorted({e["scale"] for e in entries})
+        ax.set_xticks(ticks, [_frac(t) for t in ticks], fontsize=7)
+        ax.minorticks_off()
         ax.set_ylim(0.0, 4.1)
         ax.set_xlabel("lr_scale (plain: lr multiplier)")
         if j == 0:
