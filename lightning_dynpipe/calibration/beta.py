@@ -24,7 +24,8 @@ Example::
         model_factory, batches, profiles=[1, 2, 4], seeds=[0, 1, 2], num_microbatches=4,
         make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
         loss_fn=lambda out, mb: F.cross_entropy(out, mb[1]),
-        eval_fn=val_accuracy, target=0.92, eval_every=5, max_steps=600)
+        eval_fn=val_accuracy, target=0.92, eval_every=5, max_steps=600,
+        lr_scale=1 / 4)                    # what DynPipeStrategy's lr_scale="auto" uses for async, M=4
     print(model.beta)
 
 Units: :func:`steps_to_target` counts *steps* (Lightning batches, each ``num_microbatches`` updates),
