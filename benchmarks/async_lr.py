@@ -34,7 +34,7 @@ another model.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/async_lr.py            # the documented run (about 40 min on 2 shared cores)
+    .venv/bin/python benchmarks/async_lr.py            # the documented run (about 55 min on 2 shared cores)
     .venv/bin/python benchmarks/async_lr.py --quick    # smoke run: digits only, 2 seeds, 1 epoch (seconds)
     .venv/bin/python benchmarks/async_lr.py --cases digits-sgd,digits-adamw --seeds 5
     .venv/bin/python benchmarks/async_lr.py --from-json benchmarks/out/async_lr-<stamp>.json   # re-analyse

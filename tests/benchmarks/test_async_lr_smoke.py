@@ -23,9 +23,13 @@ def test_async_lr_quick_prints_the_tables_and_writes_the_record(
     assert [r.split()[1] for r in rows] == ["plain,", "async", "async"] * 2, "\n".join(rows)
     assert all("(1/M)" in r for r in (rows[2], rows[5])), "\n".join(rows)
     assert "derived: time / plain = (steps / plain) / 1.08" in out
-    transfer = table_rows(out, ("case", "base lr (plain's lr x)", "lr_scale 1", "lr_scale 1/M"), 4)
-    assert [r.split()[0] for r in transfer] == ["digits-sgd"] * 2 + ["digits-adamw"] * 2, "\n".join(transfer)
-    assert "worst median ratio over cases and bases [all]" in out
+    # plain reaches the quick target only at the example's lr (x1), the one base of the transfer table
+    transfer = table_rows(out, ("case", "base: plain's lr x", "plain steps", "lr_scale 1", "lr_scale 1/M"), 2)
+    assert [r.split()[0] for r in transfer] == ["digits-sgd", "digits-adamw"], "\n".join(transfer)
+    assert all("1 (example, plain best)" in r for r in transfer), "\n".join(transfer)
+    for family in ("all", "adamw", "sgd"):
+        assert f"[{family}] every base where plain reaches the target: " in out
+        assert f"[{family}] only the example's lr and plain's best: " in out
 
     records = list(tmp_path.glob("async_lr-*-quick.json"))
     assert len(records) == 1
