@@ -178,8 +178,8 @@ def steps_to_target(
             a whole curve through ``on_eval``) and still returns the first step that met it.
         on_eval: called with ``(step, metric)`` after every evaluation, ``step`` counted from 1.
         lr_scale: multiplies the learning rate of every update, as ``DynPipeStrategy(lr_scale=...)`` does;
-            pass the scale the strategy will train with (``DynPipeStrategy(...).config.lr_scale`` for a
-            number, or what the one line at fit start reports for ``"auto"``). Default 1: unscaled.
+            pass the scale the strategy trains with, ``strategy.config.lr_scale`` (the default ``"auto"``
+            resolves to ``1/M`` under ``async``). Default 1: unscaled.
 
     Returns:
         The number of steps after which the metric first met the target, or ``None`` if it never did.
@@ -445,9 +445,9 @@ def calibrate_beta(
             target, eval_every, max_steps, mode: as for :func:`measure_profiles`.
         i0: fix ``I0`` (micro-batches) and fit only ``beta``.
         lr_scale: the learning-rate scale of every update. **Pass the scale the strategy trains with**:
-            ``beta`` measured at another scale describes another training run. With ``DynPipeStrategy``'s
-            default ``lr_scale="auto"``, the line the strategy logs at fit start gives the factor; the default
-            here, 1, is the unscaled learning rate.
+            ``beta`` measured at another scale describes another training run (on an MNIST MLP with SGD,
+            0.110 unscaled against 0 at ``1/M``). The strategy's factor is ``strategy.config.lr_scale``;
+            its default ``"auto"`` is ``1/M`` under ``async``. The default here, 1, is unscaled.
 
     Returns:
         The fitted :class:`~lightning_dynpipe.plan.ConvergenceModel`.
