@@ -66,6 +66,14 @@ def _package_version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    import subprocess
+
+    try:  # works in a git worktree too, where .git is a file that points to the real git directory
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     head = REPO_ROOT / ".git" / "HEAD"
     try:
         ref = head.read_text(encoding="utf-8").strip()

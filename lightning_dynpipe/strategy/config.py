@@ -51,7 +51,8 @@ class DynPipeConfig:
         pipeline_attr: where the ``nn.Sequential`` lives on the LightningModule.
         timeout: how long collectives and receives may wait.
         lr_scale: the factor every optimizer update's learning rate is multiplied by (``"auto"`` resolved:
-            ``1/M`` for a schedule that updates after every micro-batch, 1 for one that accumulates).
+            ``1/M`` for a schedule that updates after every micro-batch, whatever the optimizer, and 1 for one
+            that accumulates; ``benchmarks/async_lr.py`` measured that choice, see docs/user-guide.md).
         lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
         activation_checkpointing: ``True`` (every layer), ``False``, or the pipeline's layer indices whose
             activations are recomputed in the backward.
@@ -196,6 +197,12 @@ class DynPipeConfig:
             return (
                 f"DynPipe {self.schedule}: one optimizer update per batch from the gradients of its {M} "
                 f"micro-batches, as on one device; {how} (lr_scale={asked!r})."
+            )
+        if M == 1 and scale == 1.0:
+            return (
+                f"DynPipe {self.schedule}: one micro-batch per batch, so one update per batch as on one device (stage "
+                f"k of S computes its gradients on weights S-1-k updates old); learning rates as configured "
+                f"(lr_scale={asked!r})."
             )
         head = (
             f"DynPipe {self.schedule}: every micro-batch updates the weights ({M} updates per batch; stage k of S "

@@ -116,7 +116,9 @@ class DynPipeStrategy(DDPStrategy):
         lr_scale: multiplies the learning rate of every optimizer update (applied around the step: schedulers
             and loggers see the configured rate). ``"auto"`` (default): ``1/num_microbatches`` for ``"async"``,
             whose ``M`` updates per batch would otherwise move the weights about ``M`` times as far as one plain
-            step, and 1 for ``"sync"``/``"gpipe"``; ``1.0``: unscaled.
+            step, and 1 for ``"sync"``/``"gpipe"``; the same for every optimizer (scaling the learning rate,
+            not the gradient, also works for Adam). ``1.0``: unscaled. How the default was measured:
+            docs/user-guide.md, "Learning rates under async".
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
         timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);

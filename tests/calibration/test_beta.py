@@ -228,3 +228,36 @@ def test_median_observations_refuses_a_run_that_missed_the_target() -> None:
         median_observations([miss, hit])
     with pytest.raises(ConfigurationError, match="never reached the target"):
         miss.observation()
+
+
+def test_lr_scale_reaches_every_update(digits: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    # lr_scale multiplies each update's learning rate, as DynPipeStrategy(lr_scale=...) does: scaling lr=0.02 by
+    # 1/2 (exact in binary) trains the same weights as lr=0.01, through every layer of the calibration API.
+    xt, yt, _, _ = digits
+
+    def batches(seed: int) -> Iterator[_Batch]:
+        return _batches(xt, yt, seed)
+
+    def run(lr: float, **extra: object) -> list[ProfileRun]:
+        kwargs = _common(digits, lr=lr) | {"max_steps": 20, "stop_at_target": False} | extra
+        return measure_profiles(_net, batches, profiles=[2], seeds=[0], target=0.8, **kwargs)  # type: ignore[arg-type]
+
+    scaled, halved, unscaled = run(0.02, lr_scale=0.5), run(0.01), run(0.02)
+    assert scaled[0].curve == halved[0].curve
+    assert scaled[0].curve != unscaled[0].curve
+
+    def fit(lr: float, **extra: object) -> ConvergenceModel:
+        kwargs = _common(digits, lr=lr) | {"max_steps": 40} | extra
+        return calibrate_beta(_net, batches, profiles=[1, 2], seeds=[0], target=0.5, **kwargs)  # type: ignore[arg-type]
+
+    a, b = fit(0.02, lr_scale=0.5), fit(0.01)
+    assert (a.i0, a.beta) == (b.i0, b.beta)
+
+
+@pytest.mark.parametrize("lr_scale", [0.0, -1.0, math.inf, math.nan])
+def test_steps_to_target_rejects_a_bad_lr_scale(digits: tuple[Tensor, Tensor, Tensor, Tensor], lr_scale: float) -> None:
+    xt, yt, _, _ = digits
+    with pytest.raises(ConfigurationError, match="lr_scale must be a finite positive number"):
+        steps_to_target(
+            lambda: _net(0), _batches(xt, yt, 0), num_stages=1, target=0.9, lr_scale=lr_scale, **_common(digits)
+        )  # type: ignore[arg-type]
