@@ -9,6 +9,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from pipeline_models import TinyGPT
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -19,7 +20,7 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.repartition import GainOverCostPolicy
 from lightning_dynpipe.schedule import SYNC, get_schedule
 from lightning_dynpipe.strategy.config import DEFAULT_TIMEOUT, DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_batches, check_model, check_ties, find_pipeline
+from lightning_dynpipe.strategy.contract import check_batches, check_model, check_setup, check_ties, find_pipeline
 from lightning_dynpipe.strategy.decision import first_stage_input
 
 
@@ -173,6 +174,20 @@ def test_split_ties_are_refused_where_the_copies_could_drift(
     with pytest.raises(ConfigurationError, match=match):
         check_ties(ties, partition, schedule=get_schedule(schedule), gradient_clip_val=clip,
                    gradient_clip_algorithm=None, pipeline_attr="pipeline")  # fmt: skip
+
+
+def test_set_up_refuses_a_tie_the_configured_balance_splits_under_async() -> None:
+    """What the strategy checks before any process group, from its configuration: GPT-2 tying with the embedding
+    and the head on different stages of ``balance=[2, 3]``."""
+    model = TinyGPT(tie=True)
+    trainer = dict(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None,
+                   precision_plugin=Precision(), sync_batchnorm=False, num_stages=2)  # fmt: skip
+    split = DynPipeConfig.from_arguments(balance=[2, 3])
+    with pytest.raises(ConfigurationError, match=r"cannot be trained exactly by schedule='async'"):
+        check_setup(model, config=split, fitting=True, **trainer)  # type: ignore[arg-type]
+    assert check_setup(model, config=split, fitting=False, **trainer) is model.pipeline  # type: ignore[arg-type]
+    in_sync = DynPipeConfig.from_arguments(balance=[2, 3], schedule="sync")
+    assert check_setup(model, config=in_sync, fitting=True, **trainer) is model.pipeline  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
