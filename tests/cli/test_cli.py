@@ -340,8 +340,14 @@ def _run(command: list[str], root_dir: Path) -> str:
     return out
 
 
+#: The shipped configs run for real here: the transformer (async, the planner, adaptation on) and the sync one
+#: (short class names). Every config is parsed for every subcommand above; the MNIST models of the other two run
+#: in 2 processes in tests/examples (the MNIST demo) and tests/benchmarks (the planner and simulator smoke runs).
+REAL_RUNS = ["digits_sync.yaml", "gpt_char.yaml"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", sorted(EXPECTED_SUMMARY))
+@pytest.mark.parametrize("config", REAL_RUNS)
 def test_shipped_config_runs_a_few_steps(config: str, tmp_path: Path) -> None:
     out = _run(["-m", "lightning_dynpipe", "fit", "--config", str(CONFIGS / config)], tmp_path)
     assert len(re.findall(EXPECTED_SUMMARY[config], out)) == 1, out[-4000:]  # rank 0 only
