@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
 import pytest
@@ -26,6 +27,19 @@ def test_header_round_trip(dtype: torch.dtype) -> None:
     assert d.specs[1] is None
     assert d.specs[0] is not None and d.specs[0].dtype == dtype and d.specs[0].shape == (2, 3, 4)
     assert d.specs[2] is not None and d.specs[2].requires_grad and d.specs[2].shape == (5,)
+
+
+def test_headers_of_the_same_shapes_are_independent_messages() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    first = encode(MessageKind.ACTIVATION, 3, [x], aux=0.5)
+    second = encode(MessageKind.ACTIVATION, 4, [x])  # same shapes: built from the cached template
+    third = encode(MessageKind.ACTIVATION, 5, [x.detach()])  # another autograd flag: another template
+    assert (decode(first).mb_idx, decode(first).aux) == (3, 0.5)  # not overwritten by the later messages
+    assert decode(second).mb_idx == 4 and math.isnan(decode(second).aux)
+    assert decode(second).specs == decode(first).specs
+    spec = decode(third).specs[0]
+    assert spec is not None and not spec.requires_grad
+    assert torch.equal(second[5:], first[5:]) and not torch.equal(second, first)
 
 
 def test_header_rejects_what_cannot_be_sent() -> None:
