@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
-import torch
 from torch import Tensor, nn
 
 __all__ = ["WeightStash"]
-
-
-def _storage_users(t: Tensor) -> int:
-    """How many tensors use ``t``'s memory, as torch counts them (the count includes this query's own handle)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-_ALONE = _storage_users(torch.empty(1))  # the count of a tensor whose memory nothing else uses
 
 
 class WeightStash:
@@ -29,10 +18,6 @@ class WeightStash:
     micro-batch in flight still uses the current version, and the alias keeps the values its forward saw.
     A stage therefore holds exactly as many copies of its weights as it has versions in use (at most ``S-k``),
     the live weights included; :meth:`release` frees a version when its last micro-batch was back-propagated.
-    The storage of a freed version is kept for the next :meth:`before_update` while other versions are in use,
-    which then copies into it instead of allocating (copying into memory already touched is about twice as fast
-    as allocating a copy); it is dropped once no version is in use, so a drained stage holds only its live
-    weights.
 
     Example::
 
@@ -47,15 +32,13 @@ class WeightStash:
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
-        self._named = list(module.named_parameters())
+        self._named = list(module.named_parameters())  # read once: acquire runs once per micro-batch
         self._live = [p for _, p in self._named]
         self.version = 0
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._refs: dict[int, int] = {}
         self.max_depth = 0
         self.copies_made = 0
-        self._spare: dict[str, Tensor] = {}  # a freed version's storage, per parameter, for the next update
-        self._freed: list[dict[str, Tensor]] = []  # versions released since the last update
 
     def acquire(self) -> int:
         """Binds one micro-batch to the current version and returns that version."""
@@ -73,14 +56,9 @@ class WeightStash:
 
     def before_update(self) -> None:
         """Must run right before the live weights are updated in place (the optimizer step)."""
-        self._collect_spares()
         if self.version in self._versions:
-            for name, p in self._named:
-                spare = self._spare.pop(name, None)
-                if spare is not None and spare.shape == p.shape and spare.dtype == p.dtype:
-                    p.data = spare.detach().copy_(p.data)
-                else:
-                    p.data = p.data.clone()  # the stashed alias keeps the old storage
+            for p in self._live:
+                p.data = p.data.clone()  # the stashed alias keeps the old storage
             self.copies_made += 1
 
     def release(self, version: int) -> None:
@@ -88,26 +66,7 @@ class WeightStash:
         self._refs[version] -= 1
         if self._refs[version] == 0:
             del self._refs[version]
-            freed = self._versions.pop(version)
-            if self._versions:
-                self._freed.append(freed)
-            else:  # nothing in flight: keep no memory beyond the live weights
-                self._freed.clear()
-                self._spare.clear()
-
-    def _collect_spares(self) -> None:
-        """Keeps, per parameter, one tensor of a released version that nothing else can see any more.
-
-        Checked at the update, not at the release, so that the backward that released the version has let go
-        of its graph and locals by then. A tensor qualifies if no other tensor uses its memory (a view kept by
-        a graph, a user's copy of a reference) and no reference to the object is left but this function's.
-        """
-        for freed in self._freed:
-            for name in list(freed):
-                t = freed.pop(name)
-                if name not in self._spare and _storage_users(t) == _ALONE and sys.getrefcount(t) == 2:
-                    self._spare[name] = t
-        self._freed.clear()
+            del self._versions[version]
 
     def bump(self) -> None:
         """Records one optimizer update of the live weights."""
@@ -118,8 +77,6 @@ class WeightStash:
         if self._versions:
             raise RuntimeError(f"WeightStash.reset with {len(self._versions)} versions still in use")
         self.version = 0
-        self._freed.clear()
-        self._spare.clear()
 
     @property
     def depth(self) -> int:
