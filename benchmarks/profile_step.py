@@ -25,6 +25,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/profile_step.py --systems async,sync,torch-1f1b --repeats 5
     .venv/bin/python benchmarks/profile_step.py --cprofile --systems async --repeats 1
     .venv/bin/python benchmarks/profile_step.py --quick                  # smoke run (tiny model, 1 repeat)
+    .venv/bin/python benchmarks/profile_step.py --from-json benchmarks/out/profile_step-A.json B.json  # pooled
 
 It prints one table (rows: components; columns: system / stage; cells: median over repeats of CPU ms per
 step) and writes ``benchmarks/out/profile_step-<stamp>.json`` with the machine, versions, commit and
@@ -567,7 +568,7 @@ def render_cprofile(runs: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def _parse(argv: Sequence[str] | None) -> tuple[Options, Path]:
+def _parse(argv: Sequence[str] | None) -> tuple[Options, Path, list[Path] | None]:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -591,6 +592,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[Options, Path]:
     p.add_argument("--top", type=int, default=d.top, help="functions per cProfile table")
     p.add_argument("--quick", action="store_true", help="smoke run: MLP width 64 depth 3, batch 32, 1 repeat")
     p.add_argument("--out-dir", type=Path, default=_DEFAULT_OUT)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="re-analyse stored runs without measuring; several files of the same options are pooled",
+    )
     a = p.parse_args(argv)
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -619,12 +627,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[Options, Path]:
             f"--batch-size ({opts.batch_size}) must be divisible by --microbatches ({opts.num_microbatches}), "
             f"and --microbatches must be >= {tp.NUM_STAGES} (torch's Schedule1F1B)"
         )
-    return replace(opts, balance=balance), a.out_dir
+    return replace(opts, balance=balance), a.out_dir, a.from_json
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Measures, prints the table (or the cProfile tables) and writes the JSON record."""
-    opts, out_dir = _parse(argv)
+    opts, out_dir, stored = _parse(argv)
+    if stored:
+        return _reanalyse(stored)
     machine, cmd = machine_info(), command_line()
     print(describe_machine(machine))
     print(
@@ -655,6 +665,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     print(f"\nraw: {path}")
     return payload
+
+
+def _reanalyse(paths: list[Path]) -> dict[str, Any]:
+    """Prints the table of stored runs; runs of several files (same options but the repeats) are pooled."""
+    payloads = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    first = payloads[0]
+    ignore = {"repeats"}
+    for path, payload in zip(paths[1:], payloads[1:]):
+        a = {k: v for k, v in first["options"].items() if k not in ignore}
+        b = {k: v for k, v in payload["options"].items() if k not in ignore}
+        if a != b:
+            raise SystemExit(f"{path} was measured with other options than {paths[0]}: {b} != {a}")
+    opts = _options_from_json(first["options"])
+    runs = [r for payload in payloads for r in payload["runs"]]
+    for payload, path in zip(payloads, paths):
+        m = payload["machine"]
+        print(f"{path}: {m['date_utc']}, load {m['load_average_1_5_15']}, commit {(m.get('git_commit') or '?')[:10]}")
+    if opts.cprofile:
+        print(render_cprofile(runs))
+        return {"runs": runs}
+    summary = summarise(runs, replace(opts, repeats=len(runs) // max(len(opts.systems), 1)))
+    print(render(summary))
+    return {"runs": runs, "summary": summary}
+
+
+def _options_from_json(d: dict[str, Any]) -> Options:
+    return Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 if __name__ == "__main__":

@@ -80,3 +80,5 @@ def test_quick_run_prints_the_component_table(tmp_path: Path, run_benchmark: Cal
     payload = json.loads(records[0].read_text())
     assert {r["system"] for r in payload["runs"]} == {"async", "torch-1f1b"}
     assert payload["machine"]["git_commit"]
+    again = run_benchmark("profile_step.py", "--from-json", str(records[0]), str(records[0]))  # pooled re-analysis
+    assert "component (CPU ms per step)" in again.stdout and "= main thread CPU" in again.stdout
