@@ -73,6 +73,8 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 OTHER = "(not in a component)"
+ARITHMETIC = ("layers forward", "autograd (backward kernels)", "optimizer arithmetic (sgd)", "optimizer zero_grad")
+"""The components both frameworks share: the model's own arithmetic. The rest of the main thread is framework."""
 THREADS = "other threads (receivers, gloo)"
 _DEFAULT_OUT = _ROOT / "benchmarks" / "out"
 
@@ -536,6 +538,12 @@ def render(summary: dict[str, Any], *, markdown: bool = False, threshold_ms: flo
         cells = [summary[s][k]["components_ms"].get(n) for s, k in columns]
         rows.append([n, *("-" if c is None else f"{c:.2f}" for c in cells)])
     rows.append(["= main thread CPU", *(f"{summary[s][k]['main_cpu_ms']:.2f}" for s, k in columns)])
+    rows.append(
+        [
+            "  of which framework (not the 4 arithmetic rows)",
+            *(f"{_framework_ms(summary[s][k]['components_ms']):.2f}" for s, k in columns),
+        ]
+    )
     rows.append([THREADS, *(f"{summary[s][k]['components_ms'][THREADS]:.2f}" for s, k in columns)])
     kinds = sorted({n for s, k in columns for n in summary[s][k].get("threads_ms", {})})
     for kind in kinds:
@@ -546,6 +554,11 @@ def render(summary: dict[str, Any], *, markdown: bool = False, threshold_ms: flo
     rows.append(["wrapper calls per step", *(f"{summary[s][k]['wrapper_calls_per_step']:.0f}" for s, k in columns)])
     headers = ["component (CPU ms per step)", *(f"{s} / stage {k}" for s, k in columns)]
     return format_table(headers, rows, markdown=markdown)
+
+
+def _framework_ms(components: dict[str, float]) -> float:
+    """Main-thread CPU outside the model's arithmetic (:data:`ARITHMETIC`): what the framework adds."""
+    return sum(v for n, v in components.items() if n not in ARITHMETIC and n != THREADS)
 
 
 def render_cprofile(runs: list[dict[str, Any]]) -> str:
