@@ -170,14 +170,17 @@ class Sections:
 
     def patch(self, owner: Any, attr: str, name: str) -> None:
         """Replaces ``owner.attr`` by a wrapper charging component ``name``; :meth:`restore` puts it back."""
-        in_dict = isinstance(owner, type) or hasattr(owner, "__dict__") and attr in vars(owner)
-        original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+        own = hasattr(owner, "__dict__") and attr in vars(owner)  # defined on owner itself, not inherited
+        original = vars(owner)[attr] if own and isinstance(owner, type) else getattr(owner, attr)
         if isinstance(original, (staticmethod, classmethod)):
-            raise TypeError(f"cannot profile {attr}: static and class methods are not supported")
+            raise TypeError(
+                f"Cannot profile {owner!r}.{attr}: static and class methods are not supported; wrap the function "
+                "they call instead."
+            )
         setattr(owner, attr, self.wrap(original, name))
-        if in_dict:
+        if own:
             self._restore.append(lambda: setattr(owner, attr, original))
-        else:  # an instance attribute shadowing a method: remove it again
+        else:  # shadows an inherited method or a class's method on an instance: remove the shadow again
             self._restore.append(lambda: delattr(owner, attr))
 
     def patch_instance_forward(self, module: torch.nn.Module, name: str) -> None:

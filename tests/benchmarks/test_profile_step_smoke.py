@@ -52,6 +52,26 @@ def test_sections_are_exclusive_and_add_up_to_the_main_thread() -> None:
     assert not hasattr(ns.inner, "_profile_step_wrapped") and ns.outer is outer
 
 
+def test_patching_an_inherited_method_wraps_it_and_restores_the_inheritance() -> None:
+    class Base:
+        def work(self) -> None:
+            _spin(0.005)
+
+    class Child(Base):
+        pass
+
+    s = Sections()
+    s.patch(Child, "work", "work")
+    assert "work" in vars(Child)
+    s.start()
+    Child().work()
+    Base().work()  # the base class is not patched
+    s.stop()
+    assert s.calls["work"] == 1
+    s.restore()
+    assert "work" not in vars(Child) and Child.work is Base.work
+
+
 def test_sections_ignore_other_threads_and_calls_outside_the_window() -> None:
     ns = SimpleNamespace(work=lambda: _spin(0.01))
     s = Sections()
