@@ -210,7 +210,7 @@ class StageExecutor:
         # stashed version holds it under: what _forward_on swaps in and out
         self._slots: list[tuple[nn.Module, str, str]] = [
             (module, local, first_name[id(p)])
-            for prefix, module in stage_module.named_modules(remove_duplicate=False)
+            for _, module in stage_module.named_modules(remove_duplicate=False)
             for local, p in module.named_parameters(prefix="", recurse=False, remove_duplicate=False)
         ]
         self._live: list[Tensor] = [p for _, p in stage_module.named_parameters()]

@@ -102,7 +102,7 @@ class MetricsMirror(Callback):
             if not src and known:
                 host = values[1:].to(self.device)
                 trainer._logger_connector._callback_metrics.update(
-                    {k: host[i].to(dtype) for i, (k, dtype) in enumerate(known)}
+                    {k: host[i].to(dtype, copy=True) for i, (k, dtype) in enumerate(known)}  # own tensors
                 )
             return
         payload: list[Any] = [None]
