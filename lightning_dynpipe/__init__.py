@@ -70,11 +70,17 @@ def __dir__() -> list[str]:
 
 
 def _register_strategy_names() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+    """Registers the strategy names with Lightning (idempotent), once ``lightning.pytorch`` is loaded.
 
-    from lightning_dynpipe.strategy import DynPipeStrategy
+    When Lightning is first imported from inside the strategy package, that package is still half-built when
+    Lightning's import ends; it registers the names itself at its end.
+    """
+    strategy = sys.modules.get("lightning_dynpipe.strategy")
+    if strategy is not None and not hasattr(strategy, "register_strategy_names"):
+        return
+    from lightning_dynpipe.strategy import register_strategy_names
 
-    DynPipeStrategy.register_strategies(StrategyRegistry)
+    register_strategy_names()
 
 
 class _RegisterAfterImport(importlib.abc.Loader):

@@ -179,11 +179,13 @@ def test_pure_packages_load_without_lightning_or_torch() -> None:
     assert out == "[]"
 
 
-@pytest.mark.parametrize("order", ["package-first", "lightning-first"])
+@pytest.mark.parametrize("order", ["package-first", "lightning-first", "strategy-module-first"])
 def test_importing_the_package_registers_the_strategy_names(order: str) -> None:
     first, second = "import lightning_dynpipe", "from lightning.pytorch.strategies import StrategyRegistry"
     if order == "lightning-first":
         first, second = second, first
+    elif order == "strategy-module-first":  # Lightning is first imported from inside the strategy package
+        first = "import lightning_dynpipe.strategy.callbacks"
     out = _run(
         f"{first}\n{second}\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"

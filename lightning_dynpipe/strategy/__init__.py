@@ -9,4 +9,15 @@ from __future__ import annotations
 
 from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy, MigrationRecord
 
-__all__ = ["DynPipeStrategy", "MigrationRecord"]
+__all__ = ["DynPipeStrategy", "MigrationRecord", "register_strategy_names"]
+
+
+def register_strategy_names() -> None:
+    """Registers ``"dynpipe"``, ``"dynpipe_spawn"``, ``"dynpipe_fork"`` and the class-path aliases with
+    Lightning's ``StrategyRegistry`` (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    DynPipeStrategy.register_strategies(StrategyRegistry)
+
+
+register_strategy_names()  # Lightning is loaded by now (dynpipe.py imports it)
