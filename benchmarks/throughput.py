@@ -716,7 +716,7 @@ def render_targets(summary: dict[str, Any]) -> str:
     t = summary["table"]
     out = []
     a = t.get("async", {})
-    for ref, target, name in (("sync", 1.10, "DynPipe sync"), ("torch-1f1b", 1.0, "torch Schedule1F1B")):
+    for ref, target, name in (("sync", 1.10, "DynPipe sync"), ("torch-1f1b", 1.10, "torch Schedule1F1B")):
         r = a.get(f"vs_{ref}")
         if r is None:
             continue
