@@ -74,13 +74,23 @@ def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
     )
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:  # wait until the children exist and training runs
+        seen = []
+        for line in proc.stdout:  # wait until the pipeline is set up and training (rank 0 after step 2)
+            seen.append(line)
             if "TRAINING STARTED" in line:
                 break
-        time.sleep(8)
+        time.sleep(2)
         proc.send_signal(2)  # SIGINT to the main process only, as Ctrl-C on a non-interactive run
         t0 = time.monotonic()
-        proc.communicate(timeout=60)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            survivors = subprocess.run(
+                ["ps", "-o", "pid,stat,etimes,args", "-g", str(proc.pid)], capture_output=True, text=True
+            )
+            os.killpg(proc.pid, 9)
+            rest, _ = proc.communicate()
+            pytest.fail(f"still running 60 s after SIGINT:\n{survivors.stdout}\n{(''.join(seen) + rest)[-4000:]}")
         elapsed = time.monotonic() - t0
     finally:
         try:

@@ -57,13 +57,21 @@ class KillStageZero(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class AnnounceTraining(L.Callback):
+    """Prints ``TRAINING STARTED`` on global rank 0 once two steps have run (the pipeline is set up and training)."""
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.is_global_zero and trainer.global_step == 2:
+            print("TRAINING STARTED", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
-    callbacks = [KillStageZero()] if mode == "first-sigkill" else []
+    callbacks: list[L.Callback] = {"first-sigkill": [KillStageZero()], "long": [AnnounceTraining()]}.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
     epochs = 10_000 if mode == "long" else 2
-    if mode == "long":
-        print("TRAINING STARTED", flush=True)
     trainer = L.Trainer(
         devices=2,
         max_epochs=epochs,
