@@ -4,6 +4,7 @@ names the stage and rank that failed first. Runs the real popen launcher through
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +72,9 @@ def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # A child inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt handler: give the
+        # run the default disposition a terminal's Ctrl-C meets, whatever the test runner's is.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
