@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-__all__ = ["ScheduleKind", "time_torch_schedule"]
+__all__ = ["ScheduleKind", "TimedWindow", "time_torch_schedule"]
 
 ScheduleKind = Literal["1f1b", "gpipe"]
+
+
+class TimedWindow(Protocol):
+    """Something told when the timed steps start and end (a profiler, say), inside the clock's window."""
+
+    def start(self) -> None:
+        """Called right after the clock starts, before the first timed step."""
+        ...
+
+    def stop(self) -> None:
+        """Called right after the last timed step, before the closing barrier."""
+        ...
+
 
 _SCHEDULES: dict[str, type[Schedule1F1B] | type[ScheduleGPipe]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -61,6 +74,7 @@ def time_torch_schedule(
     warmup_steps: int = 2,
     group: dist.ProcessGroup | None = None,
     losses: list[float] | None = None,
+    window: TimedWindow | None = None,
 ) -> float:
     """Trains ``stage_module`` as stage ``stage_idx`` on ``batches`` and returns the seconds of the timed steps.
 
@@ -80,6 +94,8 @@ def time_torch_schedule(
         warmup_steps: leading batches that train but are not timed.
         group: the pipeline's process group; ``None`` is the default (world) group.
         losses: when given, the last stage appends each batch's loss (mean over micro-batches).
+        window: when given, its ``start()`` runs as the clock starts and its ``stop()`` after the last timed
+            step, before the closing barrier (``benchmarks/profile_step.py`` profiles the timed steps so).
 
     Returns:
         Wall-clock seconds of the ``len(batches) - warmup_steps`` timed steps.
@@ -127,6 +143,8 @@ def time_torch_schedule(
         if step == warmup_steps:
             dist.barrier(group=group)
             start = time.perf_counter()
+            if window is not None:
+                window.start()
         optimizer.zero_grad(set_to_none=True)
         args = (x.to(device),) if is_first else ()
         target = y.to(device) if is_last else None
@@ -134,5 +152,7 @@ def time_torch_schedule(
         optimizer.step()
         if losses is not None and is_last:
             losses.append(float(torch.stack(mb_losses).detach().mean()))
+    if window is not None:
+        window.stop()
     dist.barrier(group=group)
     return time.perf_counter() - start

@@ -206,6 +206,13 @@ class StageExecutor:
         self.staleness = self.schedule.staleness(stage_idx, num_stages)
         self.stash: WeightStash | None = WeightStash(stage_module) if self.staleness > 0 else None
         self._names = [n for n, _ in stage_module.named_parameters()]
+        # every (module, attribute) slot holding a parameter, shared ones under every name, with the name a
+        # stashed version holds it under: what _forward_on swaps in and out
+        self._slots: list[tuple[nn.Module, str, str]] = [
+            (module, local, first_name[id(p)])
+            for _, module in stage_module.named_modules(remove_duplicate=False)
+            for local, p in module.named_parameters(prefix="", recurse=False, remove_duplicate=False)
+        ]
         self._live: list[Tensor] = [p for _, p in stage_module.named_parameters()]
         self._mbs: dict[int, _MicroBatch] = {}
         self._current: _MicroBatch | None = None
@@ -355,12 +362,27 @@ class StageExecutor:
         if self._checkpointing and torch.is_grad_enabled():
             out = self._checkpointed_forward(value, params)
         elif params is not None:
-            out = functional_call(self.stage_module, params, (value,))
+            out = self._forward_on(params, value)
         else:
             out = self.stage_module(value)
         self._layers_forward_s += time.perf_counter() - t0
         mb.output = out
         return out
+
+    def _forward_on(self, params: dict[str, Tensor], value: Any) -> Any:
+        """The stage's forward with its parameters replaced by ``params`` (a stashed version) for the call.
+
+        What ``torch.func.functional_call(stage_module, params, (value,))`` computes, tied parameters included,
+        with less per-call work: the modules' parameter slots are swapped directly and put back afterwards.
+        """
+        saved = [module._parameters[local] for module, local, _ in self._slots]
+        try:
+            for module, local, name in self._slots:
+                module._parameters[local] = params[name]  # type: ignore[assignment]
+            return self.stage_module(value)
+        finally:
+            for (module, local, _), original in zip(self._slots, saved):
+                module._parameters[local] = original
 
     def _checkpointed_forward(self, value: Any, params: dict[str, Tensor] | None) -> Any:
         """The stage layer by layer; checkpointed layers keep only their input and recompute in the backward.

@@ -32,7 +32,8 @@ class WeightStash:
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
-        self._live = [p for _, p in module.named_parameters()]
+        self._named = list(module.named_parameters())  # read once: acquire runs once per micro-batch
+        self._live = [p for _, p in self._named]
         self.version = 0
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._refs: dict[int, int] = {}
@@ -43,9 +44,7 @@ class WeightStash:
         """Binds one micro-batch to the current version and returns that version."""
         v = self.version
         if v not in self._versions:
-            self._versions[v] = {
-                name: p.data.requires_grad_(p.requires_grad) for name, p in self._module.named_parameters()
-            }
+            self._versions[v] = {name: p.data.requires_grad_(p.requires_grad) for name, p in self._named}
             self._refs[v] = 0
         self._refs[v] += 1
         self.max_depth = max(self.max_depth, len(self._versions))

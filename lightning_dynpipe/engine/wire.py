@@ -13,6 +13,7 @@ Header layout (``HEADER_LEN`` int64 values)::
 
 from __future__ import annotations
 
+import array
 import enum
 import struct
 from collections.abc import Sequence
@@ -79,6 +80,12 @@ class Header:
     is_tuple: bool = False
 
 
+_TEMPLATES: dict[tuple[object, ...], bytes] = {}
+"""Header values by (kind, is_tuple, per tensor: dtype, requires_grad, shape), without mb_idx and aux."""
+_MAX_TEMPLATES = 256
+_INT64 = 8  # bytes per header value
+
+
 def encode(
     kind: MessageKind,
     mb_idx: int,
@@ -86,15 +93,38 @@ def encode(
     aux: float = float("nan"),
     is_tuple: bool = False,
 ) -> Tensor:
-    """Builds the header tensor for ``tensors``; raises :class:`CommunicationError` for what cannot be sent."""
+    """Builds the header tensor for ``tensors``; raises :class:`CommunicationError` for what cannot be sent.
+
+    A pipeline sends the same shapes over and over, so the header of each combination of kind, dtypes,
+    autograd flags and shapes is built once (as the bytes of its int64 values) and reused with the message's
+    ``mb_idx`` and ``aux`` written in.
+    """
+    key = (
+        int(kind),
+        bool(is_tuple),
+        *(None if t is None else (t.dtype, bool(t.requires_grad), tuple(t.shape)) for t in tensors),
+    )
+    template = _TEMPLATES.get(key)
+    if template is None:
+        template = array.array("q", _template(kind, tensors, is_tuple)).tobytes()
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:  # shapes that keep changing: do not grow without bound
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = template
+    buf = bytearray(template)
+    struct.pack_into("=q", buf, 2 * _INT64, int(mb_idx))
+    struct.pack_into("=d", buf, 4 * _INT64, float(aux))  # the float64's bits as value [4]
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def _template(kind: MessageKind, tensors: Sequence[Tensor | None], is_tuple: bool) -> list[int]:
+    """The header values of ``tensors`` with ``mb_idx`` and ``aux`` left at 0; checks what can be sent."""
     if len(tensors) > MAX_TENSORS:
         raise CommunicationError(
             f"At most {MAX_TENSORS} tensors can cross a stage boundary; a layer output has {len(tensors)}. "
             "Concatenate them or move the boundary."
         )
     h = [0] * HEADER_LEN
-    h[0], h[1], h[2], h[3] = MAGIC, int(kind), int(mb_idx), len(tensors)
-    h[4] = struct.unpack("<q", struct.pack("<d", float(aux)))[0]
+    h[0], h[1], h[3] = MAGIC, int(kind), len(tensors)
     h[5] = int(is_tuple)
     for i, t in enumerate(tensors):
         base = PREFIX + i * SLOT
@@ -116,7 +146,7 @@ def encode(
         h[base + 2] = t.dim()
         for d, size in enumerate(t.shape):
             h[base + 3 + d] = int(size)
-    return torch.tensor(h, dtype=torch.int64)
+    return h
 
 
 def decode(header: Tensor) -> Header:

@@ -8,7 +8,7 @@ copies them. The whole-pipeline model summary is in :mod:`lightning_dynpipe.stra
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -18,7 +18,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["MetricsMirror", "TrainerAdditions", "bind_metrics", "silence_sync_dist_advice", "restore_sync_dist_advice"]
+__all__ = [
+    "MetricsMirror",
+    "TrainerAdditions",
+    "bind_metrics",
+    "metrics_schema",
+    "restore_sync_dist_advice",
+    "silence_sync_dist_advice",
+]
 
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"
 
@@ -44,8 +51,30 @@ def restore_sync_dist_advice(entry: Any) -> None:
             mutated()
 
 
+_Schema = tuple[tuple[str, torch.dtype], ...]
+"""The names and dtypes of a ``callback_metrics`` dict whose every value is a 0-dim floating-point tensor."""
+
+
+def metrics_schema(metrics: Mapping[str, Any]) -> _Schema | None:
+    """``(name, dtype)`` of every metric, in order, if all are 0-dim floating-point tensors; else ``None``.
+
+    Such metrics travel as one float64 tensor (float64 holds every float16, bfloat16 and float32 value exactly).
+    """
+    schema = []
+    for k, v in metrics.items():
+        if not (isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point()):
+            return None
+        schema.append((k, v.dtype))
+    return tuple(schema)
+
+
 class MetricsMirror(Callback):
     """Copies the last stage's ``callback_metrics`` to every rank before monitoring callbacks read them.
+
+    While the metric names stay the same (training steps log the same values each step), one broadcast of a
+    float64 tensor carries the values; when the names change (the first step, after a validation, at an
+    epoch's end) or a value is not a 0-dim floating-point tensor, the whole dict follows as a pickled object,
+    and every rank records the new names. Either way every rank ends with rank 0's values and dtypes.
 
     Args:
         device: where the mirrored tensors are placed on the receiving ranks.
@@ -53,17 +82,36 @@ class MetricsMirror(Callback):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._schema: _Schema | None = None  # the names agreed by every rank at the last object broadcast
+        self.object_broadcasts = 0  # how often the dict travelled as an object (tests and profiles read it)
 
     def _mirror(self, trainer: Trainer) -> None:
         if trainer.world_size == 1 or not dist.is_initialized():
             return
+        src = trainer.is_global_zero
+        metrics = trainer.callback_metrics if src else {}
+        known = self._schema
+        wire = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        values = torch.zeros(1 + len(known or ()), dtype=torch.float64, device=wire)
+        if src and known is not None and metrics_schema(metrics) == known:
+            values[0] = 1.0
+            if known:
+                values[1:] = torch.stack([metrics[k].detach().to(device=wire, dtype=torch.float64) for k, _ in known])
+        dist.broadcast(values, src=0)
+        if values[0].item() == 1.0:
+            if not src and known:
+                host = values[1:].to(self.device)
+                trainer._logger_connector._callback_metrics.update(
+                    {k: host[i].to(dtype, copy=True) for i, (k, dtype) in enumerate(known)}  # own tensors
+                )
+            return
         payload: list[Any] = [None]
-        if trainer.is_global_zero:
-            payload[0] = {
-                k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in trainer.callback_metrics.items()
-            }
+        if src:
+            payload[0] = {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
         dist.broadcast_object_list(payload, src=0)
-        if not trainer.is_global_zero:
+        self.object_broadcasts += 1
+        self._schema = metrics_schema(payload[0])
+        if not src:
             trainer._logger_connector._callback_metrics.update(
                 {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in payload[0].items()}
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_dynpipe.engine import PipelineTopology, WeightStash, split_microbatches
+from lightning_dynpipe.engine.executor import StageChannels, StageExecutor
 from lightning_dynpipe.engine.wire import HEADER_LEN, MAX_TENSORS, MessageKind, decode, encode
 from lightning_dynpipe.errors import CommunicationError, ConfigurationError
 
@@ -25,6 +27,19 @@ def test_header_round_trip(dtype: torch.dtype) -> None:
     assert d.specs[1] is None
     assert d.specs[0] is not None and d.specs[0].dtype == dtype and d.specs[0].shape == (2, 3, 4)
     assert d.specs[2] is not None and d.specs[2].requires_grad and d.specs[2].shape == (5,)
+
+
+def test_headers_of_the_same_shapes_are_independent_messages() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    first = encode(MessageKind.ACTIVATION, 3, [x], aux=0.5)
+    second = encode(MessageKind.ACTIVATION, 4, [x])  # same shapes: built from the cached template
+    third = encode(MessageKind.ACTIVATION, 5, [x.detach()])  # another autograd flag: another template
+    assert (decode(first).mb_idx, decode(first).aux) == (3, 0.5)  # not overwritten by the later messages
+    assert decode(second).mb_idx == 4 and math.isnan(decode(second).aux)
+    assert decode(second).specs == decode(first).specs
+    spec = decode(third).specs[0]
+    assert spec is not None and not spec.requires_grad
+    assert torch.equal(second[5:], first[5:]) and not torch.equal(second, first)
 
 
 def test_header_rejects_what_cannot_be_sent() -> None:
@@ -120,3 +135,57 @@ def test_exposed_transfer_and_measured_overlap() -> None:
     assert msg.exposed_transfer_s(wanted_at=5.0) == 2.0  # asked before it started: all exposed
     stats = StepStats(comm_s=4.0, exposed_comm_s=1.0)
     assert stats.comm_overlap == 0.75 and StepStats().comm_overlap == 1.0
+
+
+class _Tied(nn.Module):
+    """Two linear layers sharing one weight, and a nested module: every kind of parameter slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Sequential(nn.Linear(4, 4, bias=False))
+        self.b[0].weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _executor(stage: nn.Module) -> StageExecutor:
+    return StageExecutor(
+        stage_module=stage,
+        stage_idx=0,
+        num_stages=1,
+        schedule="sync",
+        num_microbatches=1,
+        channels=StageChannels(),
+        first_stage_input=None,
+        last_stage_loss=lambda mb, slot: torch.zeros(()),  # never called: the tests call _forward_on
+        optimizer_step=lambda: None,
+    )
+
+
+def test_forward_on_a_version_equals_functional_call_and_restores_the_parameters() -> None:
+    torch.manual_seed(0)
+    stage = nn.Sequential(_Tied(), nn.Linear(4, 3))
+    executor = _executor(stage)
+    live = {n: p for n, p in stage.named_parameters()}
+    version = {n: (p.detach() * 0.5 + 0.1).requires_grad_(True) for n, p in live.items()}
+    x = torch.randn(5, 4)
+    got = executor._forward_on(version, x)
+    want = functional_call(stage, version, (x,))
+    assert torch.equal(got, want)
+    # the gradient reaches the version's tensors (both uses of the tied weight), not the live parameters
+    got.sum().backward()
+    assert all(p.grad is None for p in live.values())
+    assert all(t.grad is not None for t in version.values())
+    assert dict(stage.named_parameters()) == live and stage[0].b[0].weight is stage[0].a.weight
+
+
+def test_forward_on_a_version_restores_the_parameters_after_an_error() -> None:
+    stage = nn.Sequential(nn.Linear(4, 4))
+    executor = _executor(stage)
+    live = dict(stage.named_parameters())
+    version = {n: p.detach().clone() for n, p in live.items()}
+    with pytest.raises(RuntimeError):
+        executor._forward_on(version, torch.randn(2, 5))  # wrong width
+    assert dict(stage.named_parameters()) == live
