@@ -7,7 +7,7 @@ Example::
 
     >>> from lightning_dynpipe.schedule import format_instructions, step_instructions, simulate
     >>> format_instructions(step_instructions("async", stage_idx=1, num_stages=2, num_microbatches=2, step=0))
-    'RA0 F0 B0 SG0 U0 RA1 F1 B1 SG1 U1'
+    'RA0 F0 B0 SG0 U0 RA1 F1'
     >>> simulate("sync", num_stages=2, num_microbatches=4, num_steps=2).steady_state_step_time
     15.0
 """

@@ -14,9 +14,13 @@ is ``F0 .. F(w-1)``, then pairs ``F(j) B(j-w)``. Step ``t`` holds, for ``j = t*M
     [RA j] [W j] F j [SA j]    then, if j >= w:    [RG j-w] B j-w [SG j-w] U j-w
 
 ``W`` appears on every stage but the last (``w > 0``); the last stage's forward and backward are
-adjacent, with no update between them. Stage 0 forwards all of batch ``t`` in step ``t``; the last stage
-forwards and backwards all of it; stage ``k`` carries ``min(w, t*M+M)`` backwards into the next step
-(or into :func:`drain_instructions`). Consequences, checked by the simulator:
+adjacent, with no update between them, but in a pipeline of two or more stages its step is cut after a
+forward: step ``t`` runs ``[B (t*M-1) U (t*M-1)]``, then ``F j B j U j`` for the batch's first ``M-1``
+micro-batches and ``F (t*M+M-1)``, whose backward opens step ``t+1``. So the per-step broadcast of the
+training loop from the last stage finds every stage at the same point of the 1F1B timeline. Stage 0 and
+the last stage forward all of batch ``t`` in step ``t``; stage ``k < S-1`` carries ``min(w, t*M+M)``
+backwards into the next step (or into :func:`drain_instructions`), the last stage one. Consequences,
+checked by the simulator:
 
 * stage ``k``'s forward of micro-batch ``i`` runs after exactly ``max(0, i - w)`` updates, and its
   backward after ``i``: its update is ``w`` versions stale (:func:`staleness`; fewer for the first ``w``

@@ -21,12 +21,13 @@ micro-batches holds ``j = t*M .. t*M+M-1``)::
 
 Timeline of the asynchronous (PipeDream 1F1B, no flush) schedule, ``num_stages=3``,
 ``num_microbatches=4``, forward = backward = 1 time unit, compute only (receives, sends, stashes and
-zero-time updates left out). ``|`` marks where each stage starts step 1; the pipeline never flushes::
+zero-time updates left out). ``|`` marks where each stage starts step 1; the pipeline never flushes, and the
+last stage ends a step after its last forward (that micro-batch's backward opens the next step)::
 
     time     0  1  2  3  4  5  6  7  8  9  10 11 12 13
     stage 0  F0 F1 F2 .  .  B0 F3 B1|F4 B2 F5 B3 F6 B4 ...
     stage 1  .  F0 F1 .  B0 F2 B1 F3 B2|F4 B3 F5 B4 F6 ...
-    stage 2  .  .  F0 B0 F1 B1 F2 B2 F3 B3|F4 B4 F5 B5 ...
+    stage 2  .  .  F0 B0 F1 B1 F2 B2 F3|B3 F4 B4 F5 B5 ...
 
 Stage ``k`` runs ``w = num_stages - 1 - k`` warm-up forwards, then alternates one forward and one
 backward; micro-batch ``j``'s backward runs ``w`` updates after its forward (its *staleness*), and at

@@ -15,7 +15,7 @@ Example::
     >>> [sched.staleness(k, 3) for k in range(3)], sched.accumulates
     ([2, 1, 0], False)
     >>> format_instructions(sched.step_instructions(1, 2, 2, step=0))
-    'RA0 F0 B0 SG0 U0 RA1 F1 B1 SG1 U1'
+    'RA0 F0 B0 SG0 U0 RA1 F1'
 """
 
 from __future__ import annotations
@@ -272,7 +272,16 @@ class _FlushSchedule(Schedule):
 
 
 class AsyncSchedule(Schedule):
-    """PipeDream 1F1B without a flush: an update after every backward, weight stashing, staleness ``S-1-k``."""
+    """PipeDream 1F1B without a flush: an update after every backward, weight stashing, staleness ``S-1-k``.
+
+    Where a step ends on each stage does not change what it computes (every stage runs one endless
+    sequence), but it decides what the per-step synchronisation costs: the training loop broadcasts from
+    the last stage at every step, so no other stage starts step ``t + 1`` before the last stage has ended
+    step ``t``. The last stage of a multi-stage pipeline therefore ends its step right after its last
+    forward (the loss of every micro-batch of the step is known then) and opens the next step with that
+    micro-batch's backward and update; with two stages this puts both stages' step ends at the same point
+    of the 1F1B timeline, and the broadcast costs no idle time (one forward per step otherwise).
+    """
 
     name = "async"
     accumulates = False
@@ -283,9 +292,20 @@ class AsyncSchedule(Schedule):
         last = stage_idx == num_stages - 1
         w = num_stages - 1 - stage_idx
         begin = step * num_microbatches
+        end = begin + num_microbatches
         out: list[Instruction] = []
+        if last and num_stages > 1:
+            # The same sequence F0 B0 F1 B1 ..., cut after a forward: the step's last backward opens the next
+            # step. See the class docstring.
+            if begin > 0:
+                out.extend(_backward_block(begin - 1, first, last, True))
+            for j in range(begin, end):
+                out.extend(_forward_block(j, first, last, False))
+                if j < end - 1:
+                    out.extend(_backward_block(j, first, last, True))
+            return tuple(out)
         stash = w > 0
-        for j in range(begin, begin + num_microbatches):
+        for j in range(begin, end):
             out.extend(_forward_block(j, first, last, stash))
             if j >= w:
                 out.extend(_backward_block(j - w, first, last, True))
@@ -295,6 +315,8 @@ class AsyncSchedule(Schedule):
         return num_stages - 1 - stage_idx
 
     def _carried(self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
+        if num_stages > 1 and stage_idx == num_stages - 1:
+            return min(1, steps_done * num_microbatches)
         return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
 
     def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:

@@ -31,7 +31,7 @@ Example::
     >>> r.steady_state_step_time
     15.0
     >>> simulate("async", 2, 4, 3, step_sync="last_stage_broadcast").steady_state_step_time
-    13.0
+    12.0
 """
 
 from __future__ import annotations

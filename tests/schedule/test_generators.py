@@ -36,13 +36,18 @@ def drain(kind: str, k: int, S: int, M: int, T: int) -> str:
 
 
 # Golden strings, derived by hand from the rules in generators.py's docstring (w = S - 1 - k):
-# async: for j in the step: [RA j] [W j] F j [SA j], then if j >= w: [RG j-w] B j-w [SG j-w] U j-w.
+# async: for j in the step: [RA j] [W j] F j [SA j], then if j >= w: [RG j-w] B j-w [SG j-w] U j-w; the last
+# stage of a multi-stage pipeline runs the same F j B j sequence cut after a forward: [B (t*M-1)] then the
+# step's forwards, each followed by its backward except the last one, which opens the next step.
 ASYNC_GOLDEN = [
     # S=2, M=4, stage 0 (w=1): no RA/SG on stage 0, one warm-up forward.
     (0, 2, 4, 0, "W0 F0 SA0 W1 F1 SA1 RG0 B0 U0 W2 F2 SA2 RG1 B1 U1 W3 F3 SA3 RG2 B2 U2"),
     (0, 2, 4, 1, "W4 F4 SA4 RG3 B3 U3 W5 F5 SA5 RG4 B4 U4 W6 F6 SA6 RG5 B5 U5 W7 F7 SA7 RG6 B6 U6"),
-    # S=2, M=4, last stage (w=0): no W, no SA/RG; forward and backward of all of the batch in the step.
-    (1, 2, 4, 0, "RA0 F0 B0 SG0 U0 RA1 F1 B1 SG1 U1 RA2 F2 B2 SG2 U2 RA3 F3 B3 SG3 U3"),
+    # S=2, M=4, last stage (w=0): no W, no SA/RG; all of the batch forwarded in the step, its last backward
+    # carried into the next step.
+    (1, 2, 4, 0, "RA0 F0 B0 SG0 U0 RA1 F1 B1 SG1 U1 RA2 F2 B2 SG2 U2 RA3 F3"),
+    (1, 2, 4, 1, "B3 SG3 U3 RA4 F4 B4 SG4 U4 RA5 F5 B5 SG5 U5 RA6 F6 B6 SG6 U6 RA7 F7"),
+    (2, 3, 1, 1, "B0 SG0 U0 RA1 F1"),
     # S=3, M=2, middle stage (w=1): every kind of instruction.
     (1, 3, 2, 0, "RA0 W0 F0 SA0 RA1 W1 F1 SA1 RG0 B0 SG0 U0"),
     (1, 3, 2, 1, "RA2 W2 F2 SA2 RG1 B1 SG1 U1 RA3 W3 F3 SA3 RG2 B2 SG2 U2"),
@@ -55,7 +60,8 @@ ASYNC_GOLDEN = [
 
 ASYNC_DRAIN_GOLDEN = [
     (0, 2, 4, 2, "RG7 B7 U7"),
-    (1, 2, 4, 2, ""),
+    (1, 2, 4, 2, "B7 SG7 U7"),
+    (2, 3, 2, 2, "B3 SG3 U3"),
     (1, 3, 2, 2, "RG3 B3 SG3 U3"),
     (0, 4, 2, 1, "RG0 B0 U0 RG1 B1 U1"),  # fewer micro-batches (2) than the warm-up (3)
     (0, 4, 2, 2, "RG1 B1 U1 RG2 B2 U2 RG3 B3 U3"),
@@ -177,7 +183,8 @@ def test_async_staleness_and_stash_invariants(S: int, M: int) -> None:
 
 @pytest.mark.parametrize("M", [1, 2, 4, 5])
 def test_async_step_boundaries(M: int) -> None:
-    """Stage 0 forwards all of batch t in step t; the last stage forwards and backwards all of it."""
+    """Stage 0 and the last stage forward all of batch t in step t; the last stage backwards its first M-1
+    micro-batches and the previous step's last one."""
     S = 4
     for t in range(3):
         batch = list(range(t * M, t * M + M))
@@ -185,10 +192,11 @@ def test_async_step_boundaries(M: int) -> None:
         assert [i.mb_idx for i in first if isinstance(i, Forward)] == batch
         last = step_instructions("async", S - 1, S, M, t)
         assert [i.mb_idx for i in last if isinstance(i, Forward)] == batch
-        assert [i.mb_idx for i in last if isinstance(i, Backward)] == batch
+        assert [i.mb_idx for i in last if isinstance(i, Backward)] == ([t * M - 1] if t else []) + batch[:-1]
         for k in range(S):
             # what is in flight after the step is exactly what the drain would finish
-            assert in_flight_after("async", k, S, M, t + 1) == min(S - 1 - k, (t + 1) * M)
+            carried = 1 if k == S - 1 else min(S - 1 - k, (t + 1) * M)
+            assert in_flight_after("async", k, S, M, t + 1) == carried
             assert len(drain_instructions("async", k, S, M, t + 1)) == in_flight_after("async", k, S, M, t + 1) * (
                 (k < S - 1) + 1 + (k > 0) + 1
             )

@@ -55,23 +55,50 @@ def test_sync_two_stages_four_microbatches() -> None:
 
 
 def test_async_two_stages_with_lightning_broadcast() -> None:
-    # Step 0 as in the sync case, but stage 0 does not wait for B3: it ends at 12 (after B2), the last
-    # stage at 13. With the broadcast, stage 0 starts step 1 at 13: F4 [13,14], B3 [14,16], F5 [16,17];
-    # stage 1: F4 [14,15] B4 [15,17] F5 [17,18] B5 [18,20] F6 [20,21] B6 [21,23] F7 [23,24] B7 [24,26].
-    # => the last stage ends step 1 at 26: a steady step of 13 (12 of compute + 1 of waiting for F4).
+    # Step 0: stage 0 F0 [0,1] F1 [1,2] B0 [4,6] F2 [6,7] B1 [7,9] F3 [9,10] B2 [10,12]; the last stage
+    # F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7] F2 [7,8] B2 [8,10] F3 [10,11]: it ends its step at 11, after the
+    # forward of F3, and opens step 1 with B3 [11,13]. The broadcast lets stage 0 start step 1 at 11, but it
+    # is busy until 12: F4 [12,13] B3 [13,15] F5 [15,16] B4 [16,18] F6 [18,19] B5 [19,21] F7 [21,22] B6 [22,24];
+    # the last stage F4 [13,14] B4 [14,16] F5 [16,17] B5 [17,19] F6 [19,20] B6 [20,22] F7 [22,23].
+    # => steady steps of 12 = M * (F + B): the broadcast costs nothing, because both stages end a step
+    # at the same point of the endless 1F1B sequence.
     r = simulate("async", 2, 4, 4, forward_time=1.0, backward_time=2.0, step_sync="last_stage_broadcast")
-    assert r.step_end_times[1] == (13.0, 26.0, 39.0, 52.0)
-    assert r.step_end_times[0] == (12.0, 25.0, 38.0, 51.0)
-    assert r.steady_state_step_time == 13.0
+    assert r.step_end_times[1] == (11.0, 23.0, 35.0, 47.0)
+    assert r.step_end_times[0] == (12.0, 24.0, 36.0, 48.0)
+    assert r.steady_state_step_time == 12.0
     first_f4 = next(e for e in r.events[0] if e.instruction == "F4")
-    assert (first_f4.start, first_f4.end) == (13.0, 14.0)
+    assert (first_f4.start, first_f4.end) == (12.0, 13.0)
 
 
 def test_async_two_stages_without_broadcast_is_pure_1f1b() -> None:
-    # Without the broadcast nothing flushes: M * (F + B) = 12 per step in steady state.
+    # Without the broadcast nothing flushes: M * (F + B) = 12 per step in steady state, the same timeline.
     r = simulate("async", 2, 4, 4, forward_time=1.0, backward_time=2.0)
     assert r.steady_state_step_time == 12.0
-    assert r.step_end_times[1] == (13.0, 25.0, 37.0, 49.0)
+    assert r.step_end_times[1] == (11.0, 23.0, 35.0, 47.0)
+
+
+def test_async_last_stage_cut_after_a_forward_saves_the_broadcast_wait() -> None:
+    # The old cut (the last stage backwarding all of its batch in the step) made stage 0 wait for the last
+    # stage's final backward before step t+1, and the last stage then wait for stage 0's first forward: one
+    # forward of idle time per step, 13 instead of 12 with F=1, B=2, M=4. Rebuilt here from the same blocks.
+    from lightning_dynpipe.schedule.kinds import _backward_block, _forward_block
+
+    def old_last(t: int) -> str:
+        out = []
+        for j in range(4 * t, 4 * t + 4):
+            out += [*_forward_block(j, False, True, False), *_backward_block(j, False, True, True)]
+        return " ".join(str(i) for i in out)
+
+    programs = [
+        [step_instructions("async", 0, 2, 4, t) for t in range(4)],
+        [p(old_last(t)) for t in range(4)],
+    ]
+    drains = [ASYNC.drain_instructions(0, 2, 4, 4), []]
+    old = simulate_programs(
+        programs, drains=drains, forward_time=1.0, backward_time=2.0, step_sync="last_stage_broadcast"
+    )
+    new = simulate("async", 2, 4, 4, forward_time=1.0, backward_time=2.0, step_sync="last_stage_broadcast")
+    assert (old.steady_state_step_time, new.steady_state_step_time) == (13.0, 12.0)
 
 
 def test_gpipe_two_stages() -> None:
@@ -88,7 +115,7 @@ def test_kinds_compared_with_broadcast() -> None:
         ).steady_state_step_time
         for kind in SCHEDULES
     }
-    assert times == {"async": 13.0, "sync": 15.0, "gpipe": 15.0}
+    assert times == {"async": 12.0, "sync": 15.0, "gpipe": 15.0}
 
 
 def test_broadcast_changes_nothing_for_flushing_schedules() -> None:
