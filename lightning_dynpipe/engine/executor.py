@@ -242,6 +242,11 @@ class StageExecutor:
 
     # ------------------------------------------------------------------ public API
     @property
+    def microbatch_sizes(self) -> list[int]:
+        """Sample counts of the current step's micro-batches (the current or last step; first and last stage only)."""
+        return list(self._step_sizes)
+
+    @property
     def in_flight(self) -> int:
         """Micro-batches forwarded by this stage but not yet back-propagated."""
         return len(self._mbs)

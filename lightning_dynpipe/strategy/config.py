@@ -24,12 +24,14 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
-__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode"]
+__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode", "MicroBatchLogging", "MICROBATCH_LOGGING"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long collectives and stage-to-stage receives wait by default."""
 
 BalanceMode = Literal["list", "auto", "parameters"]
+MicroBatchLogging = Literal["step", "each"]
+MICROBATCH_LOGGING: tuple[str, ...] = ("step", "each")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class DynPipeConfig:
         lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
         activation_checkpointing: ``True`` (every layer), ``False``, or the pipeline's layer indices whose
             activations are recomputed in the backward.
+        microbatch_logging: ``"step"``: ``self.log`` calls in ``training_step`` are reduced over the step's
+            micro-batches and reach Lightning once per step; ``"each"``: once per micro-batch.
     """
 
     num_stages: int | None
@@ -73,6 +77,7 @@ class DynPipeConfig:
     lr_scale: float = 1.0
     lr_scale_requested: float | str = "auto"
     activation_checkpointing: bool | tuple[int, ...] = False
+    microbatch_logging: MicroBatchLogging = "step"
 
     @classmethod
     def from_arguments(
@@ -90,6 +95,7 @@ class DynPipeConfig:
         timeout: float | timedelta | None = None,
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | Sequence[int] = False,
+        microbatch_logging: MicroBatchLogging = "step",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -153,6 +159,12 @@ class DynPipeConfig:
                 f"activation_checkpointing must be True, False or a list of the pipeline's layer indices (ints >= 0); "
                 f"got {activation_checkpointing!r}."
             )
+        if microbatch_logging not in MICROBATCH_LOGGING:
+            raise ConfigurationError(
+                f"microbatch_logging must be one of {', '.join(repr(m) for m in MICROBATCH_LOGGING)}; got "
+                f"{microbatch_logging!r}. 'step' logs each name once per step (reduced over the step's micro-batches), "
+                "'each' once per micro-batch."
+            )
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -169,6 +181,7 @@ class DynPipeConfig:
             lr_scale=scale,
             lr_scale_requested=lr_scale,
             activation_checkpointing=ckpt,
+            microbatch_logging=microbatch_logging,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
