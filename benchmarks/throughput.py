@@ -73,6 +73,11 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 """Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
+EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-bare")
+"""Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
+the adaptive loop on, still starting from the same balance), and ``async`` with both off. ``async`` itself has
+the monitor on and the adaptive loop off (it compares schedules on one fixed partition)."""
+ALL_SYSTEMS = SYSTEMS + EXTRA_SYSTEMS
 
 LABELS = {
     "async": "DynPipe async",
@@ -80,6 +85,8 @@ LABELS = {
     "gpipe": "DynPipe gpipe",
     "torch-1f1b": "torch Schedule1F1B",
     "torch-gpipe": "torch ScheduleGPipe",
+    "async-defaults": "DynPipe async, defaults",
+    "async-bare": "DynPipe async, bare",
 }
 NUM_STAGES = 2
 WORLD_SIZE = NUM_STAGES
@@ -294,15 +301,21 @@ def _step_timer(warmup: int, steps: int) -> Any:
     return StepTimer()
 
 
-def _run_dynpipe(schedule: str, cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     from lightning_dynpipe import DynPipeStrategy
 
+    schedule = system.split("-")[0]
+    options: dict[str, Any] = {"adaptive": False}  # compares schedules on one fixed partition
+    if system == "async-defaults":
+        options = {}  # monitor every 10 steps, adaptive loop on: what DynPipeStrategy() does
+    elif system == "async-bare":
+        options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
         schedule=schedule,  # type: ignore[arg-type]
         balance=list(cfg.balance),
         timeout=cfg.timeout_s,
-        adaptive=False,  # compares schedules on one fixed partition
+        **options,
     )
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
     return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
@@ -456,20 +469,21 @@ _SIM_MODEL = {
     "gpipe": ("gpipe", "last_stage_broadcast"),
     "torch-1f1b": ("sync", "none"),
     "torch-gpipe": ("gpipe", "none"),
+    "async-defaults": ("async", "last_stage_broadcast"),
+    "async-bare": ("async", "last_stage_broadcast"),
 }
 
 
-def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """Medians, IQRs and paired ratios per system; per-stage breakdown; CPU use; simulator predictions."""
-    systems = [s for s in cfg.systems if any(r["system"] == s for r in runs)]
+def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    """Per system: median samples/s with quartiles, and ratios to the references paired by repeat."""
     by = {s: {r["rep"]: r for r in runs if r["system"] == s} for s in systems}
     table: dict[str, Any] = {}
     for s in systems:
         sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
-        for ref in ("sync", "torch-1f1b"):
-            if ref in by:
+        for ref in ("sync", "torch-1f1b", "async-bare"):
+            if ref in by and not (ref == "async-bare" and s != "async-defaults"):
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
                 ratios = [
                     by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]
@@ -477,6 +491,14 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
                 rq1, rq3 = quartiles(ratios)
                 row[f"vs_{ref}"] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_rep": ratios}
         table[s] = row
+    return table
+
+
+def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """Medians, IQRs and paired ratios per system; per-stage breakdown; CPU use; simulator predictions."""
+    systems = [s for s in cfg.systems if any(r["system"] == s for r in runs)]
+    by = {s: {r["rep"]: r for r in runs if r["system"] == s} for s in systems}
+    table = ratio_table(runs, systems)
 
     breakdown: dict[str, Any] = {}
     for s in systems:
@@ -722,6 +744,13 @@ def render_targets(summary: dict[str, Any]) -> str:
             continue
         verdict = "met" if r["median"] >= target else "MISSED"
         out.append(f"target async >= {target:.2f}x {name}: measured {r['median']:.3f}x -> {verdict}")
+    d = t.get("async-defaults", {}).get("vs_async-bare")
+    if d is not None:
+        verdict = "met" if d["median"] >= 0.98 else "MISSED"
+        out.append(
+            f"target the defaults (monitor + adaptive loop) cost <= 2% against both off: measured "
+            f"{d['median']:.3f}x -> {verdict}"
+        )
     return "\n".join(out)
 
 
@@ -839,7 +868,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         default=None,
         help="layers per stage, e.g. 4,5 (default: balanced by parameter count, DynPipe's balance='parameters')",
     )
-    p.add_argument("--systems", type=str, default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        type=str,
+        default=None,
+        help=f"comma-separated subset of {','.join(ALL_SYSTEMS)} (default: {','.join(SYSTEMS)})",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--quick",
@@ -879,9 +913,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if a.systems:
         systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
-        unknown = [s for s in systems if s not in SYSTEMS]
+        unknown = [s for s in systems if s not in ALL_SYSTEMS]
         if unknown:
-            p.error(f"unknown systems {unknown}; valid: {list(SYSTEMS)}")
+            p.error(f"unknown systems {unknown}; valid: {list(ALL_SYSTEMS)}")
         cfg = replace(cfg, systems=systems)
     balance = tuple(int(x) for x in a.balance.split(",")) if a.balance else default_balance(cfg.width, cfg.depth)
     if len(balance) != NUM_STAGES or sum(balance) != cfg.depth + 1 or min(balance) < 1:
