@@ -33,6 +33,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/throughput.py                 # the documented run (about 2 minutes on 2 cores)
     .venv/bin/python benchmarks/throughput.py --quick         # smoke run: tiny model, 1 repeat (~30 s)
+    .venv/bin/python benchmarks/throughput.py --model gpt      # the GPT example's transformer, split after block 2
     .venv/bin/python benchmarks/throughput.py --repeats 5 --steps 30 --width 1024
     .venv/bin/python benchmarks/throughput.py --from-json benchmarks/out/throughput-<stamp>.json  # re-analyse
 """
@@ -122,20 +123,57 @@ class Config:
     seed: int = 0
     timeout_s: float = 300.0
     sim_steps: int = 12
+    model: str = "mlp"
+    block_size: int = 64
+
+
+GPT_DEFAULTS = {"width": 128, "depth": 4, "batch_size": 32, "lr": 0.1}
+"""``--model gpt``: the GPT example's transformer (CharGPT, d_model 128, 4 blocks, 64-token context, dropout
+0.1), batch 32, M=4, split after the second block ([embedding + 2 blocks, 2 blocks + head]); plain SGD for every
+system, as torch's runner steps SGD."""
 
 
 # ---------------------------------------------------------------------------------------------- model / data
 def _model(cfg: Config) -> Any:
-    from lightning_dynpipe.demos import MLP
+    from lightning_dynpipe.demos import MLP, CharGPT
 
     torch.manual_seed(cfg.seed)  # identical initial weights for every system
+    if cfg.model == "gpt":
+
+        class SgdGPT(CharGPT):
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+        return SgdGPT(block_size=cfg.block_size, d_model=cfg.width, n_layers=cfg.depth, lr=cfg.lr)
     return MLP(in_features=784, width=cfg.width, depth=cfg.depth, num_classes=10, lr=cfg.lr, optimizer="sgd")
 
 
-def default_balance(width: int, depth: int) -> tuple[int, ...]:
+def num_layers(cfg: Config) -> int:
+    """Units of the model's pipeline: depth + 1 for the MLP, embedding + blocks + head for the GPT."""
+    return cfg.depth + 2 if cfg.model == "gpt" else cfg.depth + 1
+
+
+def _loss_fn(cfg: Config) -> Any:
+    import torch.nn.functional as F
+
+    if cfg.model == "gpt":
+        return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.cross_entropy
+
+
+def describe_model(cfg: Config) -> str:
+    """One line naming the model, for headers and plot titles."""
+    if cfg.model == "gpt":
+        return f"GPT d_model {cfg.width}, {cfg.depth} blocks, {cfg.block_size}-token context"
+    return f"MLP width {cfg.width} depth {cfg.depth}"
+
+
+def default_balance(width: int, depth: int, model: str = "mlp") -> tuple[int, ...]:
     """DynPipe's ``balance="parameters"`` split (balanced parameter counts), made explicit for every system."""
     from lightning_dynpipe.plan.partition import balance_by_weights
 
+    if model == "gpt":  # after the middle block: [embedding + depth//2 blocks, the rest + head]
+        return (1 + depth // 2, depth - depth // 2 + 1)
     cfg = Config(width=width, depth=depth)
     weights = [sum(p.numel() for p in layer.parameters()) for layer in _model(cfg).pipeline]
     return tuple(balance_by_weights(weights, NUM_STAGES).balance)
@@ -144,6 +182,12 @@ def default_balance(width: int, depth: int) -> tuple[int, ...]:
 def _batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``warmup + steps`` fixed random batches of MNIST shape, identical in every process and system."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
+    if cfg.model == "gpt":  # token ids: the speed does not depend on their values
+        shape = (cfg.batch_size, cfg.block_size)
+        return [
+            (torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g))
+            for _ in range(cfg.warmup + cfg.steps)
+        ]
     return [
         (torch.randn(cfg.batch_size, 1, 28, 28, generator=g), torch.randint(0, 10, (cfg.batch_size,), generator=g))
         for _ in range(cfg.warmup + cfg.steps)
@@ -206,24 +250,31 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
     """
     import statistics
 
-    import torch.nn.functional as F
 
     stage = _stage_module(cfg, stage_idx)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
     mb = cfg.batch_size // cfg.num_microbatches
     g = torch.Generator().manual_seed(cfg.seed + 2)
-    if stage_idx == 0:
+    if cfg.model == "gpt":
+        tokens = (mb, cfg.block_size)
+        x = torch.randint(0, 256, tokens, generator=g)
+        if stage_idx > 0:  # stage 1 starts after a block: the residual stream
+            x = torch.randn(*tokens, cfg.width, generator=g).requires_grad_(True)
+        y = torch.randint(0, 256, tokens, generator=g)
+    elif stage_idx == 0:
         x = torch.randn(mb, 1, 28, 28, generator=g)
+        y = torch.randint(0, 10, (mb,), generator=g)
     else:
         x = torch.randn(mb, cfg.width, generator=g).requires_grad_(True)  # stage 1 starts after a hidden block
-    y = torch.randint(0, 10, (mb,), generator=g)
+        y = torch.randint(0, 10, (mb,), generator=g)
+    loss_fn = _loss_fn(cfg)
     clock = time.thread_time
     fwd, bwd, upd, stash = [], [], [], []
     for i in range(iters + 2):
         t0 = clock()
         out = stage(x)
         if stage_idx == NUM_STAGES - 1:
-            out = F.cross_entropy(out, y)
+            out = loss_fn(out, y)
         t1 = clock()
         if stage_idx == NUM_STAGES - 1:
             out.backward()
@@ -264,6 +315,7 @@ def _run_torch(kind: str, cfg: Config, rank: int, batches: list[tuple[torch.Tens
         cfg.num_microbatches,
         batches,
         lr=cfg.lr,
+        loss_fn=_loss_fn(cfg),
         warmup_steps=cfg.warmup,
     )
     cpu = probe.stop()
@@ -801,7 +853,7 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], cfg: Config, machi
         color="#555555",
     )
     ax.set_title(
-        f"2-stage pipeline, MLP width {cfg.width} depth {cfg.depth}, batch {cfg.batch_size}, "
+        f"2-stage pipeline, {describe_model(cfg)}, batch {cfg.batch_size}, "
         f"M={cfg.num_microbatches}, balance {list(cfg.balance)}\n"
         f"{machine['cpu_model']}, {machine['logical_cpus']} CPUs, torch {machine['torch']}, "
         f"lightning {machine['lightning']}, {cfg.repeats} repeats x {cfg.steps} steps, "
@@ -876,6 +928,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="mlp: the demo MLP (default); gpt: the GPT example's transformer (see GPT_DEFAULTS)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: width 64, depth 3, batch 32, 1 repeat, 3 steps; plot goes to --out-dir",
@@ -896,7 +954,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     )
     a = p.parse_args(argv)
 
-    cfg = Config()
+    cfg = Config(model=a.model)
+    if a.model == "gpt":
+        cfg = replace(cfg, **GPT_DEFAULTS)  # type: ignore[arg-type]
     if a.quick:
         cfg = replace(cfg, repeats=1, steps=3, warmup=2, width=64, depth=3, batch_size=32, timeout_s=60.0, sim_steps=6)
     overrides = {
@@ -917,9 +977,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         if unknown:
             p.error(f"unknown systems {unknown}; valid: {list(ALL_SYSTEMS)}")
         cfg = replace(cfg, systems=systems)
-    balance = tuple(int(x) for x in a.balance.split(",")) if a.balance else default_balance(cfg.width, cfg.depth)
-    if len(balance) != NUM_STAGES or sum(balance) != cfg.depth + 1 or min(balance) < 1:
-        p.error(f"--balance needs {NUM_STAGES} positive entries summing to depth + 1 = {cfg.depth + 1}; got {balance}")
+    if a.balance:
+        balance = tuple(int(x) for x in a.balance.split(","))
+    else:
+        balance = default_balance(cfg.width, cfg.depth, cfg.model)
+    if len(balance) != NUM_STAGES or sum(balance) != num_layers(cfg) or min(balance) < 1:
+        p.error(f"--balance needs {NUM_STAGES} positive entries summing to {num_layers(cfg)} layers; got {balance}")
     cfg = replace(cfg, balance=balance)
     if cfg.batch_size % cfg.num_microbatches:
         p.error(
@@ -936,7 +999,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
 def _print_header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
     print(describe_machine(machine))
     print(
-        f"model: MLP width {cfg.width} depth {cfg.depth} ({cfg.depth + 1} layers), balance {list(cfg.balance)}, "
+        f"model: {describe_model(cfg)} ({num_layers(cfg)} layers), balance {list(cfg.balance)}, "
         f"batch {cfg.batch_size}, M={cfg.num_microbatches}, SGD lr {cfg.lr}; {cfg.repeats} repeats x "
         f"({cfg.warmup} warm-up + {cfg.steps} timed steps) per system"
     )
