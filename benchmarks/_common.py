@@ -286,6 +286,8 @@ def fit_dynpipe(
         "wall_s": timer.end - timer.start,
         "steps": timer.stats,
         "cpu": timer.probe.result,
+        "param_bytes": getattr(timer, "param_bytes", None),
+        "predicted_versions": getattr(timer, "predicted_versions", None),
     }
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)

@@ -250,7 +250,6 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
     """
     import statistics
 
-
     stage = _stage_module(cfg, stage_idx)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
     mb = cfg.batch_size // cfg.num_microbatches
@@ -324,6 +323,34 @@ def _run_torch(kind: str, cfg: Config, rank: int, batches: list[tuple[torch.Tens
     return {"seconds": seconds, "stages": None, "cpu": sorted(gathered, key=lambda g: g["stage"])}
 
 
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _start_peak_rss() -> int | None:
+    """Resets this process's peak RSS (Linux ``clear_refs``) and returns its current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return None
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def _peak_rss() -> int | None:
+    """Peak RSS in bytes since :func:`_start_peak_rss` (``VmHWM``)."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
 def _step_timer(warmup: int, steps: int) -> Any:
     """A callback timing steps ``warmup .. warmup+steps-1`` and keeping this stage's StepStats of each."""
     from lightning.pytorch import Callback
@@ -337,6 +364,9 @@ def _step_timer(warmup: int, steps: int) -> Any:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.stage_idx = int(trainer.strategy.stage_idx)
+            stage = trainer.strategy.executor.stage_module
+            self.param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+            self.predicted_versions = trainer.strategy.config.schedule.max_stash(self.stage_idx, NUM_STAGES)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == warmup:
@@ -413,10 +443,13 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             for position, system in enumerate(order):
                 load = os.getloadavg()[0]
                 dist.barrier()
+                rss_start = _start_peak_rss()
                 if system.startswith("torch-"):
                     res = _run_torch(system, cfg, rank, batches)
                 else:
                     res = _run_dynpipe(system, cfg, batches)
+                memory: list[Any] = [None] * WORLD_SIZE
+                dist.all_gather_object(memory, {"rank": rank, "rss_start": rss_start, "rss_peak": _peak_rss()})
                 samples = cfg.steps * cfg.batch_size
                 runs.append(
                     {
@@ -430,6 +463,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         "load1": load,
                         "stages": res["stages"],
                         "cpu": res["cpu"],
+                        "memory": memory,
                     }
                 )
                 if rank == 0:
@@ -631,7 +665,72 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             "step_time_s": {"async": t_async, "sync": t_sync},
             "async_vs_sync": t_sync / t_async,
         }
-    return {"table": table, "breakdown": breakdown, "cpu": cpu, "predictions": predictions, "calibration": calibration}
+    return {
+        "table": table,
+        "breakdown": breakdown,
+        "cpu": cpu,
+        "memory": memory_summary(runs, systems),
+        "predictions": predictions,
+        "calibration": calibration,
+    }
+
+
+def memory_summary(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    """Per system and stage: the process's peak RSS during the run and above its start (medians over repeats);
+    for DynPipe, the weight versions stashed at most (bytes, measured) against ``S - k`` versions (predicted)."""
+    out: dict[str, Any] = {}
+    for s in systems:
+        per_stage: dict[int, dict[str, list[float]]] = {}
+        for r in runs:
+            if r["system"] != s or not r.get("memory"):
+                continue
+            stage_of = {c["rank"]: c["stage"] for c in r["cpu"]}
+            for m in r["memory"]:
+                if m["rss_peak"] is None or m["rss_start"] is None:
+                    continue
+                d = per_stage.setdefault(stage_of[m["rank"]], {"peak": [], "above": [], "stash": [], "pred": []})
+                d["peak"].append(m["rss_peak"])
+                d["above"].append(m["rss_peak"] - m["rss_start"])
+            for st in r["stages"] or []:
+                if st.get("param_bytes") is None:
+                    continue
+                d = per_stage.setdefault(st["stage"], {"peak": [], "above": [], "stash": [], "pred": []})
+                depth = max((x["max_stash_depth"] for x in st["steps"]), default=0)
+                d["stash"].append(depth * st["param_bytes"])
+                d["pred"].append(st["predicted_versions"] * st["param_bytes"])
+        out[s] = [
+            {"stage": k, **{name: (median(v) if v else None) for name, v in d.items()}}
+            for k, d in sorted(per_stage.items())
+        ]
+    return out
+
+
+def render_memory(summary: dict[str, Any], *, markdown: bool = False) -> str:
+    """Peak RSS per stage process (and above its RSS at the run's start), stash bytes measured and predicted."""
+    rows = []
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v / 2**20:.1f}"
+
+    for s, stages in summary.get("memory", {}).items():
+        for st in stages:
+            rows.append(
+                [
+                    f"{LABELS[s]} / stage {st['stage']}",
+                    mib(st["peak"]),
+                    mib(st["above"]),
+                    mib(st["stash"]),
+                    mib(st["pred"]),
+                ]
+            )
+    headers = [
+        "system / stage",
+        "peak RSS MiB",
+        "peak above start MiB",
+        "stashed weights MiB",
+        "predicted (S-k versions)",
+    ]
+    return format_table(headers, rows, markdown=markdown)
 
 
 def _ratio_cell(row: dict[str, Any], ref: str) -> str:
@@ -1057,6 +1156,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(render_cpu(summary))
     print()
+    print(
+        "memory per stage process: peak RSS during the run (Linux VmHWM, reset before each run), and how far it "
+        "rose above the RSS at the run's start; async's stashed weight versions, measured (most versions held "
+        "x the stage's parameter bytes) and predicted (S-k versions):"
+    )
+    print(render_memory(summary))
+    print()
     print(render_predictions(summary))
     print()
     print(render_targets(summary))
@@ -1071,6 +1177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "table": render_table(summary, markdown=True),
         "breakdown": render_breakdown(summary, markdown=True),
         "cpu": render_cpu(summary, markdown=True),
+        "memory": render_memory(summary, markdown=True),
         "predictions": render_predictions(summary, markdown=True),
     }
     csv_path = write_outputs(payload, json_path)
