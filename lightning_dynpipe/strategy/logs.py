@@ -87,11 +87,12 @@ class StepLogs:
             last: whether this is the step's last micro-batch: the recorded names are logged when it ends.
         """
         self._weight = float(weight)
-        self.module.log = self._record  # type: ignore[method-assign]  # shadows the bound method, see below
+        attrs = self.module.__dict__  # an instance attribute shadows the class's method (no Module.__setattr__)
+        attrs["log"] = self._record
         try:
             yield
         finally:
-            del self.module.log  # back to the class's method
+            attrs.pop("log", None)  # back to the class's method
         if last:
             self.flush()
 
@@ -116,19 +117,37 @@ class StepLogs:
                 self.module, name, reduced.to(dtype), reduce_fx=rec.reduce_fx, batch_size=batch_size, **rec.kwargs
             )
 
-    def _record(self, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
-        call.pop("self")
-        name, value = call.pop("name"), call.pop("value")
-        reduce_fx = call.pop("reduce_fx")
-        reduce_fx = _TORCH_REDUCERS.get(reduce_fx, reduce_fx)
-        batch_size = call.pop("batch_size")
+    def _record(
+        self,
+        name: str,
+        value: Any,
+        *args: Any,
+        reduce_fx: Any = "mean",
+        batch_size: int | None = None,
+        enable_graph: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if args:  # options given by position: name them as LightningModule.log would
+            bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)
+            kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+            reduce_fx = kwargs.pop("reduce_fx", reduce_fx)
+            batch_size = kwargs.pop("batch_size", batch_size)
+            enable_graph = kwargs.pop("enable_graph", enable_graph)
+        fx = _TORCH_REDUCERS.get(reduce_fx, reduce_fx)
         scalar = _scalar(value)
-        if scalar is None or call["enable_graph"] or reduce_fx not in _REDUCERS:
-            type(self.module).log(self.module, *args, **kwargs)  # what cannot be reduced exactly goes through
+        if scalar is None or enable_graph or fx not in _REDUCERS:  # cannot be reduced exactly: goes through
+            type(self.module).log(
+                self.module,
+                name,
+                value,
+                reduce_fx=reduce_fx,
+                batch_size=batch_size,
+                enable_graph=enable_graph,
+                **kwargs,
+            )
             return
+        reduce_fx = fx
+        call = kwargs
         rec = self._names.get(name)
         if rec is None:
             rec = self._names[name] = _Name(reduce_fx)

@@ -162,3 +162,13 @@ def test_step_and_each_give_the_same_epoch_values_and_step_gives_the_step_mean(
     assert step_values == pytest.approx(losses.mean(dim=1).tolist(), rel=1e-6)  # the step's mean
     assert each_values == pytest.approx(losses[:, -1].tolist(), rel=1e-6)  # the last micro-batch's
     assert epoch["step"] == pytest.approx(losses.reshape(2, 32).mean(dim=1).tolist(), rel=1e-6)
+
+
+def test_options_given_by_position_are_named() -> None:
+    module = Recorder()
+    logs = StepLogs(module)
+    with logs.capture(weight=1, last=True):
+        module.log("x", 1.0, True, None, True, False, "max")  # prog_bar, logger, on_step, on_epoch, reduce_fx
+    [(_, value, kwargs)] = module.calls
+    assert value.item() == 1.0
+    assert kwargs["reduce_fx"] == "max" and kwargs["prog_bar"] is True and kwargs["on_epoch"] is False
