@@ -152,11 +152,11 @@ def build_channels(
             peer_stage=k - 1,
             on_failure=on_failure,
         )
-        ch.send_grad = grad_out = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}")
+        ch.send_grad = grad_out = SendChannel(groups.grad_out, up, f"gradients {k}->{k - 1}", device)
         senders.append(grad_out)
     if k < topo.num_stages - 1:
         down = topo.rank_of(d, k + 1)
-        ch.send_activation = act_out = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}")
+        ch.send_activation = act_out = SendChannel(groups.activation_out, down, f"activations {k}->{k + 1}", device)
         senders.insert(0, act_out)
         ch.recv_grad = RecvChannel(
             groups.grad_in, down, device, timeout_s, f"gradients {k + 1}->{k}", peer_stage=k + 1, on_failure=on_failure

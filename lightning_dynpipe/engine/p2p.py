@@ -2,9 +2,18 @@
 
 Each direction of each stage boundary is a separate two-rank process group, so that activations going
 downstream and gradients going upstream never share a queue. A :class:`RecvChannel` runs a daemon thread that
-posts the next receive as soon as the previous message is in, so transfers overlap the stage's compute; a
-:class:`SendChannel` uses non-blocking sends and only waits for them when asked to (:meth:`SendChannel.flush`)
-or when too many are outstanding.
+receives in the background, so transfers overlap the stage's compute; a :class:`SendChannel` uses non-blocking
+sends and only waits for them when asked to (:meth:`SendChannel.flush`) or when too many are outstanding.
+
+On CPU (gloo) every message is one packed buffer (:func:`~lightning_dynpipe.engine.wire.pack`) and the
+receiver keeps :data:`PREPOSTED` receives posted ahead, so that a message always lands in a posted buffer. A
+message that arrives before its receive is posted makes gloo's loop thread poll until it is: measured with a
+header-then-payload protocol (the payload's receive can only be posted once the header is decoded, by a thread
+that must first get the GIL back from the busy main thread), that cost the receiving process 1-5 ms of CPU per
+message. Receives must be posted with the right size, so both ends track the size of the next message: a
+sender whose message has another size first sends :data:`PREPOSTED` ``RESIZE`` messages of the old size
+(one per receive already posted), then the message. ``CLOSE`` and ``ABORT`` are followed by pads that complete
+the receives still posted, so that no receive is left pending when the process groups are destroyed.
 """
 
 from __future__ import annotations
@@ -26,7 +35,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dynpipe.engine.wire import HEADER_LEN, Header, MessageKind, decode, encode
+from lightning_dynpipe.engine.wire import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    MIN_MESSAGE,
+    Header,
+    MessageKind,
+    decode,
+    encode,
+    message_size,
+    pack,
+    sent_at,
+    unpack,
+)
 from lightning_dynpipe.errors import CommunicationError, PeerFailure, PipelineTimeoutError
 
 __all__ = [
@@ -46,6 +67,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_OUTSTANDING = 64
+PREPOSTED = 2
+"""Receives a packed channel keeps posted ahead of the message being handled."""
 _RECEIVERS: weakref.WeakSet[RecvChannel] = weakref.WeakSet()  # channels whose thread may still be running
 
 
@@ -160,13 +183,17 @@ class SendChannel:
         group: the two-rank process group of this direction of the boundary.
         peer: the peer's global rank.
         name: for messages and logs, e.g. ``"activations 0->1"``.
+        device: where the tensors sent live; on CPU (the default) messages are packed (see the module
+            docstring), and the receiving :class:`RecvChannel` must be on CPU too.
     """
 
-    def __init__(self, group: Any, peer: int, name: str) -> None:
+    def __init__(self, group: Any, peer: int, name: str, device: torch.device | None = None) -> None:
         self.group = group
         self.peer = peer
         self.name = name
         self.delay: SendDelay | None = None
+        self.packed = device is None or device.type == "cpu"
+        self._next_size = MIN_MESSAGE  # what the receiver has posted for the next packed message
         self._pending: deque[tuple[Any, list[Tensor]]] = deque()
         self._lock = threading.Lock()  # the failure path sends from a receiver thread
         self.bytes_sent = 0
@@ -183,6 +210,9 @@ class SendChannel:
         hold_back(self.delay)
         header = encode(kind, mb_idx, tensors, aux, is_tuple)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
+        if self.packed:
+            self._send_packed(header, payload)
+            return
         device = payload[0].device if payload else torch.device("cpu")
         header = header.to(device)
         with self._lock:
@@ -194,6 +224,26 @@ class SendChannel:
                 self._pending.append((w, [header, *payload]))
             while len(self._pending) > _MAX_OUTSTANDING:
                 self._wait_one()
+
+    def _send_packed(self, header: Tensor, payload: list[Tensor], pads: int = 0) -> None:
+        """One packed message (then ``pads`` padding messages), resizing the receiver's buffers first if needed."""
+        size = message_size(payload)
+        with self._lock:
+            if size != self._next_size:
+                resize = encode(MessageKind.RESIZE, -1, [], aux=float(size))
+                for _ in range(PREPOSTED):  # one per receive the peer has posted at the old size
+                    self._isend(pack(resize, [], self._next_size, time.time()))
+                self._next_size = size
+            self._isend(pack(header, payload, size, time.time()))
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
+            pad = encode(MessageKind.RESIZE, -1, [], aux=float(size))
+            for _ in range(pads):
+                self._isend(pack(pad, [], size, time.time()))
+            while len(self._pending) > _MAX_OUTSTANDING:
+                self._wait_one()
+
+    def _isend(self, buf: Tensor) -> None:
+        self._pending.append((dist.isend(buf, dst=self.peer, group=self.group), [buf]))
 
     def _wait_one(self) -> None:
         work, _keepalive = self._pending.popleft()
@@ -207,13 +257,22 @@ class SendChannel:
 
     def abort(self, stage_idx: int, rank: int, text: str, wait_s: float = 2.0) -> None:
         """Tells the peer that ``stage_idx`` (global ``rank``) failed; waits at most ``wait_s`` for delivery."""
-        header = encode(MessageKind.ABORT, stage_idx, [encode_text(text)], aux=float(rank))
         try:
             with self._lock:
-                works = [
-                    dist.isend(header, dst=self.peer, group=self.group),
-                    dist.isend(encode_text(text), dst=self.peer, group=self.group),
-                ]
+                if self.packed:  # the receiver's posted size: the description is cut to fit it
+                    text_t = encode_text(text, limit=self._next_size - HEADER_BYTES)
+                    header = encode(MessageKind.ABORT, stage_idx, [text_t], aux=float(rank))
+                    pad = encode(MessageKind.RESIZE, -1, [], aux=float(self._next_size))
+                    works = [
+                        dist.isend(pack(h, t, self._next_size, time.time()), dst=self.peer, group=self.group)
+                        for h, t in [(header, [text_t])] + [(pad, [])] * (PREPOSTED - 1)
+                    ]
+                else:
+                    header = encode(MessageKind.ABORT, stage_idx, [encode_text(text)], aux=float(rank))
+                    works = [
+                        dist.isend(header, dst=self.peer, group=self.group),
+                        dist.isend(encode_text(text), dst=self.peer, group=self.group),
+                    ]
             for w in works:
                 if w is not None:
                     w.wait(timeout=timedelta(seconds=wait_s))
@@ -222,7 +281,10 @@ class SendChannel:
 
     def close(self) -> None:
         """Tells the peer's receiver thread to stop, then flushes."""
-        self.send(MessageKind.CLOSE, -1, [])
+        if self.packed:
+            self._send_packed(encode(MessageKind.CLOSE, -1, []), [], pads=PREPOSTED - 1)
+        else:
+            self.send(MessageKind.CLOSE, -1, [])
         self.flush()
 
 
@@ -264,6 +326,9 @@ class RecvChannel:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
+            if self.device.type == "cpu":
+                self._run_packed()
+                return
             while True:
                 header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 dist.recv(header_t, src=self.peer, group=self.group)
@@ -300,14 +365,59 @@ class RecvChannel:
         except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)
             if self._closed:
                 return
-            self._fail(
-                PeerFailure(
-                    f"Lost the connection to stage {self.peer_stage} (rank {self.peer}) on channel {self.name}: that "
-                    f"process stopped or was killed ({type(exc).__name__}: {exc}). Check its log for the cause.",
-                    self.peer_stage,
-                    self.peer,
+            self._lost(exc)
+
+    def _run_packed(self) -> None:
+        """Receives packed messages, keeping :data:`PREPOSTED` receives posted ahead of the one handled."""
+        size = MIN_MESSAGE
+        posted: deque[tuple[Any, Tensor]] = deque()
+
+        def post() -> None:
+            buf = torch.empty(size, dtype=torch.uint8)
+            posted.append((dist.irecv(buf, src=self.peer, group=self.group), buf))
+
+        for _ in range(PREPOSTED):
+            post()
+        while True:
+            work, buf = posted.popleft()
+            work.wait()
+            now, wall = time.perf_counter(), time.time()
+            raw = buf[:HEADER_BYTES].view(torch.int64)
+            header = decode(raw)
+            if header.kind == MessageKind.RESIZE:
+                size = int(header.aux)
+                post()
+                continue
+            if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
+                for w, _ in posted:  # the sender pads them: nothing is left pending
+                    w.wait(timeout=timedelta(seconds=5))
+                posted.clear()
+                if header.kind == MessageKind.CLOSE:
+                    self._queue.put(None)
+                    return
+                text = unpack(buf, header)[0]
+                assert text is not None
+                self._fail(
+                    PeerFailure(
+                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text)}",
+                        header.mb_idx,
+                        int(header.aux),
+                    )
                 )
+                return
+            post()
+            transfer_s = max(0.0, wall - sent_at(raw))  # one host's clock; across hosts, as synchronised
+            self._queue.put(Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s))
+
+    def _lost(self, exc: BaseException) -> None:
+        self._fail(
+            PeerFailure(
+                f"Lost the connection to stage {self.peer_stage} (rank {self.peer}) on channel {self.name}: that "
+                f"process stopped or was killed ({type(exc).__name__}: {exc}). Check its log for the cause.",
+                self.peer_stage,
+                self.peer,
             )
+        )
 
     def _fail(self, failure: PeerFailure) -> None:
         self._queue.put(failure)

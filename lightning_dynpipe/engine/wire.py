@@ -7,8 +7,14 @@ assumed: the last micro-batch of an epoch may be smaller, and stage outputs may 
 Header layout (``HEADER_LEN`` int64 values)::
 
     [0] MAGIC   [1] kind   [2] mb_idx   [3] num_tensors   [4] aux (float64 bits)   [5] is_tuple
-    [6..7] reserved
+    [6] the sender's clock when it sent the message (float64 bits of ``time.time()``; packed messages)
+    [7] reserved
     then per tensor, SLOT values: [dtype_code, requires_grad, ndim, dim_0 .. dim_{MAX_DIMS-1}]
+
+On CPU (gloo) a message travels **packed**: one ``uint8`` buffer holding the header's bytes and then each
+tensor's bytes at a 16-byte aligned offset (:func:`pack`, :func:`unpack`), at least :data:`MIN_MESSAGE` bytes.
+One buffer per message lets the receiver keep its next receives posted before the data arrives (see
+:mod:`lightning_dynpipe.engine.p2p`). On CUDA the header and each tensor are separate messages.
 """
 
 from __future__ import annotations
@@ -24,7 +30,22 @@ from torch import Tensor
 
 from lightning_dynpipe.errors import CommunicationError
 
-__all__ = ["MessageKind", "TensorSpec", "Header", "HEADER_LEN", "MAX_TENSORS", "MAX_DIMS", "encode", "decode"]
+__all__ = [
+    "MessageKind",
+    "TensorSpec",
+    "Header",
+    "HEADER_LEN",
+    "HEADER_BYTES",
+    "MIN_MESSAGE",
+    "MAX_TENSORS",
+    "MAX_DIMS",
+    "encode",
+    "decode",
+    "message_size",
+    "pack",
+    "unpack",
+    "sent_at",
+]
 
 MAGIC = 0x44594E50  # "DYNP"
 MAX_TENSORS = 12
@@ -58,6 +79,7 @@ class MessageKind(enum.IntEnum):
     EVAL_ACTIVATION = 3
     CLOSE = 4
     ABORT = 5  # mb_idx = failed stage, aux = its global rank, one uint8 tensor = UTF-8 description
+    RESIZE = 6  # packed messages only: aux = the size in bytes of the messages that follow; no tensors
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,72 @@ class Header:
     specs: tuple[TensorSpec | None, ...]
     aux: float
     is_tuple: bool = False
+
+
+HEADER_BYTES = HEADER_LEN * 8
+"""Bytes of a header (its int64 values)."""
+ALIGN = 16
+"""Alignment of each tensor's bytes in a packed message (any dtype's element size divides it)."""
+MIN_MESSAGE = HEADER_BYTES + 1024
+"""The smallest packed message: room for a header and a failure description of up to 1 KiB."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def message_size(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the packed message carrying ``tensors`` (the ones present), at least :data:`MIN_MESSAGE`."""
+    return max(MIN_MESSAGE, HEADER_BYTES + sum(_aligned(t.numel() * t.element_size()) for t in tensors))
+
+
+def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float) -> Tensor:
+    """One ``uint8`` buffer of ``size`` bytes: ``header`` (with ``sent_at`` written in) and ``tensors``' bytes.
+
+    ``tensors`` are the present ones, contiguous, on one device; ``size`` is at least their
+    :func:`message_size` (a larger buffer is padded, which is how control messages keep the receiver's size).
+    """
+    device = tensors[0].device if tensors else torch.device("cpu")
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    head = header.clone()
+    head[6] = struct.unpack("=q", struct.pack("=d", float(sent_at)))[0]
+    buf[:HEADER_BYTES].copy_(head.view(torch.uint8))
+    offset = HEADER_BYTES
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            buf[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
+        offset += _aligned(n)
+    if offset > size:
+        raise CommunicationError(f"A packed message needs {offset} bytes but its buffer has {size}.")
+    return buf
+
+
+def sent_at(header: Tensor) -> float:
+    """The sender's clock in a packed message's header (value [6])."""
+    return float(struct.unpack("=d", struct.pack("=q", int(header[6])))[0])
+
+
+def unpack(buf: Tensor, header: Header) -> list[Tensor | None]:
+    """The tensors of a packed message, as views of ``buf`` detached from it (no copy)."""
+    tensors: list[Tensor | None] = []
+    offset = HEADER_BYTES
+    for spec in header.specs:
+        if spec is None:
+            tensors.append(None)
+            continue
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        n = numel * torch.empty((), dtype=spec.dtype).element_size()
+        if offset + n > buf.numel():
+            raise CommunicationError(
+                f"A pipeline message of {buf.numel()} bytes is too short for its header's tensors ({offset + n} "
+                "bytes): the stages are out of step, usually because another stage failed first."
+            )
+        tensors.append(buf[offset : offset + n].view(spec.dtype).view(spec.shape).detach())
+        offset += _aligned(n)
+    return tensors
 
 
 _TEMPLATES: dict[tuple[object, ...], bytes] = {}

@@ -1,0 +1,116 @@
+"""The packed point-to-point protocol between two real gloo processes (no Lightning): messages of changing
+sizes arrive intact and in order, a peer's failure description arrives, and no receive is left posted."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_dynpipe.engine.p2p import PREPOSTED, RecvChannel, SendChannel
+from lightning_dynpipe.engine.wire import MIN_MESSAGE, MessageKind, decode, encode, message_size, pack, unpack
+from lightning_dynpipe.errors import PeerFailure
+
+
+def _messages() -> list[tuple[MessageKind, int, list[Any]]]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 700, generator=g)  # larger than the first messages: the receiver resizes up
+    return [
+        (MessageKind.ACTIVATION, 0, [torch.randn(8, 16, generator=g)]),
+        (MessageKind.ACTIVATION, 1, [torch.randn(8, 16, generator=g)]),  # same size: no resize
+        (MessageKind.ACTIVATION, 2, [torch.randn(2, 3, generator=g), torch.arange(5), None]),
+        (MessageKind.EVAL_ACTIVATION, 0, [big.to(torch.bfloat16), torch.tensor([True, False])]),
+        (MessageKind.GRADIENT, 3, [torch.randn(1, generator=g, dtype=torch.float64)]),  # and down again
+        (MessageKind.GRADIENT, 4, []),
+    ]
+
+
+def _worker(rank: int, port: int, mode: str, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    try:
+        if rank == 0:
+            ch = SendChannel(group, 1, "activations 0->1")
+            msgs = _messages()
+            if mode == "abort":
+                ch.send(*msgs[0])
+                ch.abort(0, 0, "boom: a RuntimeError on stage 0")
+                ch.flush()
+            else:
+                for kind, mb, tensors in msgs:
+                    ch.send(kind, mb, tensors, aux=float(mb) / 2, is_tuple=len(tensors) > 1)
+                ch.close()
+            out.put((rank, "ok"))
+        else:
+            rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+            msgs = _messages()
+            if mode == "abort":
+                first = rc.get(*msgs[0][:2])
+                assert torch.equal(first.tensors[0], msgs[0][2][0])
+                try:
+                    rc.get(MessageKind.ACTIVATION, 1)
+                except PeerFailure as exc:
+                    out.put((rank, str(exc)))
+                rc.join()
+            else:
+                for kind, mb, tensors in msgs:
+                    m = rc.get(kind, mb)
+                    assert m.header.aux == mb / 2 and m.header.is_tuple == (len(tensors) > 1)
+                    assert len(m.tensors) == len(tensors)
+                    for got, want in zip(m.tensors, tensors):
+                        assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
+                    assert m.transfer_s >= 0.0
+                rc.join()
+                assert not rc._thread.is_alive(), "the receiver thread must end after CLOSE"
+                out.put((rank, "ok"))
+    except BaseException as exc:  # reported to the test, not swallowed
+        out.put((rank, f"FAILED {type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["messages", "abort"])
+def test_two_processes(mode: str) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, mode, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    results = dict(out.get(timeout=5) for _ in range(2))
+    assert all(p.exitcode == 0 for p in procs), results
+    if mode == "abort":
+        assert results[0] == "ok"
+        assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[1], results
+    else:
+        assert results == {0: "ok", 1: "ok"}
+
+
+def test_packing_roundtrip_and_sizes() -> None:
+    tensors = [torch.randn(3, 5), torch.arange(7), torch.randn(2, dtype=torch.complex128), torch.ones(0)]
+    header = encode(MessageKind.ACTIVATION, 9, [*tensors, None], aux=0.25, is_tuple=True)
+    size = message_size(tensors)
+    assert size == MIN_MESSAGE  # small messages are padded to the minimum
+    buf = pack(header, tensors, size, sent_at=12.5)
+    decoded = decode(buf[: header.numel() * 8].view(torch.int64))
+    assert (decoded.kind, decoded.mb_idx, decoded.aux, decoded.is_tuple) == (MessageKind.ACTIVATION, 9, 0.25, True)
+    got = unpack(buf, decoded)
+    assert got[-1] is None and all(torch.equal(a, b) for a, b in zip(got, tensors))
+    assert got[0].requires_grad_().is_leaf  # received activations become the stage's leaf inputs
+    assert message_size([torch.zeros(1000)]) == MIN_MESSAGE - 1024 + 4000
+    assert PREPOSTED >= 2
