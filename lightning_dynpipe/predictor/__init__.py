@@ -2,7 +2,10 @@
 
 * :class:`InterferencePredictor`: the protocol (plain data in and out, see :mod:`.base`);
 * :class:`MeasuredSlowdownPredictor`: the baseline, each stage's measured slowdown against its profile (at
-  least ``1/q`` under a cgroup CPU limit of ``q`` cores) carried over to any partition.
+  least ``1/q`` under a cgroup CPU limit of ``q`` cores) carried over to any partition;
+* :class:`ForestPredictor`: a small random forest (scikit-learn, imported on the first fit) that predicts the
+  residual over an analytic prior from the stage's environment and the candidate's layer set
+  (:mod:`.features`), with calibrated intervals, trained by ``python -m lightning_dynpipe calibrate`` and online.
 
 Pure: no torch, no Lightning.
 """
@@ -16,6 +19,8 @@ from lightning_dynpipe.predictor.base import (
     PipelineWindow,
     StageTimes,
 )
+from lightning_dynpipe.predictor.features import FEATURE_SCHEMA, FeatureSchema, LabelledSamples
+from lightning_dynpipe.predictor.forest import ForestPredictor, QuantileForest
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
 
 __all__ = [
@@ -26,4 +31,9 @@ __all__ = [
     "StageTimes",
     "MeasuredSlowdownPredictor",
     "measured_slowdowns",
+    "ForestPredictor",
+    "QuantileForest",
+    "FeatureSchema",
+    "FEATURE_SCHEMA",
+    "LabelledSamples",
 ]

@@ -95,16 +95,7 @@ class AdaptationWiring:
         # A window restarts at every repartition: decide only on enough steps of the current partition.
         if any(st.count < MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
             return
-        times = [
-            StageTimes(
-                compute_s=st.forward_s + st.backward_s,
-                step_s=st.step_s,
-                comm_s=st.comm_s,
-                exposed_comm_s=st.exposed_comm_s,
-                cpu_limit=st.cpu_limit,
-            )
-            for st in snapshot.stages
-        ]
+        times = [StageTimes.from_summary(st) for st in snapshot.stages]
         step = trainer.global_step
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
         decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
