@@ -12,6 +12,7 @@ Pure: no torch, no Lightning.
 
 from __future__ import annotations
 
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.predictor.base import (
     InterferencePredictor,
     Interval,
@@ -23,7 +24,41 @@ from lightning_dynpipe.predictor.features import FEATURE_SCHEMA, FeatureSchema, 
 from lightning_dynpipe.predictor.forest import ForestPredictor, QuantileForest
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
 
+PREDICTORS: tuple[str, ...] = ("measured", "forest")
+"""The names ``DynPipeStrategy(predictor=...)`` accepts (aliases of the classes)."""
+
+
+def get_predictor(predictor: str | InterferencePredictor) -> InterferencePredictor:
+    """The predictor for a name of :data:`PREDICTORS` (a new instance), or the object itself.
+
+    Example::
+
+        >>> type(get_predictor("forest")).__name__
+        'ForestPredictor'
+
+    Raises:
+        ConfigurationError: an unknown name, or an object without a ``predict`` method.
+    """
+    if isinstance(predictor, str):
+        if predictor == "measured":
+            return MeasuredSlowdownPredictor()
+        if predictor == "forest":
+            return ForestPredictor()
+        raise ConfigurationError(
+            f"predictor must be one of {list(PREDICTORS)} or an InterferencePredictor object; got {predictor!r}. "
+            "For a calibrated forest pass ForestPredictor.load('dynpipe-forest.npz')."
+        )
+    if not isinstance(predictor, InterferencePredictor):
+        raise ConfigurationError(
+            f"predictor must be one of {list(PREDICTORS)} or an object with a predict(model_cost, comm, window, "
+            f"candidate) method (an InterferencePredictor); got {type(predictor).__name__}."
+        )
+    return predictor
+
+
 __all__ = [
+    "PREDICTORS",
+    "get_predictor",
     "InterferencePredictor",
     "Interval",
     "PartitionPrediction",

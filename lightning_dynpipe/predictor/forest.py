@@ -341,10 +341,12 @@ class ForestPredictor:
         refit.thread.start()
 
     def close(self) -> None:
-        """Waits for a running refit (its result is dropped)."""
+        """Ends a fit: waits for a running refit (its result is dropped) and forgets the last window (the next
+        fit's first window is not paired with it). The samples and the forest stay."""
         if self._refit is not None:
             self._refit.thread.join()
             self._refit = None
+        self._last = None
 
     # ------------------------------------------------------------------ prediction
     def predict(

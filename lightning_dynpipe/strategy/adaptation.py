@@ -84,6 +84,7 @@ class AdaptationWiring:
                 num_microbatches=self.config.num_microbatches,
                 replicas=replicas,
                 convergence=self.config.convergence,
+                predictor=self.config.predictor,
             )
             monitor.add_listener(self.on_snapshot)
 
@@ -112,6 +113,9 @@ class AdaptationWiring:
         """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""
         if self.monitor is not None and self.controller is not None:
             self.monitor.remove_listener(self.on_snapshot)
+        close = getattr(self.config.predictor, "close", None)
+        if callable(close):  # a background refit of a learning predictor ends with the fit
+            close()
         callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)

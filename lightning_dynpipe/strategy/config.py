@@ -21,6 +21,7 @@ from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.interference.schedule import InterferenceSchedule
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
@@ -56,6 +57,7 @@ class DynPipeConfig:
         lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
         activation_checkpointing: ``True`` (every layer), ``False``, or the pipeline's layer indices whose
             activations are recomputed in the backward.
+        predictor: what prices candidate partitions for the adaptive loop (a name resolved to an object).
     """
 
     num_stages: int | None
@@ -73,6 +75,7 @@ class DynPipeConfig:
     lr_scale: float = 1.0
     lr_scale_requested: float | str = "auto"
     activation_checkpointing: bool | tuple[int, ...] = False
+    predictor: InterferencePredictor | None = None
 
     @classmethod
     def from_arguments(
@@ -90,6 +93,7 @@ class DynPipeConfig:
         timeout: float | timedelta | None = None,
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | Sequence[int] = False,
+        predictor: str | InterferencePredictor = "measured",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -169,6 +173,7 @@ class DynPipeConfig:
             lr_scale=scale,
             lr_scale_requested=lr_scale,
             activation_checkpointing=ckpt,
+            predictor=get_predictor(predictor),
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageSample, StageSummary
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
 from lightning_dynpipe.strategy.config import DynPipeConfig
@@ -24,8 +25,7 @@ class _Controller:
 
 
 def _snapshot(count: int) -> Any:
-    stage = SimpleNamespace(count=count, step_s=0.1, forward_s=0.02, backward_s=0.04, comm_s=0.0,
-                            exposed_comm_s=0.0, cpu_limit=None)  # fmt: skip
+    stage = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * count)
     return SimpleNamespace(stages=[stage, stage])
 
 
@@ -66,3 +66,29 @@ def test_a_refused_partition_is_skipped() -> None:
     wiring, controller = _wiring(refuse)
     wiring.on_snapshot(_snapshot(MIN_SAMPLES), TRAINER)  # type: ignore[arg-type]
     assert controller.migrated_at == []
+
+
+def test_the_predictor_argument_takes_a_name_or_an_object_and_reaches_the_controller() -> None:
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor
+
+    assert isinstance(DynPipeConfig.from_arguments().predictor, MeasuredSlowdownPredictor)  # the default
+    assert isinstance(DynPipeConfig.from_arguments(predictor="forest").predictor, ForestPredictor)
+    mine = ForestPredictor(n_estimators=8)
+    cfg = DynPipeConfig.from_arguments(predictor=mine)
+    assert cfg.predictor is mine
+    try:
+        DynPipeConfig.from_arguments(predictor="oracle")
+    except ConfigurationError as exc:
+        assert "one of ['measured', 'forest']" in str(exc) and "'oracle'" in str(exc)
+    else:
+        raise AssertionError("an unknown predictor name was accepted")
+    wiring = AdaptationWiring(
+        cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
+    )
+    from lightning_dynpipe.monitor.callback import StageMonitor
+
+    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    cost = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
+    wiring.attach(trainer, model_cost=cost, comm=CommModel(), num_stages=2, replicas=1)  # type: ignore[arg-type]
+    assert wiring.controller is not None and wiring.controller.predictor is mine
