@@ -198,6 +198,14 @@ class ProcessSampler:
             gpu_other_mem_bytes=self._gpu_other_mem,
         )
 
+    def refresh(self) -> None:
+        """Re-reads the cgroup CPU limit now and restarts the steal and other-load spans (e.g. after the caller
+        changed the interference on this process); the next :meth:`sample` reports the new limit."""
+        now, cpu = time.perf_counter(), time.process_time()
+        self._cpu_limit = cpu_limit_cores()
+        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), cpu
+        self._steal_at, self._steal_ref = now, self._steal_counters()
+
     def close(self) -> None:
         """Releases the open ``/proc`` descriptors (NVML stays initialised: it is process-wide and refcounted)."""
         self._statm.close()

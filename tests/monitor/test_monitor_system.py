@@ -264,3 +264,12 @@ def test_run_queue_wait_context_switches_and_other_load_are_plausible() -> None:
     assert 0.0 <= r.run_queue_wait_share <= 1.0 and r.ctx_switches_per_s >= 0.0
     if os.path.exists("/proc/self/schedstat") and hasattr(os, "sched_getaffinity"):
         assert r.other_cpu_load is not None and 0.0 <= r.other_cpu_load <= len(os.sched_getaffinity(0)) + 0.5
+
+
+def test_refresh_rereads_the_cpu_limit_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = iter([None, 0.25])
+    monkeypatch.setattr(system_mod, "cpu_limit_cores", lambda: next(limits))
+    sampler = ProcessSampler(steal_interval_s=60.0)
+    assert sampler.sample().cpu_limit is None
+    sampler.refresh()
+    assert sampler.sample().cpu_limit == 0.25  # not 60 s later
