@@ -8,7 +8,8 @@ Two kinds of rows, each a fixed vector of floats whose columns the :class:`Featu
   processes' memory where NVML reports them), what the stage held when measured (its profiled compute, its
   measured slowdown, how busy it was), and the candidate's layer set for stage ``k`` from the set-up profile
   (:class:`~lightning_dynpipe.plan.costs.ModelCost`: compute, parameter, activation and working-set bytes,
-  layer count, micro-batches per step);
+  layer count, micro-batches per step), with the pace the candidate's other stages set (the slowest one's prior)
+  and, under a CPU limit, the stage's CPU need at that pace over its limit;
 * a **boundary row** for boundary ``b`` of a candidate: the message time measured across boundary ``b``, its
   spread (jitter), the bytes that crossed it, the bytes the candidate sends across it, and the link model.
 
@@ -21,7 +22,9 @@ The forest predicts the **residual** over an analytic prior, as a log ratio:
   bytes))`` with ``link(x) = latency + x / bandwidth``: the measured extra latency (delay, jitter, contention)
   carries over and the bandwidth term follows the bytes.
 
-So a forest that knows nothing predicts the prior, and the trees never have to learn the obvious. Columns
+Under a CPU limit the measured forward+backward time understates what the stage needs (the throttling can land in
+its waits instead), so a stage's time is taken as :func:`effective_compute_s`: at least its CPU time per step over
+its limit. So a forest that knows nothing predicts the prior, and the trees never have to learn the obvious. Columns
 that a machine does not report (no NVML, no ``/proc``) hold :data:`MISSING`.
 
 Pure numpy.
@@ -39,7 +42,7 @@ import numpy.typing as npt
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor.base import PipelineWindow
+from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.measured import measured_slowdowns
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "STAGE_FEATURES",
     "BOUNDARY_FEATURES",
     "LabelledSamples",
+    "effective_compute_s",
     "stage_rows",
     "stage_priors",
     "prior_slowdowns",
@@ -93,6 +97,8 @@ STAGE_FEATURES: tuple[str, ...] = (
     "work_ratio",
     "candidate_duty",
     "quota_demand",
+    "pace_ms",
+    "quota_pressure",
 )
 """Columns of a stage row (see the module docstring)."""
 
@@ -163,6 +169,20 @@ def _opt(value: float | None, scale: float = 1.0) -> float:
     return MISSING if value is None or math.isnan(value) else float(value) * scale
 
 
+def effective_compute_s(t: StageTimes) -> float:
+    """A stage's compute per step as the pipeline feels it: its forward+backward time, and under a CPU limit of
+    ``q`` cores at least its CPU time per step over ``q`` (the quota allows no faster step).
+
+    Example::
+
+        >>> effective_compute_s(StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2, cpu_limit=0.25))
+        0.064
+    """
+    if t.cpu_limit is not None and 0 < t.cpu_limit < 1 and t.step_s > 0:
+        return max(t.compute_s, t.cpu_share * t.step_s / t.cpu_limit)
+    return t.compute_s
+
+
 def _profile_s(model_cost: ModelCost, partition: Partition, k: int) -> float:
     layers = partition.stage_layers(k)
     return model_cost.compute_s(layers.start, layers.stop)
@@ -180,7 +200,8 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
     out = []
     for k, t in enumerate(window.stages):
         profile = _profile_s(model_cost, window.partition, k)
-        raw = t.compute_s / (M * profile) if profile > 0 and t.compute_s > 0 else 1.0
+        c = effective_compute_s(t)
+        raw = c / (M * profile) if profile > 0 and c > 0 else 1.0
         floor = 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0
         out.append(max(raw, floor))
     return tuple(out)
@@ -198,10 +219,12 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
     _check_same_stages(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
+    priors = stage_priors(model_cost, window, candidate)
     rows = []
     for k, t in enumerate(window.stages):
         measured_profile = _profile_s(model_cost, window.partition, k)
-        raw = t.compute_s / (M * measured_profile) if measured_profile > 0 and t.compute_s > 0 else 1.0
+        c = effective_compute_s(t)
+        raw = c / (M * measured_profile) if measured_profile > 0 and c > 0 else 1.0
         duty = min(max(t.compute_s / t.step_s, 0.0), 1.0) if t.step_s > 0 else 0.0
         layers = candidate.stage_layers(k)
         first, stop = layers.start, layers.stop
@@ -216,6 +239,8 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
         )
         cand_duty = min(duty * ratio, 1.0)
         limit = t.cpu_limit
+        pace = max((float(priors[j]) for j in range(len(priors)) if j != k), default=0.0)
+        raw_clean = min(raw, 1.0 / limit) if limit is not None and 0 < limit < 1 else raw
         rows.append(
             [
                 t.cpu_share,
@@ -242,6 +267,8 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
                 ratio,
                 cand_duty,
                 cand_duty / limit if limit is not None and limit > 0 else 0.0,
+                pace * 1e3,
+                raw_clean * cand_profile / (limit * pace) if limit is not None and limit > 0 and pace > 0 else 0.0,
             ]
         )
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(STAGE_FEATURES))
@@ -311,7 +338,8 @@ class LabelledSamples:
 
     Attributes:
         stage_x: ``(n, len(STAGE_FEATURES))`` stage rows.
-        stage_y: ``(n,)`` stage residuals, ``log(measured compute per micro-batch / prior)``.
+        stage_y: ``(n,)`` stage residuals, ``log(measured compute per micro-batch / prior)`` (the effective
+            compute, :func:`effective_compute_s`).
         boundary_x: ``(m, len(BOUNDARY_FEATURES))`` boundary rows.
         boundary_y: ``(m,)`` boundary residuals, ``log(measured message time / prior)``.
     """
@@ -361,7 +389,7 @@ def samples_from_windows(
     cand = after.partition
     sx = stage_rows(model_cost, before, cand)
     prior = stage_priors(model_cost, before, cand)
-    measured = np.asarray([t.compute_s / after.num_microbatches for t in after.stages])
+    measured = np.asarray([effective_compute_s(t) / after.num_microbatches for t in after.stages])
     keep = (prior > _FLOOR_S) & (measured > _FLOOR_S)
     sy = np.log(np.where(keep, measured, 1.0) / np.where(keep, prior, 1.0))
     bx = boundary_rows(model_cost, comm, before, cand)

@@ -2,7 +2,8 @@
 
 The truth is deliberately not what the baseline assumes: under a CPU quota of ``q`` cores a stage's compute
 stretches by ``1 + (1/q - 1) * u**2``, ``u`` its CPU demand over what the quota gives it per step (1 at the
-bottleneck), so the stretch depends on how much work the partition gives the stage. A CPU hog of duty ``d`` on a
+bottleneck), and is never below ``work / q`` per step, so the stretch depends on how much work the partition gives
+the stage. A CPU hog of duty ``d`` on a
 stage's core stretches it by ``1 + d``; a boundary's message costs latency + bytes/bandwidth + delay (+- jitter).
 """
 
@@ -57,7 +58,8 @@ def true_compute(cost: ModelCost, partition: Partition, env: Env, M: int) -> tup
                 compute.append(need[k])
                 continue
             u = min(1.0, work[k] / (q * step))
-            compute.append(need[k] * (1.0 + (1.0 / q - 1.0) * u * u))
+            # and never faster than the quota allows: work / q per step (what effective_compute_s measures)
+            compute.append(max(need[k] * (1.0 + (1.0 / q - 1.0) * u * u), work[k] / q))
         step = 0.5 * step + 0.5 * max(compute)
     return compute, max(compute)
 
@@ -89,7 +91,7 @@ def window(cost: ModelCost, partition: Partition, env: Env, M: int, rng: np.rand
                 exposed_comm_s=0.5 * comm,
                 cpu_limit=q,
                 comm_spread_s=2 * env.jitter_s * n_in / 2,
-                cpu_share=min(work / step_k, q if q is not None else 1.0),
+                cpu_share=min(work / step_k, 1.0),
                 run_queue_wait_share=env.hog[k] * 0.5,
                 other_cpu_load=env.hog[k],
                 ctx_switches_per_s=100.0 * env.hog[k],

@@ -136,3 +136,25 @@ def test_a_candidate_of_another_pipeline_is_refused() -> None:
     window = PipelineWindow(Partition((2, 2)), (StageTimes(0.02, 0.05), StageTimes(0.02, 0.05)), 4)
     with pytest.raises(ConfigurationError, match="window.s stage and layer counts"):
         stage_rows(COST, window, Partition((1, 1, 2)))
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import lightning_dynpipe.predictor.features as features
+
+    assert doctest.testmod(features).failed == 0
+
+
+def test_under_a_cpu_limit_a_stage_needs_at_least_its_cpu_time_over_the_limit() -> None:
+    from lightning_dynpipe.predictor.features import effective_compute_s
+
+    # throttled in its waits: 12 ms of compute, but 16 ms of CPU per 80 ms step under a quarter core
+    quota = StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2, cpu_limit=0.25)
+    assert effective_compute_s(quota) == pytest.approx(0.064)
+    assert effective_compute_s(StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2)) == 0.012
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(0.024, 0.08), quota), 4)
+    rows = stage_rows(COST, window, Partition((3, 1)))
+    # the other stage's prior (3 layers of 3 ms at 1x) sets the pace the limited stage must keep
+    assert rows[1, _col("pace_ms")] == pytest.approx(9.0)
+    assert rows[1, _col("quota_pressure")] > 0 and rows[0, _col("quota_pressure")] == 0.0
