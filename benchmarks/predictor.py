@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=None, help="where --quick writes (default: a temporary folder)")
     args = p.parse_args(argv)
     if args.quick:
-        args.init_args, args.scenarios, args.partitions, args.steps = '{"width": 64}', "none,quota50,delay1", 3, 3
+        args.init_args, args.scenarios, args.partitions, args.steps = '{"width": 64}', "none,quota50,delay1", 3, 2
     out_dir = args.out_dir or (Path(tempfile.mkdtemp()) if args.quick else _ROOT / "benchmarks" / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
