@@ -7,10 +7,12 @@ for stages, one for boundaries) predict the log ratio of the measured time to th
 baseline :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` answers.
 
 **Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
-widened (or narrowed) by one constant found out of bag: for every training row, the trees that did not see it
-give its interval, and the constant is the smallest that makes ``coverage`` of those intervals hold the
-measured value (split-conformal calibration on out-of-bag predictions). ``tests/predictor/test_forest.py``
-checks the coverage on held-out rows.
+widened (or narrowed) by one constant: the smallest that makes ``coverage`` of the calibration intervals hold the
+measured value (split-conformal calibration). Two calibrations, the larger constant wins: out of bag (for every
+training row, the trees that did not see it give its interval), and by layer set (the rows split by the
+candidate's layer set into three folds; forests fitted on two folds give the intervals of the third), so that a
+partition that never ran is covered too. ``tests/predictor/test_forest.py`` checks the coverage on held-out rows,
+``benchmarks/predictor.py`` on held-out scenarios and partitions.
 
 **Determinism.** Fixed ``random_state``, one thread, and rows in the order they were observed: the same samples
 give the same forest on every rank, so every rank prices candidates the same.
@@ -76,6 +78,9 @@ FloatArray = npt.NDArray[np.float64]
 FILE_FORMAT = "dynpipe-forest/1"
 """The format tag of :meth:`ForestPredictor.save` files."""
 
+_PROFILE_COL = STAGE_FEATURES.index("candidate_profile_ms")
+_LAYERS_COL = STAGE_FEATURES.index("candidate_num_layers")
+_BYTES_COL = BOUNDARY_FEATURES.index("candidate_mib")
 _SKLEARN_HINT = "The forest predictor needs scikit-learn: pip install 'scikit-learn>=1.3'"
 _TREE_QUANTILES = (0.05, 0.95)
 
@@ -137,11 +142,42 @@ class QuantileForest:
         """Whether :meth:`fit` has run."""
         return bool(self._trees)
 
-    def fit(self, x: FloatArray, y: FloatArray) -> QuantileForest:
-        """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margin out of bag."""
+    def _score_level(self, n: int) -> float:
+        return min(1.0, math.ceil((n + 1) * self.coverage) / n)
+
+    def fit(self, x: FloatArray, y: FloatArray, groups: npt.ArrayLike | None = None) -> QuantileForest:
+        """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margin.
+
+        Args:
+            x: rows.
+            y: targets.
+            groups: optional group label per row (e.g. the candidate's layer set). With three groups or more the
+                margin must also cover rows of groups the trees never saw: the rows are split by group into three
+                folds, forests fitted on two folds are scored on the third, and the margin is the larger of that
+                and the out-of-bag one.
+        """
         t0 = time.perf_counter()
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.asarray(y, dtype=np.float64)
+        trees, importances, margin = self._fit_trees(x, y, calibrate=True)
+        if groups is not None:
+            labels = np.unique(np.asarray(groups), return_inverse=True)[1]
+            if labels.max(initial=0) >= 2:
+                fold = labels % 3
+                scores = []
+                for f in range(3):
+                    out = fold == f
+                    held, _, _ = self._fit_trees(x[~out], y[~out], calibrate=False)
+                    lo, hi = np.quantile(np.stack([t.predict(x[out])[:, 0] for t in held]), _TREE_QUANTILES, axis=0)
+                    scores.append(np.maximum(lo - y[out], y[out] - hi))
+                pooled = np.concatenate(scores)
+                margin = max(margin, float(np.quantile(pooled, self._score_level(len(pooled)), method="higher")))
+        self._trees, self.margin, self.importances = trees, margin, importances
+        self.fit_s = time.perf_counter() - t0
+        return self
+
+    def _fit_trees(self, x: Any, y: FloatArray, *, calibrate: bool) -> tuple[list[Any], FloatArray, float]:
+        """The trees, their feature importances and (with ``calibrate``) the out-of-bag margin."""
         forest = _sklearn_forest()(
             n_estimators=self.n_estimators,
             min_samples_leaf=self.min_samples_leaf,
@@ -150,6 +186,9 @@ class QuantileForest:
             n_jobs=1,
         ).fit(x, y)
         trees = [est.tree_ for est in forest.estimators_]
+        importances = np.asarray(forest.feature_importances_, dtype=np.float64)
+        if not calibrate:
+            return trees, importances, 0.0
         per_tree = np.stack([t.predict(x)[:, 0] for t in trees])  # (T, n)
         in_bag = np.zeros_like(per_tree, dtype=bool)
         for t, rows in enumerate(forest.estimators_samples_):
@@ -160,13 +199,8 @@ class QuantileForest:
         if seen.sum() >= 5:
             lo, hi = np.nanquantile(oob[:, seen], _TREE_QUANTILES, axis=0)
             scores = np.maximum(lo - y[seen], y[seen] - hi)
-            n = len(scores)
-            level = min(1.0, math.ceil((n + 1) * self.coverage) / n)
-            margin = float(np.quantile(scores, level, method="higher"))
-        self._trees, self.margin = trees, margin
-        self.importances = np.asarray(forest.feature_importances_, dtype=np.float64)
-        self.fit_s = time.perf_counter() - t0
-        return self
+            margin = float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
+        return trees, importances, margin
 
     def predict(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
         """``(value, low, high)`` per row; ``low <= value <= high``."""
@@ -258,12 +292,15 @@ class ForestPredictor:
         )
 
     def _fit_pair(self, samples: LabelledSamples) -> tuple[QuantileForest | None, QuantileForest | None]:
-        stage = self._forest().fit(samples.stage_x, samples.stage_y) if len(samples) >= self.min_samples else None
-        boundary = (
-            self._forest().fit(samples.boundary_x, samples.boundary_y)
-            if len(samples.boundary_y) >= self.min_samples
-            else None
-        )
+        stage = boundary = None
+        if len(samples) >= self.min_samples:
+            layer_set = samples.stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6)
+            groups = [hash(tuple(r)) for r in layer_set.tolist()]
+            stage = self._forest().fit(samples.stage_x, samples.stage_y, groups=groups)
+        if len(samples.boundary_y) >= self.min_samples:
+            boundary = self._forest().fit(
+                samples.boundary_x, samples.boundary_y, groups=samples.boundary_x[:, _BYTES_COL].round(6)
+            )
         return stage, boundary
 
     def fit(self, samples: LabelledSamples) -> ForestPredictor:

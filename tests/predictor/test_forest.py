@@ -174,7 +174,7 @@ def test_a_file_of_another_schema_or_format_or_with_pickled_data_is_refused(
 
 
 def test_online_refits_switch_at_the_same_window_on_every_rank() -> None:
-    ranks = [ForestPredictor(min_samples=6, refit_every=3, adopt_after=2, buffer_size=40) for _ in range(2)]
+    ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=2, buffer_size=40) for _ in range(2)]
     rng = np.random.default_rng(7)
     env = sim.Env(quota=(None, 0.4))
     sequence = [PARTS[4]] * 4 + [PARTS[6]] * 4 + [PARTS[5]] * 6  # two migrations: outcomes are samples too
