@@ -394,14 +394,19 @@ class StageReport:
 
     It travels as a fixed-length vector of floats (:meth:`to_vector` / :meth:`from_vector`), so the gather
     is one plain all-gather of :data:`REPORT_LENGTH` numbers per rank: no pickling, no size exchange.
+
+    ``token`` is a number the process publishes with its report for the listeners to agree on (the adaptive loop:
+    the newest background refit of its predictor that is finished on this rank); every rank sees every token, so
+    :attr:`PipelineSnapshot.agreed_token` (their minimum) is the same everywhere.
     """
 
     dp_rank: int
     stage_idx: int
     summary: StageSummary
+    token: float = 0.0
 
     def to_vector(self) -> list[float]:
-        """``[dp_rank, stage_idx, count, <summary fields>]``; None travels as NaN."""
+        """``[dp_rank, stage_idx, count, <summary fields>, token]``; None travels as NaN."""
         s = self.summary
         values = [getattr(s, name) for name in _SUMMARY_FIELDS]
         return [
@@ -409,6 +414,7 @@ class StageReport:
             float(self.stage_idx),
             float(s.count),
             *(math.nan if v is None else float(v) for v in values),
+            float(self.token),
         ]
 
     @classmethod
@@ -420,14 +426,14 @@ class StageReport:
                 "same version of lightning_dynpipe."
             )
         values: dict[str, float | None] = {}
-        for name, v in zip(_SUMMARY_FIELDS, vector[3:]):
+        for name, v in zip(_SUMMARY_FIELDS, vector[3:-1]):
             values[name] = None if name in _OPTIONAL_FIELDS and math.isnan(v) else float(v)
         summary = StageSummary(count=int(vector[2]), **values)  # type: ignore[arg-type]
-        return cls(dp_rank=int(vector[0]), stage_idx=int(vector[1]), summary=summary)
+        return cls(dp_rank=int(vector[0]), stage_idx=int(vector[1]), summary=summary, token=float(vector[-1]))
 
 
 _SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSummary) if f.name != "count")
-REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS)
+REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS) + 1
 """Entries of :meth:`StageReport.to_vector`."""
 
 
@@ -538,6 +544,11 @@ class PipelineSnapshot:
     def num_stages(self) -> int:
         """``S``."""
         return len(self.stages)
+
+    @property
+    def agreed_token(self) -> float:
+        """The smallest :attr:`StageReport.token` of all processes (the same on every rank)."""
+        return min(r.token for r in self.replicas)
 
     @property
     def dp_size(self) -> int:

@@ -20,12 +20,17 @@ give the same forest on every rank, so every rank prices candidates the same.
 **Online refits.** :meth:`ForestPredictor.observe` turns each window into labelled samples (its environment
 paired with the next window's times, under the same partition or, after a migration, under the new one) in a
 bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits in a background thread
-(lowered CPU priority; scikit-learn's tree builder releases the GIL), and it switches to the new forest exactly
-``adopt_after`` observations after the refit started. The observations are the monitor's snapshots, identical
-and in the same order on every rank, so every rank switches at the same check, to a forest fitted from the same
-rows with the same seed: the same answer everywhere, with no collective. At the switch the thread is joined;
-it has had ``adopt_after`` monitor windows (seconds) for a fit that takes tens of milliseconds, so the join
-returns at once in practice (if it ever has to wait, that is logged).
+(lowered CPU priority; scikit-learn's tree builder releases the GIL). The observations are the monitor's
+snapshots, identical and in the same order on every rank, so every rank starts refit number ``n`` at the same
+check, from the same rows, with the same seed, and fits the same forest. The ranks then switch to it at the same
+check without waiting for it:
+
+* in a fit, each rank publishes :meth:`ForestPredictor.ready_refit` (the newest refit finished on this rank) with
+  its monitor report (``StageReport.token``, part of the all-gather the monitor does anyway); every rank sees
+  every rank's number, and all switch at the first snapshot whose smallest number reaches ``n``
+  (``observe(..., agreed_refit=snapshot.agreed_token)``). A slow refit delays the switch; it never stalls a step;
+* used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, joining the
+  thread there if it is still running (logged).
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -219,7 +224,9 @@ class _Refit:
     thread: threading.Thread
     adopt_at: int
     started: int
+    number: int
     result: tuple[QuantileForest | None, QuantileForest | None] | None = None
+    done: bool = False
 
 
 class ForestPredictor:
@@ -279,6 +286,7 @@ class ForestPredictor:
         self._observed = 0
         self._since_refit = 0
         self._refit: _Refit | None = None
+        self._refits_started = 0
         self.refits = 0
         """Refits adopted so far."""
 
@@ -323,31 +331,56 @@ class ForestPredictor:
         """Whether the stage forest is trained (until then the prior is the answer)."""
         return self._stage is not None
 
-    def observe(self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow) -> None:
+    def observe(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, agreed_refit: int | None = None
+    ) -> None:
         """Records one monitor window (call it once per check, before :meth:`predict`, with the same window on
-        every rank); see the module docstring for when refits start and are adopted."""
+        every rank); see the module docstring for when refits start and are adopted.
+
+        Args:
+            model_cost: the set-up profile.
+            comm: the link model.
+            window: the check's window.
+            agreed_refit: the smallest :meth:`ready_refit` of all ranks (from the monitor's snapshot); ``None``:
+                switch ``adopt_after`` observations after a refit started.
+        """
         self._observed += 1
         pending = self._refit
-        if pending is not None and self._observed >= pending.adopt_at:
-            if pending.thread.is_alive():
-                t0 = time.perf_counter()
-                pending.thread.join()
-                log.warning(
-                    "DynPipe forest: the refit started at window %d was not done %d windows later; waited %.3f s "
-                    "for it (use a larger adopt_after or a smaller forest).",
-                    pending.started,
-                    self.adopt_after,
-                    time.perf_counter() - t0,
-                )
-            if pending.result is not None:
-                self._stage, self._boundary = pending.result
-                self.refits += 1
-            self._refit = None
+        if pending is not None:
+            if agreed_refit is not None:
+                if agreed_refit >= pending.number:  # finished on every rank: no wait
+                    self._adopt(pending)
+            elif self._observed >= pending.adopt_at:
+                if pending.thread.is_alive():
+                    t0 = time.perf_counter()
+                    pending.thread.join()
+                    log.warning(
+                        "DynPipe forest: the refit started at window %d was not done %d windows later; waited "
+                        "%.3f s for it (use a larger adopt_after or a smaller forest).",
+                        pending.started,
+                        self.adopt_after,
+                        time.perf_counter() - t0,
+                    )
+                self._adopt(pending)
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
             self._add(samples_from_windows(model_cost, comm, previous, window))
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
             self._start_refit()
+
+    def _adopt(self, pending: _Refit) -> None:
+        pending.thread.join()  # finished: returns at once
+        if pending.result is not None:
+            self._stage, self._boundary = pending.result
+            self.refits += 1
+        self._refit = None
+
+    def ready_refit(self) -> int:
+        """The number of the newest refit finished on this rank (refits are numbered 1, 2, ... as they start)."""
+        pending = self._refit
+        if pending is None:
+            return self._refits_started
+        return pending.number if pending.done else pending.number - 1
 
     def _add(self, samples: LabelledSamples) -> None:
         if not len(samples) and not len(samples.boundary_y):
@@ -361,17 +394,25 @@ class ForestPredictor:
     def _start_refit(self) -> None:
         rows = self.samples  # a copy: later windows do not change what this refit sees
         self._since_refit = 0
-        refit = _Refit(threading.Thread(), adopt_at=self._observed + self.adopt_after, started=self._observed)
+        self._refits_started += 1
+        refit = _Refit(
+            threading.Thread(),
+            adopt_at=self._observed + self.adopt_after,
+            started=self._observed,
+            number=self._refits_started,
+        )
 
         def run() -> None:
             try:  # a background fit must not take the core from the pipeline
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
             except (AttributeError, OSError):
                 pass
             try:
                 refit.result = self._fit_pair(rows)
             except Exception:  # keep the current forest; the next refit tries again
                 log.exception("DynPipe forest: a background refit failed; the current forest stays in use.")
+            finally:
+                refit.done = True
 
         refit.thread = threading.Thread(target=run, name="dynpipe-forest-refit", daemon=True)
         self._refit = refit

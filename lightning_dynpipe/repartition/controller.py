@@ -189,6 +189,7 @@ class AdaptiveController:
         partition: Partition,
         remaining_steps: int | None,
         past_pauses_s: Sequence[float] = (),
+        agreed_refit: int | None = None,
     ) -> Decision | None:
         """One check with the window's per-stage medians; ``None`` when it cannot decide (wrong stage count).
 
@@ -198,6 +199,8 @@ class AdaptiveController:
             partition: the partition in use.
             remaining_steps: steps left in the run (``None`` if unknown).
             past_pauses_s: the measured pauses of earlier migrations (the next one is priced at their mean).
+            agreed_refit: for a predictor that refits in the background, the newest refit finished on every rank
+                (from the monitor's snapshot); passed to its ``observe``.
         """
         if len(times) != partition.num_stages:
             return None
@@ -205,7 +208,10 @@ class AdaptiveController:
         window = PipelineWindow(Partition(partition.balance), tuple(times), M)
         observe = getattr(self.predictor, "observe", None)
         if callable(observe):  # the window is a sample (after a migration: the move's measured outcome)
-            observe(cost, self.comm, window)
+            if agreed_refit is None:
+                observe(cost, self.comm, window)
+            else:
+                observe(cost, self.comm, window, agreed_refit=agreed_refit)
         self._record_outcome(step, window)
         comm = CommModel(
             latency_s=self.comm.latency_s, bandwidth_Bps=self.comm.bandwidth_Bps, overlap=window.comm_overlap

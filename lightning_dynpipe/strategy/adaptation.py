@@ -87,6 +87,9 @@ class AdaptationWiring:
                 predictor=self.config.predictor,
             )
             monitor.add_listener(self.on_snapshot)
+            ready = getattr(self.config.predictor, "ready_refit", None)
+            if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
+                monitor.report_token = ready
 
     def on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
         """Runs on every rank with the same snapshot, so every rank takes the same decision."""
@@ -99,7 +102,10 @@ class AdaptationWiring:
         times = [StageTimes.from_summary(st) for st in snapshot.stages]
         step = trainer.global_step
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
-        decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
+        agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
+        decision = self.controller.check(
+            step, times, partition, remaining, past_pauses_s=self._past_pauses(), agreed_refit=agreed
+        )
         if decision is not None and decision.repartition:
             try:  # a partition the run cannot train exactly (a shared parameter split under async) is not taken
                 self._repartition(decision.partition)
@@ -113,6 +119,7 @@ class AdaptationWiring:
         """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""
         if self.monitor is not None and self.controller is not None:
             self.monitor.remove_listener(self.on_snapshot)
+            self.monitor.report_token = None
         close = getattr(self.config.predictor, "close", None)
         if callable(close):  # a background refit of a learning predictor ends with the fit
             close()

@@ -11,6 +11,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -174,7 +175,9 @@ def test_a_file_of_another_schema_or_format_or_with_pickled_data_is_refused(
 
 
 def test_online_refits_switch_at_the_same_window_on_every_rank() -> None:
-    ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=2, buffer_size=40) for _ in range(2)]
+    ranks = [
+        ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=2, buffer_size=40) for _ in range(2)
+    ]
     rng = np.random.default_rng(7)
     env = sim.Env(quota=(None, 0.4))
     sequence = [PARTS[4]] * 4 + [PARTS[6]] * 4 + [PARTS[5]] * 6  # two migrations: outcomes are samples too
@@ -203,3 +206,33 @@ def test_constructor_arguments_are_checked() -> None:
         ForestPredictor(adopt_after=0)
     with pytest.raises(ConfigurationError, match="0 < coverage < 1"):
         ForestPredictor(coverage=1.5)
+
+
+def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_but_never_blocks() -> None:
+    ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40) for _ in range(2)]
+    slow_fit = ranks[1]._fit_pair
+
+    def slow(rows: LabelledSamples) -> Any:
+        time.sleep(0.3)  # this rank's core is busy: its refit takes longer
+        return slow_fit(rows)
+
+    ranks[1]._fit_pair = slow  # type: ignore[method-assign]
+    rng = np.random.default_rng(8)
+    env = sim.Env(quota=(0.5, None))
+    longest, history = 0.0, []
+    for p in [PARTS[3]] * 6 + [PARTS[5]] * 10:
+        window = sim.window(COST, p, env, M, rng)
+        agreed = min(f.ready_refit() for f in ranks)  # what the monitor's all-gather of the tokens gives everyone
+        for f in ranks:
+            t0 = time.perf_counter()
+            f.observe(COST, sim.LINK, window, agreed_refit=agreed)
+            longest = max(longest, time.perf_counter() - t0)
+        history.append((ranks[0].refits, ranks[1].refits))
+        assert ranks[0].predict_many(COST, sim.LINK, window, PARTS) == ranks[1].predict_many(
+            COST, sim.LINK, window, PARTS
+        )
+        time.sleep(0.05)  # a monitor window
+    assert all(a == b for a, b in history) and history[-1][0] >= 1, history
+    assert longest < 0.25, f"an observe waited {longest:.3f} s for a refit"
+    for f in ranks:
+        f.close()

@@ -92,3 +92,35 @@ def test_the_predictor_argument_takes_a_name_or_an_object_and_reaches_the_contro
     cost = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
     wiring.attach(trainer, model_cost=cost, comm=CommModel(), num_stages=2, replicas=1)  # type: ignore[arg-type]
     assert wiring.controller is not None and wiring.controller.predictor is mine
+
+
+def test_the_ranks_agreed_refit_reaches_the_controller_and_the_token_is_published() -> None:
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.predictor import ForestPredictor
+
+    forest = ForestPredictor(n_estimators=8)
+    cfg = DynPipeConfig.from_arguments(predictor=forest)
+    wiring = AdaptationWiring(
+        cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
+    )
+    monitor = StageMonitor(every_n_steps=10)
+    trainer = SimpleNamespace(callbacks=[monitor], global_step=40, estimated_stepping_batches=100)
+    wiring.attach(
+        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+    )  # type: ignore[arg-type]
+    assert monitor.report_token is not None and monitor.report_token() == 0.0  # nothing refitted yet
+    seen: list[Any] = []
+
+    class Recording(_Controller):
+        def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("agreed_refit"))
+            return SimpleNamespace(repartition=False, partition=Partition((2, 2)))
+
+    wiring.controller = Recording()  # type: ignore[assignment]
+    snapshot = _snapshot(MIN_SAMPLES)
+    snapshot.agreed_token = 3.0
+    wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    assert seen == [3]
+    wiring.detach(trainer)  # type: ignore[arg-type]
+    assert monitor.report_token is None
