@@ -267,7 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         + format_table(headers, rows, markdown=True)
         + "\n\n"
         + "\n".join(f"- {v}" for v in verdict)
-        + "\n"
+        + "\n\n## How to reproduce\n\n"
+        + f"From the repository root: `{command_line()}`"
+        + (f" (the sweep's windows: `{runs_path}`)" if args.from_json else "; it runs the calibration sweep first")
+        + ". To re-analyse without measuring: `.venv/bin/python benchmarks/predictor.py --from-json "
+        + f"{runs_path}` (raw record: `{out_dir / f'predictor-{stamp}.json'}`). No plot: the script writes tables "
+        + "only.\n"
     )
     print(f"\nreport written to {report}")
     return 0
