@@ -42,7 +42,17 @@ ALLOWED: dict[str, set[str]] = {
         "repartition",
         "interference",
     },
-    "cli": {"errors", "plan", "schedule", "profiling", "strategy", "__init__"},
+    "cli": {
+        "errors",
+        "plan",
+        "schedule",
+        "profiling",
+        "strategy",
+        "predictor",
+        "interference",
+        "monitor",
+        "__init__",
+    },
     "__init__": {"errors", "plan", "strategy"},
     "__main__": {"cli"},
 }

@@ -139,6 +139,8 @@ class StageMonitor(Callback):
         self._pending: _PendingGather | None = None
         self._group: Any = None  # None: WORLD
         self._own_group = False
+        self.report_token: Callable[[], float] | None = None
+        """Called when this rank's report is made; its value travels with the report (``StageReport.token``)."""
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn: SnapshotListener) -> None:
@@ -251,8 +253,9 @@ class StageMonitor(Callback):
     def _start(self, trainer: Trainer, strategy: Any) -> None:
         """Starts gathering every rank's report of its window (one all-gather of a few dozen floats)."""
         assert self._acc is not None
+        token = float(self.report_token()) if self.report_token is not None else 0.0
         mine = StageReport(
-            dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx), summary=self._acc.summary()
+            dp_rank=int(strategy.dp_rank), stage_idx=int(strategy.stage_idx), summary=self._acc.summary(), token=token
         )
         vector = torch.tensor(mine.to_vector(), dtype=torch.float64)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():

@@ -95,6 +95,14 @@ class SystemReading:
             the stage is not on a CUDA device).
         gpu_util: GPU utilisation from NVML, 0..1 (None without CUDA or without ``pynvml``).
         gpu_mem_used_bytes: device memory in use from NVML, all processes (None likewise).
+        run_queue_wait_share: share of the window the stage's main thread was runnable but waiting for a core
+            (``/proc/self/schedstat``; 0 where not reported).
+        ctx_switches_per_s: involuntary context switches (preemptions) of this process per second.
+        other_cpu_load: cores' worth of CPU time that other processes used on the cores this process may run
+            on (``/proc/stat`` per core, minus this process's own time; None where not reported).
+        gpu_sm_clock_mhz: the SM clock from NVML (None without CUDA or ``pynvml``).
+        gpu_throttled: 1 when NVML reports a clock throttle reason other than idle, else 0 (None likewise).
+        gpu_other_mem_bytes: device memory used by other processes, from NVML's process list (None likewise).
     """
 
     wall_s: float = 0.0
@@ -107,6 +115,12 @@ class SystemReading:
     gpu_util: float | None = None
     gpu_mem_used_bytes: int | None = None
     cpu_limit: float | None = None
+    run_queue_wait_share: float = 0.0
+    ctx_switches_per_s: float = 0.0
+    other_cpu_load: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    gpu_throttled: float | None = None
+    gpu_other_mem_bytes: int | None = None
 
 
 def idle_time(step_s: float, compute_s: float, recv_wait_s: float, send_s: float) -> float:
@@ -150,6 +164,12 @@ class StageSample:
     gpu_util: float | None = None
     gpu_mem_used_bytes: int | None = None
     cpu_limit: float | None = None
+    run_queue_wait_share: float = 0.0
+    ctx_switches_per_s: float = 0.0
+    other_cpu_load: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    gpu_throttled: float | None = None
+    gpu_other_mem_bytes: int | None = None
 
     @classmethod
     def from_step(cls, step: StepTimes, system: SystemReading | None = None) -> StageSample:
@@ -179,6 +199,12 @@ class StageSample:
             gpu_util=sys_.gpu_util,
             gpu_mem_used_bytes=sys_.gpu_mem_used_bytes,
             cpu_limit=sys_.cpu_limit,
+            run_queue_wait_share=sys_.run_queue_wait_share,
+            ctx_switches_per_s=sys_.ctx_switches_per_s,
+            other_cpu_load=sys_.other_cpu_load,
+            gpu_sm_clock_mhz=sys_.gpu_sm_clock_mhz,
+            gpu_throttled=sys_.gpu_throttled,
+            gpu_other_mem_bytes=sys_.gpu_other_mem_bytes,
         )
 
     @property
@@ -193,8 +219,29 @@ class StageSample:
 
 
 _SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSample))
+
+
+def _spread(values: Sequence[float]) -> float:
+    """90th minus 10th percentile (nearest rank) of ``values``; 0 for fewer than two."""
+    if len(values) < 2:
+        return 0.0
+    ordered = sorted(values)
+    last = len(ordered) - 1
+    return float(ordered[round(0.9 * last)] - ordered[round(0.1 * last)])
+
+
 _OPTIONAL_FIELDS = frozenset(
-    {"cuda_allocated_bytes", "cuda_reserved_bytes", "gpu_util", "gpu_mem_used_bytes", "cpu_limit"}
+    {
+        "cuda_allocated_bytes",
+        "cuda_reserved_bytes",
+        "gpu_util",
+        "gpu_mem_used_bytes",
+        "cpu_limit",
+        "other_cpu_load",
+        "gpu_sm_clock_mhz",
+        "gpu_throttled",
+        "gpu_other_mem_bytes",
+    }
 )
 _SMALLEST_WINS = frozenset({"cpu_limit"})  # across replicas, the tightest limit sets the stage's pace
 
@@ -208,7 +255,9 @@ class StageSummary:
     A summary of no samples (``count == 0``) holds NaN times.
 
     ``compute_s`` (forward + backward + optimizer) and ``busy_s`` (compute + send) are the medians of the
-    per-step sums, so they compare with ``step_s`` step by step (a sum of medians need not).
+    per-step sums, so they compare with ``step_s`` step by step (a sum of medians need not). ``comm_spread_s``
+    is the spread of the per-step transfer time (90th minus 10th percentile): the link's jitter as the stage
+    saw it.
     """
 
     count: int
@@ -236,6 +285,13 @@ class StageSummary:
     gpu_util: float | None = None
     gpu_mem_used_bytes: float | None = None
     cpu_limit: float | None = None
+    run_queue_wait_share: float = 0.0
+    ctx_switches_per_s: float = 0.0
+    other_cpu_load: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    gpu_throttled: float | None = None
+    gpu_other_mem_bytes: float | None = None
+    comm_spread_s: float = 0.0
 
     @classmethod
     def of(cls, samples: Iterable[StageSample]) -> StageSummary:
@@ -250,6 +306,7 @@ class StageSummary:
                 values[name] = float(statistics.median([getattr(s, name) for s in items])) if items else math.nan
         for name, per_step in (("compute_s", [s.compute_s for s in items]), ("busy_s", [s.busy_s for s in items])):
             values[name] = float(statistics.median(per_step)) if items else math.nan
+        values["comm_spread_s"] = _spread([s.comm_s for s in items]) if items else math.nan
         return cls(count=len(items), **values)  # type: ignore[arg-type]
 
     @classmethod
@@ -265,7 +322,7 @@ class StageSummary:
         if len(summaries) == 1:
             return summaries[0]
         values: dict[str, float | None] = {}
-        for name in (*_SAMPLE_FIELDS, "compute_s", "busy_s"):
+        for name in (*_SAMPLE_FIELDS, "compute_s", "busy_s", "comm_spread_s"):
             got = [getattr(s, name) for s in summaries]
             present = [v for v in got if v is not None and not math.isnan(v)]
             if present:
@@ -337,14 +394,19 @@ class StageReport:
 
     It travels as a fixed-length vector of floats (:meth:`to_vector` / :meth:`from_vector`), so the gather
     is one plain all-gather of :data:`REPORT_LENGTH` numbers per rank: no pickling, no size exchange.
+
+    ``token`` is a number the process publishes with its report for the listeners to agree on (the adaptive loop:
+    the newest background refit of its predictor that is finished on this rank); every rank sees every token, so
+    :attr:`PipelineSnapshot.agreed_token` (their minimum) is the same everywhere.
     """
 
     dp_rank: int
     stage_idx: int
     summary: StageSummary
+    token: float = 0.0
 
     def to_vector(self) -> list[float]:
-        """``[dp_rank, stage_idx, count, <summary fields>]``; None travels as NaN."""
+        """``[dp_rank, stage_idx, count, <summary fields>, token]``; None travels as NaN."""
         s = self.summary
         values = [getattr(s, name) for name in _SUMMARY_FIELDS]
         return [
@@ -352,6 +414,7 @@ class StageReport:
             float(self.stage_idx),
             float(s.count),
             *(math.nan if v is None else float(v) for v in values),
+            float(self.token),
         ]
 
     @classmethod
@@ -363,14 +426,14 @@ class StageReport:
                 "same version of lightning_dynpipe."
             )
         values: dict[str, float | None] = {}
-        for name, v in zip(_SUMMARY_FIELDS, vector[3:]):
+        for name, v in zip(_SUMMARY_FIELDS, vector[3:-1]):
             values[name] = None if name in _OPTIONAL_FIELDS and math.isnan(v) else float(v)
         summary = StageSummary(count=int(vector[2]), **values)  # type: ignore[arg-type]
-        return cls(dp_rank=int(vector[0]), stage_idx=int(vector[1]), summary=summary)
+        return cls(dp_rank=int(vector[0]), stage_idx=int(vector[1]), summary=summary, token=float(vector[-1]))
 
 
 _SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StageSummary) if f.name != "count")
-REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS)
+REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS) + 1
 """Entries of :meth:`StageReport.to_vector`."""
 
 
@@ -398,6 +461,13 @@ _METRICS: tuple[tuple[str, str, float], ...] = (
     ("cuda_reserved_mb", "cuda_reserved_bytes", 1.0 / _MIB),
     ("gpu_util", "gpu_util", 1.0),
     ("gpu_mem_used_mb", "gpu_mem_used_bytes", 1.0 / _MIB),
+    ("run_queue_wait_share", "run_queue_wait_share", 1.0),
+    ("ctx_switches_per_s", "ctx_switches_per_s", 1.0),
+    ("other_cpu_load", "other_cpu_load", 1.0),
+    ("gpu_sm_clock_mhz", "gpu_sm_clock_mhz", 1.0),
+    ("gpu_throttled", "gpu_throttled", 1.0),
+    ("gpu_other_mem_mb", "gpu_other_mem_bytes", 1.0 / _MIB),
+    ("comm_spread_ms", "comm_spread_s", 1e3),
     ("samples", "count", 1.0),
 )
 
@@ -474,6 +544,11 @@ class PipelineSnapshot:
     def num_stages(self) -> int:
         """``S``."""
         return len(self.stages)
+
+    @property
+    def agreed_token(self) -> float:
+        """The smallest :attr:`StageReport.token` of all processes (the same on every rank)."""
+        return min(r.token for r in self.replicas)
 
     @property
     def dp_size(self) -> int:

@@ -8,17 +8,22 @@ paths. On Linux it reads
   step of a few ms, and costs ~15 us),
 * RSS from ``/proc/self/statm`` through a file descriptor kept open (~2 us),
 * steal from ``/proc/stat``, at most every ``steal_interval_s`` (the counters tick at 100 Hz for the whole
-  machine, so a per-step share would be mostly 0 or a whole tick),
+  machine, so a per-step share would be mostly 0 or a whole tick), and from the same read the CPU time other
+  processes used on the cores this process may run on,
+* the main thread's run-queue wait from ``/proc/self/schedstat`` (~2 us) and the involuntary context switches
+  from :func:`resource.getrusage` (~1 us),
 
 and falls back to :mod:`psutil` where ``/proc`` is missing. On a CUDA device it adds the caching allocator's
 current numbers (every sample) and NVML's utilisation and memory (through ``pynvml``, imported lazily, at
-most every ``nvml_interval_s``: NVML itself averages utilisation over a sampling period of 1/6 s to 1 s).
+most every ``nvml_interval_s``: NVML itself averages utilisation over a sampling period of 1/6 s to 1 s), with
+the SM clock, whether the clocks are throttled, and the device memory other processes hold.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 import warnings
 from typing import Any
@@ -125,6 +130,7 @@ class ProcessSampler:
         self.nvml_interval_s = nvml_interval_s
         self._statm = _ProcFile("/proc/self/statm")
         self._stat = _ProcFile("/proc/stat")
+        self._schedstat = _ProcFile("/proc/self/schedstat")
         self._psutil_proc: psutil.Process | None = None
         self._is_cuda = self.device.type == "cuda"
         self._want_nvml = nvml and self._is_cuda
@@ -134,6 +140,13 @@ class ProcessSampler:
         self._nvml_at = -float("inf")
         self._gpu_util: float | None = None
         self._gpu_mem: int | None = None
+        self._gpu_clock: float | None = None
+        self._gpu_throttled: float | None = None
+        self._gpu_other_mem: int | None = None
+        self._cores = self._allowed_cores()
+        self._other_cpu_load: float | None = None
+        self._busy_ref = self._busy_of_cores(self._stat_text())
+        self._busy_cpu_ref = time.process_time()
         self._steal_at, self._steal_ref = time.perf_counter(), self._steal_counters()
         self._steal_share = 0.0
         self._cpu_limit = cpu_limit_cores()  # re-read with the steal share (a quota can come and go)
@@ -144,6 +157,8 @@ class ProcessSampler:
         """Starts a measurement window."""
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
+        self._wait0 = self._run_queue_wait_s()
+        self._switches0 = self._involuntary_switches()
 
     def sample(self) -> SystemReading:
         """The readings over the window since the last :meth:`mark` / :meth:`sample`; starts a new window."""
@@ -151,8 +166,11 @@ class ProcessSampler:
         cpu = time.process_time()
         wall = now - self._t0
         cpu_s = cpu - self._cpu0
-        self._t0, self._cpu0 = now, cpu
+        wait, switches = self._run_queue_wait_s(), self._involuntary_switches()
+        wait_s, switched = wait - self._wait0, switches - self._switches0
+        self._t0, self._cpu0, self._wait0, self._switches0 = now, cpu, wait, switches
         if now - self._steal_at >= self.steal_interval_s:
+            self._update_other_load(now, cpu)
             self._update_steal(now)
             self._cpu_limit = cpu_limit_cores()
         allocated = reserved = None
@@ -172,12 +190,27 @@ class ProcessSampler:
             cuda_reserved_bytes=reserved,
             gpu_util=self._gpu_util,
             gpu_mem_used_bytes=self._gpu_mem,
+            run_queue_wait_share=min(1.0, max(0.0, wait_s / wall)) if wall > 0 else 0.0,
+            ctx_switches_per_s=switched / wall if wall > 0 else 0.0,
+            other_cpu_load=self._other_cpu_load,
+            gpu_sm_clock_mhz=self._gpu_clock,
+            gpu_throttled=self._gpu_throttled,
+            gpu_other_mem_bytes=self._gpu_other_mem,
         )
+
+    def refresh(self) -> None:
+        """Re-reads the cgroup CPU limit now and restarts the steal and other-load spans (e.g. after the caller
+        changed the interference on this process); the next :meth:`sample` reports the new limit."""
+        now, cpu = time.perf_counter(), time.process_time()
+        self._cpu_limit = cpu_limit_cores()
+        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), cpu
+        self._steal_at, self._steal_ref = now, self._steal_counters()
 
     def close(self) -> None:
         """Releases the open ``/proc`` descriptors (NVML stays initialised: it is process-wide and refcounted)."""
         self._statm.close()
         self._stat.close()
+        self._schedstat.close()
 
     # ------------------------------------------------------------------ CPU and memory
     def _rss(self) -> int:
@@ -190,6 +223,64 @@ class ProcessSampler:
         if self._psutil_proc is None:
             self._psutil_proc = psutil.Process()
         return int(self._psutil_proc.memory_info().rss)
+
+    def _run_queue_wait_s(self) -> float:
+        """Seconds the main thread has waited on a run queue since it started (0 where not reported)."""
+        raw = self._schedstat.read(128)
+        if raw:
+            parts = raw.split()
+            if len(parts) >= 2:
+                try:
+                    return int(parts[1]) * 1e-9
+                except ValueError:
+                    pass
+        return 0.0
+
+    @staticmethod
+    def _involuntary_switches() -> float:
+        try:
+            return float(resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw)
+        except (OSError, AttributeError):  # pragma: no cover - getrusage exists on every POSIX system
+            return 0.0
+
+    @staticmethod
+    def _allowed_cores() -> frozenset[int]:
+        try:
+            return frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # pragma: no cover - macOS has no sched_getaffinity
+            return frozenset()
+
+    def _stat_text(self) -> bytes:
+        # one line per core plus a few more; 64 KiB covers ~700 cores
+        return self._stat.read(1 << 16) or b""
+
+    def _busy_of_cores(self, text: bytes) -> float | None:
+        """Busy (non-idle, non-iowait) seconds of the cores in this process's affinity; None where unknown."""
+        if not self._cores or not text:
+            return None
+        hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        busy, found = 0.0, 0
+        for line in text.split(b"\n"):
+            if not line.startswith(b"cpu") or line.startswith(b"cpu "):
+                continue
+            fields_ = line.split()
+            try:
+                core = int(fields_[0][3:])
+            except ValueError:
+                continue
+            if core in self._cores and len(fields_) >= 9:
+                vals = [float(v) for v in fields_[1:9]]  # user nice system idle iowait irq softirq steal
+                busy += vals[0] + vals[1] + vals[2] + vals[5] + vals[6]
+                found += 1
+        return busy / hz if found else None
+
+    def _update_other_load(self, now: float, cpu: float) -> None:
+        busy = self._busy_of_cores(self._stat_text())
+        span = now - self._steal_at
+        if busy is not None and self._busy_ref is not None and span > 0:
+            own = cpu - self._busy_cpu_ref
+            self._other_cpu_load = max(0.0, (busy - self._busy_ref - own) / span)
+        self._busy_ref, self._busy_cpu_ref = busy, cpu
 
     def _steal_counters(self) -> tuple[float, float]:
         """(steal, total) CPU time of the whole machine, in any unit; (0, 0) where not reported."""
@@ -265,3 +356,35 @@ class ProcessSampler:
         except Exception as exc:  # a GPU that fell off the bus must not stop training
             log.debug("NVML query failed: %s", exc)
             self._gpu_util = self._gpu_mem = None
+            self._gpu_clock = self._gpu_throttled = self._gpu_other_mem = None
+            return
+        self._gpu_clock, self._gpu_throttled, self._gpu_other_mem = _nvml_extras(nvml, self._nvml_handle)
+
+
+_NVML_IDLE_REASON = 0x1  # nvmlClocksThrottleReasonGpuIdle: the clock is low because nothing runs, not throttling
+
+
+def _nvml_extras(nvml: Any, handle: Any) -> tuple[float | None, float | None, int | None]:
+    """SM clock (MHz), throttled (0/1) and other processes' device memory; each None where NVML lacks it."""
+    clock: float | None = None
+    throttled: float | None = None
+    other: int | None = None
+    try:
+        clock = float(nvml.nvmlDeviceGetClockInfo(handle, getattr(nvml, "NVML_CLOCK_SM", 1)))
+    except Exception:
+        pass
+    query = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+        nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+    )
+    try:
+        if query is not None:
+            throttled = 1.0 if int(query(handle)) & ~_NVML_IDLE_REASON else 0.0
+    except Exception:
+        pass
+    try:
+        me = os.getpid()
+        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        other = sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) != me)
+    except Exception:
+        pass
+    return clock, throttled, other

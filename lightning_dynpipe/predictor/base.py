@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageSummary
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 
@@ -32,6 +33,20 @@ class StageTimes:
         comm_s: time the incoming transfers took per step.
         exposed_comm_s: the part of ``comm_s`` the stage waited for (not hidden behind compute).
         cpu_limit: cgroup CPU bandwidth limit of the stage's process, in cores; ``None`` when nothing limits it.
+        comm_spread_s: spread of the per-step transfer time (90th minus 10th percentile): the link's jitter.
+        cpu_share: cores the stage's process kept busy.
+        steal_share: share of the machine's CPU time stolen by the hypervisor.
+        run_queue_wait_share: share of the time the stage's main thread waited for a core.
+        other_cpu_load: cores' worth of CPU other processes used on the stage's cores (``None``: unknown).
+        ctx_switches_per_s: involuntary context switches of the stage's process per second.
+        rss_bytes: resident set size of the stage's process.
+        gpu_util: GPU utilisation 0..1 (``None`` without CUDA or NVML), and likewise:
+        gpu_sm_clock_mhz: the SM clock;
+        gpu_throttled: 1 when the clocks are throttled (not idle), else 0;
+        gpu_other_mem_bytes: device memory used by other processes.
+
+    The fields after ``cpu_limit`` describe the stage's environment; they are the forest's features
+    (:mod:`lightning_dynpipe.predictor.features`) and default to "nothing measured".
     """
 
     compute_s: float
@@ -39,6 +54,39 @@ class StageTimes:
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
     cpu_limit: float | None = None
+    comm_spread_s: float = 0.0
+    cpu_share: float = 0.0
+    steal_share: float = 0.0
+    run_queue_wait_share: float = 0.0
+    other_cpu_load: float | None = None
+    ctx_switches_per_s: float = 0.0
+    rss_bytes: float = 0.0
+    gpu_util: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    gpu_throttled: float | None = None
+    gpu_other_mem_bytes: float | None = None
+
+    @classmethod
+    def from_summary(cls, summary: StageSummary) -> StageTimes:
+        """The times and environment of one stage from the monitor's window summary (compute: forward + backward)."""
+        return cls(
+            compute_s=summary.forward_s + summary.backward_s,
+            step_s=summary.step_s,
+            comm_s=summary.comm_s,
+            exposed_comm_s=summary.exposed_comm_s,
+            cpu_limit=summary.cpu_limit,
+            comm_spread_s=0.0 if math.isnan(summary.comm_spread_s) else summary.comm_spread_s,
+            cpu_share=summary.cpu_share,
+            steal_share=summary.steal_share,
+            run_queue_wait_share=summary.run_queue_wait_share,
+            other_cpu_load=summary.other_cpu_load,
+            ctx_switches_per_s=summary.ctx_switches_per_s,
+            rss_bytes=summary.rss_bytes,
+            gpu_util=summary.gpu_util,
+            gpu_sm_clock_mhz=summary.gpu_sm_clock_mhz,
+            gpu_throttled=summary.gpu_throttled,
+            gpu_other_mem_bytes=summary.gpu_other_mem_bytes,
+        )
 
 
 @dataclass(frozen=True)

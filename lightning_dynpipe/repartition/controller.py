@@ -1,33 +1,132 @@
-"""The adaptive loop's decision: a measured window -> predicted costs -> re-plan -> policy -> a decision.
+"""The adaptive loop's decision: a measured window -> predicted costs of candidates -> policy -> a decision.
 
 :class:`AdaptiveController` is given everything explicitly (the set-up profile, the link, the schedule, the
 predictor and the policy) and returns a :class:`~lightning_dynpipe.repartition.policy.Decision`; the strategy
-applies it (a live migration at the next step). At every check the predictor turns the window measured under
-the current partition into each stage's slowdown; the planner then re-solves the partition with those
-slowdowns and the measured share of communication the pipeline hides, both the current partition and the
-best one are scored in predicted time to accuracy, and the policy decides. Every decision is kept with its
-inputs.
+applies it (a live migration at the next step). At every check:
+
+1. the window goes to the predictor first when it learns online (``predictor.observe``: the window's times are
+   a labelled sample, and after a migration its measured outcome is one);
+2. the planner re-solves the partition with the slowdowns the predictor gives the current one;
+3. the candidates (the current partition, the planner's, and every shift of one boundary by one or two layers)
+   are priced by the predictor: each stage's compute and each boundary's message time, with intervals; a
+   candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
+   schedule and its staleness;
+4. the best candidate and the lower end of its predicted gain go to the policy.
+
+Every decision is kept with its inputs, and its log line carries the predicted times with their intervals and
+the features that weighed most.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.convergence import ConvergenceModel
-from lightning_dynpipe.plan.costs import CommModel, DefaultCostModel, ModelCost
+from lightning_dynpipe.plan.costs import CommModel, DeviceSpec, ModelCost
 from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.plan.solver import evaluate
-from lightning_dynpipe.predictor.base import InterferencePredictor, PipelineWindow, StageTimes
+from lightning_dynpipe.plan.solver import Plan, evaluate
+from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPrediction, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
 from lightning_dynpipe.schedule import Schedule, get_schedule
 
-__all__ = ["AdaptiveController", "measured_slowdowns", "StageTimes"]
+__all__ = ["AdaptiveController", "Outcome", "neighbours", "measured_slowdowns", "StageTimes"]
 
 log = logging.getLogger(__name__)
+
+
+def neighbours(partition: Partition, max_shift: int = 2) -> list[Partition]:
+    """Every partition that moves one boundary of ``partition`` by ``1..max_shift`` layers (stages keep >= 1).
+
+    Example::
+
+        >>> [p.balance for p in neighbours(Partition((2, 3)), max_shift=1)]
+        [(1, 4), (3, 2)]
+    """
+    out = []
+    bal = partition.balance
+    for b in range(len(bal) - 1):
+        for d in (*range(-max_shift, 0), *range(1, max_shift + 1)):
+            new = list(bal)
+            new[b] += d
+            new[b + 1] -= d
+            if new[b] >= 1 and new[b + 1] >= 1:
+                out.append(Partition(tuple(new)))
+    return out
+
+
+@dataclass(frozen=True)
+class _PredictedStages:
+    """A :class:`~lightning_dynpipe.plan.costs.CostModel` that prices one candidate with a predictor's times.
+
+    Stage ``k`` per micro-batch: its predicted compute, plus ``(1 - overlap) * 2`` predicted messages across
+    its outgoing boundary (activation out, gradient back), plus the replicas' all-reduce, over the replicas:
+    the terms of :class:`~lightning_dynpipe.plan.costs.DefaultCostModel` with the predictor's numbers.
+    """
+
+    compute: tuple[float, ...]
+    boundary: tuple[float, ...]
+    comm: CommModel
+
+    def stage_time(
+        self,
+        model: ModelCost,
+        first: npt.ArrayLike,
+        stop: npt.ArrayLike,
+        *,
+        stage_idx: int,
+        num_stages: int,
+        replicas: int,
+        device: DeviceSpec,
+        microbatches_per_update: int,
+    ) -> npt.NDArray[np.float64]:
+        i, j = int(np.asarray(first).reshape(-1)[0]), int(np.asarray(stop).reshape(-1)[0])
+        t = self.compute[stage_idx]
+        if stage_idx < num_stages - 1:
+            overlap = float(self.comm.overlap_per_cut(model.num_layers)[j - 1])
+            t += (1.0 - overlap) * 2.0 * self.boundary[stage_idx]
+        t += float(self.comm.allreduce_time(model.param_bytes(i, j), replicas)) / microbatches_per_update
+        return np.asarray([t / replicas], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    partition: Partition
+    prediction: PartitionPrediction
+    value: Plan
+    high: Plan
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A migration's measured outcome next to what was predicted for it.
+
+    Attributes:
+        step: the check that measured it (the first full window under ``partition``).
+        partition: the partition moved to.
+        predicted_step_s: the predicted seconds per step (value, and the upper end).
+        predicted_high_s: upper end of the prediction.
+        measured_step_s: the measured seconds per step.
+    """
+
+    step: int
+    partition: Partition
+    predicted_step_s: float
+    predicted_high_s: float
+    measured_step_s: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction (``predicted / measured - 1``)."""
+        return self.predicted_step_s / self.measured_step_s - 1.0 if self.measured_step_s > 0 else math.nan
 
 
 class AdaptiveController:
@@ -50,8 +149,11 @@ class AdaptiveController:
         num_microbatches: ``M``.
         replicas: data-parallel pipeline replicas (every stage is replicated this many times).
         convergence: the planner's staleness model; ``None``: its default.
-        predictor: turns a measured window into per-stage slowdowns; default
-            :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`.
+        predictor: prices candidate partitions from a measured window; default
+            :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`. One with an ``observe(model_cost,
+            comm, window)`` method (the :class:`~lightning_dynpipe.predictor.ForestPredictor`) is given every
+            window first.
+        max_shift: the candidates beside the planner's: every shift of one boundary by up to this many layers.
     """
 
     def __init__(
@@ -65,6 +167,7 @@ class AdaptiveController:
         replicas: int = 1,
         convergence: ConvergenceModel | None = None,
         predictor: InterferencePredictor | None = None,
+        max_shift: int = 2,
     ) -> None:
         self.policy = policy
         self.model_cost = model_cost
@@ -74,7 +177,10 @@ class AdaptiveController:
         self.replicas = replicas
         self.convergence = convergence
         self.predictor: InterferencePredictor = predictor if predictor is not None else MeasuredSlowdownPredictor()
+        self.max_shift = max_shift
         self.decisions: list[Decision] = []
+        self.outcomes: list[Outcome] = []
+        self._moved: tuple[Partition, float, float] | None = None
 
     def check(
         self,
@@ -83,6 +189,7 @@ class AdaptiveController:
         partition: Partition,
         remaining_steps: int | None,
         past_pauses_s: Sequence[float] = (),
+        agreed_refit: int | None = None,
     ) -> Decision | None:
         """One check with the window's per-stage medians; ``None`` when it cannot decide (wrong stage count).
 
@@ -92,26 +199,27 @@ class AdaptiveController:
             partition: the partition in use.
             remaining_steps: steps left in the run (``None`` if unknown).
             past_pauses_s: the measured pauses of earlier migrations (the next one is priced at their mean).
+            agreed_refit: for a predictor that refits in the background, the newest refit finished on every rank
+                (from the monitor's snapshot); passed to its ``observe``.
         """
         if len(times) != partition.num_stages:
             return None
         cost, M, dp = self.model_cost, self.num_microbatches, self.replicas
         window = PipelineWindow(Partition(partition.balance), tuple(times), M)
-        slowdowns = self.predictor.predict(cost, self.comm, window, window.partition).slowdowns
+        observe = getattr(self.predictor, "observe", None)
+        if callable(observe):  # the window is a sample (after a migration: the move's measured outcome)
+            if agreed_refit is None:
+                observe(cost, self.comm, window)
+            else:
+                observe(cost, self.comm, window, agreed_refit=agreed_refit)
+        self._record_outcome(step, window)
         comm = CommModel(
             latency_s=self.comm.latency_s, bandwidth_Bps=self.comm.bandwidth_Bps, overlap=window.comm_overlap
         )
+        current_prediction = self.predictor.predict(cost, self.comm, window, window.partition)
+        slowdowns = current_prediction.slowdowns
         device_slowdowns = [slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)]
-        current = evaluate(
-            cost,
-            Partition(partition.balance, (dp,) * partition.num_stages),
-            schedule=self.schedule,
-            convergence=self.convergence,
-            cost_model=DefaultCostModel(comm),
-            slowdowns=device_slowdowns,
-            num_microbatches=M,
-        )
-        candidate = best_plan(
+        planned = best_plan(
             cost,
             partition.num_stages * dp,
             num_stages=partition.num_stages,
@@ -121,22 +229,100 @@ class AdaptiveController:
             num_microbatches=M,
             slowdowns=device_slowdowns,
         )
-        new = Partition(candidate.partition.balance)
+        others = [Partition(planned.partition.balance), *neighbours(window.partition, self.max_shift)]
+        unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]
+        many = getattr(self.predictor, "predict_many", None)
+        if callable(many):
+            predictions = [current_prediction, *many(cost, self.comm, window, unique)]
+        else:
+            predictions = [current_prediction, *(self.predictor.predict(cost, self.comm, window, p) for p in unique)]
+        priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
+        current, best = priced[0], min(priced, key=lambda c: c.value.time_to_accuracy_s)  # ties: current, planner
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
-            candidate=new,
-            current_step_s=current.time_to_accuracy_s * M,
-            candidate_step_s=candidate.time_to_accuracy_s * M,
+            candidate=best.partition,
+            current_step_s=current.value.time_to_accuracy_s * M,
+            candidate_step_s=best.value.time_to_accuracy_s * M,
             measured_step_s=window.step_s,
-            migration_cost_s=self._migration_cost(window, new, comm, past_pauses_s),
+            migration_cost_s=self._migration_cost(window, best.partition, comm, past_pauses_s),
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
+            candidate_step_high_s=best.high.time_to_accuracy_s * M,
+            details=self._details(window, current, best),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
+        if decision.repartition:
+            chosen = best if decision.partition == best.partition else None
+            self._moved = (
+                decision.partition,
+                chosen.value.iteration_time_s * M if chosen is not None else math.nan,
+                chosen.high.iteration_time_s * M if chosen is not None else math.nan,
+            )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _price(self, partition: Partition, prediction: PartitionPrediction, comm: CommModel) -> _Priced:
+        """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals."""
+        plans = []
+        for pick in ("value", "high"):
+            model = _PredictedStages(
+                tuple(getattr(i, pick) for i in prediction.stage_compute_s),
+                tuple(getattr(i, pick) for i in prediction.boundary_s),
+                comm,
+            )
+            plans.append(
+                evaluate(
+                    self.model_cost,
+                    Partition(partition.balance, (self.replicas,) * partition.num_stages),
+                    schedule=self.schedule,
+                    convergence=self.convergence,
+                    cost_model=model,
+                    num_microbatches=self.num_microbatches,
+                )
+            )
+        return _Priced(partition, prediction, plans[0], plans[1])
+
+    def _details(self, window: PipelineWindow, current: _Priced, best: _Priced) -> str:
+        """Predicted stage and boundary times of the candidate (ms, with intervals) and the top features."""
+
+        def fmt(xs: Sequence[object]) -> str:
+            parts = []
+            for i in xs:
+                v, lo, hi = (getattr(i, a) * 1e3 for a in ("value", "low", "high"))
+                parts.append(f"{v:.2f}" if lo == v == hi else f"{v:.2f} [{lo:.2f}, {hi:.2f}]")
+            return "[" + ", ".join(parts) + "]"
+
+        pred = best.prediction
+        text = f"candidate stage ms/micro-batch {fmt(pred.stage_compute_s)}"
+        if pred.boundary_s:
+            text += f", boundary ms/message {fmt(pred.boundary_s)}"
+        top = getattr(self.predictor, "top_features", None)
+        if callable(top):
+            k = max(range(len(pred.slowdowns)), key=lambda s: pred.slowdowns[s])
+            features = top(self.model_cost, window, k)
+            if features:
+                text += f"; stage {k} features: {', '.join(features)}"
+        return text
+
+    def _record_outcome(self, step: int, window: PipelineWindow) -> None:
+        """The first window under a partition the controller moved to: the move's measured outcome."""
+        if self._moved is None:
+            return
+        target, predicted, high = self._moved
+        self._moved = None
+        if window.partition != target:
+            return
+        outcome = Outcome(step, target, predicted, high, window.step_s)
+        self.outcomes.append(outcome)
+        log.info(
+            "DynPipe adaptation: the move to %s measured %.1f ms/step, predicted %.1f ms (up to %.1f ms)",
+            target,
+            outcome.measured_step_s * 1e3,
+            predicted * 1e3,
+            high * 1e3,
+        )
 
     def migrated(self, step: int) -> None:
         """Tells the policy that the decision of ``step`` was applied (its cool-down starts)."""

@@ -33,6 +33,9 @@ class PolicyInputs:
         migration_cost_s: measured (or estimated) pause of one migration.
         remaining_steps: steps left in the run (``None`` if unknown).
         slowdowns: per-stage slowdown factors the prediction used.
+        candidate_step_high_s: upper end of the candidate's predicted step time (``None``: no interval, the
+            value itself); the lower end of the gain is ``current_step_s - candidate_step_high_s``.
+        details: what the prediction rested on (predicted stage and boundary times, top features), for logs.
     """
 
     step: int
@@ -44,6 +47,13 @@ class PolicyInputs:
     migration_cost_s: float
     remaining_steps: int | None
     slowdowns: tuple[float, ...]
+    candidate_step_high_s: float | None = None
+    details: str = ""
+
+    @property
+    def candidate_step_upper_s(self) -> float:
+        """The candidate's predicted step time at the upper end of its interval."""
+        return self.candidate_step_s if self.candidate_step_high_s is None else self.candidate_step_high_s
 
 
 @dataclass(frozen=True)
@@ -59,11 +69,16 @@ class Decision:
     def __str__(self) -> str:
         i = self.inputs
         verb = f"repartition {i.current} -> {self.partition}" if self.repartition else f"keep {i.current}"
+        upper = i.candidate_step_upper_s
+        cand = f"{i.candidate_step_s * 1e3:.1f}" + (
+            f" (up to {upper * 1e3:.1f})" if upper != i.candidate_step_s else ""
+        )
+        details = f"; {i.details}" if i.details else ""
         return (
             f"step {i.step}: {verb} ({self.reason}; slowdowns {[round(s, 2) for s in i.slowdowns]}, predicted "
-            f"step {i.current_step_s * 1e3:.1f} -> {i.candidate_step_s * 1e3:.1f} ms, measured "
-            f"{i.measured_step_s * 1e3:.1f} ms, predicted gain {self.predicted_gain_s:.2f} s vs migration "
-            f"{i.migration_cost_s:.2f} s)"
+            f"step {i.current_step_s * 1e3:.1f} -> {cand} ms for {i.candidate}, measured "
+            f"{i.measured_step_s * 1e3:.1f} ms, predicted gain (lower end) {self.predicted_gain_s:.2f} s vs "
+            f"migration {i.migration_cost_s:.2f} s{details})"
         )
 
 
@@ -131,7 +146,9 @@ class GainOverCostPolicy:
         policy = GainOverCostPolicy(horizon_steps=200, margin=2.0, patience=2, cooldown_steps=50)
         DynPipeStrategy(adaptive=policy)
 
-    The gain is ``(current_step_s - candidate_step_s) * min(horizon_steps, remaining_steps)``. A move needs
+    The gain is ``(current_step_s - candidate_step_upper_s) * min(horizon_steps, remaining_steps)``: the lower
+    end of the predicted gain, with the candidate's step time at the upper end of the predictor's interval (the
+    value itself for a predictor without intervals). A move needs
     ``gain > margin * migration_cost_s`` and a relative step-time improvement of at least
     ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate, and not within
     ``cooldown_steps`` of the previous migration.
@@ -187,7 +204,7 @@ class GainOverCostPolicy:
         horizon = (
             self.horizon_steps if inputs.remaining_steps is None else min(self.horizon_steps, inputs.remaining_steps)
         )
-        saving = inputs.current_step_s - inputs.candidate_step_s
+        saving = inputs.current_step_s - inputs.candidate_step_upper_s
         gain = saving * max(horizon, 0)
 
         def no(reason: str) -> Decision:
@@ -223,9 +240,9 @@ class GainOverCostPolicy:
                 f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move"
             )
         if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:
-            return no(f"gain below {self.min_relative_gain:.0%} of the step time")
+            return no(f"gain (lower end) below {self.min_relative_gain:.0%} of the step time")
         if gain <= self.margin * inputs.migration_cost_s:
-            return no(f"gain over {horizon} steps does not pay {self.margin:g}x the migration cost")
+            return no(f"gain (lower end) over {horizon} steps does not pay {self.margin:g}x the migration cost")
         if inputs.candidate == self._streak_candidate:
             self._streak += 1
         else:

@@ -84,8 +84,12 @@ class AdaptationWiring:
                 num_microbatches=self.config.num_microbatches,
                 replicas=replicas,
                 convergence=self.config.convergence,
+                predictor=self.config.predictor,
             )
             monitor.add_listener(self.on_snapshot)
+            ready = getattr(self.config.predictor, "ready_refit", None)
+            if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
+                monitor.report_token = ready
 
     def on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
         """Runs on every rank with the same snapshot, so every rank takes the same decision."""
@@ -95,19 +99,13 @@ class AdaptationWiring:
         # A window restarts at every repartition: decide only on enough steps of the current partition.
         if any(st.count < MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
             return
-        times = [
-            StageTimes(
-                compute_s=st.forward_s + st.backward_s,
-                step_s=st.step_s,
-                comm_s=st.comm_s,
-                exposed_comm_s=st.exposed_comm_s,
-                cpu_limit=st.cpu_limit,
-            )
-            for st in snapshot.stages
-        ]
+        times = [StageTimes.from_summary(st) for st in snapshot.stages]
         step = trainer.global_step
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
-        decision = self.controller.check(step, times, partition, remaining, past_pauses_s=self._past_pauses())
+        agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
+        decision = self.controller.check(
+            step, times, partition, remaining, past_pauses_s=self._past_pauses(), agreed_refit=agreed
+        )
         if decision is not None and decision.repartition:
             try:  # a partition the run cannot train exactly (a shared parameter split under async) is not taken
                 self._repartition(decision.partition)
@@ -121,6 +119,10 @@ class AdaptationWiring:
         """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""
         if self.monitor is not None and self.controller is not None:
             self.monitor.remove_listener(self.on_snapshot)
+            self.monitor.report_token = None
+        close = getattr(self.config.predictor, "close", None)
+        if callable(close):  # a background refit of a learning predictor ends with the fit
+            close()
         callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)

@@ -21,6 +21,7 @@ from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.interference.schedule import InterferenceSchedule
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
@@ -60,6 +61,7 @@ class DynPipeConfig:
             activations are recomputed in the backward.
         microbatch_logging: ``"step"``: ``self.log`` calls in ``training_step`` are reduced over the step's
             micro-batches and reach Lightning once per step; ``"each"``: once per micro-batch.
+        predictor: what prices candidate partitions for the adaptive loop (a name resolved to an object).
     """
 
     num_stages: int | None
@@ -78,6 +80,7 @@ class DynPipeConfig:
     lr_scale_requested: float | str = "auto"
     activation_checkpointing: bool | tuple[int, ...] = False
     microbatch_logging: MicroBatchLogging = "step"
+    predictor: InterferencePredictor | None = None
 
     @classmethod
     def from_arguments(
@@ -96,6 +99,7 @@ class DynPipeConfig:
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | Sequence[int] = False,
         microbatch_logging: MicroBatchLogging = "step",
+        predictor: str | InterferencePredictor = "measured",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -182,6 +186,7 @@ class DynPipeConfig:
             lr_scale_requested=lr_scale,
             activation_checkpointing=ckpt,
             microbatch_logging=microbatch_logging,
+            predictor=get_predictor(predictor),
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

@@ -44,6 +44,7 @@ from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.predictor import InterferencePredictor
 from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
 from lightning_dynpipe.strategy import summary
@@ -105,6 +106,13 @@ class DynPipeStrategy(DDPStrategy):
             :class:`~lightning_dynpipe.repartition.policy.RepartitionPolicy` to decide differently, or ``False``
             to keep the partition fixed. Every ``monitor_every_n_steps`` the stage statistics are gathered, each
             stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
+        predictor: what prices candidate partitions for the adaptive loop: ``"measured"`` (default:
+            :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`, each stage's measured slowdown carried
+            over), ``"forest"`` (:class:`~lightning_dynpipe.predictor.ForestPredictor`, untrained: it learns from
+            the run's own windows and migrations), or an
+            :class:`~lightning_dynpipe.predictor.InterferencePredictor` object, e.g.
+            ``ForestPredictor.load("dynpipe-forest.npz")`` for a forest from ``python -m lightning_dynpipe
+            calibrate``.
         monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
             ``dynpipe/stage{k}/...``; ``None``: no stage monitor (and so no adaptation).
         interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
@@ -146,6 +154,7 @@ class DynPipeStrategy(DDPStrategy):
         balance: list[int] | Literal["auto", "parameters"] = "auto",
         convergence: ConvergenceModel | None = None,
         adaptive: bool | RepartitionPolicy = True,
+        predictor: str | InterferencePredictor = "measured",
         monitor_every_n_steps: int | None = 10,
         interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
@@ -166,6 +175,7 @@ class DynPipeStrategy(DDPStrategy):
             balance=balance,
             convergence=convergence,
             adaptive=adaptive,
+            predictor=predictor,
             monitor_every_n_steps=monitor_every_n_steps,
             interference=interference,
             pipeline_attr=pipeline_attr,
@@ -214,6 +224,7 @@ class DynPipeStrategy(DDPStrategy):
     )
     convergence = property(lambda self: self.config.convergence, doc="The planner's staleness model.")
     adaptive_policy = property(lambda self: self.config.policy, doc="The repartition policy (``None``: off).")
+    predictor = property(lambda self: self.config.predictor, doc="What prices candidate partitions.")
     monitor_every_n_steps = property(lambda self: self.config.monitor_every_n_steps, doc="Monitor period.")
     interference = property(lambda self: self.config.interference, doc="The interference schedule, if any.")
     pipeline_attr = property(lambda self: self.config.pipeline_attr, doc="Where the ``nn.Sequential`` lives.")

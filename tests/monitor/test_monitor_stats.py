@@ -441,3 +441,10 @@ def test_stats_module_imports_only_the_standard_library() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     assert names <= set(sys.stdlib_module_names), sorted(names - set(sys.stdlib_module_names))
+
+
+def test_a_reports_token_travels_and_the_snapshot_agrees_on_the_smallest() -> None:
+    reports = [StageReport(0, k, _summary(3.0), token=t) for k, t in ((0, 2.0), (1, 1.0))]
+    back = [StageReport.from_vector(r.to_vector()) for r in reports]
+    assert [r.token for r in back] == [2.0, 1.0]
+    assert PipelineSnapshot.from_reports(10, back).agreed_token == 1.0

@@ -223,3 +223,53 @@ def test_load_pynvml_silences_the_wrapper_deprecation(monkeypatch: pytest.Monkey
         module = system_mod.load_pynvml()
     assert module is not None and module.inits == 1
     monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+
+
+class _FakeNVMLExtras(_FakeNVML):
+    NVML_CLOCK_SM = 1
+
+    def nvmlDeviceGetClockInfo(self, handle: str, kind: int) -> int:
+        assert kind == self.NVML_CLOCK_SM
+        return 1410
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:
+        return 0x1 | 0x4  # idle (ignored) and a power cap (a throttle)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
+        return [
+            types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=1 << 30),
+            types.SimpleNamespace(pid=-7, usedGpuMemory=2 << 30),
+            types.SimpleNamespace(pid=-8, usedGpuMemory=None),  # NVML reports None without permission
+        ]
+
+
+def test_nvml_sm_clock_throttle_and_other_processes_memory(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVMLExtras())
+    r = ProcessSampler("cuda:0", nvml_interval_s=0.0).sample()
+    assert r.gpu_sm_clock_mhz == 1410.0 and r.gpu_throttled == 1.0
+    assert r.gpu_other_mem_bytes == 2 << 30  # our own process's memory is not "other"
+
+
+def test_nvml_without_the_extra_queries_reports_none_for_them(monkeypatch: pytest.MonkeyPatch, fake_cuda: None) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML())
+    r = ProcessSampler("cuda:0", nvml_interval_s=0.0).sample()
+    assert r.gpu_util == pytest.approx(0.37)
+    assert r.gpu_sm_clock_mhz is None and r.gpu_throttled is None and r.gpu_other_mem_bytes is None
+
+
+def test_run_queue_wait_context_switches_and_other_load_are_plausible() -> None:
+    sampler = ProcessSampler(steal_interval_s=0.0)
+    _spin(0.05)
+    r = sampler.sample()
+    assert 0.0 <= r.run_queue_wait_share <= 1.0 and r.ctx_switches_per_s >= 0.0
+    if os.path.exists("/proc/self/schedstat") and hasattr(os, "sched_getaffinity"):
+        assert r.other_cpu_load is not None and 0.0 <= r.other_cpu_load <= len(os.sched_getaffinity(0)) + 0.5
+
+
+def test_refresh_rereads_the_cpu_limit_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = iter([None, 0.25])
+    monkeypatch.setattr(system_mod, "cpu_limit_cores", lambda: next(limits))
+    sampler = ProcessSampler(steal_interval_s=60.0)
+    assert sampler.sample().cpu_limit is None
+    sampler.refresh()
+    assert sampler.sample().cpu_limit == 0.25  # not 60 s later

@@ -6,7 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageSample, StageSummary
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
 from lightning_dynpipe.strategy.config import DynPipeConfig
@@ -24,8 +27,7 @@ class _Controller:
 
 
 def _snapshot(count: int) -> Any:
-    stage = SimpleNamespace(count=count, step_s=0.1, forward_s=0.02, backward_s=0.04, comm_s=0.0,
-                            exposed_comm_s=0.0, cpu_limit=None)  # fmt: skip
+    stage = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * count)
     return SimpleNamespace(stages=[stage, stage])
 
 
@@ -66,3 +68,59 @@ def test_a_refused_partition_is_skipped() -> None:
     wiring, controller = _wiring(refuse)
     wiring.on_snapshot(_snapshot(MIN_SAMPLES), TRAINER)  # type: ignore[arg-type]
     assert controller.migrated_at == []
+
+
+def test_the_predictor_argument_takes_a_name_or_an_object_and_reaches_the_controller() -> None:
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor
+
+    assert isinstance(DynPipeConfig.from_arguments().predictor, MeasuredSlowdownPredictor)  # the default
+    assert isinstance(DynPipeConfig.from_arguments(predictor="forest").predictor, ForestPredictor)
+    mine = ForestPredictor(n_estimators=8)
+    cfg = DynPipeConfig.from_arguments(predictor=mine)
+    assert cfg.predictor is mine
+    with pytest.raises(ConfigurationError, match=r"one of \['measured', 'forest'\] .*got 'oracle'"):
+        DynPipeConfig.from_arguments(predictor="oracle")
+    with pytest.raises(ConfigurationError, match=r"an object with a predict\(model_cost, comm, window, candidate\)"):
+        DynPipeConfig.from_arguments(predictor=object())  # type: ignore[arg-type]
+    wiring = AdaptationWiring(
+        cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
+    )
+    from lightning_dynpipe.monitor.callback import StageMonitor
+
+    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    cost = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
+    wiring.attach(trainer, model_cost=cost, comm=CommModel(), num_stages=2, replicas=1)  # type: ignore[arg-type]
+    assert wiring.controller is not None and wiring.controller.predictor is mine
+
+
+def test_the_ranks_agreed_refit_reaches_the_controller_and_the_token_is_published() -> None:
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.predictor import ForestPredictor
+
+    forest = ForestPredictor(n_estimators=8)
+    cfg = DynPipeConfig.from_arguments(predictor=forest)
+    wiring = AdaptationWiring(
+        cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
+    )
+    monitor = StageMonitor(every_n_steps=10)
+    trainer = SimpleNamespace(callbacks=[monitor], global_step=40, estimated_stepping_batches=100)
+    wiring.attach(
+        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+    )  # type: ignore[arg-type]
+    assert monitor.report_token is not None and monitor.report_token() == 0.0  # nothing refitted yet
+    seen: list[Any] = []
+
+    class Recording(_Controller):
+        def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("agreed_refit"))
+            return SimpleNamespace(repartition=False, partition=Partition((2, 2)))
+
+    wiring.controller = Recording()  # type: ignore[assignment]
+    snapshot = _snapshot(MIN_SAMPLES)
+    snapshot.agreed_token = 3.0
+    wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    assert seen == [3]
+    wiring.detach(trainer)  # type: ignore[arg-type]
+    assert monitor.report_token is None

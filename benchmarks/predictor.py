@@ -1,0 +1,296 @@
+"""Prediction error of the interference predictors: the forest against the measured-slowdown baseline.
+
+The data are real measurements on this machine: the calibration sweep of ``python -m lightning_dynpipe calibrate``
+(:mod:`lightning_dynpipe.cli.calibrate`): the model's own layer sets, each stage's layer set run as a stage runs
+it (``M`` forward+backward per step, each followed by the wait for the slowest other stage) in a worker pinned to
+one core, under interference scenarios applied to one stage (CPU hogs, CPU limits, link delay with jitter), for
+several partitions. A "window" is one partition measured under one scenario.
+
+Two questions, each answered for the forest and the baseline:
+
+* **held-out scenario types**: for each scenario in turn, the forest is trained on the windows of every *other*
+  scenario and asked, from the window of one partition ``A`` of the held-out scenario, for each stage's compute
+  per micro-batch under every other partition ``B`` of that scenario (measured, so the truth is known);
+* **partitions never run**: for each partition ``P`` in turn, the forest is trained on every window except those
+  of ``P`` and asked for ``P`` from the windows of the other partitions, under every scenario.
+
+Reported: the median absolute percentage error of the stage times (all stages, and the stages the interference
+was on), the same for boundary message times, the share of measured values inside the forest's interval
+(nominal 90%), and the forest's cost per check (pricing every candidate of a check in one call).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/predictor.py                          # sweep the MLP of width 384, 2 stages
+    .venv/bin/python benchmarks/predictor.py --from-json runs.json    # a sweep saved by calibrate --runs-out
+    .venv/bin/python benchmarks/predictor.py --quick --out-dir /tmp   # smoke run: tiny model, 3 scenarios
+
+Outputs: the tables on stdout, ``benchmarks/out/predictor-<stamp>.json`` (every run and every prediction error),
+and a dated report ``benchmarks/results/<date>-predictor.md`` with machine, versions, commit and command
+(``--quick`` writes both into ``--out-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks._common import command_line, describe_machine, format_table, machine_info  # noqa: E402
+from lightning_dynpipe.cli.calibrate import SCENARIOS, CalibrationRun, calibration_samples  # noqa: E402
+from lightning_dynpipe.plan.costs import CommModel, ModelCost  # noqa: E402
+from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor  # noqa: E402
+from lightning_dynpipe.predictor.features import effective_compute_s  # noqa: E402
+
+_PROBLEM = "lightning_dynpipe.demos:MLP"
+
+
+def _sweep(args: argparse.Namespace, out_dir: Path) -> Path:
+    runs = out_dir / "predictor-runs.json"
+    cmd = [
+        sys.executable, "-m", "lightning_dynpipe", "calibrate", "--model", args.model, "--init-args", args.init_args,
+        "--batch-size", str(args.batch_size), "--num-stages", "2", "--scenarios", args.scenarios,
+        "--partitions", str(args.partitions), "--steps", str(args.steps), "--out", str(out_dir / "forest.npz"),
+        "--runs-out", str(runs),
+    ]  # fmt: skip
+    print("sweep:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=_ROOT)
+    return runs
+
+
+def _load(path: Path) -> tuple[ModelCost, CommModel, list[CalibrationRun]]:
+    data = json.loads(path.read_text())
+    layers = data["layers"]
+    cost = ModelCost.from_arrays(**layers)
+    comm = CommModel(latency_s=data["comm"][0], bandwidth_Bps=data["comm"][1])
+    return cost, comm, [CalibrationRun.from_dict(r) for r in data["runs"]]
+
+
+def _interfered(run: CalibrationRun, k: int) -> bool:
+    sc = SCENARIOS.get(run.scenario)
+    return sc is not None and sc.kind in ("hog", "limit") and sc.stage % run.window.partition.num_stages == k
+
+
+def _errors(
+    cost: ModelCost, comm: CommModel, forest: ForestPredictor, pairs: Sequence[tuple[CalibrationRun, CalibrationRun]]
+) -> dict[str, list[float]]:
+    base, prior = MeasuredSlowdownPredictor(), ForestPredictor()  # an untrained forest answers its prior
+    names = ("forest", "base", "prior", "forest_hit", "base_hit", "prior_hit", "cover", "bforest", "bbase", "bcover")
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for a, b in pairs:
+        M = b.window.num_microbatches
+        pf = forest.predict(cost, comm, a.window, b.window.partition)
+        pb = base.predict(cost, comm, a.window, b.window.partition)
+        pp = prior.predict(cost, comm, a.window, b.window.partition)
+        for k, t in enumerate(b.window.stages):
+            truth = effective_compute_s(t) / M
+            ef = abs(pf.stage_compute_s[k].value / truth - 1)
+            eb = abs(pb.stage_compute_s[k].value / truth - 1)
+            ep = abs(pp.stage_compute_s[k].value / truth - 1)
+            out["forest"].append(ef)
+            out["base"].append(eb)
+            out["prior"].append(ep)
+            out["cover"].append(float(pf.stage_compute_s[k].low <= truth <= pf.stage_compute_s[k].high))
+            if _interfered(b, k):
+                out["forest_hit"].append(ef)
+                out["base_hit"].append(eb)
+                out["prior_hit"].append(ep)
+        S = b.window.partition.num_stages
+        for bd in range(S - 1):
+            n0, n1 = M * ((bd > 0) + 1), M * (1 + (bd + 1 < S - 1))
+            truth = (b.window.stages[bd].comm_s / n0 + b.window.stages[bd + 1].comm_s / n1) / 2
+            if truth <= 0:
+                continue
+            out["bforest"].append(abs(pf.boundary_s[bd].value / truth - 1))
+            out["bbase"].append(abs(pb.boundary_s[bd].value / truth - 1))
+            out["bcover"].append(float(pf.boundary_s[bd].low <= truth <= pf.boundary_s[bd].high))
+    return out
+
+
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{x * 100:.1f}%"
+
+
+def evaluate(cost: ModelCost, comm: CommModel, runs: Sequence[CalibrationRun]) -> dict[str, Any]:
+    """Both questions of the module docstring; returns per-group error lists and the tables' rows."""
+    scenarios = sorted({r.scenario for r in runs}, key=[r.scenario for r in runs].index)
+    partitions = sorted({r.window.partition.balance for r in runs})
+    groups: dict[str, dict[str, list[float]]] = {}
+    for sc in scenarios:
+        train = [r for r in runs if r.scenario != sc]
+        forest = ForestPredictor().fit(calibration_samples(cost, comm, train))
+        test = [r for r in runs if r.scenario == sc]
+        pairs = [(a, b) for a in test for b in test if a.window.partition != b.window.partition]
+        groups[f"scenario {sc}"] = _errors(cost, comm, forest, pairs)
+    for p in partitions:
+        train = [r for r in runs if r.window.partition.balance != p]
+        forest = ForestPredictor().fit(calibration_samples(cost, comm, train))
+        pairs = []
+        for sc in scenarios:
+            same = [r for r in runs if r.scenario == sc]
+            pairs += [
+                (a, b)
+                for a in same
+                for b in same
+                if a.window.partition.balance != p and b.window.partition.balance == p
+            ]
+        groups[f"partition {list(p)}"] = _errors(cost, comm, forest, pairs)
+    return {"scenarios": scenarios, "partitions": [list(p) for p in partitions], "groups": groups}
+
+
+def _cost_per_check(cost: ModelCost, comm: CommModel, runs: Sequence[CalibrationRun]) -> dict[str, float]:
+    from lightning_dynpipe.repartition.controller import neighbours
+
+    forest = ForestPredictor().fit(calibration_samples(cost, comm, runs))
+    window = runs[0].window
+    cands = [window.partition, *neighbours(window.partition)]
+    forest.predict_many(cost, comm, window, cands)
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        forest.predict_many(cost, comm, window, cands)
+    per_check = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    ForestPredictor().fit(calibration_samples(cost, comm, runs))
+    fit_s = time.perf_counter() - t0
+    return {
+        "candidates": float(len(cands)),
+        "per_check_s": per_check,
+        "fit_s": fit_s,
+        "rows": float(len(calibration_samples(cost, comm, runs))),
+    }
+
+
+def _tables(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["held out", "stage: forest", "prior", "baseline", "interfered stage: forest", "prior", "baseline",
+               "coverage", "boundary: forest", "baseline", "coverage", "n"]  # fmt: skip
+    rows = []
+    for name, e in result["groups"].items():
+        m = {k: _pct(_med(v)) for k, v in e.items()}
+        cover = _pct(statistics.mean(e["cover"])) if e["cover"] else "-"
+        bcover = _pct(statistics.mean(e["bcover"])) if e["bcover"] else "-"
+        rows.append([
+            name, m["forest"], m["prior"], m["base"], m["forest_hit"], m["prior_hit"], m["base_hit"], cover,
+            m["bforest"], m["bbase"], bcover, str(len(e["forest"])),
+        ])  # fmt: skip
+    return headers, rows
+
+
+def _summary(result: dict[str, Any], kind: str) -> dict[str, float]:
+    sel = [e for name, e in result["groups"].items() if name.startswith(kind)]
+    pool = {k: [x for e in sel for x in e[k]] for k in sel[0]} if sel else {}
+    return {
+        "forest": _med(pool.get("forest", [])),
+        "base": _med(pool.get("base", [])),
+        "prior": _med(pool.get("prior", [])),
+        "prior_hit": _med(pool.get("prior_hit", [])),
+        "forest_hit": _med(pool.get("forest_hit", [])),
+        "base_hit": _med(pool.get("base_hit", [])),
+        "cover": statistics.mean(pool["cover"]) if pool.get("cover") else float("nan"),
+        "bforest": _med(pool.get("bforest", [])),
+        "bbase": _med(pool.get("bbase", [])),
+        "bcover": statistics.mean(pool["bcover"]) if pool.get("bcover") else float("nan"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=_PROBLEM)
+    p.add_argument("--init-args", default='{"width": 384}')
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--partitions", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--from-json", type=Path, default=None, help="a sweep saved by `calibrate --runs-out`")
+    p.add_argument("--quick", action="store_true", help="tiny model, three scenarios, three partitions")
+    p.add_argument("--out-dir", type=Path, default=None, help="where --quick writes (default: a temporary folder)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.init_args, args.scenarios, args.partitions, args.steps = '{"width": 64}', "none,quota50,delay1", 3, 2
+    out_dir = args.out_dir or (Path(tempfile.mkdtemp()) if args.quick else _ROOT / "benchmarks" / "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    print(describe_machine(machine))
+    runs_path = args.from_json or _sweep(args, out_dir)
+    cost, comm, runs = _load(runs_path)
+    result = evaluate(cost, comm, runs)
+    costs = _cost_per_check(cost, comm, runs)
+    headers, rows = _tables(result)
+    print()
+    print(format_table(headers, rows))
+    held, unseen = _summary(result, "scenario"), _summary(result, "partition")
+    verdict = [
+        f"held-out scenario types: stage MdAPE forest {_pct(held['forest'])}, prior {_pct(held['prior'])}, baseline "
+        f"{_pct(held['base'])} (interfered stages {_pct(held['forest_hit'])}, {_pct(held['prior_hit'])}, "
+        f"{_pct(held['base_hit'])}), coverage {_pct(held['cover'])} at nominal 90%",
+        f"partitions never run: stage MdAPE forest {_pct(unseen['forest'])}, prior {_pct(unseen['prior'])}, baseline "
+        f"{_pct(unseen['base'])} (interfered stages {_pct(unseen['forest_hit'])}, {_pct(unseen['prior_hit'])}, "
+        f"{_pct(unseen['base_hit'])}), coverage {_pct(unseen['cover'])}; targets: forest <= 10% and <= half the "
+        "baseline's, coverage >= 80%",
+        f"boundaries: MdAPE forest {_pct(held['bforest'])} vs baseline {_pct(held['bbase'])} (held-out scenarios), "
+        f"{_pct(unseen['bforest'])} vs {_pct(unseen['bbase'])} (partitions never run)",
+        f"cost: {costs['per_check_s'] * 1e3:.2f} ms per check ({costs['candidates']:.0f} candidates in one call); a "
+        f"refit on {costs['rows']:.0f} rows {costs['fit_s'] * 1e3:.0f} ms",
+    ]
+    print()
+    print("\n".join(verdict))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    record = {"machine": machine, "command": command_line(), "args": {k: str(v) for k, v in vars(args).items()},
+              "runs": str(runs_path), "result": result, "cost": costs, "verdict": verdict}  # fmt: skip
+    (out_dir / f"predictor-{stamp}.json").write_text(json.dumps(record, indent=1))
+    results_dir = out_dir if args.quick else _ROOT / "benchmarks" / "results"
+    report = results_dir / f"{datetime.now(timezone.utc):%Y-%m-%d}-predictor.md"
+    report.write_text(
+        "# Interference predictors: prediction error (forest vs measured-slowdown baseline)\n\n"
+        f"Date: {machine['date_utc']}. Commit: {machine['git_commit']}"
+        f"{_modified(machine)}.\n\n"
+        f"{describe_machine(machine)}, scikit-learn {_version('scikit-learn')}.\n\n"
+        f"Command: `{command_line()}`; data: {len(runs)} measured windows ({', '.join(result['scenarios'])}; "
+        f"partitions {result['partitions']}) of `{args.model}` {args.init_args}, batch {args.batch_size}.\n\n"
+        "What is measured: see the docstring of `benchmarks/predictor.py`. Truth = the stage's measured compute per "
+        "micro-batch under the other partition of the same scenario.\n\n"
+        + format_table(headers, rows, markdown=True)
+        + "\n\n"
+        + "\n".join(f"- {v}" for v in verdict)
+        + "\n\n## How to reproduce\n\n"
+        + f"From the repository root: `{command_line()}`"
+        + (f" (the sweep's windows: `{runs_path}`)" if args.from_json else "; it runs the calibration sweep first")
+        + ". To re-analyse without measuring: `.venv/bin/python benchmarks/predictor.py --from-json "
+        + f"{runs_path}` (raw record: `{out_dir / f'predictor-{stamp}.json'}`). No plot: the script writes tables "
+        + "only.\n"
+    )
+    print(f"\nreport written to {report}")
+    return 0
+
+
+def _modified(machine: dict[str, Any]) -> str:
+    files = machine.get("git_modified_files") or []
+    return f" (modified: {', '.join(files)})" if files else ""
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The forest's inputs: a named, versioned feature schema, and rows built from a window and a candidate.
+
+Two kinds of rows, each a fixed vector of floats whose columns the :class:`FeatureSchema` names:
+
+* a **stage row** for stage ``k`` of a candidate partition: the environment stage ``k`` was measured in
+  (:class:`~lightning_dynpipe.predictor.base.StageTimes`: CPU share, steal, run-queue wait, cgroup limit, other
+  processes' load on its cores, context switches, RSS, GPU utilisation / SM clock / throttling / other
+  processes' memory where NVML reports them), what the stage held when measured (its profiled compute, its
+  measured slowdown, how busy it was), and the candidate's layer set for stage ``k`` from the set-up profile
+  (:class:`~lightning_dynpipe.plan.costs.ModelCost`: compute, parameter, activation and working-set bytes,
+  layer count, micro-batches per step), with the pace the candidate's other stages set (the slowest one's prior)
+  and, under a CPU limit, the stage's CPU need at that pace over its limit;
+* a **boundary row** for boundary ``b`` of a candidate: the message time measured across boundary ``b``, its
+  spread (jitter), the bytes that crossed it, the bytes the candidate sends across it, and the link model.
+
+The forest predicts the **residual** over an analytic prior, as a log ratio:
+
+* stage: ``prior = slowdown * profiled compute of the candidate's layers`` per micro-batch, where the slowdown is
+  the stage's measured compute over the profile of the layers it held (:func:`prior_slowdowns`), at least
+  ``1/q`` under a CPU limit of ``q`` cores;
+* boundary: ``prior = max(link(candidate bytes), measured message time - link(measured bytes) + link(candidate
+  bytes))`` with ``link(x) = latency + x / bandwidth``: the measured extra latency (delay, jitter, contention)
+  carries over and the bandwidth term follows the bytes.
+
+Under a CPU limit the measured forward+backward time understates what the stage needs (the throttling can land in
+its waits instead), so a stage's time is taken as :func:`effective_compute_s`: at least its CPU time per step over
+its limit. So a forest that knows nothing predicts the prior, and the trees never have to learn the obvious. Columns
+that a machine does not report (no NVML, no ``/proc``) hold :data:`MISSING`.
+
+Pure numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes
+from lightning_dynpipe.predictor.measured import measured_slowdowns
+
+__all__ = [
+    "FeatureSchema",
+    "FEATURE_SCHEMA",
+    "MISSING",
+    "STAGE_FEATURES",
+    "BOUNDARY_FEATURES",
+    "LabelledSamples",
+    "effective_compute_s",
+    "stage_rows",
+    "stage_priors",
+    "prior_slowdowns",
+    "boundary_rows",
+    "boundary_priors",
+    "measured_message_s",
+    "samples_from_windows",
+]
+
+FloatArray = npt.NDArray[np.float64]
+
+MISSING = -1.0
+"""The value of a column the machine does not report (every real value of these columns is >= 0)."""
+
+_MIB = float(1 << 20)
+
+STAGE_FEATURES: tuple[str, ...] = (
+    # the stage's environment, as measured under the window's partition
+    "cpu_share",
+    "steal_share",
+    "run_queue_wait_share",
+    "cpu_limit_cores",
+    "other_cpu_load",
+    "ctx_switches_per_s",
+    "rss_mib",
+    "gpu_util",
+    "gpu_sm_clock_mhz",
+    "gpu_throttled",
+    "gpu_other_mem_mib",
+    # what the stage held when measured
+    "measured_profile_ms",
+    "measured_slowdown",
+    "measured_raw_ratio",
+    "measured_duty",
+    # the candidate's layer set for the stage
+    "candidate_profile_ms",
+    "candidate_param_mib",
+    "candidate_activation_out_mib",
+    "candidate_working_set_mib",
+    "candidate_num_layers",
+    "num_microbatches",
+    "work_ratio",
+    "candidate_duty",
+    "quota_demand",
+    "pace_ms",
+    "quota_pressure",
+)
+"""Columns of a stage row (see the module docstring)."""
+
+BOUNDARY_FEATURES: tuple[str, ...] = (
+    "measured_message_ms",
+    "measured_spread_ms",
+    "measured_mib",
+    "candidate_mib",
+    "link_latency_ms",
+    "link_ms_per_mib",
+    "link_measured_ms",
+    "link_candidate_ms",
+    "num_microbatches",
+)
+"""Columns of a boundary row (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """The name, version and columns of the rows a forest was trained on; a model file records it.
+
+    Example::
+
+        FEATURE_SCHEMA.check(FeatureSchema.from_dict(saved["schema"]), where="model.npz")
+
+    A model is only valid for rows built the same way, so any change to the columns or to how they are
+    computed bumps :attr:`version`.
+    """
+
+    name: str
+    version: int
+    stage: tuple[str, ...]
+    boundary: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data."""
+        return {"name": self.name, "version": self.version, "stage": list(self.stage), "boundary": list(self.boundary)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeatureSchema:
+        """The inverse of :meth:`to_dict`; a malformed entry raises :class:`ConfigurationError`."""
+        try:
+            return cls(str(data["name"]), int(data["version"]), tuple(data["stage"]), tuple(data["boundary"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"A feature schema needs 'name', 'version', 'stage' and 'boundary'; got {data!r} ({exc})."
+            ) from exc
+
+    def check(self, other: FeatureSchema, *, where: str) -> None:
+        """Raises :class:`ConfigurationError` unless ``other`` (e.g. read from a file) is this schema."""
+        if other == self:
+            return
+        diff = sorted(set(other.stage) ^ set(self.stage)) + sorted(set(other.boundary) ^ set(self.boundary))
+        raise ConfigurationError(
+            f"{where} was trained on feature schema {other.name!r} version {other.version}, but this version of "
+            f"lightning_dynpipe builds rows of schema {self.name!r} version {self.version}; a forest only applies "
+            f"to rows of the schema it was trained on (columns that differ: {diff[:8] or 'their order'}). Re-run "
+            "`python -m lightning_dynpipe calibrate` to train a forest for this version, or install the version "
+            "that wrote the file."
+        )
+
+
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 1, STAGE_FEATURES, BOUNDARY_FEATURES)
+"""The schema this version builds."""
+
+
+def _opt(value: float | None, scale: float = 1.0) -> float:
+    return MISSING if value is None or math.isnan(value) else float(value) * scale
+
+
+def effective_compute_s(t: StageTimes) -> float:
+    """A stage's compute per step as the pipeline feels it: its forward+backward time, and under a CPU limit of
+    ``q`` cores at least its CPU time per step over ``q`` (the quota allows no faster step).
+
+    Example::
+
+        >>> effective_compute_s(StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2, cpu_limit=0.25))
+        0.064
+    """
+    if t.cpu_limit is not None and 0 < t.cpu_limit < 1 and t.step_s > 0:
+        return max(t.compute_s, t.cpu_share * t.step_s / t.cpu_limit)
+    return t.compute_s
+
+
+def _profile_s(model_cost: ModelCost, partition: Partition, k: int) -> float:
+    layers = partition.stage_layers(k)
+    return model_cost.compute_s(layers.start, layers.stop)
+
+
+def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[float, ...]:
+    """Per stage, measured compute over the profile of its layers (1 without either), at least ``1/q`` under a
+    CPU limit of ``q < 1`` core.
+
+    Unlike the baseline's :func:`~lightning_dynpipe.predictor.measured.measured_slowdowns` this is not taken
+    relative to the least slowed stage: when every stage is slowed, the prior should say so (the trees see the
+    relative slowdown as a feature too).
+    """
+    M = window.num_microbatches
+    out = []
+    for k, t in enumerate(window.stages):
+        profile = _profile_s(model_cost, window.partition, k)
+        c = effective_compute_s(t)
+        raw = c / (M * profile) if profile > 0 and c > 0 else 1.0
+        floor = 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0
+        out.append(max(raw, floor))
+    return tuple(out)
+
+
+def stage_priors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
+    """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds)."""
+    _check_same_stages(window, candidate)
+    slow = prior_slowdowns(model_cost, window)
+    return np.asarray([slow[k] * _profile_s(model_cost, candidate, k) for k in range(candidate.num_stages)])
+
+
+def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
+    """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``."""
+    _check_same_stages(window, candidate)
+    M = window.num_microbatches
+    slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
+    priors = stage_priors(model_cost, window, candidate)
+    rows = []
+    for k, t in enumerate(window.stages):
+        measured_profile = _profile_s(model_cost, window.partition, k)
+        c = effective_compute_s(t)
+        raw = c / (M * measured_profile) if measured_profile > 0 and c > 0 else 1.0
+        duty = min(max(t.compute_s / t.step_s, 0.0), 1.0) if t.step_s > 0 else 0.0
+        layers = candidate.stage_layers(k)
+        first, stop = layers.start, layers.stop
+        cand_profile = model_cost.compute_s(first, stop)
+        ratio = cand_profile / measured_profile if measured_profile > 0 else 1.0
+        params = model_cost.param_bytes(first, stop)
+        working = (
+            params
+            + model_cost.optimizer_state_bytes(first, stop)
+            + model_cost.activation_bytes(first, stop)
+            + max(model_cost.layers[i].workspace_bytes for i in layers)
+        )
+        cand_duty = min(duty * ratio, 1.0)
+        limit = t.cpu_limit
+        pace = max((float(priors[j]) for j in range(len(priors)) if j != k), default=0.0)
+        raw_clean = min(raw, 1.0 / limit) if limit is not None and 0 < limit < 1 else raw
+        rows.append(
+            [
+                t.cpu_share,
+                t.steal_share,
+                t.run_queue_wait_share,
+                _opt(limit),
+                _opt(t.other_cpu_load),
+                t.ctx_switches_per_s,
+                t.rss_bytes / _MIB,
+                _opt(t.gpu_util),
+                _opt(t.gpu_sm_clock_mhz),
+                _opt(t.gpu_throttled),
+                _opt(t.gpu_other_mem_bytes, 1.0 / _MIB),
+                measured_profile * 1e3,
+                slow[k],
+                raw,
+                duty,
+                cand_profile * 1e3,
+                params / _MIB,
+                model_cost.layers[stop - 1].activation_bytes / _MIB,
+                working / _MIB,
+                float(stop - first),
+                float(M),
+                ratio,
+                cand_duty,
+                cand_duty / limit if limit is not None and limit > 0 else 0.0,
+                pace * 1e3,
+                raw_clean * cand_profile / (limit * pace) if limit is not None and limit > 0 and pace > 0 else 0.0,
+            ]
+        )
+    return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(STAGE_FEATURES))
+
+
+def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...]:
+    """Per boundary of the window's partition, ``(median, spread)`` seconds per message, from the stages' times.
+
+    Stage ``k`` receives ``M`` activations (when ``k > 0``) and ``M`` gradients (when ``k < S-1``) per step, and
+    reports the time its incoming transfers took per step; boundary ``b``'s message time is the mean of the
+    per-message times of the two stages beside it (exact for two stages; an average of both sides of an
+    interior stage otherwise).
+    """
+    S, M = window.partition.num_stages, window.num_microbatches
+    per_msg = []
+    for k, t in enumerate(window.stages):
+        n = M * ((k > 0) + (k < S - 1))
+        per_msg.append((t.comm_s / n, t.comm_spread_s / n) if n > 0 else (0.0, 0.0))
+    return tuple(
+        ((per_msg[b][0] + per_msg[b + 1][0]) / 2.0, (per_msg[b][1] + per_msg[b + 1][1]) / 2.0) for b in range(S - 1)
+    )
+
+
+def _boundary_bytes(model_cost: ModelCost, partition: Partition) -> list[int]:
+    return [model_cost.layers[partition.stage_layers(b)[-1]].activation_bytes for b in range(partition.num_stages - 1)]
+
+
+def boundary_priors(model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition) -> FloatArray:
+    """Per boundary of ``candidate``, the analytic prior of its time per message (seconds)."""
+    _check_same_stages(window, candidate)
+    measured = measured_message_s(window)
+    old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
+    out = []
+    for b in range(candidate.num_stages - 1):
+        link_new = float(comm.transfer_time(new[b]))
+        excess = measured[b][0] - float(comm.transfer_time(old[b])) if measured[b][0] > 0 else 0.0
+        out.append(max(link_new, excess + link_new))
+    return np.asarray(out, dtype=np.float64)
+
+
+def boundary_rows(model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition) -> FloatArray:
+    """One row of :data:`BOUNDARY_FEATURES` per boundary of ``candidate``, shape ``(S-1, len(BOUNDARY_FEATURES))``."""
+    _check_same_stages(window, candidate)
+    measured = measured_message_s(window)
+    old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
+    per_mib = _MIB / comm.bandwidth_Bps if math.isfinite(comm.bandwidth_Bps) else 0.0
+    rows = [
+        [
+            measured[b][0] * 1e3,
+            measured[b][1] * 1e3,
+            old[b] / _MIB,
+            new[b] / _MIB,
+            comm.latency_s * 1e3,
+            per_mib * 1e3,
+            float(comm.transfer_time(old[b])) * 1e3,
+            float(comm.transfer_time(new[b])) * 1e3,
+            float(window.num_microbatches),
+        ]
+        for b in range(candidate.num_stages - 1)
+    ]
+    return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(BOUNDARY_FEATURES))
+
+
+@dataclass(frozen=True)
+class LabelledSamples:
+    """Rows with their targets (log of measured over prior), for stages and for boundaries.
+
+    Attributes:
+        stage_x: ``(n, len(STAGE_FEATURES))`` stage rows.
+        stage_y: ``(n,)`` stage residuals, ``log(measured compute per micro-batch / prior)`` (the effective
+            compute, :func:`effective_compute_s`).
+        boundary_x: ``(m, len(BOUNDARY_FEATURES))`` boundary rows.
+        boundary_y: ``(m,)`` boundary residuals, ``log(measured message time / prior)``.
+    """
+
+    stage_x: FloatArray
+    stage_y: FloatArray
+    boundary_x: FloatArray
+    boundary_y: FloatArray
+
+    @classmethod
+    def empty(cls) -> LabelledSamples:
+        """No samples."""
+        return cls(
+            np.zeros((0, len(STAGE_FEATURES))),
+            np.zeros(0),
+            np.zeros((0, len(BOUNDARY_FEATURES))),
+            np.zeros(0),
+        )
+
+    @classmethod
+    def concat(cls, parts: list[LabelledSamples]) -> LabelledSamples:
+        """All rows of ``parts``, in order."""
+        if not parts:
+            return cls.empty()
+        return cls(
+            np.concatenate([p.stage_x for p in parts]),
+            np.concatenate([p.stage_y for p in parts]),
+            np.concatenate([p.boundary_x for p in parts]),
+            np.concatenate([p.boundary_y for p in parts]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.stage_y)
+
+
+_FLOOR_S = 1e-9  # a measured time of 0 (no transfer on this machine) has no log; such rows are left out
+
+
+def samples_from_windows(
+    model_cost: ModelCost, comm: CommModel, before: PipelineWindow, after: PipelineWindow
+) -> LabelledSamples:
+    """Labelled samples: the environment measured in ``before``, the layers and times measured in ``after``.
+
+    ``after`` may run the same partition (the next window: how the environment carries forward) or another one
+    (a migration's outcome, or a calibration run of another layer set under the same interference).
+    """
+    cand = after.partition
+    sx = stage_rows(model_cost, before, cand)
+    prior = stage_priors(model_cost, before, cand)
+    measured = np.asarray([effective_compute_s(t) / after.num_microbatches for t in after.stages])
+    keep = (prior > _FLOOR_S) & (measured > _FLOOR_S)
+    sy = np.log(np.where(keep, measured, 1.0) / np.where(keep, prior, 1.0))
+    bx = boundary_rows(model_cost, comm, before, cand)
+    bprior = boundary_priors(model_cost, comm, before, cand)
+    bmeasured = np.asarray([m for m, _ in measured_message_s(after)])
+    bkeep = (bprior > _FLOOR_S) & (bmeasured > _FLOOR_S)
+    by = np.log(np.where(bkeep, bmeasured, 1.0) / np.where(bkeep, bprior, 1.0))
+    return LabelledSamples(sx[keep], sy[keep], bx[bkeep], by[bkeep])
+
+
+def _check_same_stages(window: PipelineWindow, candidate: Partition) -> None:
+    if candidate.num_stages != window.partition.num_stages or candidate.num_layers != window.partition.num_layers:
+        raise ConfigurationError(
+            f"A candidate is priced from a window of the same pipeline: the window ran {window.partition} "
+            f"({window.partition.num_stages} stages, {window.partition.num_layers} layers), the candidate is "
+            f"{candidate} ({candidate.num_stages} stages, {candidate.num_layers} layers). Give a candidate with "
+            "the window's stage and layer counts."
+        )

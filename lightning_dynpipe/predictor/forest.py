@@ -1,0 +1,575 @@
+"""The random-forest predictor: the residual over an analytic prior, with calibrated intervals, trained here.
+
+:class:`ForestPredictor` prices a candidate partition from a measured window (see
+:mod:`~lightning_dynpipe.predictor.features` for the rows and the priors). Two small scikit-learn forests (one
+for stages, one for boundaries) predict the log ratio of the measured time to the prior; the answer is
+``prior * exp(residual)``. Without samples the residual is 0, so an untrained forest answers exactly what the
+baseline :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` answers.
+
+**Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
+widened (or narrowed) by one constant: the smallest that makes ``coverage`` of the calibration intervals hold the
+measured value (split-conformal calibration). Two calibrations, the larger constant wins: out of bag (for every
+training row, the trees that did not see it give its interval), and by layer set (the rows split by the
+candidate's layer set into three folds; forests fitted on two folds give the intervals of the third), so that a
+partition that never ran is covered too. ``tests/predictor/test_forest.py`` checks the coverage on held-out rows,
+``benchmarks/predictor.py`` on held-out scenarios and partitions.
+
+**Determinism.** Fixed ``random_state``, one thread, and rows in the order they were observed: the same samples
+give the same forest on every rank, so every rank prices candidates the same.
+
+**Online refits.** :meth:`ForestPredictor.observe` turns each window into labelled samples (its environment
+paired with the next window's times, under the same partition or, after a migration, under the new one) in a
+bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits in a background thread
+(lowered CPU priority; scikit-learn's tree builder releases the GIL). The observations are the monitor's
+snapshots, identical and in the same order on every rank, so every rank starts refit number ``n`` at the same
+check, from the same rows, with the same seed, and fits the same forest. The ranks then switch to it at the same
+check without waiting for it:
+
+* in a fit, each rank publishes :meth:`ForestPredictor.ready_refit` (the newest refit finished on this rank) with
+  its monitor report (``StageReport.token``, part of the all-gather the monitor does anyway); every rank sees
+  every rank's number, and all switch at the first snapshot whose smallest number reaches ``n``
+  (``observe(..., agreed_refit=snapshot.agreed_token)``). A slow refit delays the switch; it never stalls a step;
+* used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, joining the
+  thread there if it is still running (logged).
+
+**Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
+library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
+from the rows (deterministic, well under a second for calibration-sized data). Nothing executable is ever
+read from a file.
+
+scikit-learn is imported on the first fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor.base import Interval, PartitionPrediction, PipelineWindow
+from lightning_dynpipe.predictor.features import (
+    BOUNDARY_FEATURES,
+    FEATURE_SCHEMA,
+    STAGE_FEATURES,
+    FeatureSchema,
+    LabelledSamples,
+    boundary_priors,
+    boundary_rows,
+    samples_from_windows,
+    stage_priors,
+    stage_rows,
+)
+
+__all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+
+FILE_FORMAT = "dynpipe-forest/1"
+"""The format tag of :meth:`ForestPredictor.save` files."""
+
+_PROFILE_COL = STAGE_FEATURES.index("candidate_profile_ms")
+_LAYERS_COL = STAGE_FEATURES.index("candidate_num_layers")
+_BYTES_COL = BOUNDARY_FEATURES.index("candidate_mib")
+_SKLEARN_HINT = "The forest predictor needs scikit-learn: pip install 'scikit-learn>=1.3'"
+_TREE_QUANTILES = (0.05, 0.95)
+
+
+def _sklearn_forest() -> Any:
+    try:
+        from sklearn.ensemble import RandomForestRegressor
+    except ImportError as exc:  # pragma: no cover - scikit-learn is a dependency of the package
+        raise ConfigurationError(f"{_SKLEARN_HINT} ({exc}), or use predictor='measured'.") from exc
+    return RandomForestRegressor
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("lightning-dynpipe", "scikit-learn", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "unknown"
+    return out
+
+
+class QuantileForest:
+    """A random forest regressor whose intervals are its trees' spread, calibrated out of bag.
+
+    Example::
+
+        forest = QuantileForest(n_estimators=32, coverage=0.9, random_state=0).fit(x, y)
+        value, low, high = forest.predict(x_new)
+
+    Args:
+        n_estimators: trees (small: the forest is queried at every check).
+        min_samples_leaf: rows per leaf at least (smooths the residual).
+        coverage: the share of held-out values the intervals should contain.
+        random_state: the seed (fixed: every rank must fit the same trees).
+    """
+
+    def __init__(
+        self, *, n_estimators: int = 32, min_samples_leaf: int = 3, coverage: float = 0.9, random_state: int = 0
+    ) -> None:
+        if n_estimators < 2 or min_samples_leaf < 1 or not 0.0 < coverage < 1.0:
+            raise ConfigurationError(
+                f"QuantileForest needs n_estimators >= 2, min_samples_leaf >= 1 and 0 < coverage < 1; got "
+                f"{n_estimators}, {min_samples_leaf}, {coverage}. The defaults are 32, 3 and 0.9."
+            )
+        self.n_estimators = n_estimators
+        self.min_samples_leaf = min_samples_leaf
+        self.coverage = coverage
+        self.random_state = random_state
+        self._trees: list[Any] = []
+        self.margin = 0.0
+        self.importances: FloatArray = np.zeros(0)
+        self.fit_s = 0.0
+
+    @property
+    def fitted(self) -> bool:
+        """Whether :meth:`fit` has run."""
+        return bool(self._trees)
+
+    def _score_level(self, n: int) -> float:
+        return min(1.0, math.ceil((n + 1) * self.coverage) / n)
+
+    def fit(self, x: FloatArray, y: FloatArray, groups: npt.ArrayLike | None = None) -> QuantileForest:
+        """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margin.
+
+        Args:
+            x: rows.
+            y: targets.
+            groups: optional group label per row (e.g. the candidate's layer set). With three groups or more the
+                margin must also cover rows of groups the trees never saw: the rows are split by group into three
+                folds, forests fitted on two folds are scored on the third, and the margin is the larger of that
+                and the out-of-bag one.
+        """
+        t0 = time.perf_counter()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.asarray(y, dtype=np.float64)
+        trees, importances, margin = self._fit_trees(x, y, calibrate=True)
+        if groups is not None:
+            labels = np.unique(np.asarray(groups), return_inverse=True)[1]
+            if labels.max(initial=0) >= 2:
+                fold = labels % 3
+                scores = []
+                for f in range(3):
+                    out = fold == f
+                    held, _, _ = self._fit_trees(x[~out], y[~out], calibrate=False)
+                    lo, hi = np.quantile(np.stack([t.predict(x[out])[:, 0] for t in held]), _TREE_QUANTILES, axis=0)
+                    scores.append(np.maximum(lo - y[out], y[out] - hi))
+                pooled = np.concatenate(scores)
+                margin = max(margin, float(np.quantile(pooled, self._score_level(len(pooled)), method="higher")))
+        self._trees, self.margin, self.importances = trees, margin, importances
+        self.fit_s = time.perf_counter() - t0
+        return self
+
+    def _fit_trees(self, x: Any, y: FloatArray, *, calibrate: bool) -> tuple[list[Any], FloatArray, float]:
+        """The trees, their feature importances and (with ``calibrate``) the out-of-bag margin."""
+        forest = _sklearn_forest()(
+            n_estimators=self.n_estimators,
+            min_samples_leaf=self.min_samples_leaf,
+            max_features=0.6,
+            random_state=self.random_state,
+            n_jobs=1,
+        ).fit(x, y)
+        trees = [est.tree_ for est in forest.estimators_]
+        importances = np.asarray(forest.feature_importances_, dtype=np.float64)
+        if not calibrate:
+            return trees, importances, 0.0
+        per_tree = np.stack([t.predict(x)[:, 0] for t in trees])  # (T, n)
+        in_bag = np.zeros_like(per_tree, dtype=bool)
+        for t, rows in enumerate(forest.estimators_samples_):
+            in_bag[t, rows] = True
+        oob = np.where(in_bag, np.nan, per_tree)
+        seen = (~in_bag).sum(axis=0) >= 2
+        margin = 0.0
+        if seen.sum() >= 5:
+            lo, hi = np.nanquantile(oob[:, seen], _TREE_QUANTILES, axis=0)
+            scores = np.maximum(lo - y[seen], y[seen] - hi)
+            margin = float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
+        return trees, importances, margin
+
+    def predict(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """``(value, low, high)`` per row; ``low <= value <= high``."""
+        if not self._trees:
+            raise ConfigurationError("QuantileForest.predict needs a fitted forest; call fit(x, y) first.")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        per_tree = np.stack([t.predict(x)[:, 0] for t in self._trees])
+        value = per_tree.mean(axis=0)
+        lo, hi = np.quantile(per_tree, _TREE_QUANTILES, axis=0)
+        lo, hi = lo - self.margin, hi + self.margin
+        return value, np.minimum(lo, value), np.maximum(hi, value)
+
+
+@dataclass
+class _Refit:
+    thread: threading.Thread
+    adopt_at: int
+    started: int
+    number: int
+    result: tuple[QuantileForest | None, QuantileForest | None] | None = None
+    done: bool = False
+
+
+class ForestPredictor:
+    """The :class:`~lightning_dynpipe.predictor.base.InterferencePredictor` of the random forest (see the module).
+
+    Example::
+
+        predictor = ForestPredictor.load("dynpipe-forest.npz")     # from `python -m lightning_dynpipe calibrate`
+        DynPipeStrategy(predictor=predictor)
+        # or untrained, learning from the run's own windows:
+        DynPipeStrategy(predictor="forest")
+
+    Args:
+        n_estimators: trees per forest (stages and boundaries each have one).
+        min_samples_leaf: rows per leaf at least.
+        coverage: the nominal coverage of the intervals.
+        random_state: the seed.
+        min_samples: rows a forest needs before it is fitted (until then the prior is the answer).
+        buffer_size: online rows kept (oldest dropped first); calibration rows given to :meth:`fit` are kept.
+        refit_every: observed windows between two refits.
+        adopt_after: observed windows from a refit's start to the switch to its forest (>= 1).
+    """
+
+    def __init__(
+        self,
+        *,
+        n_estimators: int = 32,
+        min_samples_leaf: int = 3,
+        coverage: float = 0.9,
+        random_state: int = 0,
+        min_samples: int = 20,
+        buffer_size: int = 2048,
+        refit_every: int = 5,
+        adopt_after: int = 2,
+    ) -> None:
+        if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
+            raise ConfigurationError(
+                f"ForestPredictor needs min_samples >= 2, buffer_size >= 1, refit_every >= 1 and adopt_after >= 1; "
+                f"got {min_samples}, {buffer_size}, {refit_every}, {adopt_after}."
+            )
+        QuantileForest(n_estimators=n_estimators, min_samples_leaf=min_samples_leaf, coverage=coverage)  # validates
+        self.n_estimators = n_estimators
+        self.min_samples_leaf = min_samples_leaf
+        self.coverage = coverage
+        self.random_state = random_state
+        self.min_samples = min_samples
+        self.buffer_size = buffer_size
+        self.refit_every = refit_every
+        self.adopt_after = adopt_after
+        self.schema: FeatureSchema = FEATURE_SCHEMA
+        self._base = LabelledSamples.empty()
+        self._online: deque[LabelledSamples] = deque()
+        self._online_rows = 0
+        self._stage: QuantileForest | None = None
+        self._boundary: QuantileForest | None = None
+        self._last: PipelineWindow | None = None
+        self._observed = 0
+        self._since_refit = 0
+        self._refit: _Refit | None = None
+        self._refits_started = 0
+        self.refits = 0
+        """Refits adopted so far."""
+
+    # ------------------------------------------------------------------ training
+    def _forest(self) -> QuantileForest:
+        return QuantileForest(
+            n_estimators=self.n_estimators,
+            min_samples_leaf=self.min_samples_leaf,
+            coverage=self.coverage,
+            random_state=self.random_state,
+        )
+
+    def _fit_pair(self, samples: LabelledSamples) -> tuple[QuantileForest | None, QuantileForest | None]:
+        stage = boundary = None
+        if len(samples) >= self.min_samples:
+            layer_set = samples.stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6)
+            groups = [hash(tuple(r)) for r in layer_set.tolist()]
+            stage = self._forest().fit(samples.stage_x, samples.stage_y, groups=groups)
+        if len(samples.boundary_y) >= self.min_samples:
+            boundary = self._forest().fit(
+                samples.boundary_x, samples.boundary_y, groups=samples.boundary_x[:, _BYTES_COL].round(6)
+            )
+        return stage, boundary
+
+    def fit(self, samples: LabelledSamples) -> ForestPredictor:
+        """Fits both forests now on ``samples`` (e.g. a calibration sweep's) plus the online buffer; returns self.
+
+        These rows stay in every later refit (they are not part of the bounded online buffer).
+        """
+        _check_columns(samples)
+        self._base = samples
+        self._stage, self._boundary = self._fit_pair(self.samples)
+        return self
+
+    @property
+    def samples(self) -> LabelledSamples:
+        """Every row a refit would use: the calibration rows, then the online buffer, oldest first."""
+        return LabelledSamples.concat([self._base, *self._online])
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the stage forest is trained (until then the prior is the answer)."""
+        return self._stage is not None
+
+    def observe(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, agreed_refit: int | None = None
+    ) -> None:
+        """Records one monitor window (call it once per check, before :meth:`predict`, with the same window on
+        every rank); see the module docstring for when refits start and are adopted.
+
+        Args:
+            model_cost: the set-up profile.
+            comm: the link model.
+            window: the check's window.
+            agreed_refit: the smallest :meth:`ready_refit` of all ranks (from the monitor's snapshot); ``None``:
+                switch ``adopt_after`` observations after a refit started.
+        """
+        self._observed += 1
+        pending = self._refit
+        if pending is not None:
+            if agreed_refit is not None:
+                if agreed_refit >= pending.number:  # finished on every rank: no wait
+                    self._adopt(pending)
+            elif self._observed >= pending.adopt_at:
+                if pending.thread.is_alive():
+                    t0 = time.perf_counter()
+                    pending.thread.join()
+                    log.warning(
+                        "DynPipe forest: the refit started at window %d was not done %d windows later; waited "
+                        "%.3f s for it (use a larger adopt_after or a smaller forest).",
+                        pending.started,
+                        self.adopt_after,
+                        time.perf_counter() - t0,
+                    )
+                self._adopt(pending)
+        previous, self._last = self._last, window
+        if previous is not None and previous.partition.num_stages == window.partition.num_stages:
+            self._add(samples_from_windows(model_cost, comm, previous, window))
+        if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
+            self._start_refit()
+
+    def _adopt(self, pending: _Refit) -> None:
+        pending.thread.join()  # finished: returns at once
+        if pending.result is not None:
+            self._stage, self._boundary = pending.result
+            self.refits += 1
+        self._refit = None
+
+    def ready_refit(self) -> int:
+        """The number of the newest refit finished on this rank (refits are numbered 1, 2, ... as they start)."""
+        pending = self._refit
+        if pending is None:
+            return self._refits_started
+        return pending.number if pending.done else pending.number - 1
+
+    def _add(self, samples: LabelledSamples) -> None:
+        if not len(samples) and not len(samples.boundary_y):
+            return
+        self._online.append(samples)
+        self._online_rows += len(samples)
+        self._since_refit += 1
+        while self._online_rows > self.buffer_size and len(self._online) > 1:
+            self._online_rows -= len(self._online.popleft())
+
+    def _start_refit(self) -> None:
+        rows = self.samples  # a copy: later windows do not change what this refit sees
+        self._since_refit = 0
+        self._refits_started += 1
+        refit = _Refit(
+            threading.Thread(),
+            adopt_at=self._observed + self.adopt_after,
+            started=self._observed,
+            number=self._refits_started,
+        )
+
+        def run() -> None:
+            try:  # a background fit must not take the core from the pipeline
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+            except (AttributeError, OSError):
+                pass
+            try:
+                refit.result = self._fit_pair(rows)
+            except Exception:  # keep the current forest; the next refit tries again
+                log.exception("DynPipe forest: a background refit failed; the current forest stays in use.")
+            finally:
+                refit.done = True
+
+        refit.thread = threading.Thread(target=run, name="dynpipe-forest-refit", daemon=True)
+        self._refit = refit
+        refit.thread.start()
+
+    def close(self) -> None:
+        """Ends a fit: waits for a running refit (its result is dropped) and forgets the last window (the next
+        fit's first window is not paired with it). The samples and the forest stay."""
+        if self._refit is not None:
+            self._refit.thread.join()
+            self._refit = None
+        self._last = None
+
+    # ------------------------------------------------------------------ prediction
+    def predict(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
+    ) -> PartitionPrediction:
+        """Each stage's compute per micro-batch and each boundary's message time under ``candidate``."""
+        return self.predict_many(model_cost, comm, window, [candidate])[0]
+
+    def predict_many(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidates: Sequence[Partition]
+    ) -> list[PartitionPrediction]:
+        """:meth:`predict` for several candidates with one query per forest (what a check costs)."""
+        if not candidates:
+            return []
+        S = window.partition.num_stages
+        sx = np.concatenate([stage_rows(model_cost, window, c) for c in candidates])
+        sp = np.concatenate([stage_priors(model_cost, window, c) for c in candidates])
+        bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in candidates])
+        bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
+        s_val, s_lo, s_hi = _residuals(self._stage, sx)
+        b_val, b_lo, b_hi = _residuals(self._boundary, bx)
+        out = []
+        for i, cand in enumerate(candidates):
+            stages = []
+            slowdowns = []
+            for k in range(S):
+                r = i * S + k
+                prior = float(sp[r])
+                value = prior * math.exp(s_val[r])
+                stages.append(
+                    Interval(value, min(prior * math.exp(s_lo[r]), value), max(prior * math.exp(s_hi[r]), value))
+                )
+                layers = cand.stage_layers(k)
+                profile = model_cost.compute_s(layers.start, layers.stop)
+                slowdowns.append(value / profile if profile > 0 else 1.0)
+            bounds = []
+            for b in range(S - 1):
+                r = i * (S - 1) + b
+                prior = float(bp[r])
+                value = prior * math.exp(b_val[r])
+                bounds.append(
+                    Interval(value, min(prior * math.exp(b_lo[r]), value), max(prior * math.exp(b_hi[r]), value))
+                )
+            out.append(PartitionPrediction(cand, tuple(slowdowns), tuple(stages), tuple(bounds)))
+        return out
+
+    def top_features(self, model_cost: ModelCost, window: PipelineWindow, stage_idx: int, n: int = 3) -> list[str]:
+        """The ``n`` most important stage features with their values for ``stage_idx`` of the window, for logs."""
+        if self._stage is None:
+            return []
+        row = stage_rows(model_cost, window, window.partition)[stage_idx]
+        order = np.argsort(-self._stage.importances, kind="stable")[:n]
+        return [f"{STAGE_FEATURES[j]}={row[j]:.3g}" for j in order]
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Writes the rows, hyperparameters, schema and library versions to ``path`` (``.npz``, no pickle)."""
+        rows = self.samples
+        meta = {
+            "format": FILE_FORMAT,
+            "schema": self.schema.to_dict(),
+            "versions": _library_versions(),
+            "params": self._params(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        target = Path(path)
+        with open(target, "wb") as fh:  # np.savez on a path would append ".npz" to any other suffix
+            np.savez(
+                fh,
+                meta=np.asarray(json.dumps(meta)),
+                stage_x=rows.stage_x,
+                stage_y=rows.stage_y,
+                boundary_x=rows.boundary_x,
+                boundary_y=rows.boundary_y,
+            )
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], **overrides: Any) -> ForestPredictor:
+        """Reads a :meth:`save` file (no pickle is ever loaded), checks its schema, and refits from its rows.
+
+        Args:
+            path: the file the user named.
+            overrides: constructor arguments that replace the file's (e.g. ``refit_every``).
+
+        Raises:
+            ConfigurationError: not such a file, or one written for another feature schema.
+        """
+        where = str(path)
+        try:
+            with np.load(where, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                arrays = {
+                    k: np.asarray(data[k], dtype=np.float64) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y")
+                }
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigurationError(
+                f"{where} is not a forest file of lightning_dynpipe ({exc}). Give a file written by "
+                "ForestPredictor.save or `python -m lightning_dynpipe calibrate --out FILE`."
+            ) from exc
+        if meta.get("format") != FILE_FORMAT:
+            raise ConfigurationError(
+                f"{where} has format {meta.get('format')!r}, this version reads {FILE_FORMAT!r}. Re-run "
+                "`python -m lightning_dynpipe calibrate` to write a file for this version."
+            )
+        FEATURE_SCHEMA.check(FeatureSchema.from_dict(meta.get("schema", {})), where=where)
+        theirs = meta.get("versions", {}).get("scikit-learn")
+        ours = _library_versions()["scikit-learn"]
+        if theirs != ours:
+            log.info("%s was written with scikit-learn %s; refitting its rows with %s.", where, theirs, ours)
+        params = {**meta.get("params", {}), **overrides}
+        predictor = cls(**params)
+        return predictor.fit(LabelledSamples(**arrays))
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "n_estimators": self.n_estimators,
+            "min_samples_leaf": self.min_samples_leaf,
+            "coverage": self.coverage,
+            "random_state": self.random_state,
+            "min_samples": self.min_samples,
+            "buffer_size": self.buffer_size,
+            "refit_every": self.refit_every,
+            "adopt_after": self.adopt_after,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"ForestPredictor(n_estimators={self.n_estimators}, rows={len(self.samples)}, fitted={self.fitted}, "
+            f"refits={self.refits})"
+        )
+
+
+def _residuals(forest: QuantileForest | None, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    if forest is None or not len(x):
+        zero = np.zeros(len(x))
+        return zero, zero, zero
+    return forest.predict(x)
+
+
+def _check_columns(samples: LabelledSamples) -> None:
+    if samples.stage_x.shape[1:] != (len(STAGE_FEATURES),) or samples.boundary_x.shape[1:] != (len(BOUNDARY_FEATURES),):
+        raise ConfigurationError(
+            f"Samples need {len(STAGE_FEATURES)} stage columns and {len(BOUNDARY_FEATURES)} boundary columns (the "
+            f"feature schema {FEATURE_SCHEMA.name!r} v{FEATURE_SCHEMA.version}); got shapes "
+            f"{samples.stage_x.shape} and {samples.boundary_x.shape}. Build them with "
+            "lightning_dynpipe.predictor.features.samples_from_windows."
+        )

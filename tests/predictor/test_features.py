@@ -1,0 +1,160 @@
+"""The forest's feature schema and rows: columns, missing readings, the analytic priors and the labels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageSample, StageSummary, SystemReading
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import PipelineWindow, StageTimes
+from lightning_dynpipe.predictor.features import (
+    BOUNDARY_FEATURES,
+    FEATURE_SCHEMA,
+    MISSING,
+    STAGE_FEATURES,
+    FeatureSchema,
+    boundary_priors,
+    boundary_rows,
+    measured_message_s,
+    samples_from_windows,
+    stage_priors,
+    stage_rows,
+)
+
+COST = ModelCost.from_arrays(
+    [1e-3] * 4, [2e-3] * 4, activation_bytes=[1 << 20, 2 << 20, 3 << 20, 4 << 20], param_bytes=[1 << 20] * 4
+)
+LINK = CommModel(latency_s=1e-4, bandwidth_Bps=1e9)
+
+
+def _col(name: str) -> int:
+    return STAGE_FEATURES.index(name)
+
+
+def test_schema_round_trips_and_a_different_version_is_refused_with_the_rule_and_the_fix() -> None:
+    assert FeatureSchema.from_dict(FEATURE_SCHEMA.to_dict()) == FEATURE_SCHEMA
+    FEATURE_SCHEMA.check(FeatureSchema.from_dict(FEATURE_SCHEMA.to_dict()), where="f.npz")
+    older = FeatureSchema(FEATURE_SCHEMA.name, FEATURE_SCHEMA.version - 1, FEATURE_SCHEMA.stage[:-1], ())
+    with pytest.raises(ConfigurationError, match=r"f\.npz was trained on feature schema .* version 0.*calibrate"):
+        FEATURE_SCHEMA.check(older, where="f.npz")
+    with pytest.raises(ConfigurationError, match="needs 'name', 'version'"):
+        FeatureSchema.from_dict({"name": "x"})
+
+
+def test_stage_rows_hold_the_environment_and_the_candidates_layer_set() -> None:
+    window = PipelineWindow(
+        Partition((2, 2)),
+        (
+            StageTimes(compute_s=24e-3, step_s=40e-3, cpu_share=0.6, other_cpu_load=0.5),
+            StageTimes(compute_s=48e-3, step_s=48e-3, cpu_limit=0.5, cpu_share=0.5),
+        ),
+        4,
+    )
+    rows = stage_rows(COST, window, Partition((3, 1)))
+    assert rows.shape == (2, len(STAGE_FEATURES))
+    assert rows[0, _col("cpu_limit_cores")] == MISSING and rows[1, _col("cpu_limit_cores")] == 0.5
+    assert rows[0, _col("other_cpu_load")] == 0.5 and rows[1, _col("other_cpu_load")] == MISSING
+    assert rows[0, _col("gpu_util")] == MISSING  # no NVML
+    assert rows[0, _col("candidate_profile_ms")] == pytest.approx(9.0)  # 3 layers of 3 ms
+    assert rows[1, _col("candidate_num_layers")] == 1.0
+    assert rows[0, _col("work_ratio")] == pytest.approx(1.5) and rows[1, _col("work_ratio")] == pytest.approx(0.5)
+    assert rows[0, _col("measured_raw_ratio")] == pytest.approx(1.0)  # 24 ms = 4 micro-batches x 6 ms
+    assert rows[1, _col("measured_duty")] == pytest.approx(1.0)
+    assert rows[1, _col("quota_demand")] == pytest.approx(0.5 / 0.5)
+    assert rows[1, _col("candidate_activation_out_mib")] == 4.0
+
+
+def test_stage_prior_is_the_measured_stretch_floored_at_one_over_the_quota() -> None:
+    window = PipelineWindow(
+        Partition((2, 2)),
+        (StageTimes(compute_s=48e-3, step_s=60e-3), StageTimes(compute_s=30e-3, step_s=60e-3, cpu_limit=0.25)),
+        4,
+    )
+    prior = stage_priors(COST, window, Partition((1, 3)))
+    assert prior[0] == pytest.approx(2.0 * 3e-3)  # measured 2x the profile, one layer
+    assert prior[1] == pytest.approx(4.0 * 9e-3)  # 1.25x measured, but a quarter core means at least 4x
+
+
+def test_gpu_readings_reach_the_rows_from_the_monitor() -> None:
+    reading = SystemReading(gpu_util=0.8, gpu_sm_clock_mhz=1200.0, gpu_throttled=1.0, gpu_other_mem_bytes=1 << 30)
+
+    class Step:
+        forward_s, backward_s, optimizer_s, recv_wait_s, send_s = 0.01, 0.02, 0.0, 0.0, 0.0
+        comm_s, exposed_comm_s, step_s = 0.0, 0.0, 0.04
+        num_forward = num_backward = num_updates = 4
+        in_flight = stash_depth = 0
+
+    summary = StageSummary.of([StageSample.from_step(Step(), reading)] * 3)  # type: ignore[arg-type]
+    times = StageTimes.from_summary(summary)
+    window = PipelineWindow(Partition((4,)), (times,), 4)
+    row = stage_rows(COST, window, Partition((4,)))[0]
+    assert row[_col("gpu_util")] == 0.8 and row[_col("gpu_sm_clock_mhz")] == 1200.0
+    assert row[_col("gpu_throttled")] == 1.0 and row[_col("gpu_other_mem_mib")] == 1024.0
+    assert times.compute_s == pytest.approx(0.03)
+
+
+def test_boundary_prior_carries_the_measured_extra_latency_and_follows_the_bytes() -> None:
+    M = 4
+    msg = 5e-3  # a delayed link: 5 ms per message
+    window = PipelineWindow(
+        Partition((2, 2)),
+        (StageTimes(0.024, 0.06, comm_s=M * msg, comm_spread_s=M * 1e-3), StageTimes(0.024, 0.06, comm_s=M * msg)),
+        M,
+    )
+    ((median, spread),) = measured_message_s(window)
+    assert median == pytest.approx(msg) and spread == pytest.approx(0.5e-3)
+    prior = boundary_priors(COST, LINK, window, Partition((3, 1)))
+    link = lambda b: 1e-4 + b / 1e9  # noqa: E731
+    assert prior[0] == pytest.approx(msg - link(2 << 20) + link(3 << 20))
+    rows = boundary_rows(COST, LINK, window, Partition((3, 1)))
+    assert rows.shape == (1, len(BOUNDARY_FEATURES)) and rows[0, BOUNDARY_FEATURES.index("candidate_mib")] == 3.0
+    idle = PipelineWindow(Partition((2, 2)), (StageTimes(0.024, 0.06), StageTimes(0.024, 0.06)), M)
+    assert boundary_priors(COST, LINK, idle, Partition((1, 3)))[0] == pytest.approx(link(1 << 20))
+
+
+def test_samples_pair_the_environment_before_with_the_times_after() -> None:
+    before = PipelineWindow(
+        Partition((2, 2)), (StageTimes(0.024, 0.05, comm_s=0.004), StageTimes(0.048, 0.05, comm_s=0.004)), 4
+    )
+    after = PipelineWindow(
+        Partition((3, 1)), (StageTimes(0.036, 0.04, comm_s=0.004), StageTimes(0.024, 0.04, comm_s=0.004)), 4
+    )
+    s = samples_from_windows(COST, LINK, before, after)
+    assert s.stage_x.shape == (2, len(STAGE_FEATURES)) and len(s) == 2
+    # stage 0: 1x the profile before and after, no residual; stage 1: 2x before, 24 ms / 4 / 3 ms = 2x after
+    assert s.stage_y[0] == pytest.approx(0.0, abs=1e-12)
+    assert s.stage_y[1] == pytest.approx(math.log((0.024 / 4) / (2.0 * 3e-3)))
+    assert s.boundary_y.shape == (1,) and np.isfinite(s.boundary_y).all()
+
+
+def test_a_candidate_of_another_pipeline_is_refused() -> None:
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(0.02, 0.05), StageTimes(0.02, 0.05)), 4)
+    with pytest.raises(ConfigurationError, match="window.s stage and layer counts"):
+        stage_rows(COST, window, Partition((1, 1, 2)))
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import lightning_dynpipe.predictor.features as features
+
+    assert doctest.testmod(features).failed == 0
+
+
+def test_under_a_cpu_limit_a_stage_needs_at_least_its_cpu_time_over_the_limit() -> None:
+    from lightning_dynpipe.predictor.features import effective_compute_s
+
+    # throttled in its waits: 12 ms of compute, but 16 ms of CPU per 80 ms step under a quarter core
+    quota = StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2, cpu_limit=0.25)
+    assert effective_compute_s(quota) == pytest.approx(0.064)
+    assert effective_compute_s(StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2)) == 0.012
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(0.024, 0.08), quota), 4)
+    rows = stage_rows(COST, window, Partition((3, 1)))
+    # the other stage's prior (3 layers of 3 ms at 1x) sets the pace the limited stage must keep
+    assert rows[1, _col("pace_ms")] == pytest.approx(9.0)
+    assert rows[1, _col("quota_pressure")] > 0 and rows[0, _col("quota_pressure")] == 0.0

@@ -1,0 +1,238 @@
+"""The forest predictor on a synthetic pipeline with a known truth (tests/predictor/sim.py).
+
+Trained on some interference scenarios, judged on scenario types it never saw and on partitions the window was
+not measured under: error against the truth, against the baseline, interval coverage, determinism, cost, files
+(no pickle), and the online refits' rank-consistent switch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow
+from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows, stage_priors
+from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor
+
+from . import sim
+
+M = 4
+COST = sim.model_cost()
+PARTS = sim.partitions()
+TRAIN = [
+    sim.Env(),
+    sim.Env(hog=(1.0, 0.0)),
+    sim.Env(hog=(0.0, 0.5)),
+    sim.Env(quota=(None, 0.25)),
+    sim.Env(quota=(0.5, None)),
+    sim.Env(quota=(None, 0.5)),
+    sim.Env(quota=(0.25, None)),
+    sim.Env(delay_s=2e-3, jitter_s=1e-3),
+    sim.Env(hog=(0.5, 0.0), quota=(None, 0.3)),
+]
+HELD_OUT = [  # scenario types the forest never saw: other fractions, and a hog together with a quota elsewhere
+    sim.Env(quota=(None, 0.35)),
+    sim.Env(hog=(0.0, 1.0), quota=(0.4, None)),
+    sim.Env(delay_s=5e-3, jitter_s=2e-3, hog=(0.3, 0.0)),
+]
+
+
+def _windows(envs: list[sim.Env], seed: int) -> list[tuple[sim.Env, dict[Partition, PipelineWindow]]]:
+    rng = np.random.default_rng(seed)
+    return [(env, {p: sim.window(COST, p, env, M, rng) for p in PARTS}) for env in envs]
+
+
+def _training_samples() -> LabelledSamples:
+    parts = []
+    for _, wins in _windows(TRAIN, seed=1):
+        parts += [samples_from_windows(COST, sim.LINK, a, b) for a in wins.values() for b in wins.values()]
+    return LabelledSamples.concat(parts)
+
+
+@pytest.fixture(scope="module")
+def samples() -> LabelledSamples:
+    return _training_samples()
+
+
+@pytest.fixture(scope="module")
+def forest(samples: LabelledSamples) -> ForestPredictor:
+    return ForestPredictor().fit(samples)
+
+
+def test_an_untrained_forest_answers_its_prior_and_is_an_interference_predictor() -> None:
+    f = ForestPredictor()
+    assert isinstance(f, InterferencePredictor) and not f.fitted
+    _, wins = _windows([sim.Env(quota=(None, 0.25))], seed=2)[0]
+    window, cand = wins[PARTS[4]], PARTS[2]
+    p = f.predict(COST, sim.LINK, window, cand)
+    assert [i.value for i in p.stage_compute_s] == pytest.approx(stage_priors(COST, window, cand).tolist())
+    assert all(i.low == i.value == i.high for i in p.stage_compute_s)
+
+
+def test_on_held_out_scenarios_and_partitions_never_run_the_forest_is_accurate_and_covered(
+    forest: ForestPredictor,
+) -> None:
+    base = MeasuredSlowdownPredictor()
+    err_f, covered = [], []
+    per_env: dict[int, tuple[list[float], list[float]]] = {}
+    for i, (env, wins) in enumerate(_windows(HELD_OUT, seed=3)):
+        mine, theirs = per_env.setdefault(i, ([], []))
+        for a in PARTS:
+            for b in PARTS:
+                if a == b:
+                    continue
+                truth, _ = sim.true_compute(COST, b, env, M)
+                pf = forest.predict(COST, sim.LINK, wins[a], b)
+                pb = base.predict(COST, sim.LINK, wins[a], b)
+                for k in range(2):
+                    t = truth[k] / M
+                    ef, eb = abs(pf.stage_compute_s[k].value / t - 1), abs(pb.stage_compute_s[k].value / t - 1)
+                    err_f.append(ef)
+                    covered.append(pf.stage_compute_s[k].low <= t <= pf.stage_compute_s[k].high)
+                    if env.hog[k] or env.quota[k] is not None:
+                        mine.append(ef)
+                        theirs.append(eb)
+    medians = {i: (statistics.median(f), statistics.median(b)) for i, (f, b) in per_env.items()}
+    assert statistics.median(err_f) <= 0.10
+    # the hog beside a quota: the baseline's 1/q floor and relative slowdowns are wrong there, the forest is not
+    assert medians[1][0] <= 0.5 * medians[1][1], medians
+    # where the baseline is right (a quota that sets the pace: exactly 1/q), the forest stays close to it
+    assert all(f <= b + 0.03 for f, b in medians.values()), medians
+    assert np.mean(covered) >= 0.80
+
+
+def test_boundary_times_follow_a_delayed_link_that_the_link_model_does_not_know(forest: ForestPredictor) -> None:
+    env = sim.Env(delay_s=5e-3, jitter_s=2e-3)
+    _, wins = _windows([env], seed=4)[0]
+    p = forest.predict(COST, sim.LINK, wins[PARTS[4]], PARTS[1])
+    truth = sim.message_s(COST, PARTS[1], env, 0)
+    assert p.boundary_s[0].value == pytest.approx(truth, rel=0.1)
+    assert p.boundary_s[0].low <= truth <= p.boundary_s[0].high
+    assert MeasuredSlowdownPredictor().predict(COST, sim.LINK, wins[PARTS[4]], PARTS[1]).boundary_s[0].value < 1e-3
+
+
+def test_the_same_samples_give_the_same_answers_and_a_check_is_cheap(
+    forest: ForestPredictor, samples: LabelledSamples
+) -> None:
+    again = ForestPredictor().fit(samples)
+    _, wins = _windows([sim.Env(hog=(0.0, 1.0), quota=(0.4, None))], seed=5)[0]
+    window = wins[PARTS[3]]
+    assert forest.predict_many(COST, sim.LINK, window, PARTS) == again.predict_many(COST, sim.LINK, window, PARTS)
+    forest.predict_many(COST, sim.LINK, window, PARTS)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        forest.predict_many(COST, sim.LINK, window, PARTS)
+    per_check = (time.perf_counter() - t0) / 10
+    assert per_check < 0.025, f"{per_check * 1e3:.1f} ms to price {len(PARTS)} candidates"
+    top = forest.top_features(COST, window, 0)
+    assert len(top) == 3 and all("=" in t for t in top)
+
+
+def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_path: Path) -> None:
+    path = forest.save(tmp_path / "forest.npz")
+    loaded = ForestPredictor.load(path)
+    _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=6)[0]
+    window = wins[PARTS[5]]
+    assert loaded.predict_many(COST, sim.LINK, window, PARTS) == forest.predict_many(COST, sim.LINK, window, PARTS)
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(str(data["meta"]))
+    assert meta["format"] == FILE_FORMAT and "scikit-learn" in meta["versions"] and meta["schema"]["version"] >= 1
+
+
+def _rewrite_meta(src: Path, dst: Path, **changes: object) -> Path:
+    with np.load(src, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    meta.update(changes)
+    with open(dst, "wb") as fh:
+        np.savez(fh, meta=np.asarray(json.dumps(meta)), **arrays)
+    return dst
+
+
+def test_a_file_of_another_schema_or_format_or_with_pickled_data_is_refused(
+    forest: ForestPredictor, tmp_path: Path
+) -> None:
+    good = forest.save(tmp_path / "forest.npz")
+    schema = dict(forest.schema.to_dict(), version=99)
+    other = _rewrite_meta(good, tmp_path / "other.npz", schema=schema)
+    with pytest.raises(ConfigurationError, match=r"version 99.*only applies to rows of the schema.*calibrate"):
+        ForestPredictor.load(other)
+    with pytest.raises(ConfigurationError, match="has format 'x'"):
+        ForestPredictor.load(_rewrite_meta(good, tmp_path / "fmt.npz", format="x"))
+    pickled = tmp_path / "pickled.npz"
+    with open(pickled, "wb") as fh:
+        np.savez(fh, meta=np.asarray([{"format": FILE_FORMAT}], dtype=object))
+    with pytest.raises(ConfigurationError, match="is not a forest file"):
+        ForestPredictor.load(pickled)
+
+
+def test_online_refits_switch_at_the_same_window_on_every_rank() -> None:
+    ranks = [
+        ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=2, buffer_size=40) for _ in range(2)
+    ]
+    rng = np.random.default_rng(7)
+    env = sim.Env(quota=(None, 0.4))
+    sequence = [PARTS[4]] * 4 + [PARTS[6]] * 4 + [PARTS[5]] * 6  # two migrations: outcomes are samples too
+    answers: list[list[object]] = [[], []]
+    refits_seen = []
+    for p in sequence:
+        window = sim.window(COST, p, env, M, rng)
+        for r, f in enumerate(ranks):
+            f.observe(COST, sim.LINK, window)
+            answers[r].append(f.predict_many(COST, sim.LINK, window, PARTS))
+            if r == 0:
+                refits_seen.append(f.refits)
+            else:
+                time.sleep(0.01)  # the second "rank" lets its refit thread run longer: it must not switch earlier
+    assert answers[0] == answers[1]
+    assert ranks[0].refits == ranks[1].refits >= 2
+    # the 4th window brings the 3rd sample (6 rows): a refit starts, and is adopted 2 windows later, at the 6th
+    assert refits_seen[:6] == [0, 0, 0, 0, 0, 1]
+    assert len(ranks[0].samples) <= 40 + 2
+    for f in ranks:
+        f.close()
+
+
+def test_constructor_arguments_are_checked() -> None:
+    with pytest.raises(ConfigurationError, match="adopt_after >= 1"):
+        ForestPredictor(adopt_after=0)
+    with pytest.raises(ConfigurationError, match="0 < coverage < 1"):
+        ForestPredictor(coverage=1.5)
+
+
+def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_but_never_blocks() -> None:
+    ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40) for _ in range(2)]
+    slow_fit = ranks[1]._fit_pair
+
+    def slow(rows: LabelledSamples) -> Any:
+        time.sleep(0.3)  # this rank's core is busy: its refit takes longer
+        return slow_fit(rows)
+
+    ranks[1]._fit_pair = slow  # type: ignore[method-assign]
+    rng = np.random.default_rng(8)
+    env = sim.Env(quota=(0.5, None))
+    longest, history = 0.0, []
+    for p in [PARTS[3]] * 6 + [PARTS[5]] * 10:
+        window = sim.window(COST, p, env, M, rng)
+        agreed = min(f.ready_refit() for f in ranks)  # what the monitor's all-gather of the tokens gives everyone
+        for f in ranks:
+            t0 = time.perf_counter()
+            f.observe(COST, sim.LINK, window, agreed_refit=agreed)
+            longest = max(longest, time.perf_counter() - t0)
+        history.append((ranks[0].refits, ranks[1].refits))
+        assert ranks[0].predict_many(COST, sim.LINK, window, PARTS) == ranks[1].predict_many(
+            COST, sim.LINK, window, PARTS
+        )
+        time.sleep(0.05)  # a monitor window
+    assert all(a == b for a, b in history) and history[-1][0] >= 1, history
+    assert longest < 0.25, f"an observe waited {longest:.3f} s for a refit"
+    for f in ranks:
+        f.close()

@@ -1,0 +1,111 @@
+"""The controller prices candidates with the predictor's stage and boundary times and acts on the lower end of
+the predicted gain; the window reaches a learning predictor first, and a move's outcome is recorded."""
+
+from __future__ import annotations
+
+import doctest
+import logging
+
+import pytest
+
+import lightning_dynpipe.repartition.controller
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import Interval, PartitionPrediction, PipelineWindow, StageTimes
+from lightning_dynpipe.repartition.controller import AdaptiveController, neighbours
+from lightning_dynpipe.repartition.policy import GainOverCostPolicy
+
+M = 4
+COST = ModelCost.from_arrays([0.001] * 8, [0.002] * 8, param_bytes=[1000] * 8)
+PART = Partition((4, 4))
+
+
+class _Scripted:
+    """A predictor with a fixed per-layer cost per stage and a relative interval; records what it was asked."""
+
+    def __init__(self, per_layer: tuple[float, float], spread: float = 0.0, favourite: Partition | None = None):
+        self.per_layer, self.spread, self.favourite = per_layer, spread, favourite
+        self.observed: list[PipelineWindow] = []
+        self.asked: list[Partition] = []
+
+    def observe(self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow) -> None:
+        self.observed.append(window)
+
+    def predict(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
+    ) -> PartitionPrediction:
+        assert self.observed and self.observed[-1] is window  # observed before it is asked
+        self.asked.append(candidate)
+        stages = []
+        for k, n in enumerate(candidate.balance):
+            v = self.per_layer[k] * n
+            if self.favourite is not None and candidate == self.favourite:
+                v *= 0.5  # something the slowdowns of the current partition cannot know
+            stages.append(Interval(v, v * (1 - self.spread), v * (1 + self.spread)))
+        slow = tuple(s.value / (0.003 * n) for s, n in zip(stages, candidate.balance))
+        return PartitionPrediction(candidate, slow, tuple(stages), (Interval.point(0.0),))
+
+    def top_features(self, model_cost: ModelCost, window: PipelineWindow, stage_idx: int) -> list[str]:
+        return [f"cpu_limit_cores=0.25 (stage {stage_idx})"]
+
+
+def _controller(predictor: _Scripted, patience: int = 1) -> AdaptiveController:
+    return AdaptiveController(
+        GainOverCostPolicy(patience=patience, horizon_steps=500),
+        model_cost=COST,
+        comm=CommModel(),
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        predictor=predictor,
+    )
+
+
+def _times() -> list[StageTimes]:
+    return [StageTimes(0.048, 0.15), StageTimes(0.144, 0.15)]
+
+
+def test_docstring_examples() -> None:
+    assert doctest.testmod(lightning_dynpipe.repartition.controller).failed == 0
+
+
+def test_neighbours_shift_one_boundary_and_keep_every_stage() -> None:
+    got = {p.balance for p in neighbours(Partition((1, 2, 3)), max_shift=2)}
+    assert got == {(2, 1, 3), (1, 1, 4), (1, 3, 2), (1, 4, 1)}
+
+
+def test_every_candidate_is_priced_by_the_predictor_which_can_overrule_the_slowdowns() -> None:
+    pred = _Scripted((0.003, 0.009), favourite=Partition((5, 3)))
+    d = _controller(pred).check(10, _times(), PART, remaining_steps=1000)
+    assert d is not None and d.repartition
+    # by the slowdowns alone (1x and 3x) [6, 2] is best; the predictor prices [5, 3] at half: it wins
+    assert d.partition == Partition((5, 3))
+    assert {Partition((6, 2)), Partition((3, 5)), Partition((2, 6)), Partition((5, 3))} <= set(pred.asked)
+    assert len(pred.observed) == 1
+
+
+def test_a_wide_interval_holds_a_move_whose_central_gain_would_pay() -> None:
+    sure = _controller(_Scripted((0.003, 0.0045))).check(10, _times(), PART, remaining_steps=1000)
+    assert sure is not None and sure.repartition
+    unsure = _controller(_Scripted((0.003, 0.0045), spread=0.5)).check(10, _times(), PART, remaining_steps=1000)
+    assert unsure is not None and not unsure.repartition and "lower end" in unsure.reason
+    assert unsure.inputs.candidate_step_upper_s > unsure.inputs.candidate_step_s
+
+
+def test_a_decision_logs_intervals_and_features_and_the_outcome_is_recorded(caplog: pytest.LogCaptureFixture) -> None:
+    pred = _Scripted((0.003, 0.009), spread=0.05)
+    c = _controller(pred)
+    d = c.check(10, _times(), PART, remaining_steps=1000)
+    assert d is not None and d.repartition
+    text = str(d)
+    assert "candidate stage ms/micro-batch [" in text and "[" in text.split("micro-batch", 1)[1]
+    assert "cpu_limit_cores=0.25" in text and "up to" in text
+    c.migrated(10)
+    after = [StageTimes(0.072, 0.1), StageTimes(0.072, 0.1)]
+    with caplog.at_level(logging.INFO, logger="lightning_dynpipe.repartition.controller"):
+        c.check(20, after, d.partition, remaining_steps=990)
+    assert len(c.outcomes) == 1 and c.outcomes[0].partition == d.partition
+    assert c.outcomes[0].measured_step_s == pytest.approx(0.1)
+    assert c.outcomes[0].predicted_step_s > 0 and "measured 100.0 ms/step" in caplog.text
+    assert len(pred.observed) == 2 and pred.observed[-1].partition == d.partition  # the outcome became a sample
