@@ -252,16 +252,21 @@ class PipelineStage:
 
     def optimizer_state(self, optimizer: Optimizer, everywhere: bool = False) -> dict[str, Any]:
         """The plain optimizer's ``state_dict`` on global rank 0 (``everywhere``: on every rank), ``{}``
-        elsewhere. Collective over the pipeline."""
+        elsewhere. Collective over the pipeline; each parameter's state travels as tensors, to rank 0 only
+        unless ``everywhere``."""
         assert self.slots is not None
+        if not everywhere and self.dp_rank != 0:
+            return {}  # one pipeline replica writes the checkpoint; the others hold the same state
         idx = self.optimizers.index(optimizer)
-        gather = self._pipeline_collectives().all_gather_object if self.topology.num_stages > 1 else (lambda o: [o])
+        holders = {c: self.rank_of_stage(k) for c, k in self.slots.holders(idx, self.partition).items()}
         return checkpoint.gather_optimizer_state(
             optimizer.state_dict(),
             self.slots.canonical[idx],
             self.slots.group_sizes[idx],
-            gather=gather,
-            is_root=everywhere or self.rank == 0,
+            holders,
+            self._pipeline_collectives(),
+            device=self.device,
+            root=self.rank if self.topology.num_stages == 1 else (None if everywhere else 0),
         )
 
     def load_optimizer_states(self, states: Sequence[Mapping[str, Any]]) -> None:

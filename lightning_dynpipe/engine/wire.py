@@ -58,6 +58,7 @@ class MessageKind(enum.IntEnum):
     EVAL_ACTIVATION = 3
     CLOSE = 4
     ABORT = 5  # mb_idx = failed stage, aux = its global rank, one uint8 tensor = UTF-8 description
+    OPTIMIZER_STATE = 6  # mb_idx = canonical parameter index; key names (uint8), then one tensor per key
 
 
 @dataclass(frozen=True)
