@@ -24,12 +24,14 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
-__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode"]
+__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode", "CheckpointMode", "CHECKPOINT_MODES"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long collectives and stage-to-stage receives wait by default."""
 
 BalanceMode = Literal["list", "auto", "parameters"]
+CheckpointMode = Literal["full", "sharded"]
+CHECKPOINT_MODES: tuple[str, ...] = ("full", "sharded")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class DynPipeConfig:
         lr_scale_requested: what was asked for (``"auto"`` or a number), for messages.
         activation_checkpointing: ``True`` (every layer), ``False``, or the pipeline's layer indices whose
             activations are recomputed in the backward.
+        checkpoint: ``"full"`` (gather the whole model into one ``torch.save`` file on rank 0) or ``"sharded"``
+            (every stage writes its own layers and optimizer state into a ``torch.distributed.checkpoint``
+            directory).
+        gather_after_fit: whether the end of a run puts the whole model back into the user's module in every
+            process (``False``: each process keeps its stage's layers).
     """
 
     num_stages: int | None
@@ -73,6 +80,8 @@ class DynPipeConfig:
     lr_scale: float = 1.0
     lr_scale_requested: float | str = "auto"
     activation_checkpointing: bool | tuple[int, ...] = False
+    checkpoint: CheckpointMode = "full"
+    gather_after_fit: bool = True
 
     @classmethod
     def from_arguments(
@@ -90,6 +99,9 @@ class DynPipeConfig:
         timeout: float | timedelta | None = None,
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | Sequence[int] = False,
+        checkpoint: str = "full",
+        gather_after_fit: bool = True,
+        start_method: str = "popen",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -153,6 +165,21 @@ class DynPipeConfig:
                 f"activation_checkpointing must be True, False or a list of the pipeline's layer indices (ints >= 0); "
                 f"got {activation_checkpointing!r}."
             )
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ConfigurationError(
+                f"checkpoint must be one of {list(CHECKPOINT_MODES)}; got {checkpoint!r}. 'full' writes one file with "
+                "the whole model (gathered on rank 0); 'sharded' has every stage write its own part (a "
+                "torch.distributed.checkpoint directory), for models larger than one process."
+            )
+        if not isinstance(gather_after_fit, bool):
+            raise ConfigurationError(f"gather_after_fit must be True or False; got {gather_after_fit!r}.")
+        if not gather_after_fit and start_method in ("spawn", "fork", "forkserver"):
+            raise ConfigurationError(
+                f"gather_after_fit=False leaves each process with its stage's layers only, but start_method="
+                f"{start_method!r} copies rank 0's weights back into the main process (and would load that part "
+                "alone). Use start_method='popen' (or torchrun/SLURM), or keep gather_after_fit=True."
+            )
+        mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -169,6 +196,8 @@ class DynPipeConfig:
             lr_scale=scale,
             lr_scale_requested=lr_scale,
             activation_checkpointing=ckpt,
+            checkpoint=mode_checkpoint,
+            gather_after_fit=gather_after_fit,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

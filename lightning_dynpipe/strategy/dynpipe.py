@@ -31,9 +31,10 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dynpipe.engine import checkpoint
+from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
+from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
@@ -119,6 +120,16 @@ class DynPipeStrategy(DDPStrategy):
             step, and 1 for ``"sync"``/``"gpipe"``; the same for every optimizer (scaling the learning rate,
             not the gradient, also works for Adam). ``1.0``: unscaled. How the default was measured:
             docs/user-guide.md, "Learning rates under async".
+        checkpoint: how checkpoints are written. ``"full"`` (default): one ``torch.save`` file holding the whole
+            model and optimizer state, gathered on rank 0 (for models that fit one process). ``"sharded"``: every
+            stage writes only its own layers and their optimizer state into a ``torch.distributed.checkpoint``
+            directory, with the plain module's keys and the plain optimizer's canonical indices; it loads under
+            any partition, number of stages and data-parallel width, and into a plain model (docs/user-guide.md,
+            "Models larger than one process"). Either kind of checkpoint resumes under either setting.
+        gather_after_fit: ``True`` (default): at the end of fit/validate/test/predict the whole model is put
+            back into the LightningModule in every process. ``False``: each process keeps its stage's layers
+            (the others stay placeholders), so no process ever holds the whole model; get the full model from a
+            checkpoint (:func:`lightning_dynpipe.engine.sharded.consolidate`). Needs ``start_method="popen"``.
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
         timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);
@@ -145,6 +156,8 @@ class DynPipeStrategy(DDPStrategy):
         pipeline_attr: str = "pipeline",
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | list[int] = False,
+        checkpoint: Literal["full", "sharded"] = "full",
+        gather_after_fit: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
@@ -165,6 +178,9 @@ class DynPipeStrategy(DDPStrategy):
             timeout=timeout,
             lr_scale=lr_scale,
             activation_checkpointing=activation_checkpointing,
+            checkpoint=checkpoint,
+            gather_after_fit=gather_after_fit,
+            start_method=start_method,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -209,6 +225,7 @@ class DynPipeStrategy(DDPStrategy):
     monitor_every_n_steps = property(lambda self: self.config.monitor_every_n_steps, doc="Monitor period.")
     interference = property(lambda self: self.config.interference, doc="The interference schedule, if any.")
     pipeline_attr = property(lambda self: self.config.pipeline_attr, doc="Where the ``nn.Sequential`` lives.")
+    checkpoint_mode = property(lambda self: self.config.checkpoint, doc="``'full'`` or ``'sharded'``.")
 
     @property
     def monitor(self) -> StageMonitor | None:
@@ -329,6 +346,7 @@ class DynPipeStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
+        self._refuse_if_left_sharded("run again")
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -592,8 +610,29 @@ class DynPipeStrategy(DDPStrategy):
         return bool(t.item())
 
     # ------------------------------------------------------------------ partition-independent state
+    def _refuse_if_left_sharded(self, what: str) -> None:
+        placeholders = [i for i, m in enumerate(self._pipeline()) if isinstance(m, Placeholder)]
+        if self.stage is None and placeholders:
+            raise ConfigurationError(
+                f"This process's LightningModule holds only one stage's layers (layers {placeholders} are "
+                f"placeholders): the previous run ended with gather_after_fit=False, so it cannot {what}. Load the "
+                "full model from the run's checkpoint (a sharded one: lightning_dynpipe.engine.sharded.consolidate), "
+                "or keep gather_after_fit=True."
+            )
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A sharded checkpoint is read stage by stage, into the layers the stage owns: after partitioning.
+        return self.config.checkpoint == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.stage is None:
+            self._refuse_if_left_sharded("write the whole model's state_dict")
+        if self.stage is not None and self.config.checkpoint == "sharded":
+            self.drain()
+            return self._lm.state_dict()  # this stage's layers only; save_checkpoint writes them as they are
         if self.stage is None or self.num_stages == 1:
             return super().lightning_module_state_dict()
         self.drain()
@@ -608,6 +647,8 @@ class DynPipeStrategy(DDPStrategy):
         if self.stage is None or self.stage.slots is None:
             return super().optimizer_state(optimizer)
         self.drain()
+        if self.config.checkpoint == "sharded":
+            return self.stage.optimizer_shard(optimizer)
         return self.stage.optimizer_state(optimizer)
 
     @override
@@ -635,7 +676,51 @@ class DynPipeStrategy(DDPStrategy):
                 "schedule": self.schedule,
                 "num_microbatches": self.num_microbatches,
             }
+        if self.stage is not None and self.config.checkpoint == "sharded":
+            self._save_sharded(checkpoint, self.broadcast(filepath))
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank of the first pipeline writes its stage's entries (collective over WORLD; no gathering)."""
+        stage = self.stage
+        assert stage is not None
+        prefix = self.config.pipeline_attr + "."
+        aliases = sharded.tie_aliases(self.ties, prefix)
+        entries: dict[str, Any] = {}
+        if stage.dp_rank == 0:  # the other replicas hold the same state
+            entries.update(
+                sharded.local_model_entries(
+                    checkpoint["state_dict"], prefix, stage.shard.owned, aliases, outside=self.global_rank == 0
+                )
+            )
+            for o, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+                entries.update(sharded.local_optimizer_entries(o, opt_state))
+        if self.global_rank == 0:
+            rest = {k: (None if k == "state_dict" else v) for k, v in checkpoint.items()}
+            if "optimizer_states" in rest:
+                rest["optimizer_states"] = [{"param_groups": o["param_groups"]} for o in checkpoint["optimizer_states"]]
+            rest["dynpipe"] = {**(rest.get("dynpipe") or {}), "format": "sharded", "aliases": aliases,
+                               "key_order": list(self._full_keys)}  # fmt: skip
+            entries[sharded.REST] = rest
+        sharded.save(entries, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not sharded.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.stage is None:  # checkpoint="full" restores before set-up, into the whole model: read it all
+            return sharded.consolidate(checkpoint_path)
+        prefix = self.config.pipeline_attr + "."
+        slots = self.stage.slots
+        return sharded.load_stage(
+            checkpoint_path,
+            targets=self._lm.state_dict(),
+            prefix=prefix,
+            aliases=sharded.tie_aliases(self.ties, prefix),
+            expected_keys=self._full_keys,
+            wanted=[{c for g in canon for c in g} for canon in slots.canonical] if slots is not None else [],
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -651,7 +736,13 @@ class DynPipeStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         if self.stage is not None:
-            self.stage.close(interrupted)  # puts the whole model back into the user's module unless interrupted
+            # puts the whole model back into the user's module unless interrupted or told not to
+            self.stage.close(interrupted, gather=self.config.gather_after_fit)
+            if not interrupted and not self.config.gather_after_fit and self.num_stages > 1:
+                rank_zero_info(
+                    "DynPipe: gather_after_fit=False, so each process's LightningModule keeps its stage's layers "
+                    "only. Load the whole model from the checkpoint."
+                )
             if interrupted:
                 rank_zero_warn(
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
