@@ -126,7 +126,7 @@ def save(entries: dict[str, Any], path: str | os.PathLike[str], process_group: A
     dcp_save(
         entries,
         storage_writer=FileSystemWriter(os.fspath(path), single_file_per_rank=True, thread_count=1),
-        planner=DefaultSavePlanner(flatten_state_dict=False),
+        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),  # REST: one object
         process_group=process_group,
     )
 

@@ -33,6 +33,7 @@ def test_defaults() -> None:
     assert (cfg.num_stages, cfg.stages_auto, cfg.balance_mode, cfg.balance) == (None, False, "auto", None)
     assert cfg.schedule.name == "async" and isinstance(cfg.policy, GainOverCostPolicy)
     assert cfg.timeout == DEFAULT_TIMEOUT and cfg.monitor_every_n_steps == 10
+    assert cfg.checkpoint == "full" and cfg.gather_after_fit is True
     with pytest.raises(AttributeError):
         cfg.num_microbatches = 2  # type: ignore[misc]
 
@@ -56,6 +57,13 @@ def test_values_are_normalised() -> None:
         ({"balance": [2, 2], "num_stages": 3}, PartitionError, "balance has 2 entries but num_stages=3"),
         ({"monitor_every_n_steps": 0}, ConfigurationError, "monitor_every_n_steps must be >= 1"),
         ({"monitor_every_n_steps": None}, ConfigurationError, "Runtime adaptation needs the stage monitor"),
+        ({"checkpoint": "dcp"}, ConfigurationError, r"checkpoint must be one of \['full', 'sharded'\]; got 'dcp'"),
+        ({"gather_after_fit": 0}, ConfigurationError, "gather_after_fit must be True or False"),
+        (
+            {"gather_after_fit": False, "start_method": "spawn"},
+            ConfigurationError,
+            "copies rank 0's weights back into the main process",
+        ),
     ],
 )
 def test_refusals(kwargs: dict, error: type[Exception], match: str) -> None:
