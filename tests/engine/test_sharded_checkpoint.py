@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
@@ -176,6 +177,8 @@ def test_sharded_checkpoint_reads_under_another_partition_and_in_one_plain_proce
 
     # plain torch, the standard DCP call: the weights straight into a plain model (the tied key left out)
     plain = Net(seed=5)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: state_dict.pipeline.3.weight"):
+        dcp.load({"state_dict": plain.state_dict()}, checkpoint_id=path)
     sd = {k: v for k, v in plain.state_dict().items() if k != "pipeline.3.weight"}
     dcp.load({"state_dict": sd}, checkpoint_id=path)
     for key, value in ref.state_dict().items():
