@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from typing_extensions import override
 from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
+from lightning_dynpipe.engine.materialize import is_on_meta, materialize_layers, record_random_state
 from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
@@ -210,6 +212,8 @@ class DynPipeStrategy(DDPStrategy):
         self._full_keys: list[str] = []
         self._pending_partition: Partition | None = None
         self.additions = TrainerAdditions()  # the metrics mirror, the summary, the interference callback
+        self._init_random_state: Tensor | None = None  # where a meta-built model's random draws started
+        self._init_own_generator = False
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ configuration, read-only
@@ -342,17 +346,72 @@ class DynPipeStrategy(DDPStrategy):
     def _pipeline(self) -> nn.Sequential:
         return find_pipeline(self._lm, self.config.pipeline_attr)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds the model on ``meta``: no memory until set-up, where
+        each stage materialises only its own layers, as the whole model built on the CPU would have them
+        (:mod:`~lightning_dynpipe.engine.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with record_random_state() as draws, self.precision_plugin.tensor_init_context():
+            yield
+        self._init_random_state = draws.state if draws.state is not None else draws.entry_state
+        self._init_own_generator = draws.own_generator
+
+    def _check_meta_start(self, pipeline: nn.Sequential) -> None:
+        """Refuses what a pipeline built on ``meta`` cannot do exactly (before anything is materialised)."""
+        fix = "build the model without empty_init / the meta device"
+        if not all(is_on_meta(layer) for layer in pipeline if any(True for _ in layer.parameters())):
+            raise ConfigurationError(
+                f"Some layers of `{self.config.pipeline_attr}` are on the meta device and others are not; build all "
+                f"of them under trainer.init_module(empty_init=True), or {fix}."
+            )
+        outside = [
+            n
+            for n, t in (*self._lm.named_parameters(), *self._lm.named_buffers())
+            if t.device.type == "meta" and not n.startswith(self.config.pipeline_attr + ".")
+        ]
+        if outside:
+            raise ConfigurationError(
+                f"{outside[:5]} outside `{self.config.pipeline_attr}` are on the meta device; DynPipe materialises "
+                f"only the pipeline's layers. Create them on a real device (outside the meta context), or {fix}."
+            )
+        if self._init_random_state is None:
+            raise ConfigurationError(
+                "The pipeline is on the meta device but was not built under trainer.init_module(empty_init=True), so "
+                "DynPipe does not know the random state its initialisation starts from. Build it under "
+                f"`with trainer.init_module(empty_init=True):`, or {fix}."
+            )
+        if self._init_own_generator:
+            raise ConfigurationError(
+                "The model built on the meta device draws random numbers from its own torch.Generator; DynPipe "
+                f"replays the initialisation from the global random state only. Use the global seed, or {fix}."
+            )
+        if self.config.balance_mode == "auto" or self.config.policy is not None:
+            raise ConfigurationError(
+                f"balance={self.balance!r} and adaptive={self.config.policy is not None} need to profile the layers, "
+                "which a model on the meta device does not allow yet. With a meta-built model pass balance=[...] or "
+                f"balance='parameters', and adaptive=False; or {fix}."
+            )
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
         self._refuse_if_left_sharded("run again")
+        meta = is_on_meta(pipeline)
+        if meta:
+            self._check_meta_start(pipeline)
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not meta:
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         self._full_keys = list(self._lm.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
+        if fitting and not meta:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
@@ -378,6 +437,14 @@ class DynPipeStrategy(DDPStrategy):
         partition = decision.partition
         self._planned_num_stages = partition.num_stages
         self._topology = PipelineTopology(partition.num_stages, world)
+        if meta:  # only this stage's layers get memory; then everything as for a model built whole
+            assert self._init_random_state is not None
+            owned = partition.stage_layers(self._topology.coords(self.global_rank)[1])
+            materialize_layers(pipeline, owned, self.root_device, random_state=self._init_random_state, ties=self.ties)
+            self.precision_plugin.convert_module(self.model)
+            if fitting:
+                self.setup_optimizers(trainer)  # on the whole model: the other layers' parameters are on meta
+                check_optimizers(self.optimizers)
         module = self._lm
         self.stage = PipelineStage.start(
             pipeline=pipeline,
@@ -397,6 +464,8 @@ class DynPipeStrategy(DDPStrategy):
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
         )
+        if meta:
+            self.model_to_device()  # what is outside the pipeline (the other layers are placeholders now)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dynpipe.strategy.config
+from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.engine.ties import shared_parameters
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
@@ -272,3 +273,37 @@ def test_describe_updates_says_what_the_schedule_does_to_the_updates(kwargs: dic
     assert "\n" not in line
     if kwargs.get("schedule", "async") == "async":
         assert "stage k of S computes its gradients on weights S-1-k updates old" in line
+
+
+class _MetaNet(L.LightningModule):
+    def __init__(self, outside: bool = False) -> None:
+        super().__init__()
+        self.pipeline = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        if outside:
+            self.register_buffer("scale", torch.ones(2))
+
+
+def _meta_model(strategy: DynPipeStrategy, outside: bool = False) -> _MetaNet:
+    with strategy.tensor_init_context(empty_init=True):
+        model = _MetaNet(outside)
+    strategy.connect(model)
+    return model
+
+
+def test_a_model_built_on_meta_is_refused_where_its_start_cannot_be_exact() -> None:
+    ok = DynPipeStrategy(balance=[1, 1], adaptive=False)
+    model = _meta_model(ok)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    ok._check_meta_start(model.pipeline)  # a list balance, no adaptation: accepted
+    with pytest.raises(ConfigurationError, match="need to profile the layers"):
+        auto = DynPipeStrategy()
+        auto._check_meta_start(_meta_model(auto).pipeline)
+    with pytest.raises(ConfigurationError, match=r"\['scale'\] outside `pipeline` are on the meta device"):
+        s = DynPipeStrategy(balance=[1, 1], adaptive=False)
+        s._check_meta_start(_meta_model(s, outside=True).pipeline)
+    plain = DynPipeStrategy(balance=[1, 1], adaptive=False)
+    with torch.device("meta"):
+        bare = _MetaNet()
+    plain.connect(bare)
+    with pytest.raises(ConfigurationError, match=r"was not built under trainer.init_module\(empty_init=True\)"):
+        plain._check_meta_start(bare.pipeline)

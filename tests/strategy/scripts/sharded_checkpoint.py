@@ -5,7 +5,9 @@
    writes for the same run (2.), and loads into a plain module with the standard DCP call.
 3. It resumes under 1 stage x 2 data-parallel replicas (sharded reading) and under another 2-stage partition with
    ``checkpoint="full"`` (which reads it whole): both continue the plain single-device trajectory.
-4. A module left sharded refuses to be saved whole.
+4. The run of 2., built under ``trainer.init_module(empty_init=True)`` (on meta, each stage materialising only its
+   own layers), ends with the same weights, bit for bit.
+5. A module left sharded refuses to be saved whole.
 
 Usage: python sharded_checkpoint.py <directory shared by the ranks>
 """
@@ -29,6 +31,7 @@ from pipeline_models import ScheduledNet, loader, plain_scheduled_training, trai
 
 from lightning_dynpipe import DynPipeStrategy  # noqa: E402
 from lightning_dynpipe.engine import sharded  # noqa: E402
+from lightning_dynpipe.engine.materialize import is_on_meta  # noqa: E402
 from lightning_dynpipe.engine.shard import Placeholder  # noqa: E402
 from lightning_dynpipe.errors import ConfigurationError  # noqa: E402
 
@@ -111,7 +114,21 @@ if __name__ == "__main__":
         assert resumed["global_step"] == 8 and resumed["lr_schedulers"][0]["last_epoch"] == 8
         assert all(float(s["step"]) == 8 for s in resumed["optimizer_states"][0]["state"].values())
 
-    # 4. the module left sharded is not saved as if it were whole
+    # 4. the same run as 2., built on meta and materialised per stage: the same weights, bit for bit
+    kw = trainer_kwargs(max_epochs=1)
+    t5 = L.Trainer(
+        devices=2,
+        strategy=DynPipeStrategy(num_microbatches=3, schedule="sync", balance=[3, 2], adaptive=False),
+        **kw,  # type: ignore[arg-type]
+    )
+    with t5.init_module(empty_init=True):
+        m5 = ScheduledNet()
+    assert is_on_meta(m5)
+    t5.fit(m5, loader(n=N))
+    for k, v in m2.state_dict().items():
+        assert torch.equal(m5.state_dict()[k], v), k
+
+    # 5. the module left sharded is not saved as if it were whole
     try:
         t1.save_checkpoint(root / "after.ckpt")
     except ConfigurationError as exc:
