@@ -214,6 +214,7 @@ class DynPipeStrategy(DDPStrategy):
         self.additions = TrainerAdditions()  # the metrics mirror, the summary, the interference callback
         self._init_random_state: Tensor | None = None  # where a meta-built model's random draws started
         self._init_own_generator = False
+        self._loaded_sharded = False  # the checkpoint being restored was read stage by stage
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ configuration, read-only
@@ -732,7 +733,19 @@ class DynPipeStrategy(DDPStrategy):
         if self.stage is None:
             return super().load_model_state_dict(checkpoint_, strict=strict)
         prefix = self.config.pipeline_attr + "."
-        owned = checkpoint.owned_state_dict(checkpoint_["state_dict"], prefix, self.stage.shard.owned)
+        state = checkpoint_["state_dict"]
+        if strict and not self._loaded_sharded:
+            # A whole checkpoint read after partitioning: the rule of a strict load_state_dict, on the whole model
+            # (each stage then takes its part; a sharded checkpoint's keys were checked when it was read).
+            missing = [k for k in self._full_keys if k not in state]
+            unexpected = [k for k in state if k not in set(self._full_keys)]
+            if missing or unexpected:
+                raise ConfigurationError(
+                    f"The checkpoint does not hold this model's weights: missing keys {missing[:5]}, unexpected keys "
+                    f"{unexpected[:5]}. Load it into the model that wrote it (or set "
+                    "LightningModule.strict_loading = False to load what matches)."
+                )
+        owned = checkpoint.owned_state_dict(state, prefix, self.stage.shard.owned)
         self._lm.load_state_dict(owned, strict=False)
 
     @override
@@ -776,6 +789,7 @@ class DynPipeStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._loaded_sharded = self.stage is not None and sharded.is_sharded_checkpoint(checkpoint_path)
         if not sharded.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if self.stage is None:  # checkpoint="full" restores before set-up, into the whole model: read it all

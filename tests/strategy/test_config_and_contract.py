@@ -307,3 +307,24 @@ def test_a_model_built_on_meta_is_refused_where_its_start_cannot_be_exact() -> N
     plain.connect(bare)
     with pytest.raises(ConfigurationError, match=r"was not built under trainer.init_module\(empty_init=True\)"):
         plain._check_meta_start(bare.pipeline)
+
+
+def test_a_whole_checkpoint_read_after_partitioning_is_loaded_strictly() -> None:
+    """checkpoint="sharded" restores after set-up; a whole (torch.save) checkpoint is then checked against the whole
+    model's keys, as a strict load_state_dict would, before each stage takes its part."""
+    from types import SimpleNamespace
+
+    strategy = DynPipeStrategy(checkpoint="sharded", balance=[1, 1], adaptive=False)
+    model = _MetaNet()
+    strategy.connect(model)
+    strategy._full_keys = list(model.state_dict())
+    strategy.stage = SimpleNamespace(shard=SimpleNamespace(owned=[1]))  # type: ignore[assignment]
+    whole = {k: torch.full_like(v, 7.0) for k, v in _MetaNet().state_dict().items()}
+    strategy.load_model_state_dict({"state_dict": whole})
+    assert torch.equal(model.pipeline[1].weight, torch.full((2, 2), 7.0))  # its own layer
+    assert not torch.equal(model.pipeline[0].weight, torch.full((2, 2), 7.0))  # another stage's: left alone
+    partial = {k: v for k, v in whole.items() if k != "pipeline.0.bias"}
+    with pytest.raises(ConfigurationError, match=r"missing keys \['pipeline.0.bias'\]"):
+        strategy.load_model_state_dict({"state_dict": partial})
+    strategy.load_model_state_dict({"state_dict": partial}, strict=False)  # what the user asked for
+    strategy.stage = None
