@@ -3,9 +3,9 @@
 A checkpoint written from any partition has the plain module's ``state_dict`` keys, in its order, and the
 plain optimizer's ``state_dict``: state keyed by canonical index (the parameter's position in the optimizer
 the user built on the whole model) and the whole model's parameter groups. So it loads into the plain
-LightningModule, and resumes under any other number of stages. Tensors move as tensors (receivers allocate
-from the layers' ``meta`` skeletons, so no shapes or pickles travel); the optimizer state of each stage is
-gathered as objects.
+LightningModule, and resumes under any other number of stages. Everything moves as tensors, only to the member
+that needs it: layers into receivers allocated from their ``meta`` skeletons (no shapes travel), each
+parameter's optimizer state as one wire message (:mod:`~lightning_dynpipe.engine.optstate`); nothing is pickled.
 
 Pure torch plus :class:`~lightning_dynpipe.engine.collectives.Collectives`: no Lightning.
 """
@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.collectives import Collectives
+from lightning_dynpipe.engine.optstate import broadcast_state, recv_state, send_state
 from lightning_dynpipe.engine.shard import StageShard, layer_tensors
 from lightning_dynpipe.engine.ties import SharedParameter
 from lightning_dynpipe.errors import ConfigurationError
@@ -121,29 +122,44 @@ def gather_optimizer_state(
     local: Mapping[str, Any],
     canonical: Sequence[Sequence[int]],
     group_sizes: Sequence[int],
-    gather: Callable[[Any], list[Any]],
-    is_root: bool,
+    holders: Mapping[int, int],
+    coll: Collectives,
+    *,
+    device: torch.device,
+    root: int | None,
 ) -> dict[str, Any]:
-    """The plain optimizer's ``state_dict``, assembled on the root from every stage's local one.
+    """The plain optimizer's ``state_dict``, assembled on ``root`` (``None``: on every member) from the stages'.
 
-    Collective: every stage calls it (``gather`` is the pipeline's ``all_gather_object``); non-root members
-    return ``{}``.
+    Collective over the pipeline: every member calls it with the same ``holders``; members other than ``root``
+    return ``{}``. Each parameter's state moves as tensors (:mod:`~lightning_dynpipe.engine.optstate`), from the
+    member that holds it to the root only (or broadcast, with ``root=None``): in canonical order, one parameter
+    in flight at a time.
 
     Args:
         local: this stage's ``optimizer.state_dict()``.
         canonical: per group, the canonical index of each parameter in the local optimizer.
         group_sizes: the number of parameters of each group in the whole model.
-        gather: collects one object from every stage of the pipeline.
-        is_root: whether this member returns the result.
+        holders: the global rank that sends each canonical index (every pipeline parameter of the optimizer).
+        coll: the pipeline's collectives.
+        device: where tensors travel and received ones are allocated.
+        root: the member that returns the result, or ``None`` for all of them.
     """
     flat = [c for g in canonical for c in g]
     mine = {flat[i]: st for i, st in local["state"].items()}
-    parts = gather(mine)
-    if not is_root:
-        return {}
     state: dict[int, Any] = {}
-    for part in parts:
-        state.update(part)
+    for c, holder in sorted(holders.items()):
+        if root is None:
+            got = broadcast_state(coll, mine.get(c), c, holder, device)
+        elif coll.rank == root:
+            got = mine.get(c) if holder == root else recv_state(coll, c, holder, device)
+        else:
+            if holder == coll.rank:
+                send_state(coll, mine.get(c), c, root, device)
+            continue
+        if got is not None:
+            state[c] = got
+    if root is not None and coll.rank != root:
+        return {}
     groups, base = [], 0
     for g, n in zip(local["param_groups"], group_sizes):
         groups.append({**g, "params": list(range(base, base + n))})

@@ -204,6 +204,18 @@ class OptimizerSlots:
             members_all.append(members)
         return cls(slots_all, sizes_all, [], members_all)
 
+    def holders(self, opt_idx: int, partition: Partition) -> dict[int, int]:
+        """The stage that speaks for each pipeline parameter of optimizer ``opt_idx``, by canonical index (sorted).
+
+        Every stage whose layers use a parameter holds it (a shared parameter split across stages has a copy on
+        each, all equal); the lowest of those stages is the one whose copy a checkpoint writes.
+        """
+        out: dict[int, int] = {}
+        for (layer_idx, _), (_, c) in self.slots[opt_idx].items():
+            k = partition.stage_of_layer(layer_idx)
+            out[c] = min(k, out.get(c, k))
+        return dict(sorted(out.items()))
+
     def refilter(self, optimizers: Sequence[Optimizer], shard: StageShard) -> None:
         """Puts exactly the owned layers' parameters in the optimizer groups, in canonical order.
 

@@ -252,17 +252,40 @@ class PipelineStage:
 
     def optimizer_state(self, optimizer: Optimizer, everywhere: bool = False) -> dict[str, Any]:
         """The plain optimizer's ``state_dict`` on global rank 0 (``everywhere``: on every rank), ``{}``
-        elsewhere. Collective over the pipeline."""
+        elsewhere. Collective over the pipeline; each parameter's state travels as tensors, to rank 0 only
+        unless ``everywhere``."""
         assert self.slots is not None
+        if not everywhere and self.dp_rank != 0:
+            return {}  # one pipeline replica writes the checkpoint; the others hold the same state
         idx = self.optimizers.index(optimizer)
-        gather = self._pipeline_collectives().all_gather_object if self.topology.num_stages > 1 else (lambda o: [o])
+        holders = {c: self.rank_of_stage(k) for c, k in self.slots.holders(idx, self.partition).items()}
         return checkpoint.gather_optimizer_state(
             optimizer.state_dict(),
             self.slots.canonical[idx],
             self.slots.group_sizes[idx],
-            gather=gather,
-            is_root=everywhere or self.rank == 0,
+            holders,
+            self._pipeline_collectives(),
+            device=self.device,
+            root=self.rank if self.topology.num_stages == 1 else (None if everywhere else 0),
         )
+
+    def optimizer_shard(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This stage's part of the plain optimizer's ``state_dict``: the state of the parameters it speaks for
+        (:meth:`~lightning_dynpipe.engine.shard.OptimizerSlots.holders`), by canonical index, and the whole
+        model's ``param_groups``. Local: nothing is gathered. ``{}`` on pipeline replicas other than the first."""
+        assert self.slots is not None
+        if self.dp_rank != 0:
+            return {}
+        idx = self.optimizers.index(optimizer)
+        mine = {c for c, k in self.slots.holders(idx, self.partition).items() if k == self.stage_idx}
+        local = optimizer.state_dict()
+        flat = [c for g in self.slots.canonical[idx] for c in g]
+        state = {flat[i]: st for i, st in local["state"].items() if flat[i] in mine}
+        groups, base = [], 0
+        for g, n in zip(local["param_groups"], self.slots.group_sizes[idx]):
+            groups.append({**g, "params": list(range(base, base + n))})
+            base += n
+        return {"state": {c: state[c] for c in sorted(state)}, "param_groups": groups}
 
     def load_optimizer_states(self, states: Sequence[Mapping[str, Any]]) -> None:
         """Loads plain optimizer ``state_dict``\\ s: each optimizer takes its own parameters' entries."""
@@ -271,9 +294,12 @@ class PipelineStage:
             checkpoint.load_optimizer_state(opt, full, canon)
 
     # ------------------------------------------------------------------ the end
-    def close(self, interrupted: bool) -> None:
+    def close(self, interrupted: bool, gather: bool = True) -> None:
         """Ends the stage: drains, puts every layer back into the user's pipeline and every parameter (with its
         state) back into the optimizers, in the plain model's order, and destroys the groups.
+
+        With ``gather=False`` nothing is put back: the module keeps this stage's layers (placeholders for the
+        others) and the optimizers this stage's parameters, so no process ever holds the whole model.
 
         After an interruption (a failure, Ctrl-C) nothing collective runs: the module keeps only this stage's
         layers, and the groups are left to the process's exit.
@@ -285,12 +311,13 @@ class PipelineStage:
             return
         self.executor.drain()
         self.executor.channels.close()
-        states = [self.optimizer_state(opt, everywhere=True) for opt in self.optimizers] if self.slots else []
-        if self.shard.offloaded:
-            self.shard.restore(self.layer_states(root=None, everything=True), self.device)
-        retie(self.shard.pipeline, self.ties, range(len(self.shard.pipeline)))
-        if self.slots is not None:
-            self.slots.unfilter(self.optimizers, self.shard.pipeline, states)
+        if gather:
+            states = [self.optimizer_state(opt, everywhere=True) for opt in self.optimizers] if self.slots else []
+            if self.shard.offloaded:
+                self.shard.restore(self.layer_states(root=None, everything=True), self.device)
+            retie(self.shard.pipeline, self.ties, range(len(self.shard.pipeline)))
+            if self.slots is not None:
+                self.slots.unfilter(self.optimizers, self.shard.pipeline, states)
         # No rank may tear its channel groups down while a peer is still completing sends on them.
         if self.groups.pipeline is not None and self.topology.num_stages > 1:
             dist.barrier(group=self.groups.pipeline)

@@ -80,6 +80,7 @@ class MessageKind(enum.IntEnum):
     CLOSE = 4
     ABORT = 5  # mb_idx = failed stage, aux = its global rank, one uint8 tensor = UTF-8 description
     RESIZE = 6  # packed messages only: aux = the size in bytes of the messages that follow; no tensors
+    OPTIMIZER_STATE = 7  # mb_idx = canonical parameter index; key names (uint8), then one tensor per key
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,15 @@ from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
-__all__ = ["DynPipeConfig", "DEFAULT_TIMEOUT", "BalanceMode", "MicroBatchLogging", "MICROBATCH_LOGGING"]
+__all__ = [
+    "DynPipeConfig",
+    "DEFAULT_TIMEOUT",
+    "BalanceMode",
+    "MicroBatchLogging",
+    "MICROBATCH_LOGGING",
+    "CheckpointMode",
+    "CHECKPOINT_MODES",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long collectives and stage-to-stage receives wait by default."""
@@ -33,6 +41,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 BalanceMode = Literal["list", "auto", "parameters"]
 MicroBatchLogging = Literal["step", "each"]
 MICROBATCH_LOGGING: tuple[str, ...] = ("step", "each")
+CheckpointMode = Literal["full", "sharded"]
+CHECKPOINT_MODES: tuple[str, ...] = ("full", "sharded")
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,11 @@ class DynPipeConfig:
         microbatch_logging: ``"step"``: ``self.log`` calls in ``training_step`` are reduced over the step's
             micro-batches and reach Lightning once per step; ``"each"``: once per micro-batch.
         predictor: what prices candidate partitions for the adaptive loop (a name resolved to an object).
+        checkpoint: ``"full"`` (gather the whole model into one ``torch.save`` file on rank 0) or ``"sharded"``
+            (every stage writes its own layers and optimizer state into a ``torch.distributed.checkpoint``
+            directory).
+        gather_after_fit: whether the end of a run puts the whole model back into the user's module in every
+            process (``False``: each process keeps its stage's layers).
     """
 
     num_stages: int | None
@@ -81,6 +96,8 @@ class DynPipeConfig:
     activation_checkpointing: bool | tuple[int, ...] = False
     microbatch_logging: MicroBatchLogging = "step"
     predictor: InterferencePredictor | None = None
+    checkpoint: CheckpointMode = "full"
+    gather_after_fit: bool = True
 
     @classmethod
     def from_arguments(
@@ -100,6 +117,9 @@ class DynPipeConfig:
         activation_checkpointing: bool | Sequence[int] = False,
         microbatch_logging: MicroBatchLogging = "step",
         predictor: str | InterferencePredictor = "measured",
+        checkpoint: str = "full",
+        gather_after_fit: bool = True,
+        start_method: str = "popen",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -169,6 +189,21 @@ class DynPipeConfig:
                 f"{microbatch_logging!r}. 'step' logs each name once per step (reduced over the step's micro-batches), "
                 "'each' once per micro-batch."
             )
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ConfigurationError(
+                f"checkpoint must be one of {list(CHECKPOINT_MODES)}; got {checkpoint!r}. 'full' writes one file with "
+                "the whole model (gathered on rank 0); 'sharded' has every stage write its own part (a "
+                "torch.distributed.checkpoint directory), for models larger than one process."
+            )
+        if not isinstance(gather_after_fit, bool):
+            raise ConfigurationError(f"gather_after_fit must be True or False; got {gather_after_fit!r}.")
+        if not gather_after_fit and start_method in ("spawn", "fork", "forkserver"):
+            raise ConfigurationError(
+                f"gather_after_fit=False leaves each process with its stage's layers only, but start_method="
+                f"{start_method!r} copies rank 0's weights back into the main process (and would load that part "
+                "alone). Use start_method='popen' (or torchrun/SLURM), or keep gather_after_fit=True."
+            )
+        mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -187,6 +222,8 @@ class DynPipeConfig:
             activation_checkpointing=ckpt,
             microbatch_logging=microbatch_logging,
             predictor=get_predictor(predictor),
+            checkpoint=mode_checkpoint,
+            gather_after_fit=gather_after_fit,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -31,9 +32,11 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dynpipe.engine import checkpoint
+from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
+from lightning_dynpipe.engine.materialize import is_on_meta, materialize_layers, record_random_state
+from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
@@ -133,6 +136,16 @@ class DynPipeStrategy(DDPStrategy):
             batch size, or the sum/max/min); the epoch value is unchanged and the step value is the step's,
             not its last micro-batch's. ``"each"``: every call goes to Lightning (about 1.4 ms of CPU a call on
             the last stage). See docs/user-guide.md, "What Lightning features do".
+        checkpoint: how checkpoints are written. ``"full"`` (default): one ``torch.save`` file holding the whole
+            model and optimizer state, gathered on rank 0 (for models that fit one process). ``"sharded"``: every
+            stage writes only its own layers and their optimizer state into a ``torch.distributed.checkpoint``
+            directory, with the plain module's keys and the plain optimizer's canonical indices; it loads under
+            any partition, number of stages and data-parallel width, and into a plain model (docs/user-guide.md,
+            "Models larger than one process"). Either kind of checkpoint resumes under either setting.
+        gather_after_fit: ``True`` (default): at the end of fit/validate/test/predict the whole model is put
+            back into the LightningModule in every process. ``False``: each process keeps its stage's layers
+            (the others stay placeholders), so no process ever holds the whole model; get the full model from a
+            checkpoint (:func:`lightning_dynpipe.engine.sharded.consolidate`). Needs ``start_method="popen"``.
         start_method: how processes are launched: ``"popen"`` (default; scripts, CLI, torchrun, SLURM),
             ``"spawn"`` (tests) or ``"fork"`` (notebooks).
         timeout: how long collectives and stage-to-stage receives may wait (seconds or a ``timedelta``);
@@ -161,6 +174,8 @@ class DynPipeStrategy(DDPStrategy):
         lr_scale: float | Literal["auto"] = "auto",
         activation_checkpointing: bool | list[int] = False,
         microbatch_logging: Literal["step", "each"] = "step",
+        checkpoint: Literal["full", "sharded"] = "full",
+        gather_after_fit: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
@@ -183,6 +198,9 @@ class DynPipeStrategy(DDPStrategy):
             lr_scale=lr_scale,
             activation_checkpointing=activation_checkpointing,
             microbatch_logging=microbatch_logging,
+            checkpoint=checkpoint,
+            gather_after_fit=gather_after_fit,
+            start_method=start_method,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -212,6 +230,9 @@ class DynPipeStrategy(DDPStrategy):
         self._full_keys: list[str] = []
         self._pending_partition: Partition | None = None
         self.additions = TrainerAdditions()  # the metrics mirror, the summary, the interference callback
+        self._init_random_state: Tensor | None = None  # where a meta-built model's random draws started
+        self._init_own_generator = False
+        self._loaded_sharded = False  # the checkpoint being restored was read stage by stage
         self._batch_idx = 0
 
     # ------------------------------------------------------------------ configuration, read-only
@@ -228,6 +249,7 @@ class DynPipeStrategy(DDPStrategy):
     monitor_every_n_steps = property(lambda self: self.config.monitor_every_n_steps, doc="Monitor period.")
     interference = property(lambda self: self.config.interference, doc="The interference schedule, if any.")
     pipeline_attr = property(lambda self: self.config.pipeline_attr, doc="Where the ``nn.Sequential`` lives.")
+    checkpoint_mode = property(lambda self: self.config.checkpoint, doc="``'full'`` or ``'sharded'``.")
 
     @property
     def monitor(self) -> StageMonitor | None:
@@ -352,16 +374,72 @@ class DynPipeStrategy(DDPStrategy):
     def _pipeline(self) -> nn.Sequential:
         return find_pipeline(self._lm, self.config.pipeline_attr)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds the model on ``meta``: no memory until set-up, where
+        each stage materialises only its own layers, as the whole model built on the CPU would have them
+        (:mod:`~lightning_dynpipe.engine.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with record_random_state() as draws, self.precision_plugin.tensor_init_context():
+            yield
+        self._init_random_state = draws.state if draws.state is not None else draws.entry_state
+        self._init_own_generator = draws.own_generator
+
+    def _check_meta_start(self, pipeline: nn.Sequential) -> None:
+        """Refuses what a pipeline built on ``meta`` cannot do exactly (before anything is materialised)."""
+        fix = "build the model without empty_init / the meta device"
+        if not all(is_on_meta(layer) for layer in pipeline if any(True for _ in layer.parameters())):
+            raise ConfigurationError(
+                f"Some layers of `{self.config.pipeline_attr}` are on the meta device and others are not; build all "
+                f"of them under trainer.init_module(empty_init=True), or {fix}."
+            )
+        outside = [
+            n
+            for n, t in (*self._lm.named_parameters(), *self._lm.named_buffers())
+            if t.device.type == "meta" and not n.startswith(self.config.pipeline_attr + ".")
+        ]
+        if outside:
+            raise ConfigurationError(
+                f"{outside[:5]} outside `{self.config.pipeline_attr}` are on the meta device; DynPipe materialises "
+                f"only the pipeline's layers. Create them on a real device (outside the meta context), or {fix}."
+            )
+        if self._init_random_state is None:
+            raise ConfigurationError(
+                "The pipeline is on the meta device but was not built under trainer.init_module(empty_init=True), so "
+                "DynPipe does not know the random state its initialisation starts from. Build it under "
+                f"`with trainer.init_module(empty_init=True):`, or {fix}."
+            )
+        if self._init_own_generator:
+            raise ConfigurationError(
+                "The model built on the meta device draws random numbers from its own torch.Generator; DynPipe "
+                f"replays the initialisation from the global random state only. Use the global seed, or {fix}."
+            )
+        if self.config.balance_mode == "auto" or self.config.policy is not None:
+            raise ConfigurationError(
+                f"balance={self.balance!r} and adaptive={self.config.policy is not None} need to profile the layers, "
+                "which a model on the meta device does not allow yet. With a meta-built model pass balance=[...] or "
+                f"balance='parameters', and adaptive=False; or {fix}."
+            )
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
+        self._refuse_if_left_sharded("run again")
+        meta = is_on_meta(pipeline)
+        if meta:
+            self._check_meta_start(pipeline)
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not meta:
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         self._full_keys = list(self._lm.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
+        if fitting and not meta:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
@@ -387,6 +465,14 @@ class DynPipeStrategy(DDPStrategy):
         partition = decision.partition
         self._planned_num_stages = partition.num_stages
         self._topology = PipelineTopology(partition.num_stages, world)
+        if meta:  # only this stage's layers get memory; then everything as for a model built whole
+            assert self._init_random_state is not None
+            owned = partition.stage_layers(self._topology.coords(self.global_rank)[1])
+            materialize_layers(pipeline, owned, self.root_device, random_state=self._init_random_state, ties=self.ties)
+            self.precision_plugin.convert_module(self.model)
+            if fitting:
+                self.setup_optimizers(trainer)  # on the whole model: the other layers' parameters are on meta
+                check_optimizers(self.optimizers)
         module = self._lm
         self.stage = PipelineStage.start(
             pipeline=pipeline,
@@ -406,6 +492,8 @@ class DynPipeStrategy(DDPStrategy):
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
         )
+        if meta:
+            self.model_to_device()  # what is outside the pipeline (the other layers are placeholders now)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -626,8 +714,29 @@ class DynPipeStrategy(DDPStrategy):
         return bool(t.item())
 
     # ------------------------------------------------------------------ partition-independent state
+    def _refuse_if_left_sharded(self, what: str) -> None:
+        placeholders = [i for i, m in enumerate(self._pipeline()) if isinstance(m, Placeholder)]
+        if self.stage is None and placeholders:
+            raise ConfigurationError(
+                f"This process's LightningModule holds only one stage's layers (layers {placeholders} are "
+                f"placeholders): the previous run ended with gather_after_fit=False, so it cannot {what}. Load the "
+                "full model from the run's checkpoint (a sharded one: lightning_dynpipe.engine.sharded.consolidate), "
+                "or keep gather_after_fit=True."
+            )
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A sharded checkpoint is read stage by stage, into the layers the stage owns: after partitioning.
+        return self.config.checkpoint == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.stage is None:
+            self._refuse_if_left_sharded("write the whole model's state_dict")
+        if self.stage is not None and self.config.checkpoint == "sharded":
+            self.drain()
+            return self._lm.state_dict()  # this stage's layers only; save_checkpoint writes them as they are
         if self.stage is None or self.num_stages == 1:
             return super().lightning_module_state_dict()
         self.drain()
@@ -642,6 +751,8 @@ class DynPipeStrategy(DDPStrategy):
         if self.stage is None or self.stage.slots is None:
             return super().optimizer_state(optimizer)
         self.drain()
+        if self.config.checkpoint == "sharded":
+            return self.stage.optimizer_shard(optimizer)
         return self.stage.optimizer_state(optimizer)
 
     @override
@@ -656,7 +767,19 @@ class DynPipeStrategy(DDPStrategy):
         if self.stage is None:
             return super().load_model_state_dict(checkpoint_, strict=strict)
         prefix = self.config.pipeline_attr + "."
-        owned = checkpoint.owned_state_dict(checkpoint_["state_dict"], prefix, self.stage.shard.owned)
+        state = checkpoint_["state_dict"]
+        if strict and not self._loaded_sharded:
+            # A whole checkpoint read after partitioning: the rule of a strict load_state_dict, on the whole model
+            # (each stage then takes its part; a sharded checkpoint's keys were checked when it was read).
+            missing = [k for k in self._full_keys if k not in state]
+            unexpected = [k for k in state if k not in set(self._full_keys)]
+            if missing or unexpected:
+                raise ConfigurationError(
+                    f"The checkpoint does not hold this model's weights: missing keys {missing[:5]}, unexpected keys "
+                    f"{unexpected[:5]}. Load it into the model that wrote it (or set "
+                    "LightningModule.strict_loading = False to load what matches)."
+                )
+        owned = checkpoint.owned_state_dict(state, prefix, self.stage.shard.owned)
         self._lm.load_state_dict(owned, strict=False)
 
     @override
@@ -669,7 +792,52 @@ class DynPipeStrategy(DDPStrategy):
                 "schedule": self.schedule,
                 "num_microbatches": self.num_microbatches,
             }
+        if self.stage is not None and self.config.checkpoint == "sharded":
+            self._save_sharded(checkpoint, self.broadcast(filepath))
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank of the first pipeline writes its stage's entries (collective over WORLD; no gathering)."""
+        stage = self.stage
+        assert stage is not None
+        prefix = self.config.pipeline_attr + "."
+        aliases = sharded.tie_aliases(self.ties, prefix)
+        entries: dict[str, Any] = {}
+        if stage.dp_rank == 0:  # the other replicas hold the same state
+            entries.update(
+                sharded.local_model_entries(
+                    checkpoint["state_dict"], prefix, stage.shard.owned, aliases, outside=self.global_rank == 0
+                )
+            )
+            for o, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+                entries.update(sharded.local_optimizer_entries(o, opt_state))
+        if self.global_rank == 0:
+            rest = {k: (None if k == "state_dict" else v) for k, v in checkpoint.items()}
+            if "optimizer_states" in rest:
+                rest["optimizer_states"] = [{"param_groups": o["param_groups"]} for o in checkpoint["optimizer_states"]]
+            rest["dynpipe"] = {**(rest.get("dynpipe") or {}), "format": "sharded", "aliases": aliases,
+                               "key_order": list(self._full_keys)}  # fmt: skip
+            entries[sharded.REST] = rest
+        sharded.save(entries, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._loaded_sharded = self.stage is not None and sharded.is_sharded_checkpoint(checkpoint_path)
+        if not sharded.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.stage is None:  # checkpoint="full" restores before set-up, into the whole model: read it all
+            return sharded.consolidate(checkpoint_path)
+        prefix = self.config.pipeline_attr + "."
+        slots = self.stage.slots
+        return sharded.load_stage(
+            checkpoint_path,
+            targets=self._lm.state_dict(),
+            prefix=prefix,
+            aliases=sharded.tie_aliases(self.ties, prefix),
+            expected_keys=self._full_keys,
+            wanted=[{c for g in canon for c in g} for canon in slots.canonical] if slots is not None else [],
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -685,7 +853,13 @@ class DynPipeStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         if self.stage is not None:
-            self.stage.close(interrupted)  # puts the whole model back into the user's module unless interrupted
+            # puts the whole model back into the user's module unless interrupted or told not to
+            self.stage.close(interrupted, gather=self.config.gather_after_fit)
+            if not interrupted and not self.config.gather_after_fit and self.num_stages > 1:
+                rank_zero_info(
+                    "DynPipe: gather_after_fit=False, so each process's LightningModule keeps its stage's layers "
+                    "only. Load the whole model from the checkpoint."
+                )
             if interrupted:
                 rank_zero_warn(
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "

@@ -101,8 +101,9 @@ def _two_stage_states(net: Net, opt: torch.optim.Optimizer) -> tuple[list[dict],
             if layers
             else {}
         )
+        holders = {c: rank_of_stage(s) for c, s in slots.holders(0, Partition((2, 2))).items()}
         ostate = checkpoint.gather_optimizer_state(
-            opts[k].state_dict(), slots.canonical[0], slots.group_sizes[0], coll.all_gather_object, is_root=rank == 0
+            opts[k].state_dict(), slots.canonical[0], slots.group_sizes[0], holders, coll, device=CPU, root=0
         )
         everywhere = checkpoint.gather_layer_states(
             shard, coll, rank_of_stage=rank_of_stage, device=CPU, root=None, everything=True

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dynpipe.strategy.config
+from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.engine.ties import shared_parameters
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
@@ -33,6 +34,7 @@ def test_defaults() -> None:
     assert (cfg.num_stages, cfg.stages_auto, cfg.balance_mode, cfg.balance) == (None, False, "auto", None)
     assert cfg.schedule.name == "async" and isinstance(cfg.policy, GainOverCostPolicy)
     assert cfg.timeout == DEFAULT_TIMEOUT and cfg.monitor_every_n_steps == 10
+    assert cfg.checkpoint == "full" and cfg.gather_after_fit is True
     with pytest.raises(AttributeError):
         cfg.num_microbatches = 2  # type: ignore[misc]
 
@@ -56,6 +58,13 @@ def test_values_are_normalised() -> None:
         ({"balance": [2, 2], "num_stages": 3}, PartitionError, "balance has 2 entries but num_stages=3"),
         ({"monitor_every_n_steps": 0}, ConfigurationError, "monitor_every_n_steps must be >= 1"),
         ({"monitor_every_n_steps": None}, ConfigurationError, "Runtime adaptation needs the stage monitor"),
+        ({"checkpoint": "dcp"}, ConfigurationError, r"checkpoint must be one of \['full', 'sharded'\]; got 'dcp'"),
+        ({"gather_after_fit": 0}, ConfigurationError, "gather_after_fit must be True or False"),
+        (
+            {"gather_after_fit": False, "start_method": "spawn"},
+            ConfigurationError,
+            "copies rank 0's weights back into the main process",
+        ),
     ],
 )
 def test_refusals(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -264,3 +273,58 @@ def test_describe_updates_says_what_the_schedule_does_to_the_updates(kwargs: dic
     assert "\n" not in line
     if kwargs.get("schedule", "async") == "async":
         assert "stage k of S computes its gradients on weights S-1-k updates old" in line
+
+
+class _MetaNet(L.LightningModule):
+    def __init__(self, outside: bool = False) -> None:
+        super().__init__()
+        self.pipeline = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        if outside:
+            self.register_buffer("scale", torch.ones(2))
+
+
+def _meta_model(strategy: DynPipeStrategy, outside: bool = False) -> _MetaNet:
+    with strategy.tensor_init_context(empty_init=True):
+        model = _MetaNet(outside)
+    strategy.connect(model)
+    return model
+
+
+def test_a_model_built_on_meta_is_refused_where_its_start_cannot_be_exact() -> None:
+    ok = DynPipeStrategy(balance=[1, 1], adaptive=False)
+    model = _meta_model(ok)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    ok._check_meta_start(model.pipeline)  # a list balance, no adaptation: accepted
+    with pytest.raises(ConfigurationError, match="need to profile the layers"):
+        auto = DynPipeStrategy()
+        auto._check_meta_start(_meta_model(auto).pipeline)
+    with pytest.raises(ConfigurationError, match=r"\['scale'\] outside `pipeline` are on the meta device"):
+        s = DynPipeStrategy(balance=[1, 1], adaptive=False)
+        s._check_meta_start(_meta_model(s, outside=True).pipeline)
+    plain = DynPipeStrategy(balance=[1, 1], adaptive=False)
+    with torch.device("meta"):
+        bare = _MetaNet()
+    plain.connect(bare)
+    with pytest.raises(ConfigurationError, match=r"was not built under trainer.init_module\(empty_init=True\)"):
+        plain._check_meta_start(bare.pipeline)
+
+
+def test_a_whole_checkpoint_read_after_partitioning_is_loaded_strictly() -> None:
+    """checkpoint="sharded" restores after set-up; a whole (torch.save) checkpoint is then checked against the whole
+    model's keys, as a strict load_state_dict would, before each stage takes its part."""
+    from types import SimpleNamespace
+
+    strategy = DynPipeStrategy(checkpoint="sharded", balance=[1, 1], adaptive=False)
+    model = _MetaNet()
+    strategy.connect(model)
+    strategy._full_keys = list(model.state_dict())
+    strategy.stage = SimpleNamespace(shard=SimpleNamespace(owned=[1]))  # type: ignore[assignment]
+    whole = {k: torch.full_like(v, 7.0) for k, v in _MetaNet().state_dict().items()}
+    strategy.load_model_state_dict({"state_dict": whole})
+    assert torch.equal(model.pipeline[1].weight, torch.full((2, 2), 7.0))  # its own layer
+    assert not torch.equal(model.pipeline[0].weight, torch.full((2, 2), 7.0))  # another stage's: left alone
+    partial = {k: v for k, v in whole.items() if k != "pipeline.0.bias"}
+    with pytest.raises(ConfigurationError, match=r"missing keys \['pipeline.0.bias'\]"):
+        strategy.load_model_state_dict({"state_dict": partial})
+    strategy.load_model_state_dict({"state_dict": partial}, strict=False)  # what the user asked for
+    strategy.stage = None

@@ -1,0 +1,250 @@
+"""Peak memory per process of a model whose parameters dominate: the default paths against the sharded options.
+
+The model is ``L`` x ``Linear(D, D)`` trained with Adam under ``schedule="sync"`` (parameters, gradients and
+Adam's two moments: four times the parameters' bytes per stage, activations negligible), on ``S`` CPU processes
+through Lightning's popen launcher. Two settings:
+
+* ``default``: the model built eagerly in every process, ``checkpoint="full"``, ``gather_after_fit=True``;
+* ``sharded``: built under ``trainer.init_module(empty_init=True)`` (on meta, each stage materialising its own
+  layers), ``checkpoint="sharded"``, ``gather_after_fit=False``.
+
+Per process, the peak resident memory (Linux ``VmHWM``, reset between phases through ``/proc/self/clear_refs``)
+above the process's resident memory before the model is built, in four phases: set-up (building the model to
+the first step), training (the steps), checkpoint (one ``trainer.save_checkpoint``) and end of fit (teardown).
+The stage's share is four times its layers' parameter bytes. The workers run with
+``MALLOC_MMAP_THRESHOLD_=1048576``, so that glibc returns every freed block of 1 MiB or more to the system and
+the resident set follows the live tensors; what it still keeps makes a phase's number an upper bound.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/memory.py                  # S=2 and S=4, D=2048, both settings (a few minutes)
+    .venv/bin/python benchmarks/memory.py --quick          # smoke run: S=2, D=256, sharded only
+
+Outputs: the table on stdout, ``benchmarks/out/memory-<stamp>.json`` (config, machine, versions, command, every
+measurement) and ``docs/img/memory.png`` (``--quick``: under ``--out-dir``). ``--from-json <record>`` prints the
+table and draws the plot of a stored record without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks._common import REPO_ROOT, command_line, describe_machine, format_table, machine_info  # noqa: E402
+
+PHASES = ("setup", "train", "checkpoint", "end")
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (this benchmark needs Linux)")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def _worker(cfg: dict[str, Any]) -> None:
+    """One rank of one run (Lightning's popen launcher re-runs this command line for the other ranks)."""
+    import lightning.pytorch as L
+    import torch
+    from torch import nn
+
+    from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.engine.shard import Placeholder
+
+    S, D, layers, sharded = cfg["stages"], cfg["dim"], cfg["layers"], cfg["setting"] == "sharded"
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.pipeline = nn.Sequential(*(nn.Linear(D, D) for _ in range(layers)))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.pipeline(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    marks: dict[str, int] = {}
+
+    class Phases(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            marks["setup"] = _status_kib("VmHWM")
+            _reset_peak()
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            marks["train"] = _status_kib("VmHWM")
+            _reset_peak()
+            trainer.save_checkpoint(cfg["ckpt"])
+            marks["checkpoint"] = _status_kib("VmHWM")
+            _reset_peak()
+
+    strategy = DynPipeStrategy(
+        num_stages=S,
+        num_microbatches=2,
+        schedule="sync",
+        balance=[layers // S] * S,
+        adaptive=False,
+        monitor_every_n_steps=None,
+        checkpoint="sharded" if sharded else "full",
+        gather_after_fit=not sharded,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=S,
+        strategy=strategy,
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Phases()],
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(8 * cfg["steps"], D))
+    baseline = _status_kib("VmRSS")
+    _reset_peak()
+    if sharded:
+        with trainer.init_module(empty_init=True):
+            model = Net()
+    else:
+        model = Net()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    marks["end"] = _status_kib("VmHWM")
+    rank = trainer.global_rank
+    stage = (rank + S - 1) % S  # stage k runs on rank (k + 1) % S
+    layer_bytes = 4 * (D * D + D)
+    own = [i for i, m in enumerate(model.pipeline) if not isinstance(m, Placeholder)]
+    record = {
+        "rank": rank,
+        "stage": stage,
+        "baseline_kib": baseline,
+        "peak_kib": marks,
+        "share_bytes": 4 * layer_bytes * (layers // S),
+        "layers_held_after_fit": len(own),
+    }
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _run(setting: str, stages: int, dim: int, layers: int, steps: int, work: Path) -> list[dict[str, Any]]:
+    out = work / f"{setting}-S{stages}"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"setting": setting, "stages": stages, "dim": dim, "layers": layers, "steps": steps}
+    cfg.update(out=str(out), ckpt=str(out / "last.ckpt"))
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    # glibc keeps freed blocks below its (self-raising) mmap threshold in the heap, so the resident set would keep
+    # every tensor ever freed; from 1 MiB up, a block is mapped on its own and returned when freed.
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{setting} S={stages} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["stage"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke run: S=2, D=256, the sharded setting")
+    parser.add_argument("--settings", nargs="+", default=["default", "sharded"], choices=["default", "sharded"])
+    parser.add_argument("--dim", type=int, default=2048, help="D of each Linear(D, D) (default 2048)")
+    parser.add_argument("--layers", type=int, default=8, help="number of layers (default 8)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="values of S (default 2 4)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "out"), help="where the JSON goes")
+    parser.add_argument("--from-json", help="print the table and draw the plot of a stored record, without measuring")
+    parser.add_argument("--plot", default=str(REPO_ROOT / "docs" / "img" / "memory.png"), help="with --from-json")
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    if args.from_json:
+        report(json.loads(Path(args.from_json).read_text()), Path(args.plot))
+        return
+    if args.quick:
+        args.dim, args.stages, args.steps, args.settings = 256, [2], 2, ["sharded"]
+    machine = machine_info()
+    work = Path(args.out_dir) / f"memory-work-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs: list[dict[str, Any]] = []
+    for stages in args.stages:
+        for setting in args.settings:
+            t0 = time.perf_counter()
+            for r in _run(setting, stages, args.dim, args.layers, args.steps, work):
+                runs.append({"setting": setting, "stages": stages, **r})
+            print(f"# {setting} S={stages}: {time.perf_counter() - t0:.0f} s", flush=True)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    record = Path(args.out_dir) / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    config = {"dim": args.dim, "layers": args.layers, "stages": args.stages, "steps": args.steps}
+    config["settings"] = args.settings
+    data = {"config": config, "machine": machine, "command": command_line(), "runs": runs}
+    record.write_text(json.dumps(data))
+    report(data, Path(args.out_dir) / "memory.png" if args.quick else REPO_ROOT / "docs" / "img" / "memory.png")
+    print(f"wrote {record}")
+
+
+def report(data: dict[str, Any], plot: Path | None) -> None:
+    """Prints the table of a record (what :func:`main` measured, or a stored JSON) and draws the plot."""
+    cfg, runs = data["config"], data["runs"]
+    rows = []
+    for r in runs:
+        share = r["share_bytes"] / 2**20
+        cells = [f"{r['setting']} S={r['stages']}", str(r["stage"]), f"{share:.0f}"]
+        for phase in PHASES:
+            above = (r["peak_kib"][phase] - r["baseline_kib"]) / 1024.0
+            cells.append(f"{above:.0f} ({above / share:.2f}x)")
+        cells.append(str(r["layers_held_after_fit"]))
+        rows.append(cells)
+    headers = ["run", "stage", "share MiB", *(f"{p} MiB (x share)" for p in PHASES), "layers after fit"]
+    print(describe_machine(data["machine"]))
+    print(f"model: {cfg['layers']} x Linear({cfg['dim']}, {cfg['dim']}), Adam, schedule=sync, {cfg['steps']} steps")
+    print(format_table(headers, rows))
+    if plot is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["setting"], r["stages"]) for r in runs}, key=lambda g: (g[1], g[0]))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(groups))
+    for j, (setting, stages) in enumerate(groups):
+        mine = [r for r in runs if (r["setting"], r["stages"]) == (setting, stages)]
+        worst = [max((r["peak_kib"][p] - r["baseline_kib"]) * 1024.0 / r["share_bytes"] for r in mine) for p in PHASES]
+        ax.bar([i + j * width for i in range(len(PHASES))], worst, width, label=f"{setting}, S={stages}")
+    ax.axhline(1.1, color="k", lw=0.8, ls="--", label="1.10x the stage's share")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(PHASES))], list(PHASES))
+    ax.set_ylabel("peak above start / stage's share (worst process)")
+    ax.set_title(f"{cfg['layers']} x Linear({cfg['dim']}, {cfg['dim']}), Adam")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=120)
+    print(f"wrote {plot}")
+
+
+if __name__ == "__main__":
+    main()
