@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) examples/mnist_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
