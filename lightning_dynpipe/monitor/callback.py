@@ -108,14 +108,17 @@ class StageMonitor(Callback):
         every_n_steps: steps between two snapshots (each costs one small collective over WORLD).
         window: steps whose medians a snapshot reports (per process).
         log: send each snapshot's metrics to the trainer's loggers.
-        prog_bar: show the compact summary in the progress bar.
+        prog_bar: show the compact summary in the progress bar. Off by default: with it on, the 2-stage MLP of
+            ``benchmarks/throughput.py`` ran at 0.87-0.89x of a run without the monitor, against 0.97-1.02x with
+            it off (4 repeats each, benchmarks/results/2026-12-01-performance.md), although its own calls take 2-4
+            ms per snapshot; why was not established.
         overlap: complete each gather one step after starting it (default), instead of waiting for it at once.
     """
 
     PROG_BAR_MAX_STAGES = 4
 
     def __init__(
-        self, every_n_steps: int = 10, window: int = 20, log: bool = True, prog_bar: bool = True, overlap: bool = True
+        self, every_n_steps: int = 10, window: int = 20, log: bool = True, prog_bar: bool = False, overlap: bool = True
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -70,7 +70,7 @@ def _steps(monitor: StageMonitor, trainer: Any, module: Any, n: int, step_s: flo
 
 def test_snapshot_every_n_steps_listeners_logging_and_prog_bar() -> None:
     trainer, module = _fake_trainer(), _FakeModule()
-    monitor = StageMonitor(every_n_steps=3, window=4)
+    monitor = StageMonitor(every_n_steps=3, window=4, prog_bar=True)
     seen: list[tuple[int, int]] = []
     monitor.add_listener(lambda snap, tr: seen.append((snap.step, snap.stages[0].count)))
     monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
@@ -187,7 +187,7 @@ def _latest(monitor: StageMonitor) -> PipelineSnapshot | None:
 def test_gather_overlaps_the_next_step(two_fake_ranks: list[_FakeWork]) -> None:
     trainer, module = _fake_trainer(), _FakeModule()
     trainer.world_size = 2
-    monitor = StageMonitor(every_n_steps=3, window=4)
+    monitor = StageMonitor(every_n_steps=3, window=4, prog_bar=True)
     steps: list[int] = []
     monitor.add_listener(lambda snap, tr: steps.append(tr.global_step))
     monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
@@ -286,7 +286,7 @@ def test_other_strategy_warns_once_and_does_nothing() -> None:
 
 
 def test_single_stage_dynpipe_fit_logs_and_feeds_prog_bar(tmp_path: Path) -> None:
-    monitor = StageMonitor(every_n_steps=2, window=3)
+    monitor = StageMonitor(every_n_steps=2, window=3, prog_bar=True)
     snaps: list[PipelineSnapshot] = []
     monitor.add_listener(lambda snap, tr: snaps.append(snap))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="dynpipe/s0_busy_ms", mode="min", save_top_k=1)
