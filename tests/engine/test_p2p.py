@@ -30,47 +30,55 @@ def _messages() -> list[tuple[MessageKind, int, list[Any]]]:
     ]
 
 
-def _worker(rank: int, port: int, mode: str, out: Any) -> None:
+def _messages_mode(rank: int, group: Any) -> str:
+    msgs = _messages()
+    if rank == 0:
+        ch = SendChannel(group, 1, "activations 0->1")
+        for kind, mb, tensors in msgs:
+            ch.send(kind, mb, tensors, aux=float(mb) / 2, is_tuple=len(tensors) > 1)
+        ch.close()
+        return "ok"
+    rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+    for kind, mb, tensors in msgs:
+        m = rc.get(kind, mb)
+        assert m.header.aux == mb / 2 and m.header.is_tuple == (len(tensors) > 1)
+        assert len(m.tensors) == len(tensors)
+        for got, want in zip(m.tensors, tensors):
+            assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
+        assert m.transfer_s >= 0.0
+    rc.join()
+    assert not rc._thread.is_alive(), "the receiver thread must end after CLOSE"
+    return "ok"
+
+
+def _abort_mode(rank: int, group: Any) -> str:
+    msgs = _messages()
+    if rank == 0:
+        ch = SendChannel(group, 1, "activations 0->1")
+        ch.send(*msgs[0])
+        ch.abort(0, 0, "boom: a RuntimeError on stage 0")
+        ch.flush()
+        return "ok"
+    rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+    first = rc.get(*msgs[0][:2])
+    assert torch.equal(first.tensors[0], msgs[0][2][0])
+    try:
+        rc.get(MessageKind.ACTIVATION, 1)
+    except PeerFailure as exc:
+        rc.join()
+        return str(exc)
+    return "no failure raised"
+
+
+def _worker(rank: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    group = dist.new_group([0, 1])
     try:
-        if rank == 0:
-            ch = SendChannel(group, 1, "activations 0->1")
-            msgs = _messages()
-            if mode == "abort":
-                ch.send(*msgs[0])
-                ch.abort(0, 0, "boom: a RuntimeError on stage 0")
-                ch.flush()
-            else:
-                for kind, mb, tensors in msgs:
-                    ch.send(kind, mb, tensors, aux=float(mb) / 2, is_tuple=len(tensors) > 1)
-                ch.close()
-            out.put((rank, "ok"))
-        else:
-            rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
-            msgs = _messages()
-            if mode == "abort":
-                first = rc.get(*msgs[0][:2])
-                assert torch.equal(first.tensors[0], msgs[0][2][0])
-                try:
-                    rc.get(MessageKind.ACTIVATION, 1)
-                except PeerFailure as exc:
-                    out.put((rank, str(exc)))
-                rc.join()
-            else:
-                for kind, mb, tensors in msgs:
-                    m = rc.get(kind, mb)
-                    assert m.header.aux == mb / 2 and m.header.is_tuple == (len(tensors) > 1)
-                    assert len(m.tensors) == len(tensors)
-                    for got, want in zip(m.tensors, tensors):
-                        assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
-                    assert m.transfer_s >= 0.0
-                rc.join()
-                assert not rc._thread.is_alive(), "the receiver thread must end after CLOSE"
-                out.put((rank, "ok"))
-    except BaseException as exc:  # reported to the test, not swallowed
-        out.put((rank, f"FAILED {type(exc).__name__}: {exc}"))
+        for mode, run in (("messages", _messages_mode), ("abort", _abort_mode)):
+            try:
+                out.put((mode, rank, run(rank, dist.new_group([0, 1]))))
+            except BaseException as exc:  # reported to the test, not swallowed
+                out.put((mode, rank, f"FAILED {type(exc).__name__}: {exc}"))
     finally:
         dist.destroy_process_group()
 
@@ -82,23 +90,20 @@ def _free_port() -> int:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["messages", "abort"])
-def test_two_processes(mode: str) -> None:
+def test_two_processes_messages_and_abort() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
-    results = dict(out.get(timeout=5) for _ in range(2))
+    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(4))}
     assert all(p.exitcode == 0 for p in procs), results
-    if mode == "abort":
-        assert results[0] == "ok"
-        assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[1], results
-    else:
-        assert results == {0: "ok", 1: "ok"}
+    assert results[("messages", 0)] == results[("messages", 1)] == "ok", results
+    assert results[("abort", 0)] == "ok", results
+    assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[("abort", 1)], results
 
 
 def test_packing_roundtrip_and_sizes() -> None:
