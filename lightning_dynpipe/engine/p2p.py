@@ -236,9 +236,10 @@ class SendChannel:
                 self._next_size = size
             self._isend(pack(header, payload, size, time.time()))
             self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
-            pad = encode(MessageKind.RESIZE, -1, [], aux=float(size))
-            for _ in range(pads):
-                self._isend(pack(pad, [], size, time.time()))
+            if pads:
+                pad = encode(MessageKind.RESIZE, -1, [], aux=float(size))
+                for _ in range(pads):
+                    self._isend(pack(pad, [], size, time.time()))
             while len(self._pending) > _MAX_OUTSTANDING:
                 self._wait_one()
 

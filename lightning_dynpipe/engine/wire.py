@@ -128,9 +128,8 @@ def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float) -
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    head = header.clone()
-    head[6] = struct.unpack("=q", struct.pack("=d", float(sent_at)))[0]
-    buf[:HEADER_BYTES].copy_(head.view(torch.uint8))
+    buf[:HEADER_BYTES].copy_(header.view(torch.uint8))
+    buf[:HEADER_BYTES].view(torch.int64)[6] = struct.unpack("=q", struct.pack("=d", float(sent_at)))[0]
     offset = HEADER_BYTES
     for t in tensors:
         n = t.numel() * t.element_size()
