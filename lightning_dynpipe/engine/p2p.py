@@ -7,10 +7,11 @@ sends and only waits for them when asked to (:meth:`SendChannel.flush`) or when 
 
 On CPU (gloo) every message is one packed buffer (:func:`~lightning_dynpipe.engine.wire.pack`) and the
 receiver keeps :data:`PREPOSTED` receives posted ahead, so that a message always lands in a posted buffer. A
-message that arrives before its receive is posted makes gloo's loop thread poll until it is: measured with a
-header-then-payload protocol (the payload's receive can only be posted once the header is decoded, by a thread
-that must first get the GIL back from the busy main thread), that cost the receiving process 1-5 ms of CPU per
-message. Receives must be posted with the right size, so both ends track the size of the next message: a
+message that arrives before its receive is posted makes gloo's loop thread poll until it is. With a
+header-then-payload protocol the payload's receive could only be posted once the header was decoded, by a thread
+that must first get the GIL back from the busy main thread; packing took gloo's loop thread from 6.2 to 2.6 ms of
+CPU per step on stage 0 of ``benchmarks/profile_step.py`` (benchmarks/results/2026-12-01-performance.md).
+Receives must be posted with the right size, so both ends track the size of the next message: a
 sender whose message has another size first sends :data:`PREPOSTED` ``RESIZE`` messages of the old size
 (one per receive already posted), then the message. ``CLOSE`` and ``ABORT`` are followed by pads that complete
 the receives still posted, so that no receive is left pending when the process groups are destroyed.
