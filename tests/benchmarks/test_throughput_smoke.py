@@ -1,7 +1,7 @@
 """Smoke test of ``benchmarks/throughput.py --quick``: it runs end to end and prints the table of all five systems.
 
 This is not a performance test and asserts no speed (STYLE.md: a benchmark is a script that prints a table, not
-a timed unit test). It runs the script as a user would, in a subprocess: two spawned gloo workers, a tiny MLP,
+a timed unit test). It runs the script's ``main`` in the test process: two spawned gloo workers, a tiny MLP,
 one repeat of three timed steps per system (about 20-40 s on two cores). Outputs go to a temporary directory,
 so the documented plot in docs/img/ is left alone.
 """
@@ -21,9 +21,9 @@ HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F
 
 @pytest.mark.multiprocess
 def test_quick_run_prints_table_of_all_systems(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    proc = run_benchmark("throughput.py", "--quick", "--out-dir", str(tmp_path))
+    proc = run_benchmark_main("throughput.py", "--quick", "--out-dir", str(tmp_path))
 
     rows = table_rows(proc.stdout, HEADER, len(LABELS))
     assert [r[: len(max(LABELS, key=len))].strip() for r in rows] == list(LABELS), "\n".join(rows)
