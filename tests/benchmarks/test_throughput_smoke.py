@@ -33,6 +33,8 @@ def test_quick_run_prints_table_of_all_systems(
 
     assert "target async >= 1.10x DynPipe sync" in proc.stdout
     assert "simulator, isolated costs" in proc.stdout
+    assert "simulator fed with the framework's costs measured inside each system's runs" in proc.stdout
+    assert "target the simulator fed with the framework's costs predicts each DynPipe system within 15%" in proc.stdout
 
     records = list(tmp_path.glob("throughput-*.json"))
     assert len(records) == 1
@@ -54,3 +56,26 @@ def test_defaults_cost_verdict_pairs_defaults_with_bare_by_repeat() -> None:
     assert "vs_async-bare" not in table["async"]
     verdict = render_targets({"table": table})
     assert "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x -> met" in verdict
+
+
+def test_framework_costs_feed_the_simulator_per_stage_and_message() -> None:
+    """The framework's costs are the in-run time around the operations: outside the step plus the step's rest as
+    ``step_overhead`` per step, and the sender's busy time per message; with them the simulator's step is longer
+    than with forward/backward/update alone, by at least the bottleneck stage's overhead per step."""
+    from benchmarks.throughput import Config, _framework_costs_from_runs, _simulate
+
+    cfg = Config(num_microbatches=4, sim_steps=8)
+    step = {"forward_s": 0.04, "backward_s": 0.08, "optimizer_s": 0.02, "num_forward": 4, "num_backward": 4,
+            "num_updates": 4, "recv_wait_s": 0.01, "send_s": 0.004, "step_s": 0.16}  # fmt: skip
+    stages = [{"stage": k, "wall_s": 3 * (0.17 + 0.01 * k), "steps": [dict(step)] * 3} for k in range(2)]
+    runs = [{"system": "async", "rep": 0, "stages": stages}]
+    costs = _framework_costs_from_runs(runs, "async", cfg)
+    assert costs is not None
+    assert costs["forward"] == pytest.approx([0.01, 0.01]) and costs["update"] == pytest.approx([0.005, 0.005])
+    # other = 0.16 - 0.14 - 0.01 - 0.004 = 0.006 per step; outside = wall per step - step = 0.01 / 0.02
+    assert costs["step_overhead"] == pytest.approx([0.016, 0.026])
+    assert costs["send_overhead"] == pytest.approx([0.001, 0.001])
+    bare = {k: costs[k] for k in ("forward", "backward", "update")}
+    assert _simulate("async", costs, cfg, "last_stage_broadcast") >= _simulate(
+        "async", bare, cfg, "last_stage_broadcast"
+    ) + max(costs["step_overhead"])
