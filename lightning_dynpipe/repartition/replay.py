@@ -191,6 +191,8 @@ class SyntheticPipeline:
         num_microbatches: ``M``.
         seed: the noise's seed (the same seed gives the same windows for the same partitions).
         link: the link model.
+        window_steps: steps per monitor window; a window is drawn under the environment of its first step, so an
+            onset shows in the first window that lies wholly after it (as a window's medians would).
     """
 
     def __init__(
@@ -201,6 +203,7 @@ class SyntheticPipeline:
         num_microbatches: int = 4,
         seed: int = 0,
         link: CommModel = LINK,
+        window_steps: int = 10,
     ) -> None:
         steps = [s for s, _ in timeline]
         if not timeline or steps[0] != 0 or steps != sorted(steps):
@@ -212,6 +215,7 @@ class SyntheticPipeline:
         self.timeline = list(timeline)
         self.num_microbatches = num_microbatches
         self.link = link
+        self.window_steps = window_steps
         self._rng = np.random.default_rng(seed)
 
     def env(self, step: int) -> Env:
@@ -220,7 +224,8 @@ class SyntheticPipeline:
 
     def window(self, step: int, partition: Partition) -> PipelineWindow:
         """The window that ends at ``step`` under ``partition``."""
-        return synthetic_window(self.cost, partition, self.env(step), self.num_microbatches, self._rng, self.link)
+        env = self.env(max(step - self.window_steps + 1, 0))
+        return synthetic_window(self.cost, partition, env, self.num_microbatches, self._rng, self.link)
 
     def step_s(self, step: int, partition: Partition) -> float:
         """The noiseless step time at ``step`` under ``partition``."""
