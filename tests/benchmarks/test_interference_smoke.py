@@ -2,7 +2,8 @@
 
 Not a performance test: it asserts no speed or ratio (STYLE.md: a benchmark prints a table, it is not a timed
 unit test). It runs the script in a subprocess as a user would: two spawned gloo workers pinned to their own
-cores, a tiny MLP, one seed, scenarios ``none`` and ``quota25`` for both systems (about 30-60 s on two cores).
+cores, a tiny MLP, one seed, scenarios ``none`` and ``quota25`` for the forest and static systems (about 30-60 s
+on two cores).
 Outputs go to a temporary directory, so the documented plots in docs/img/ are left alone.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-HEADER = ("scenario", "adaptive TTA s", "static TTA s", "static/adaptive", "migrations", "limit over run")
+HEADER = ("scenario", "system", "TTA s", "static TTA s", "static/system", "migrations", "onset->move", "limit over run")
 
 
 @pytest.mark.multiprocess
@@ -25,13 +26,13 @@ def test_quick_run_prints_scenario_table(
     proc = run_benchmark("interference.py", "--quick", "--out-dir", str(tmp_path))
 
     rows = table_rows(proc.stdout, HEADER, 2)
-    assert [r.split()[0] for r in rows] == ["none", "quota25"], "\n".join(rows)
+    assert [r.split()[:2] for r in rows] == [["none", "forest"], ["quota25", "forest"]], "\n".join(rows)
     assert "machine:" in proc.stdout and "command:" in proc.stdout
 
     (raw,) = tmp_path.glob("interference-*.json")
     payload = json.loads(raw.read_text())
     assert {(r["scenario"], r["system"]) for r in payload["runs"]} == {
-        (s, y) for s in ("none", "quota25") for y in ("adaptive", "static")
+        (s, y) for s in ("none", "quota25") for y in ("forest", "static")
     }
     assert payload["machine"]["torch"] and payload["command"]
     assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
