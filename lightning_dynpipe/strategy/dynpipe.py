@@ -9,6 +9,7 @@ the engine's (:class:`~lightning_dynpipe.engine.shard.StageShard`,
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -25,6 +26,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
@@ -71,6 +73,22 @@ class MigrationRecord:
     moved: tuple[int, ...]
     bytes_sent: int
     pause_s: float
+
+
+class _CollectingForkLauncher(_MultiProcessingLauncher):
+    """Lightning's fork launcher, which first collects this process's garbage.
+
+    A forked child inherits the parent's unreachable objects and may collect them itself. A
+    ``ProcessGroupGloo`` left in a reference cycle by an earlier run in this process (a notebook's previous
+    ``fit``, a single-device run) joins its worker threads when it is freed; in a forked child those threads do
+    not exist, so the child's garbage collector blocks forever, inside whatever it was doing (seen as a pipeline
+    that hangs at its first step). Collecting in the parent first frees such objects where their threads live.
+    """
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        gc.collect()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class DynPipeStrategy(DDPStrategy):
@@ -342,6 +360,8 @@ class DynPipeStrategy(DDPStrategy):
         if not self.config.stages_auto:
             PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
         super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher and self._start_method in ("fork", "forkserver"):
+            self._launcher = _CollectingForkLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:

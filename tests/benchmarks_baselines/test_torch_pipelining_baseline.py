@@ -9,6 +9,7 @@ tolerance is ``atol=1e-5, rtol=0``.
 
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing import start_processes
 
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
@@ -100,7 +101,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_pipelined_sgd_equals_full_batch_sgd(tmp_path: Path) -> None:
-    spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True)
+    gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
+    start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
 
     batches = _batches()
     reference = _split(_reference(batches))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing import start_processes
 
 from lightning_dynpipe.engine.probe import probe_p2p
 from lightning_dynpipe.errors import ConfigurationError
@@ -59,7 +60,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, object]]]:
     """One 2-process gloo run shared by the tests below (starting processes is most of their cost)."""
     out = tmp_path_factory.mktemp("probe")
-    spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
+    start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

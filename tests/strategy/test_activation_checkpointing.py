@@ -26,7 +26,7 @@ def _fit(checkpointing: bool | list[int]) -> CharGPT:
     L.seed_everything(0)
     model = CharGPT(block_size=16, d_model=32, n_layers=3, n_heads=2, dropout=0.1)
     strategy = DynPipeStrategy(
-        balance=[2, 3], num_microbatches=4, start_method="spawn", adaptive=False, activation_checkpointing=checkpointing
+        balance=[2, 3], num_microbatches=4, start_method="fork", adaptive=False, activation_checkpointing=checkpointing
     )
     L.Trainer(devices=2, max_steps=5, strategy=strategy, **trainer_kwargs()).fit(model, _tokens())
     return model

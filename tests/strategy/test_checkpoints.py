@@ -31,7 +31,7 @@ def _trainer(tmp: Path, devices: int | None, epochs: int, stages: int | None = N
     )
     if stages is None:
         return L.Trainer(devices=1, **kw)
-    strategy = DynPipeStrategy(num_stages=stages, num_microbatches=3, schedule="sync", start_method="spawn")
+    strategy = DynPipeStrategy(num_stages=stages, num_microbatches=3, schedule="sync", start_method="fork")
     return L.Trainer(devices=devices, strategy=strategy, **kw)
 
 

@@ -30,7 +30,7 @@ class TwoViews(TinyNet):
 
 
 def test_a_second_pipeline_call_in_one_step_is_an_error() -> None:
-    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="spawn", adaptive=False)
+    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
     with pytest.raises(Exception, match=r"self.pipeline\(...\) was called twice in one step"):
         L.Trainer(devices=2, max_steps=2, strategy=s, **trainer_kwargs()).fit(TwoViews(), loader())
 
@@ -38,6 +38,6 @@ def test_a_second_pipeline_call_in_one_step_is_an_error() -> None:
 def test_a_last_batch_too_small_to_split_is_refused_before_the_first_step() -> None:
     """98 samples in batches of 12: the epoch's last batch holds 2 < num_microbatches=4 (refused in
     ``on_train_start``, where it used to fail only when that batch arrived, after a whole epoch)."""
-    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="spawn", adaptive=False)
+    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
     with pytest.raises(Exception, match=r"last training batch of each epoch holds 2 samples .*drop_last=True"):
         L.Trainer(devices=2, max_epochs=1, strategy=s, **trainer_kwargs()).fit(TinyNet(), loader(n=98))

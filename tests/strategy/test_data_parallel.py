@@ -58,9 +58,7 @@ def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
     trainer = L.Trainer(
         devices=4,
         max_epochs=1,
-        strategy=DynPipeStrategy(
-            num_stages=2, balance=[2, 3], num_microbatches=M, start_method="spawn", adaptive=False
-        ),
+        strategy=DynPipeStrategy(num_stages=2, balance=[2, 3], num_microbatches=M, start_method="fork", adaptive=False),
         **trainer_kwargs(callbacks=[Checks()]),
     )
     trainer.fit(model, datamodule=ShardedData())

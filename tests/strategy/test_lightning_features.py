@@ -117,7 +117,7 @@ class RankChecks(L.Callback):
 
 
 def _strategy() -> DynPipeStrategy:
-    return DynPipeStrategy(num_microbatches=3, start_method="spawn")
+    return DynPipeStrategy(num_microbatches=3, start_method="fork")
 
 
 def test_training_with_loggers_monitors_metrics_and_clipping(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ three attributes the mirror reads, so the test needs no Lightning loop.
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 from pathlib import Path
@@ -17,7 +18,7 @@ import lightning.pytorch  # noqa: F401  (Lightning first: a spawned child import
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing import start_processes
 
 from lightning_dynpipe.strategy.callbacks import MetricsMirror, metrics_schema
 
@@ -74,7 +75,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.multiprocess
 def test_every_rank_gets_rank_zeros_metrics_and_names_travel_only_when_they_change(tmp_path: Path) -> None:
     out = str(tmp_path / "seen")
-    spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
+    start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="fork")
     rank0 = json.loads(Path(f"{out}.0").read_text())
     rank1 = json.loads(Path(f"{out}.1").read_text())
     for step, ((metrics, expect_object), r0, r1) in enumerate(zip(_STEPS, rank0, rank1)):

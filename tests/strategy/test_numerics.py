@@ -67,7 +67,7 @@ def _fit(
     M: int = 4,
     epochs: int = 2,
     optimizer: str = "sgd",
-    start_method: str = "spawn",
+    start_method: str = "fork",
 ) -> None:
     balance = {1: [5], 2: [2, 3], 3: [2, 2, 1]}[devices]  # the replay must use the same partition
     strategy = DynPipeStrategy(

@@ -30,7 +30,7 @@ class ProfiledAndAdapting(L.Callback):
 
 @pytest.mark.multiprocess
 def test_bf16_true_two_stages_profile_plan_and_adapt() -> None:
-    strategy = DynPipeStrategy(num_microbatches=4, start_method="spawn")  # balance="auto": profile and plan
+    strategy = DynPipeStrategy(num_microbatches=4, start_method="fork")  # balance="auto": profile and plan
     trainer = L.Trainer(
         devices=2,
         max_steps=3,

@@ -76,7 +76,7 @@ def test_tied_weights_stay_one_parameter_through_a_migration_checkpoint_and_resu
     reference = _resume(tmp_path / "plain.ckpt", 1, "auto")
     for devices, strategy in (
         (1, "auto"),
-        (3, DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, schedule="sync", start_method="spawn")),
+        (3, DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, schedule="sync", start_method="fork")),
     ):
         resumed = _resume(ckpt, devices, strategy)
         for (k, a), b in zip(resumed.state_dict().items(), reference.state_dict().values()):

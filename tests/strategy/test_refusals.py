@@ -156,6 +156,6 @@ def test_overridden_backward_warns() -> None:
 def test_more_stages_than_layers_refused_on_every_rank() -> None:
     """Two processes: both raise the refusal (spawn re-raises the first), none hangs."""
     with pytest.raises(Exception, match=r"Cannot run 2 stages on a pipeline of 1 layers"):
-        L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="spawn"), **trainer_kwargs()).fit(
+        L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="fork"), **trainer_kwargs()).fit(
             OneLayer(), loader()
         )

@@ -48,7 +48,7 @@ def test_a_migrating_run_equals_the_replay_with_the_same_partition_changes() -> 
     trainer = L.Trainer(
         devices=3,
         max_epochs=1,
-        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
+        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="fork", adaptive=False),
         **trainer_kwargs(callbacks=[Repartitioner()]),
     )
     trainer.fit(model, loader())
@@ -105,7 +105,7 @@ def test_random_migrations_preserve_state_and_checkpoints(tmp_path: Path) -> Non
     trainer = L.Trainer(
         devices=3,
         max_steps=4,
-        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="spawn", adaptive=False),
+        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="fork", adaptive=False),
         **trainer_kwargs(callbacks=[RandomMigrations(ckpt)]),
     )
     model = TinyNet(optimizer="adam")

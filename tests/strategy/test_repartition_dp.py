@@ -74,7 +74,7 @@ def test_replicas_migrate_like_one_pipeline_on_the_same_global_batches(tmp_path:
         devices=4,
         max_epochs=1,
         strategy=DynPipeStrategy(
-            num_stages=2, balance=BALANCE, num_microbatches=M, start_method="spawn", adaptive=False
+            num_stages=2, balance=BALANCE, num_microbatches=M, start_method="fork", adaptive=False
         ),
         **trainer_kwargs(callbacks=[MigrateAndCheck(ckpt)]),
     )
