@@ -14,7 +14,10 @@ through Lightning's popen launcher. Two settings:
 
 Per process, the peak resident memory (Linux ``VmHWM``, reset between phases through ``/proc/self/clear_refs``)
 above the process's resident memory before the model is built, in four phases: set-up (building the model to
-the first step), training (the steps), checkpoint (one ``trainer.save_checkpoint``) and end of fit (teardown).
+the first step), training (the steps), checkpoint (one ``trainer.save_checkpoint``) and end of fit (teardown);
+in the sharded setting also *resumed*: the same processes build the model on meta again and resume that
+checkpoint under another partition of as many stages (one layer moved from the first stage to the last), from
+building the model to the first step, against the new stage's share (``--no-resume`` skips it).
 The stage's share is four times its layers' parameter bytes; each phase is also compared with the same phase of
 the ``plain`` run of as many layers. ``--adam`` passes ``foreach=True``, ``foreach=False`` or ``fused=True`` to
 ``torch.optim.Adam`` (default: none, PyTorch's choice, which on CPU is the single-tensor loop). The workers run with
@@ -26,7 +29,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/memory.py                  # S=2 and S=4, D=2048, all settings (a few minutes)
     .venv/bin/python benchmarks/memory.py --dim 4096       # the issue's size (about ten minutes on 2 CPUs)
     .venv/bin/python benchmarks/memory.py --settings plain --stages 2 --adam fused   # one optimizer variant
-    .venv/bin/python benchmarks/memory.py --quick          # smoke run: S=2, D=256, sharded only
+    .venv/bin/python benchmarks/memory.py --quick          # smoke run: S=2, D=256, sharded only, no resume
 
 Outputs: the table on stdout, ``benchmarks/out/memory-<stamp>.json`` (config, machine, versions, command, every
 measurement) and ``docs/img/memory.png`` (``--quick``: under ``--out-dir``). ``--from-json <record>`` prints the
@@ -36,6 +39,7 @@ table and draws the plot of a stored record without measuring.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -125,20 +129,24 @@ def _worker(cfg: dict[str, Any]) -> None:
             checkpoint="sharded" if sharded else "full",
             gather_after_fit=not sharded,
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1 if plain else S,
-        strategy=strategy,
-        accumulate_grad_batches=M if plain else 1,
-        max_steps=cfg["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[Phases()],
-    )
+
+    def make_trainer(strategy: Any, max_steps: int, callback: L.Callback) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1 if plain else S,
+            strategy=strategy,
+            accumulate_grad_batches=M if plain else 1,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            callbacks=[callback],
+        )
+
+    trainer = make_trainer(strategy, cfg["steps"], Phases())
     data = torch.utils.data.TensorDataset(torch.randn(8 * cfg["steps"], D))
     baseline = _status_kib("VmRSS")
     _reset_peak()
@@ -147,7 +155,8 @@ def _worker(cfg: dict[str, Any]) -> None:
             model = Net()
     else:
         model = Net()
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4 if plain else 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=4 if plain else 8)
+    trainer.fit(model, loader)
     marks["end"] = _status_kib("VmHWM")
     rank = trainer.global_rank
     stage = (rank + S - 1) % S  # stage k runs on rank (k + 1) % S
@@ -161,13 +170,56 @@ def _worker(cfg: dict[str, Any]) -> None:
         "share_bytes": 4 * layer_bytes * (cfg["layers"] // S),
         "layers_held_after_fit": len(own),
     }
+    if sharded and cfg.get("resume"):
+        # The checkpoint just written, read under another partition of as many stages, by a model built on meta:
+        # from building the model to the first step (materialisation, then each stage reads its own entries).
+        other = resume_balance(cfg["layers"], S)
+        del model, trainer, strategy, own
+        gc.collect()
+        restored: dict[str, int] = {}
+
+        class Restored(L.Callback):
+            def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                restored["peak"] = _status_kib("VmHWM")
+
+        again = DynPipeStrategy(
+            num_stages=S,
+            num_microbatches=M,
+            schedule="sync",
+            balance=other,
+            adaptive=False,
+            monitor_every_n_steps=None,
+            checkpoint="sharded",
+            gather_after_fit=False,
+        )
+        trainer = make_trainer(again, cfg["steps"] + 1, Restored())
+        base = _status_kib("VmRSS")
+        _reset_peak()
+        with trainer.init_module(empty_init=True):
+            model = Net()
+        trainer.fit(model, loader, ckpt_path=cfg["ckpt"])
+        assert trainer.global_step == cfg["steps"] + 1
+        share = 4 * layer_bytes * other[stage]
+        record["resume"] = {"balance": other, "baseline_kib": base, "peak_kib": restored["peak"], "share_bytes": share}
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def _run(setting: str, stages: int, dim: int, layers: int, steps: int, adam: str, work: Path) -> list[dict[str, Any]]:
+def resume_balance(layers: int, stages: int) -> list[int]:
+    """The partition the sharded checkpoint is resumed under: one layer moved from the first stage to the last."""
+    even = [layers // stages] * stages
+    if stages > 1 and even[0] > 1:
+        even[0] -= 1
+        even[-1] += 1
+    return even
+
+
+def _run(
+    setting: str, stages: int, dim: int, layers: int, steps: int, adam: str, resume: bool, work: Path
+) -> list[dict[str, Any]]:
     out = work / f"{setting}-S{stages}"
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"setting": setting, "stages": stages, "dim": dim, "layers": layers, "steps": steps, "adam": adam}
+    cfg["resume"] = resume
     cfg.update(out=str(out), ckpt=str(out / "last.ckpt"))
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env["OMP_NUM_THREADS"] = "1"
@@ -195,8 +247,9 @@ def _run(setting: str, stages: int, dim: int, layers: int, steps: int, adam: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="smoke run: S=2, D=256, the sharded setting")
+    parser.add_argument("--quick", action="store_true", help="smoke run: S=2, D=256, the sharded setting, no resume")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    parser.add_argument("--no-resume", action="store_true", help="sharded: do not resume under another partition")
     parser.add_argument("--adam", default="default", choices=sorted(ADAM), help="Adam's implementation (see above)")
     parser.add_argument("--dim", type=int, default=2048, help="D of each Linear(D, D) (default 2048)")
     parser.add_argument("--layers", type=int, default=8, help="number of layers (default 8)")
@@ -213,20 +266,20 @@ def main() -> None:
         report(json.loads(Path(args.from_json).read_text()), Path(args.plot))
         return
     if args.quick:
-        args.dim, args.stages, args.steps, args.settings = 256, [2], 2, ["sharded"]
+        args.dim, args.stages, args.steps, args.settings, args.no_resume = 256, [2], 2, ["sharded"], True
     machine = machine_info()
     work = Path(args.out_dir) / f"memory-work-{time.strftime('%Y%m%d-%H%M%S')}"
     runs: list[dict[str, Any]] = []
     for stages in args.stages:
         for setting in args.settings:
             t0 = time.perf_counter()
-            for r in _run(setting, stages, args.dim, args.layers, args.steps, args.adam, work):
+            for r in _run(setting, stages, args.dim, args.layers, args.steps, args.adam, not args.no_resume, work):
                 runs.append({"setting": setting, "stages": stages, **r})
             print(f"# {setting} S={stages}: {time.perf_counter() - t0:.0f} s", flush=True)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     record = Path(args.out_dir) / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     config = {"dim": args.dim, "layers": args.layers, "stages": args.stages, "steps": args.steps}
-    config["settings"], config["adam"] = args.settings, args.adam
+    config["settings"], config["adam"], config["resume"] = args.settings, args.adam, not args.no_resume
     data = {"config": config, "machine": machine, "command": command_line(), "runs": runs}
     record.write_text(json.dumps(data))
     report(data, Path(args.out_dir) / "memory.png" if args.quick else REPO_ROOT / "docs" / "img" / "memory.png")
@@ -248,11 +301,18 @@ def report(data: dict[str, Any], plot: Path | None) -> None:
         stage = "-" if r["stage"] is None else str(r["stage"])
         cells = [f"{r['setting']} S={r['stages']}", stage, f"{share:.0f}"]
         cells += [f"{above(r, phase):.0f} ({above(r, phase) / share:.2f}x)" for phase in PHASES]
-        rows.append([*cells, str(r["layers_held_after_fit"])])
+        res = r.get("resume")
+        if res is not None:
+            mib, res_share = (res["peak_kib"] - res["baseline_kib"]) / 1024.0, res["share_bytes"] / 2**20
+            resumed = f"{mib:.0f} ({mib / res_share:.2f}x of {res_share:.0f})"
+        else:
+            resumed = "-"
+        rows.append([*cells, str(r["layers_held_after_fit"]), resumed])
         ref = plain.get(r["stages"])
         if ref is not None and r is not ref:
             against.append([cells[0], stage, *(f"{above(r, p) / above(ref, p):.2f}x" for p in PHASES)])
     headers = ["run", "stage", "share MiB", *(f"{p} MiB (x share)" for p in PHASES), "layers after fit"]
+    headers.append("resumed MiB (x new share)")
     print(describe_machine(data["machine"]))
     adam = cfg.get("adam", "default")
     print(
@@ -260,6 +320,9 @@ def report(data: dict[str, Any], plot: Path | None) -> None:
         f"{cfg['steps']} steps; plain = one process training one stage's layers alone"
     )
     print(format_table(headers, rows))
+    balances = sorted({(r["stages"], str(r["resume"]["balance"])) for r in runs if r.get("resume")})
+    if balances:
+        print("resumed: the sharded checkpoint read under " + ", ".join(f"{b} (S={n})" for n, b in balances))
     if against:
         print("\neach phase over the same phase of the plain run of the stage's layers (same S):")
         print(format_table(["run", "stage", *PHASES], against))
