@@ -257,13 +257,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "out"), help="where the JSON goes")
     parser.add_argument("--from-json", help="print the table and draw the plot of a stored record, without measuring")
-    parser.add_argument("--plot", default=str(REPO_ROOT / "docs" / "img" / "memory.png"), help="with --from-json")
+    parser.add_argument("--plot", help="where the plot goes (default docs/img/memory.png; --quick: under --out-dir)")
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
         return
+    default_plot = REPO_ROOT / "docs" / "img" / "memory.png"
     if args.from_json:
-        report(json.loads(Path(args.from_json).read_text()), Path(args.plot))
+        report(json.loads(Path(args.from_json).read_text()), Path(args.plot) if args.plot else default_plot)
         return
     if args.quick:
         args.dim, args.stages, args.steps, args.settings, args.no_resume = 256, [2], 2, ["sharded"], True
@@ -282,7 +283,8 @@ def main() -> None:
     config["settings"], config["adam"], config["resume"] = args.settings, args.adam, not args.no_resume
     data = {"config": config, "machine": machine, "command": command_line(), "runs": runs}
     record.write_text(json.dumps(data))
-    report(data, Path(args.out_dir) / "memory.png" if args.quick else REPO_ROOT / "docs" / "img" / "memory.png")
+    plot = Path(args.plot) if args.plot else Path(args.out_dir) / "memory.png" if args.quick else default_plot
+    report(data, plot)
     print(f"wrote {record}")
 
 
