@@ -97,3 +97,32 @@ def test_a_meta_pipeline_without_copies_is_refused_and_wrong_copies_are_named() 
     shuffled[2], shuffled[5] = shuffled[5], shuffled[2]
     with pytest.raises(ConfigurationError, match=r"yielded a Linear with tensors .*for layer 2 \(Linear with"):
         profile_layers(meta, sample, layer_copies=shuffled, repeats=1, warmup=0)
+
+
+def test_a_tied_parameter_is_profiled_with_its_shape_and_the_later_layers_own_values() -> None:
+    def tied() -> nn.Sequential:
+        emb, mid, head = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 6, bias=False)
+        head.weight = emb.weight
+        return nn.Sequential(emb, mid, nn.Tanh(), head)
+
+    torch.manual_seed(2)
+    eager = tied()
+    torch.manual_seed(2)
+    with record_random_state() as draws:
+        meta = tied()
+    assert draws.state is not None
+    tokens = torch.randint(0, 6, (5, 3), generator=torch.Generator().manual_seed(0))
+    tracked = Tracked(materialized_copies(meta, CPU, random_state=draws.state), eager)
+    profile = profile_layers(meta, tokens, layer_copies=tracked, warmup=0, repeats=1)
+    # the head's copy holds its own initialisation of the shared weight (the documented exception); the rest is
+    # the eager build's, and every size equals the eager profile's
+    assert tracked.equal_to_eager == [True, True, True, False]
+    assert tracked.earlier_alive == [0] * 4
+    ref = profile_layers(eager, tokens, warmup=0, repeats=1)
+    for a, b in zip(profile.layers, ref.layers):
+        assert (a.output_shapes, a.activation_bytes, a.param_bytes, a.grad_bytes) == (
+            b.output_shapes,
+            b.activation_bytes,
+            b.param_bytes,
+            b.grad_bytes,
+        )
