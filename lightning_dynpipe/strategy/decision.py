@@ -8,7 +8,7 @@ says why.
 
 A pipeline built on ``meta`` (``trainer.init_module(empty_init=True)``) is profiled on materialised copies of its
 layers, one at a time (``layer_copies``), before any stage materialises its own layers: the profiling rank holds
-one layer beyond nothing, and the times and sizes are those of the real layers.
+one layer at a time, and the times and sizes are those of the real layers.
 """
 
 from __future__ import annotations
