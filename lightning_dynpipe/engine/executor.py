@@ -544,10 +544,18 @@ class StageExecutor:
         p_idx = [i for i, p in enumerate(params) if p.requires_grad]
         in_idx = [i for i, t in enumerate(mb.inputs or []) if t is not None and t.requires_grad]
         wrt = [params[i] for i in p_idx] + [mb.inputs[i] for i in in_idx]  # type: ignore[index,misc]
-        grads: Sequence[Tensor | None] = ()
-        if outputs and wrt:
+        inputs: list[Tensor | None] = mb.inputs or []
+        input_grads: list[Tensor | None] = [None] * len(inputs)
+        received = [t for i in in_idx if (t := inputs[i]) is not None]
+        if outputs and wrt and mb.version is None and all(t.is_leaf for t in received):
+            # The live parameters: autograd adds each gradient into .grad as it is produced (as loss.backward()
+            # does in plain training), so accumulating micro-batches holds one parameter's new gradient at a time,
+            # not a second copy of the whole stage's gradients. The inputs are this micro-batch's own leaves.
+            torch.autograd.backward(outputs, grad_outputs, inputs=wrt)
+            for i, t in zip(in_idx, received):
+                input_grads[i] = t.grad
+        elif outputs and wrt:
             grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
-        if grads:
             for i, g in zip(p_idx, grads[: len(p_idx)]):
                 if g is None:
                     continue
@@ -556,8 +564,6 @@ class StageExecutor:
                     live.grad = g
                 else:
                     live.grad.add_(g)
-        input_grads: list[Tensor | None] = [None] * len(mb.inputs or [])
-        if grads:
             for i, g in zip(in_idx, grads[len(p_idx) :]):
                 input_grads[i] = g
         mb.input_grads = input_grads

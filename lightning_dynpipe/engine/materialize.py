@@ -15,11 +15,16 @@ Exactness is checked, not assumed: each layer is initialised twice, from memory 
 ones; a tensor whose values depend on that fill (a buffer computed in ``__init__``, a parameter no
 ``reset_parameters`` sets) is refused with its name, since its values would otherwise be arbitrary.
 
+The planner's profile of such a pipeline runs on :func:`materialized_copies`: a private copy of each layer, one
+at a time and freed before the next, initialised by the same replay, so the profiling process holds one layer
+beyond its own stage (which it materialises only after the plan) and the times are those of the real layers.
+
 Pure torch: no process groups, no Lightning.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -32,7 +37,14 @@ from lightning_dynpipe.engine.shard import layer_tensors
 from lightning_dynpipe.engine.ties import SharedParameter, resolve, retie
 from lightning_dynpipe.errors import ConfigurationError
 
-__all__ = ["reset_layer", "is_on_meta", "RandomDraws", "record_random_state", "materialize_layers"]
+__all__ = [
+    "reset_layer",
+    "is_on_meta",
+    "RandomDraws",
+    "record_random_state",
+    "materialize_layers",
+    "materialized_copies",
+]
 
 _RANDOM_OPS = frozenset(
     {
@@ -187,3 +199,43 @@ def materialize_layers(
                                 owner._parameters[leaf].copy_(kept[t_idx])  # type: ignore[union-attr]
             layer.to(device if i in owned_set else torch.device("meta"))
     retie(pipeline, ties, owned_set)
+
+
+def materialized_copies(
+    pipeline: nn.Sequential,
+    device: torch.device,
+    *,
+    random_state: Tensor,
+    init: Callable[[nn.Module], None] = reset_layer,
+) -> Iterator[nn.Module]:
+    """Yields a private, materialised copy of each layer of a pipeline built on ``meta``, in order, one at a time.
+
+    Each copy is initialised on the CPU by the replay :func:`materialize_layers` runs (from ``random_state``, layer
+    after layer), then moved to ``device``: layer ``i``'s copy holds the values the stage that owns layer ``i``
+    gets. One exception: a parameter shared with an earlier layer (a tied head) holds this layer's own
+    initialisation, with the right shape and dtype, not the earlier layer's value. The generator drops its
+    reference to a copy before it builds the next one, so a caller that does the same (the profiler does) holds
+    at most one layer. The pipeline is left on ``meta``, and the global random state is left as it was, also
+    between two copies (the caller may draw random numbers, e.g. dropout while the copy is profiled).
+
+    Initialisation is not checked here (each copy is initialised once); :func:`materialize_layers` refuses a
+    layer whose initialisation leaves a tensor unset before any training.
+
+    Example::
+
+        with record_random_state() as draws:
+            pipeline = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096))
+        for layer in materialized_copies(pipeline, torch.device("cpu"), random_state=draws.state):
+            ...  # time it; drop it before the next iteration
+    """
+    state = random_state
+    for i in range(len(pipeline)):
+        layer = copy.deepcopy(pipeline[i])  # on meta: shapes only
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state)
+            _empty_on_cpu(layer, _shared_names(layer), 0)
+            with torch.no_grad():
+                init(layer)
+            state = torch.get_rng_state()
+        yield layer.to(device)
+        del layer

@@ -14,7 +14,7 @@ under any partition, number of stages or data-parallel width, and into a plain m
 A stage loading it reads only the entries it owns (tensor shapes from DCP's metadata), straight into its live
 tensors. The two standard lines that load the weights into a plain model, in one process::
 
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    import torch.distributed.checkpoint as dcp
     dcp.load({"state_dict": model.state_dict()}, checkpoint_id="checkpoints/last.ckpt")
 
 and :func:`consolidate` turns the directory into the full checkpoint (as ``checkpoint="full"`` writes it).

@@ -4,6 +4,10 @@ Each layer of an :class:`~torch.nn.Sequential` runs on a private copy (``copy.de
 mode, on the previous layer's output, so shapes are real and the model itself is left exactly as it was:
 parameters, gradients, buffers (batch-norm running statistics), training mode and the RNG state.
 
+A pipeline built on the ``meta`` device has no data to copy: pass ``layer_copies``, materialised copies made one
+at a time (:func:`lightning_dynpipe.engine.materialize.materialized_copies`), and the profile holds one layer at
+a time and measures the real layers.
+
 Timing: ``warmup`` untimed iterations, then the median of ``repeats`` timed ones. One iteration runs the
 layer forward on a detached input that requires grad (except layer 0, whose input is data, as in training)
 and then backward with a ones-like gradient for every differentiable output, computing the gradients of
@@ -21,7 +25,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -421,7 +425,8 @@ def _run(
 
 def _default_device(layers: nn.Sequential, sample_input: Any) -> torch.device:
     for p in layers.parameters():
-        return p.device
+        if p.device.type != "meta":
+            return p.device
     for t in _tensors(sample_input):
         return t.device
     return torch.device("cpu")
@@ -435,6 +440,7 @@ def profile_layers(
     warmup: int = 2,
     repeats: int = 5,
     optimizer_state_bytes_per_param_byte: float = 2.0,
+    layer_copies: Iterable[nn.Module] | None = None,
 ) -> LayerProfile:
     """Measures every layer of ``layers`` on one micro-batch, feeding each the previous layer's output.
 
@@ -442,6 +448,16 @@ def profile_layers(
     dropout behave as in training, but only the copy's buffers move), gradients are computed with
     :func:`torch.autograd.grad` (no ``.grad`` is written), and the RNG state is restored afterwards. A
     copy of one layer at a time is held on ``device`` besides the model.
+
+    A pipeline on the ``meta`` device is profiled from ``layer_copies`` instead of deep copies: one materialised
+    copy per layer, in order, taken one at a time and dropped before the next is taken (so an iterator that
+    builds each copy when asked, as :func:`~lightning_dynpipe.engine.materialize.materialized_copies` does,
+    keeps one layer in memory)::
+
+        with record_random_state() as draws:               # lightning_dynpipe.engine.materialize
+            model = MyModel()                              # on meta: no memory
+        copies = materialized_copies(model.pipeline, torch.device("cpu"), random_state=draws.state)
+        profile = profile_layers(model.pipeline, sample, layer_copies=copies)
 
     Example::
 
@@ -466,13 +482,17 @@ def profile_layers(
         repeats: timed iterations per layer (``>= 1``); times are their medians.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte; 2 for Adam,
             1 for SGD with momentum; :func:`optimizer_state_factor` reads it off an optimizer.
+        layer_copies: the layers to run, one private copy per layer of ``layers`` in order, instead of deep
+            copies (needed when ``layers`` is on ``meta``). Each must be of the same kind as its layer; it is
+            moved to ``device`` and run in training mode.
 
     Returns:
         The immutable :class:`LayerProfile`.
 
     Raises:
-        ConfigurationError: an empty pipeline, bad ``warmup``/``repeats``/factor, or a layer that cannot run
-            on what the previous one returned (the message names the layer and the input shapes).
+        ConfigurationError: an empty pipeline, bad ``warmup``/``repeats``/factor, a layer that cannot run
+            on what the previous one returned (the message names the layer and the input shapes), a pipeline on
+            ``meta`` without ``layer_copies``, or ``layer_copies`` that do not match ``layers``.
     """
     if not isinstance(layers, nn.Sequential):
         raise ConfigurationError(
@@ -491,6 +511,13 @@ def profile_layers(
             f"optimizer_state_bytes_per_param_byte must be finite and >= 0 (2 for Adam, 1 for SGD with momentum, "
             f"0 for plain SGD); got {optimizer_state_bytes_per_param_byte!r}."
         )
+    on_meta = [i for i, layer in enumerate(layers) if any(t.is_meta for t in (*layer.parameters(), *layer.buffers()))]
+    if on_meta and layer_copies is None:
+        raise ConfigurationError(
+            f"profile_layers got layers {on_meta[:8]} on the meta device, which have no data to run. Pass "
+            "layer_copies=lightning_dynpipe.engine.materialize.materialized_copies(layers, device, "
+            "random_state=...) (materialised copies, one layer at a time), or profile a model built on a real device."
+        )
     _warn_if_constant(sample_input)
     device = torch.device(device) if device is not None else _default_device(layers, sample_input)
     if device.type == "cuda" and device.index is None:
@@ -500,8 +527,10 @@ def profile_layers(
     stats: list[LayerStats] = []
     x = _tree_map(lambda t: t.to(device), sample_input)
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
+        copies = iter(layer_copies) if layer_copies is not None else None
         for idx, original in enumerate(layers):
-            layer = copy.deepcopy(original).to(device).train()
+            layer = copy.deepcopy(original) if copies is None else _next_copy(copies, idx, original, len(layers))
+            layer = layer.to(device).train()
             layer_input = _prepare_input(x, requires_grad=idx > 0)
             try:
                 layer_stats, output = _profile_one(idx, layer, layer_input, timer, warmup, repeats, factor)
@@ -514,12 +543,34 @@ def profile_layers(
                 ) from exc
             stats.append(layer_stats)
             x = _tree_map(lambda t: t.detach(), output)
-            del layer, output
+            del layer, output  # before the next copy is made: one layer at a time
+        if copies is not None and next(copies, None) is not None:
+            raise ConfigurationError(
+                f"layer_copies yielded more copies than the {len(layers)} layers of the pipeline; pass one per layer."
+            )
     if device.type == "cuda":
         torch.cuda.empty_cache()
     profile = LayerProfile(tuple(stats), str(device), warmup, repeats, factor, device.type == "cuda")
     log.debug("%s", profile.table())
     return profile
+
+
+def _next_copy(copies: Iterator[nn.Module], idx: int, original: nn.Module, num_layers: int) -> nn.Module:
+    """The copy of layer ``idx`` from ``layer_copies``, checked to be of the same kind and shapes."""
+    layer = next(copies, None)
+    if layer is None:
+        raise ConfigurationError(
+            f"layer_copies ran out at layer {idx} of {num_layers}; it must yield one copy per layer of the pipeline."
+        )
+    want = [(n, tuple(t.shape), t.dtype) for n, t in (*original.named_parameters(), *original.named_buffers())]
+    got = [(n, tuple(t.shape), t.dtype) for n, t in (*layer.named_parameters(), *layer.named_buffers())]
+    if type(layer) is not type(original) or got != want:
+        raise ConfigurationError(
+            f"layer_copies yielded a {type(layer).__name__} with tensors {got[:4]} for layer {idx} "
+            f"({type(original).__name__} with {want[:4]}); each copy must be the same kind of layer, with the "
+            "same tensors, in pipeline order."
+        )
+    return layer
 
 
 def _warn_if_constant(sample_input: Any) -> None:

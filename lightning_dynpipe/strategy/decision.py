@@ -5,11 +5,15 @@ micro-batch of the first training batch, every rank joins a probe of the link be
 plans (for ``"auto"``), and one broadcast gives every rank the same decision, per-layer costs and link model.
 A failed profile or plan is not fatal: the run falls back to the given balance (or the parameter count) and
 says why.
+
+A pipeline built on ``meta`` (``trainer.init_module(empty_init=True)``) is profiled on materialised copies of its
+layers, one at a time (``layer_copies``), before any stage materialises its own layers: the profiling rank holds
+one layer at a time, and the times and sizes are those of the real layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,11 +94,19 @@ def probe_link(global_rank: int, world_size: int, timeout: timedelta) -> CommMod
             dist.destroy_process_group(group)
 
 
-def _profile(pipeline: nn.Sequential, sample: Any, device: torch.device, optimizer: Optimizer | None) -> ModelCost:
+def _profile(
+    pipeline: nn.Sequential,
+    sample: Any,
+    device: torch.device,
+    optimizer: Optimizer | None,
+    layer_copies: Iterable[nn.Module] | None,
+) -> ModelCost:
     from lightning_dynpipe.profiling import optimizer_state_factor, profile_layers
 
     factor = optimizer_state_factor(optimizer) if optimizer is not None else 0.0
-    profile = profile_layers(pipeline, sample, device=device, optimizer_state_bytes_per_param_byte=factor)
+    profile = profile_layers(
+        pipeline, sample, device=device, optimizer_state_bytes_per_param_byte=factor, layer_copies=layer_copies
+    )
     return profile.to_model_cost()
 
 
@@ -114,9 +126,10 @@ def decide(
     num_stages: int,
     first_batch: Callable[[], Any],
     module: Any,
-    optimizer: Optimizer | None,
+    optimizer: Optimizer | Callable[[], Optimizer | None] | None,
     device: torch.device,
     forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    layer_copies: Callable[[torch.device], Iterable[nn.Module]] | None = None,
 ) -> SetupDecision:
     """The partition this run starts with (collective when it profiles: every rank must call it).
 
@@ -129,10 +142,15 @@ def decide(
         num_stages: the stages to plan for (ignored with ``num_stages="auto"``).
         first_batch: returns the first training batch on ``device`` (called on rank 0 only).
         module: the LightningModule (for its ``pipeline_input`` hook).
-        optimizer: the optimizer built on the whole model (its state size enters the memory model).
+        optimizer: the optimizer built on the whole model (its state size enters the memory model), or a
+            function that builds one (called on rank 0 only, when it profiles: a model on ``meta`` has its
+            optimizer built after materialisation, so the profile reads the state size off one built on ``meta``).
         device: where the profile runs.
         forward_context: the precision plugin's forward context (autocast for mixed precision), so the layers
             are profiled as they will run. ``first_batch`` must already be cast like the model's inputs.
+        layer_copies: for a pipeline on ``meta``, returns materialised copies of its layers on the given device,
+            one at a time (:func:`~lightning_dynpipe.engine.materialize.materialized_copies`); called on rank 0
+            only, when it profiles.
     """
     if fitting and (config.balance_mode == "auto" or config.policy is not None):
         comm = probe_link(global_rank, world_size, config.timeout)
@@ -141,8 +159,11 @@ def decide(
         if global_rank == 0:
             try:
                 sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
+                opt = optimizer() if callable(optimizer) else optimizer
+                copies = layer_copies(device) if layer_copies is not None else None
                 with forward_context():
-                    cost = _profile(pipeline, sample, device, optimizer)
+                    cost = _profile(pipeline, sample, device, opt, copies)
+                del opt, copies
                 balance, table = config.balance, None
                 if config.balance_mode == "auto":
                     plan = best_plan(

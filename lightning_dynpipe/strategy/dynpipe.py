@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +24,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -37,7 +38,12 @@ from typing_extensions import override
 from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
-from lightning_dynpipe.engine.materialize import is_on_meta, materialize_layers, record_random_state
+from lightning_dynpipe.engine.materialize import (
+    is_on_meta,
+    materialize_layers,
+    materialized_copies,
+    record_random_state,
+)
 from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
@@ -438,12 +444,17 @@ class DynPipeStrategy(DDPStrategy):
                 "The model built on the meta device draws random numbers from its own torch.Generator; DynPipe "
                 f"replays the initialisation from the global random state only. Use the global seed, or {fix}."
             )
-        if self.config.balance_mode == "auto" or self.config.policy is not None:
-            raise ConfigurationError(
-                f"balance={self.balance!r} and adaptive={self.config.policy is not None} need to profile the layers, "
-                "which a model on the meta device does not allow yet. With a meta-built model pass balance=[...] or "
-                f"balance='parameters', and adaptive=False; or {fix}."
-            )
+
+    def _meta_layer_copies(self, device: torch.device) -> Iterator[nn.Module]:
+        """The profile's layers for a pipeline on ``meta``: materialised one at a time, as the stages will have them."""
+        assert self._init_random_state is not None
+        return materialized_copies(self._pipeline(), device, random_state=self._init_random_state)
+
+    def _meta_optimizer(self) -> Optimizer | None:
+        """The user's first optimizer built on the model still on ``meta``, read by the profile for its state size
+        (``configure_optimizers`` runs again after materialisation; this one is dropped)."""
+        optimizers, _ = _init_optimizers_and_lr_schedulers(self._lm)
+        return optimizers[0] if optimizers else None
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -475,9 +486,10 @@ class DynPipeStrategy(DDPStrategy):
                 self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
             ),
             module=self._lm,
-            optimizer=self.optimizers[0] if self.optimizers else None,
+            optimizer=self._meta_optimizer if meta else (self.optimizers[0] if self.optimizers else None),
             device=self.root_device,
             forward_context=self.precision_plugin.forward_context,
+            layer_copies=self._meta_layer_copies if meta else None,
         )
         if decision.model_cost is not None:
             self.model_cost, self.comm = decision.model_cost, decision.comm

@@ -60,7 +60,13 @@ def test_async_equals_the_pipedream_replay_bit_for_bit(balance: list[int]) -> No
 def test_flush_schedules_equal_plain_training(schedule: str) -> None:
     model = _model()
     plain = copy.deepcopy(model)
+    accumulated = [0] * len(list(model.parameters()))
+    for i, param in enumerate(model.parameters()):
+        param.register_post_accumulate_grad_hook(lambda _, i=i: accumulated.__setitem__(i, accumulated[i] + 1))
     build(model, [1, 2, 1], schedule=schedule, num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss).train(_batches())
+    # each micro-batch's gradient is added into .grad by autograd as it is produced, one parameter at a time (as
+    # loss.backward() does): no second copy of a stage's gradients while micro-batches accumulate
+    assert accumulated == [M * len(_batches())] * len(accumulated)
     opt = _sgd(list(plain.parameters()))
     for x, y in _batches():
         opt.zero_grad()
