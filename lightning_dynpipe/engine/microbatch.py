@@ -21,7 +21,15 @@ from torch import Tensor
 
 from lightning_dynpipe.errors import ConfigurationError
 
-__all__ = ["iter_tensors", "tree_map", "batch_len", "split_microbatches", "check_batch_size"]
+__all__ = [
+    "iter_tensors",
+    "tree_map",
+    "batch_len",
+    "split_microbatches",
+    "microbatch_sizes",
+    "check_batch_size",
+    "take_share",
+]
 
 
 def tree_map(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
@@ -87,10 +95,28 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
 
     Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
     """
-    n = check_batch_size(batch, num_microbatches)
-    base, extra = divmod(n, num_microbatches)
-    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    sizes = microbatch_sizes(check_batch_size(batch, num_microbatches), num_microbatches)
     return _split(batch, sizes), sizes
+
+
+def microbatch_sizes(batch_size: int, num_microbatches: int) -> list[int]:
+    """The sizes :func:`split_microbatches` gives a batch of ``batch_size``: near-equal, larger ones first."""
+    base, extra = divmod(batch_size, num_microbatches)
+    return [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+
+
+def take_share(batch: Any, offset: int, size: int) -> Any:
+    """The samples ``offset : offset + size`` of every tensor of ``batch`` (dim 0): one replica's share.
+
+    Non-tensor leaves are kept as they are. Raises if the batch is shorter than ``offset + size``.
+    """
+    n = batch_len(batch)
+    if n is None or offset < 0 or size < 0 or offset + size > n:
+        raise ConfigurationError(
+            f"Cannot take samples {offset}:{offset + size} of a batch of {n} samples: a replica's share must lie "
+            "inside the global batch. Every replica must read the same global batch (replica_split)."
+        )
+    return _split(batch, [offset, size, n - offset - size])[1]
 
 
 def check_batch_size(batch: Any, num_microbatches: int) -> int:
