@@ -27,7 +27,15 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
-__all__ = ["find_pipeline", "check_model", "check_setup", "check_batches", "check_ties", "check_optimizers"]
+__all__ = [
+    "find_pipeline",
+    "check_model",
+    "check_setup",
+    "check_batches",
+    "check_ties",
+    "check_optimizers",
+    "check_replica_split",
+]
 
 
 def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
@@ -310,4 +318,41 @@ def check_optimizers(optimizers: Sequence[Any]) -> None:
         raise ConfigurationError(
             f"configure_optimizers returned {len(optimizers)} optimizers; DynPipeStrategy supports one (with any "
             "number of parameter groups). Use parameter groups instead."
+        )
+
+
+def check_replica_split(
+    pipeline: nn.Sequential,
+    mode: str,
+    weights: Sequence[float] | None,
+    num_replicas: int,
+    pipeline_attr: str,
+) -> None:
+    """Refuses what a replica split cannot train exactly (every rank, at set-up, before the first step).
+
+    An update under a replica split equals plain training's on the global batch only if each sample's
+    gradient does not depend on which other samples share its replica's micro-batch. BatchNorm in training
+    normalises with its micro-batch's statistics, so with shares that differ from the even run's (or from one
+    another) the outputs, and the running statistics, differ: refused.
+    """
+    if mode == "fixed" and weights is not None and len(weights) != num_replicas:
+        raise ConfigurationError(
+            f"replica_split gives {len(weights)} weights ({list(weights)}) but the run has {num_replicas} pipeline "
+            f"replica(s) (devices / num_stages). Give one weight per replica, e.g. {[1.0] * num_replicas}."
+        )
+    if num_replicas < 2:
+        return
+    norms = [
+        f"{i}.{n}" if n else str(i)
+        for i, layer in enumerate(pipeline)
+        for n, m in layer.named_modules()
+        if isinstance(m, _BatchNorm)
+    ]
+    if norms:
+        raise ConfigurationError(
+            f"replica_split={mode!r} splits each global batch into shares whose sizes differ from replica to replica "
+            f"and change at run time, but `{pipeline_attr}` holds BatchNorm layers ({norms[:3]}): their batch "
+            "statistics (and running statistics) depend on the share's size and content, so the update would no "
+            "longer equal plain training's. Use a per-sample normalisation (LayerNorm, GroupNorm), or "
+            "replica_split=None (each replica reads its own batches)."
         )

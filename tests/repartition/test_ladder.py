@@ -1,0 +1,104 @@
+"""The escalation ladder: ignore a short imbalance, re-split when one replica is slow, hand balanced replicas to
+the layer controller, report a better number of stages; and its wiring into the adaptive loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.plan.replicas import ReplicaSplit
+from lightning_dynpipe.repartition.ladder import EscalationLadder, ReplicaWindow, replica_window
+from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
+from lightning_dynpipe.strategy.config import DynPipeConfig
+
+EVEN = ReplicaSplit.even(2)
+
+
+def _window(step: int, compute: tuple[float, float], split: ReplicaSplit = EVEN, n: int = 32) -> ReplicaWindow:
+    shares = split.shares(n, 4)
+    return ReplicaWindow(step, tuple(float(s) for s in shares), ((compute[0],), (compute[1],)), split)
+
+
+def test_a_slow_replica_is_ignored_once_then_resplit_by_speed() -> None:
+    ladder = EscalationLadder(min_gain=0.05, patience=2)
+    first = ladder.decide(_window(10, (0.010, 0.020)))  # replica 1 at half speed
+    assert first.rung == "ignore" and "1 of 2 checks" in first.reason
+    second = ladder.decide(_window(20, (0.010, 0.020)))
+    assert second.rung == "resplit" and second.split is not None
+    assert second.split.weights == pytest.approx((2 / 3, 1 / 3))
+    # 32 samples at 1600 and 800 samples/s: 16/800 = 20 ms evenly, 32 * (2/3) / 1600 = 13.3 ms split (1.5x)
+    assert "replica samples/s [1600, 800]" in second.reason and "20.0 -> 13.3 ms (+33%)" in second.reason
+    # under the new split the replicas are balanced: nothing more to do (no churn)
+    shares = second.split.shares(32, 4)  # (21, 11)
+    third = ladder.decide(_window(30, (shares[0] * 0.010 / 16, shares[1] * 0.020 / 16), second.split))
+    assert third.rung == "keep" and "balanced" in third.reason
+    assert [d.rung for d in ladder.decisions] == ["ignore", "resplit", "keep"]
+
+
+def test_a_spike_that_goes_away_resets_the_patience() -> None:
+    ladder = EscalationLadder(patience=2)
+    assert ladder.decide(_window(10, (0.010, 0.030))).rung == "ignore"
+    assert ladder.decide(_window(20, (0.010, 0.010))).rung == "keep"
+    assert ladder.decide(_window(30, (0.010, 0.030))).rung == "ignore"  # counted from 1 again
+
+
+def test_small_differences_keep_the_split() -> None:
+    ladder = EscalationLadder(min_gain=0.05, patience=1)
+    assert ladder.decide(_window(10, (0.010, 0.0104))).rung == "keep"  # 2% gain: noise
+
+
+def test_stage_count_rung_says_what_to_do() -> None:
+    d = EscalationLadder.stage_count_decision(50, 2, 1, "predicted time to accuracy 10 s vs 14 s")
+    assert d.rung == "change_stages" and d.num_stages == 1
+    assert "restart from the checkpoint with num_stages=1" in str(d)
+
+
+def test_ladder_and_window_refuse_bad_inputs() -> None:
+    with pytest.raises(ConfigurationError, match="patience >= 1"):
+        EscalationLadder(patience=0)
+    with pytest.raises(ConfigurationError, match="one entry per replica"):
+        ReplicaWindow(1, (16.0,), ((0.01,), (0.01,)), EVEN)
+
+
+def test_replica_window_takes_each_replicas_slowest_stage() -> None:
+    w = replica_window(5, (16, 16), [(0, 0, 0.01), (0, 1, 0.03), (1, 0, 0.02), (1, 1, 0.01)], EVEN, 2)
+    assert w.replica_compute_s() == (0.03, 0.02)
+
+
+# ---------------------------------------------------------------------------------------------- the wiring
+
+
+def _snapshot(compute: tuple[float, float]) -> Any:
+    reports = [
+        StageReport(d, 0, StageSummary.of([StageSample(step_s=0.05, forward_s=c / 3, backward_s=2 * c / 3)] * 6))
+        for d, c in enumerate(compute)
+    ]
+    return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
+
+
+def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
+    split = [EVEN]
+    queued: list[ReplicaSplit] = []
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(replica_split="speed", adaptive=False),
+        partition=lambda: Partition((5,)),
+        pending=lambda: False,
+        repartition=lambda p: None,
+        past_pauses=lambda: [],
+        replica_split=lambda: split[0],
+        replica_samples=lambda: split[0].shares(32, 4),
+        resplit=queued.append,
+    )
+    wiring.ladder = EscalationLadder(patience=2)
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    assert MIN_SAMPLES <= 6
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert queued == []
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
+    assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
