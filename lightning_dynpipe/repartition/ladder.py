@@ -17,7 +17,7 @@ Every decision carries its rung and its reason, so a user can see why it acted o
 
 Example::
 
-    ladder = EscalationLadder(min_gain=0.05, patience=2)
+    ladder = EscalationLadder(min_gain=0.10, patience=2)
     d = ladder.decide(ReplicaWindow(step=40, samples=(16, 16), compute_s=((0.010,), (0.020,)),
                                     split=ReplicaSplit.even(2)))
     d.rung, d.reason        # 'ignore', 'seen in 1 of 2 checks ...' on the first check; 'resplit' on the next
@@ -103,7 +103,7 @@ class EscalationLadder:
             of the global batch): measurement noise must not move samples back and forth.
     """
 
-    min_gain: float = 0.05
+    min_gain: float = 0.10
     patience: int = 2
     min_change: float = 0.02
     decisions: list[LadderDecision] = field(default_factory=list, init=False, repr=False)

@@ -308,6 +308,11 @@ class DynPipeStrategy(DDPStrategy):
         or there is one replica)."""
         return self._split
 
+    @property
+    def replica_shares(self) -> tuple[int, ...]:
+        """Each replica's samples of the last global batch (``()`` before the first step or without a split)."""
+        return self._last_shares
+
     def _current_replica_split(self) -> ReplicaSplit | None:
         return self._split
 

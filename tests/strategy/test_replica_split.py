@@ -3,8 +3,9 @@ strategy's sampler kwargs, with Lightning's sampler injection on) and trains on 
 
 One run per layout, each combining its checks (every run costs 10-20 s of spawn):
 
-* devices=2, num_stages=1, sync, gradient clipping: 3:1, re-split to 1:2 after two steps and to even after
-  four, equals plain single-process training on the global batches with the same clipping (1e-6);
+* devices=2, num_stages=1, sync, gradient clipping, replica_split="speed" (an eager escalation ladder): set to
+  3:1 by hand before step 1, then re-split by the ladder from the measured speeds (whatever they are), equals
+  plain single-process training on the global batches with the same clipping (1e-6);
 * devices=4, num_stages=2 (dp=2 x S=2), async: 3:1, re-split to 1:3 mid-run without a drain, equals the
   PipeDream replay whose micro-batch i is the union of the replicas' micro-batches i (1e-6).
 
@@ -30,18 +31,20 @@ from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.engine.microbatch import split_microbatches, take_share
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.replicas import ReplicaSplit
+from lightning_dynpipe.repartition.ladder import EscalationLadder
 
 pytestmark = pytest.mark.multiprocess
 
 M, GLOBAL, N = 4, 24, 144  # micro-batches, global batch, samples: 6 steps
+N_SPEED = 336  # 14 steps: the ladder needs a window of MIN_SAMPLES steps after the re-split by hand
 CLIP = 0.5
 
 
 class Resplit(L.Callback):
     """Changes the split before the given batches; checks every rank's split and shares."""
 
-    def __init__(self, plan: dict[int, tuple[float, ...]], first: tuple[float, ...]) -> None:
-        self.plan, self.first = plan, first
+    def __init__(self, plan: dict[int, tuple[float, ...]], first: tuple[float, ...], ladder: bool = False) -> None:
+        self.plan, self.first, self.ladder = plan, first, ladder
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         s = trainer.strategy
@@ -54,14 +57,23 @@ class Resplit(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
         s = trainer.strategy
         assert isinstance(s, DynPipeStrategy) and s.replica_split is not None
+        if self.ladder:  # the ladder's splits come from measurements: check the shares follow the split in use
+            assert s.replica_shares == s.replica_split.shares(GLOBAL, M)
+            return
         expected = ReplicaSplit(self.plan[max(k for k in self.plan if k <= i)] if i >= min(self.plan) else self.first)
         assert s.replica_split == expected, (i, s.replica_split, expected)
-        assert s._current_replica_samples() == expected.shares(GLOBAL, M)
+        assert s.replica_shares == expected.shares(GLOBAL, M)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
         assert isinstance(s, DynPipeStrategy)
-        assert [step for step, _, _ in s.resplits] == sorted(self.plan)
+        steps = [step for step, _, _ in s.resplits]
+        if not self.ladder:
+            assert steps == sorted(self.plan)
+            return
+        assert steps[: len(self.plan)] == sorted(self.plan)
+        rungs = [d.rung for d in s.adaptation.ladder_decisions]
+        assert "resplit" in rungs and len(steps) == len(self.plan) + rungs.count("resplit"), (steps, rungs)
 
 
 def _splits(plan: dict[int, tuple[float, ...]], first: tuple[float, ...], steps: int) -> list[ReplicaSplit]:
@@ -73,23 +85,28 @@ def _splits(plan: dict[int, tuple[float, ...]], first: tuple[float, ...], steps:
     return out
 
 
-def _global_batches() -> list[Any]:
+def _global_batches(n: int = N) -> list[Any]:
     """What every replica reads: Lightning shuffles training data through the injected sampler, with the
     strategy's num_replicas=1 and the same seed (PL_GLOBAL_SEED) on every rank."""
-    data = dataset(N)
+    data = dataset(n)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
     order = list(sampler)
-    idx = [order[t : t + GLOBAL] for t in range(0, N, GLOBAL)]
+    idx = [order[t : t + GLOBAL] for t in range(0, n, GLOBAL)]
     return [tuple(torch.stack([data[i][j] for i in rows]) for j in range(2)) for rows in idx]
 
 
-def _fit(model: TinyNet, devices: int, num_stages: int, schedule: str, callback: Resplit, **kw: Any) -> None:
+def _fit(
+    model: TinyNet, devices: int, num_stages: int, schedule: str, callback: Resplit, n: int = N, **kw: Any
+) -> None:
+    # an eager ladder: any measured difference in speed re-splits, at every check
+    eager = EscalationLadder(min_gain=0.0, patience=1, min_change=0.0)
     strategy = DynPipeStrategy(
         num_stages=num_stages,
         balance=[5] if num_stages == 1 else [2, 3],
         num_microbatches=M,
         schedule=schedule,  # type: ignore[arg-type]
-        replica_split=list(callback.first),
+        replica_split=eager if callback.ladder else list(callback.first),
+        monitor_every_n_steps=2,
         adaptive=False,
         start_method="spawn",
     )
@@ -99,16 +116,15 @@ def _fit(model: TinyNet, devices: int, num_stages: int, schedule: str, callback:
         strategy=strategy,
         **trainer_kwargs(callbacks=[callback], use_distributed_sampler=True, **kw),
     )
-    trainer.fit(model, DataLoader(dataset(N), batch_size=GLOBAL, shuffle=False))
+    trainer.fit(model, DataLoader(dataset(n), batch_size=GLOBAL, shuffle=False))
 
 
-def test_sync_uneven_splits_with_changes_equal_plain_training_with_clipping() -> None:
+def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
-    plan, first = {2: (1.0, 2.0), 4: (1.0, 1.0)}, (3.0, 1.0)
-    _fit(model, 2, 1, "sync", Resplit(plan, first), gradient_clip_val=CLIP)
+    _fit(model, 2, 1, "sync", Resplit({1: (3.0, 1.0)}, (1.0, 1.0), ladder=True), n=N_SPEED, gradient_clip_val=CLIP)
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-    for x, y in _global_batches():
+    for x, y in _global_batches(N_SPEED):
         opt.zero_grad()
         F.cross_entropy(ref.pipeline(x), y).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
