@@ -21,7 +21,7 @@ compute, from the even run): ``(s0 + s1) / (2 * s1)``; 1.5x for a replica at exa
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/intra_stage.py                     # full: 2 seeds, 600 steps, target 0.90
+    .venv/bin/python benchmarks/intra_stage.py                     # full: 2 seeds, 300 steps, target 0.85
     .venv/bin/python benchmarks/intra_stage.py --quick             # smoke run: quota50, 1 seed, 30 steps, tiny MLP
     .venv/bin/python benchmarks/intra_stage.py --from-json benchmarks/out/intra-stage-<stamp>.json
 
@@ -75,13 +75,13 @@ class Config:
 
     scenarios: tuple[str, ...] = SCENARIOS
     seeds: int = 2
-    max_steps: int = 600
+    max_steps: int = 300
     global_batch: int = 256
     num_microbatches: int = 4
     width: int = 512
     depth: int = 3
-    target_acc: float = 0.90
-    eval_every: int = 20
+    target_acc: float = 0.85
+    eval_every: int = 10
     monitor_every: int = 10
     quota: float = 0.5
     lr: float = 0.05
@@ -92,13 +92,15 @@ QUICK = Config(scenarios=("quota50",), seeds=1, max_steps=30, global_batch=64, w
 
 
 def _data(cfg: Config, seed: int) -> tuple[torch.utils.data.TensorDataset, tuple[torch.Tensor, torch.Tensor]]:
-    """Inputs labelled by a fixed random teacher (10 classes): learnable, no download."""
+    """Gaussian inputs labelled by a fixed random linear teacher (10 classes): no download. The MLP plateaus near
+    90% validation accuracy on it (one draw of the task, plain training, 256 per batch: 0.84 after 100 steps,
+    0.90 after 200)."""
     g = torch.Generator().manual_seed(1000 + seed)
-    teacher = [torch.randn(32, 64, generator=g), torch.randn(64, 10, generator=g)]
+    teacher = torch.randn(32, 10, generator=g)
     n = cfg.max_steps * cfg.global_batch
 
     def label(x: torch.Tensor) -> torch.Tensor:
-        return (torch.tanh(x @ teacher[0]) @ teacher[1]).argmax(1)
+        return (x @ teacher).argmax(1)
 
     x = torch.randn(n, 32, generator=g)
     xv = torch.randn(2048, 32, generator=g)
@@ -278,7 +280,7 @@ def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str
             "speed_tta_s": median([r["time_to_acc_s"] for r in by["speed"] if r["reached"]]),
             "ratio": ratio,
             "limit": limit,
-            "of_limit": (ratio - 1) / (limit - 1) if limit > 1.05 else float("nan"),  # no limit to speak of
+            "of_limit": (ratio - 1) / (limit - 1) if limit > 1.10 else float("nan"),  # no limit to speak of
             "resplits": median([float(len(r["resplits"])) for r in by["speed"]]),
             "final_w0": median([r["evals"][-1]["w0"] for r in by["speed"] if r["evals"]]),
             "reached": f"{sum(r['reached'] for r in by['even'])}/{len(by['even'])}, "

@@ -162,6 +162,11 @@ class EscalationLadder:
             LadderDecision(window.step, "resplit", f"one replica is slower than the others: {numbers}", split=target)
         )
 
+    def reset(self) -> None:
+        """Forgets the decisions and the patience count (a new fit starts from scratch)."""
+        self.decisions.clear()
+        self._streak = 0
+
     def record(self, decision: LadderDecision) -> LadderDecision:
         """Keeps ``decision`` (also those of rungs 3 and 4 the caller took) and returns it."""
         self.decisions.append(decision)

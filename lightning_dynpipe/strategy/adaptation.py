@@ -97,7 +97,7 @@ class AdaptationWiring:
         self.ladder = self.config.ladder if self.config.replica_split_mode == "speed" and replicas > 1 else None
         self._hinted = set()
         if self.ladder is not None:
-            self.ladder.decisions.clear()
+            self.ladder.reset()
         if self.config.policy is not None and model_cost is not None and num_stages > 1:
             self.controller = AdaptiveController(
                 self.config.policy,
