@@ -158,6 +158,8 @@ class AdaptiveController:
             :attr:`stage_count_hint` when one is predicted to reach accuracy at least ``stage_count_gain`` sooner
             (the escalation ladder's last rung: a live migration cannot change ``S``).
         stage_count_gain: the relative time-to-accuracy improvement another ``S`` must promise to be reported.
+        stage_count_every: solve for other stage counts at every this many checks (the first included): one
+            solve per divisor of the process count, which on a large model costs about as much as the set-up plan.
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class AdaptiveController:
         max_shift: int = 2,
         consider_stage_counts: bool = True,
         stage_count_gain: float = 0.10,
+        stage_count_every: int = 10,
     ) -> None:
         self.policy = policy
         self.model_cost = model_cost
@@ -189,6 +192,8 @@ class AdaptiveController:
         self._moved: tuple[Partition, float, float] | None = None
         self.consider_stage_counts = consider_stage_counts
         self.stage_count_gain = stage_count_gain
+        self.stage_count_every = max(1, stage_count_every)
+        self._checks = 0
         self.stage_count_hint: tuple[int, float, float] | None = None
         """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
         is predicted to be better by ``stage_count_gain``; else ``None``."""
@@ -241,7 +246,8 @@ class AdaptiveController:
             slowdowns=device_slowdowns,
         )
         self.stage_count_hint = None
-        if self.consider_stage_counts:
+        self._checks += 1
+        if self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:
             self.stage_count_hint = self._other_stage_count(planned, partition.num_stages * dp, comm, slowdowns)
         others = [Partition(planned.partition.balance), *neighbours(window.partition, self.max_shift)]
         unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]

@@ -102,3 +102,62 @@ def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
     wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
     assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
     assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
+
+
+def test_the_controller_reports_a_better_number_of_stages_every_n_checks() -> None:
+    """Rung 4: under async with a staleness penalty (beta=2), 2 processes train faster to accuracy as 2 replicas
+    of 1 stage than as a 2-stage pipeline; the controller says so, and solves for it every stage_count_every
+    checks only."""
+    from lightning_dynpipe.plan.convergence import ConvergenceModel
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.repartition.controller import AdaptiveController, StageTimes
+    from lightning_dynpipe.repartition.policy import GainOverCostPolicy
+
+    cost = ModelCost.from_arrays([0.001] * 8, [0.002] * 8, param_bytes=[1000] * 8)
+    c = AdaptiveController(
+        GainOverCostPolicy(),
+        model_cost=cost,
+        comm=CommModel(),
+        schedule="async",
+        num_microbatches=4,
+        convergence=ConvergenceModel(beta=2.0),
+        stage_count_every=3,
+    )
+    times = [StageTimes(0.048, 0.048), StageTimes(0.048, 0.048)]
+    hints = []
+    for step in range(4):
+        c.check(10 * step, times, Partition((4, 4)), remaining_steps=1000)
+        hints.append(c.stage_count_hint)
+    assert hints[0] is not None and hints[0][0] == 1 and hints[0][1] < 0.9 * hints[0][2]
+    assert hints[1] is None and hints[2] is None and hints[3] == hints[0]
+    d = EscalationLadder.stage_count_decision(30, 2, hints[0][0], "x")
+    assert d.rung == "change_stages" and d.num_stages == 1
+
+
+def test_the_wiring_warns_once_per_better_stage_count_and_records_the_rung() -> None:
+    class Controller:
+        stage_count_hint = (1, 10.0, 14.0)
+
+        def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
+            return SimpleNamespace(repartition=False, partition=Partition((4, 4)), reason="already the best")
+
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(),
+        partition=lambda: Partition((4, 4)),
+        pending=lambda: False,
+        repartition=lambda p: None,
+        past_pauses=lambda: [],
+    )
+    wiring.controller = Controller()  # type: ignore[assignment]
+    wiring.ladder = EscalationLadder()
+    stage = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+    snapshot = SimpleNamespace(stages=[stage, stage], replicas=[])
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    with pytest.warns(UserWarning, match=r"rung change_stages: the best plan .* has 1 stages.*num_stages=1"):
+        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second check records the rung without warning again
+        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    assert [d.rung for d in wiring.ladder_decisions] == ["change_stages", "change_stages"]
