@@ -175,13 +175,18 @@ def check_model(
     return pipeline
 
 
-def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: float, max_steps: int) -> None:
+def check_batches(
+    loader: Any, *, num_microbatches: int, num_training_batches: float, max_steps: int, replicas: int = 1
+) -> None:
     """Refuses, before the first step, a training dataloader whose batches cannot be split into micro-batches.
 
     Every micro-batch needs at least one sample, so a batch needs ``num_microbatches`` of them. Checked from the
     loader's ``batch_size``, its sampler's length (the samples of this pipeline replica) and ``drop_last``; the
     smaller last batch of an epoch only counts when the run reaches it. Loaders whose size is unknown (iterable
     datasets, custom batch samplers without ``batch_size``) are checked batch by batch as they come.
+
+    ``replicas > 1``: the batch is a global batch split across that many replicas (``replica_split``), each of
+    which needs ``num_microbatches`` samples.
 
     Raises:
         ConfigurationError: the batch size, or the last batch of an epoch, is smaller than ``num_microbatches``.
@@ -192,6 +197,9 @@ def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: f
     sampler = loader.batch_sampler
     batch_size = loader.batch_size if loader.batch_size is not None else getattr(sampler, "batch_size", None)
     if not isinstance(batch_size, int):
+        return
+    if replicas > 1:
+        _check_split_batches(loader, batch_size, M, replicas, num_training_batches, max_steps)
         return
     if batch_size < M:
         raise ConfigurationError(
@@ -215,6 +223,35 @@ def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: f
         f"batch_size={batch_size}), fewer than num_microbatches={M}, so it cannot be split into micro-batches. "
         f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
         f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
+    )
+
+
+def _check_split_batches(
+    loader: DataLoader[Any], batch_size: int, M: int, replicas: int, num_training_batches: float, max_steps: int
+) -> None:
+    need = M * replicas
+    fix = f"or lower num_microbatches (each of the {replicas} replicas takes at least num_microbatches={M} samples)"
+    if batch_size < need:
+        raise ConfigurationError(
+            f"The training dataloader's batch_size={batch_size} is the global batch of {replicas} replicas under "
+            f"replica_split, and each replica needs num_microbatches={M} samples: it needs at least {need}. Use "
+            f"batch_size >= {need}, {fix}."
+        )
+    drop_last = loader.drop_last if loader.batch_size is not None else getattr(loader.batch_sampler, "drop_last", False)
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    last = samples % batch_size
+    if drop_last or last == 0 or last >= need:
+        return
+    if num_training_batches < math.ceil(samples / batch_size) or 0 <= max_steps < math.ceil(samples / batch_size):
+        return
+    raise ConfigurationError(
+        f"The last training batch of each epoch holds {last} samples ({samples} samples, batch_size={batch_size}), "
+        f"fewer than the {need} that {replicas} replicas with num_microbatches={M} each need. Pass drop_last=True to "
+        f"the training DataLoader, choose a batch size that leaves 0 or at least {need} samples for the last batch, "
+        f"{fix}."
     )
 
 

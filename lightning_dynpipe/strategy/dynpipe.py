@@ -810,6 +810,7 @@ class DynPipeStrategy(DDPStrategy):
             num_microbatches=self.num_microbatches,
             num_training_batches=trainer.num_training_batches,
             max_steps=trainer.max_steps,
+            replicas=self._split.num_replicas if self._split is not None else 1,
         )
 
     @override

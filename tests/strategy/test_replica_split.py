@@ -33,8 +33,6 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.repartition.ladder import EscalationLadder
 
-pytestmark = pytest.mark.multiprocess
-
 M, GLOBAL, N = 4, 24, 144  # micro-batches, global batch, samples: 6 steps
 N_SPEED = 336  # 14 steps: the ladder needs a window of MIN_SAMPLES steps after the re-split by hand
 CLIP = 0.5
@@ -119,6 +117,7 @@ def _fit(
     trainer.fit(model, DataLoader(dataset(n), batch_size=GLOBAL, shuffle=False))
 
 
+@pytest.mark.multiprocess
 def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
@@ -133,6 +132,7 @@ def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
 
 
+@pytest.mark.multiprocess
 def test_async_dp2_x_s2_uneven_split_changed_mid_run_equals_the_replay() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
@@ -181,3 +181,19 @@ def test_batchnorm_and_a_wrong_number_of_weights_are_refused_at_set_up() -> None
     check_replica_split(net, "speed", None, 1, "pipeline")  # one replica: nothing is split
     with pytest.raises(ConfigurationError, match=r"gives 3 weights .* 2 pipeline replica"):
         check_replica_split(nn.Sequential(nn.Linear(4, 2)), "fixed", (1.0, 1.0, 1.0), 2, "pipeline")
+
+
+def test_global_batches_too_small_for_every_replica_are_refused_before_the_first_step() -> None:
+    from lightning_dynpipe.strategy.contract import check_batches
+
+    def loader(n: int, b: int, drop_last: bool = False) -> DataLoader:
+        return DataLoader(dataset(n), batch_size=b, drop_last=drop_last)
+
+    kw: dict[str, Any] = dict(num_microbatches=4, num_training_batches=float("inf"), max_steps=-1, replicas=2)
+    with pytest.raises(ConfigurationError, match=r"batch_size=6 is the global batch of 2 replicas .* at least 8"):
+        check_batches(loader(48, 6), **kw)
+    with pytest.raises(ConfigurationError, match=r"last training batch of each epoch holds 6 samples .* the 8 that"):
+        check_batches(loader(54, 16), **kw)
+    check_batches(loader(54, 16, drop_last=True), **kw)
+    check_batches(loader(56, 16), **kw)  # a last batch of 8: one sample per micro-batch on each replica
+    check_batches(loader(54, 16), **{**kw, "replicas": 1})  # 6 >= 4 without a split
