@@ -6,8 +6,10 @@ One run per layout, each combining its checks (every run costs 10-20 s of spawn)
 * devices=2, num_stages=1, sync, gradient clipping, replica_split="speed" (an eager escalation ladder): set to
   3:1 by hand before step 1, then re-split by the ladder from the measured speeds (whatever they are), equals
   plain single-process training on the global batches with the same clipping (1e-6);
-* devices=4, num_stages=2 (dp=2 x S=2), async: 3:1, re-split to 1:3 mid-run without a drain, equals the
-  PipeDream replay whose micro-batch i is the union of the replicas' micro-batches i (1e-6).
+* devices=4, num_stages=2 (dp=2 x S=2), async, layers and replicas together: 3:1, layers 2-3 moved to stage 0
+  before step 2 (a drain), re-split to 1:3 before step 4 without a drain, equals the PipeDream replay whose
+  micro-batch i is the union of the replicas' micro-batches i, with the same repartition (1e-6); both replicas of
+  a stage hold the same weights after the move.
 
 A wrong weighting, a lost or repeated sample, or a share taken from the wrong place moves the weights by far more
 than the tolerance (tests/engine/test_replica_split.py shows the unweighted average failing).
@@ -41,8 +43,14 @@ CLIP = 0.5
 class Resplit(L.Callback):
     """Changes the split before the given batches; checks every rank's split and shares."""
 
-    def __init__(self, plan: dict[int, tuple[float, ...]], first: tuple[float, ...], ladder: bool = False) -> None:
-        self.plan, self.first, self.ladder = plan, first, ladder
+    def __init__(
+        self,
+        plan: dict[int, tuple[float, ...]],
+        first: tuple[float, ...],
+        ladder: bool = False,
+        moves: dict[int, list[int]] | None = None,
+    ) -> None:
+        self.plan, self.first, self.ladder, self.moves = plan, first, ladder, moves or {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         s = trainer.strategy
@@ -51,6 +59,8 @@ class Resplit(L.Callback):
         assert batch[0].shape[0] == GLOBAL  # every replica reads the whole global batch
         if i in self.plan:
             s.set_replica_split(list(self.plan[i]))
+        if i in self.moves:
+            s.repartition(self.moves[i])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
         s = trainer.strategy
@@ -61,6 +71,11 @@ class Resplit(L.Callback):
         expected = ReplicaSplit(self.plan[max(k for k in self.plan if k <= i)] if i >= min(self.plan) else self.first)
         assert s.replica_split == expected, (i, s.replica_split, expected)
         assert s.replica_shares == expected.shares(GLOBAL, M)
+        if i in self.moves:  # both replicas of this stage moved the same layers and hold the same weights
+            assert s.partition is not None and list(s.partition.balance) == self.moves[i]
+            flat = torch.cat([p.detach().reshape(-1) for p in s.stage.shard.stage_module().parameters()])  # type: ignore[union-attr]
+            both = s.all_gather(flat)
+            assert torch.equal(both[0], both[1])
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
@@ -136,8 +151,8 @@ def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
 def test_async_dp2_x_s2_uneven_split_changed_mid_run_equals_the_replay() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
-    plan, first = {3: (1.0, 3.0)}, (3.0, 1.0)
-    _fit(model, 4, 2, "async", Resplit(plan, first))
+    plan, first, moves = {4: (1.0, 3.0)}, (3.0, 1.0), {2: [4, 1]}
+    _fit(model, 4, 2, "async", Resplit(plan, first, moves=moves))
     batches, splits = _global_batches(), _splits(plan, first, N // GLOBAL)
     by_step = {id(b): s for b, s in zip(batches, splits)}
 
@@ -156,6 +171,7 @@ def test_async_dp2_x_s2_uneven_split_changed_mid_run_equals_the_replay() -> None
         lambda out, mb: F.cross_entropy(out, mb[1]),
         lr_scale=1 / M,
         split=union,
+        repartitions={k - 1: v for k, v in moves.items()},
     )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
