@@ -16,7 +16,7 @@ Two measurements, both on ``lightning_dynpipe.demos.CharGPT`` (the model of ``ex
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/activation_memory.py            # the documented run (a few minutes on 2 cores)
-    .venv/bin/python benchmarks/activation_memory.py --quick    # smoke run: tiny model, 1 repeat
+    .venv/bin/python benchmarks/activation_memory.py --quick    # smoke run: tiny model, 1 repeat, 1 process pair
 
 Outputs: the tables on stdout, ``benchmarks/out/activation_memory-<stamp>.json`` (config, machine, versions,
 command, every measurement) and ``docs/img/activation_memory.png`` (``--quick``: under ``benchmarks/out/``).
@@ -181,9 +181,11 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _worker(rank: int, cfg: Config, checkpoint: bool, port: int, result_path: str) -> None:
-    """One fit in a fresh pair of processes, so each process's peak memory belongs to this setting alone."""
-    from benchmarks.throughput import _quiet, _step_timer
+def _worker(rank: int, cfg: Config, settings: tuple[bool, ...], port: int, result_dir: str) -> None:
+    """One fit per setting in this pair of processes. The documented run gives each setting fresh processes, so
+    each peak belongs to that setting alone; ``--quick`` runs both in one pair (the peak is reset between them
+    through ``/proc/self/clear_refs``, but the allocator keeps what the first fit freed)."""
+    from benchmarks.throughput import _quiet, _start_peak_rss, _step_timer
     from lightning_dynpipe import DynPipeStrategy
 
     os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD_SIZE),
@@ -192,31 +194,38 @@ def _worker(rank: int, cfg: Config, checkpoint: bool, port: int, result_path: st
     _quiet()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
-        strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, balance=list(cfg.balance),
-                                   adaptive=False, activation_checkpointing=checkpoint)  # fmt: skip
-        timer = _step_timer(cfg.warmup, cfg.run_steps - cfg.warmup)
-        res = fit_dynpipe(_model(cfg), _batches(cfg, cfg.run_steps), strategy, timer, world_size=WORLD_SIZE)
-        peaks: list[Any] = [None] * WORLD_SIZE
-        dist.all_gather_object(peaks, (timer.stage_idx, _peak_rss_bytes()))
-        if rank == 0:
-            steps = [median([s["step_s"] for s in st["steps"]]) for st in res["stages"]]
-            rss = {str(stage): peak for stage, peak in peaks}
-            Path(result_path).write_text(json.dumps({"checkpoint": checkpoint, "step_s": steps, "rss": rss}))
+        for checkpoint in settings:
+            _start_peak_rss()
+            strategy = DynPipeStrategy(num_microbatches=cfg.num_microbatches, balance=list(cfg.balance),
+                                       adaptive=False, activation_checkpointing=checkpoint)  # fmt: skip
+            timer = _step_timer(cfg.warmup, cfg.run_steps - cfg.warmup)
+            res = fit_dynpipe(_model(cfg), _batches(cfg, cfg.run_steps), strategy, timer, world_size=WORLD_SIZE)
+            peaks: list[Any] = [None] * WORLD_SIZE
+            dist.all_gather_object(peaks, (timer.stage_idx, _peak_rss_bytes()))
+            if rank == 0:
+                steps = [median([s["step_s"] for s in st["steps"]]) for st in res["stages"]]
+                rss = {str(stage): peak for stage, peak in peaks}
+                path = Path(result_dir) / f"run-{checkpoint}.json"
+                path.write_text(json.dumps({"checkpoint": checkpoint, "step_s": steps, "rss": rss}))
     finally:
         dist.destroy_process_group()
 
 
-def real_runs(cfg: Config) -> list[dict[str, Any]]:
-    """Interleaved repeats of the two settings, each run in its own fresh process pair."""
+def real_runs(cfg: Config, *, fresh_processes: bool = True) -> list[dict[str, Any]]:
+    """Interleaved repeats of the two settings, each run in its own fresh process pair (``fresh_processes``;
+    otherwise each repeat runs both settings in one pair)."""
     from torch.multiprocessing import spawn
 
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(cfg.repeats):
-            for checkpoint in [False, True] if rep % 2 == 0 else [True, False]:  # each first half the time
-                path = os.path.join(tmp, f"run-{rep}-{checkpoint}.json")
-                spawn(_worker, args=(cfg, checkpoint, free_port(), path), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
-                runs.append({"rep": rep, "load_1m": os.getloadavg()[0], **json.loads(Path(path).read_text())})
+    for rep in range(cfg.repeats):
+        order = (False, True) if rep % 2 == 0 else (True, False)  # each first half the time
+        groups = [(c,) for c in order] if fresh_processes else [order]
+        for settings in groups:
+            with tempfile.TemporaryDirectory() as tmp:
+                spawn(_worker, args=(cfg, settings, free_port(), tmp), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+                for checkpoint in settings:
+                    record = json.loads((Path(tmp) / f"run-{checkpoint}.json").read_text())
+                    runs.append({"rep": rep, "load_1m": os.getloadavg()[0], **record})
     return runs
 
 
@@ -226,7 +235,7 @@ def _mib(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, one repeat (the smoke test)")
+    p.add_argument("--quick", action="store_true", help="tiny model, one repeat, one process pair (the smoke test)")
     p.add_argument("--out-dir", default=None, help="where the JSON and (for --quick) the plot go")
     a = p.parse_args(argv)
     cfg = QUICK if a.quick else Config()
@@ -235,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     t0 = time.time()
     exact = {str(c): exact_peaks(cfg, c) for c in (False, True)}
-    runs = real_runs(cfg)
+    runs = real_runs(cfg, fresh_processes=not a.quick)
     S = len(cfg.balance)
     print(f"CharGPT d={cfg.d_model}, {cfg.n_layers} blocks, batch {cfg.batch_size} x {cfg.block_size} tokens, "
           f"M={cfg.num_microbatches}, async, balance {list(cfg.balance)}")  # fmt: skip

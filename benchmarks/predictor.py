@@ -14,6 +14,11 @@ Two questions, each answered for the forest and the baseline:
 * **partitions never run**: for each partition ``P`` in turn, the forest is trained on every window except those
   of ``P`` and asked for ``P`` from the windows of the other partitions, under every scenario.
 
+A third, **detection**, is answered by replaying the adaptive loop on a synthetic pipeline
+(:mod:`benchmarks.detection`): for the forest policy, the measured baseline and Varuna's and the original DynPipe's
+rules (:mod:`lightning_dynpipe.repartition.rules`), the steps from an interference onset to the first repartition
+decision, and the migrations on runs with noise only (``--no-detection`` skips it).
+
 Reported: the median absolute percentage error of the stage times (all stages, and the stages the interference
 was on), the same for boundary message times, the share of measured values inside the forest's interval
 (nominal 90%), and the forest's cost per check (pricing every candidate of a check in one call).
@@ -23,6 +28,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/predictor.py                          # sweep the MLP of width 384, 2 stages
     .venv/bin/python benchmarks/predictor.py --from-json runs.json    # a sweep saved by calibrate --runs-out
     .venv/bin/python benchmarks/predictor.py --quick --out-dir /tmp   # smoke run: tiny model, 3 scenarios
+    .venv/bin/python benchmarks/predictor.py --from-json runs.json --detection-seeds 5   # more replay seeds
 
 Outputs: the tables on stdout, ``benchmarks/out/predictor-<stamp>.json`` (every run and every prediction error),
 and a dated report ``benchmarks/results/<date>-predictor.md`` with machine, versions, commit and command
@@ -47,6 +53,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
     sys.path.insert(0, str(_ROOT))
 
+from benchmarks import detection as _detection  # noqa: E402
 from benchmarks._common import command_line, describe_machine, format_table, machine_info  # noqa: E402
 from lightning_dynpipe.cli.calibrate import SCENARIOS, CalibrationRun, calibration_samples  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, ModelCost  # noqa: E402
@@ -219,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--from-json", type=Path, default=None, help="a sweep saved by `calibrate --runs-out`")
     p.add_argument("--quick", action="store_true", help="tiny model, three scenarios, three partitions")
     p.add_argument("--out-dir", type=Path, default=None, help="where --quick writes (default: a temporary folder)")
+    p.add_argument("--no-detection", action="store_true", help="skip the detection replay")
+    p.add_argument("--detection-seeds", type=int, default=3, help="seeds of the detection replay (default 3)")
     args = p.parse_args(argv)
     if args.quick:
         args.init_args, args.scenarios, args.partitions, args.steps = '{"width": 64}', "none,quota50,delay1", 3, 2
@@ -247,11 +256,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cost: {costs['per_check_s'] * 1e3:.2f} ms per check ({costs['candidates']:.0f} candidates in one call); a "
         f"refit on {costs['rows']:.0f} rows {costs['fit_s'] * 1e3:.0f} ms",
     ]
+    det_rows: list[list[str]] = []
+    det: dict[str, Any] = {}
+    if not args.no_detection:
+        det = _run_detection(args)
+        det_rows = _detection_rows(det["summary"])
+        verdict += det["verdict"]
     print()
     print("\n".join(verdict))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     record = {"machine": machine, "command": command_line(), "args": {k: str(v) for k, v in vars(args).items()},
-              "runs": str(runs_path), "result": result, "cost": costs, "verdict": verdict}  # fmt: skip
+              "runs": str(runs_path), "result": result, "cost": costs, "verdict": verdict,
+              "detection": det}  # fmt: skip
     (out_dir / f"predictor-{stamp}.json").write_text(json.dumps(record, indent=1))
     results_dir = out_dir if args.quick else _ROOT / "benchmarks" / "results"
     report = results_dir / f"{datetime.now(timezone.utc):%Y-%m-%d}-predictor.md"
@@ -266,6 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "micro-batch under the other partition of the same scenario.\n\n"
         + format_table(headers, rows, markdown=True)
         + "\n\n"
+        + (
+            "Detection (replayed on the synthetic pipeline, see `benchmarks/detection.py`; "
+            f"{det['config']}):\n\n" + format_table(_DET_HEADERS, det_rows, markdown=True) + "\n\n"
+            if det_rows
+            else ""
+        )
         + "\n".join(f"- {v}" for v in verdict)
         + "\n\n## How to reproduce\n\n"
         + f"From the repository root: `{command_line()}`"
@@ -276,6 +298,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"\nreport written to {report}")
     return 0
+
+
+_DET_HEADERS = ["system", "scenario", "detected", "steps onset->decision (median)", "migrations per seed",
+                "limit share after onset"]  # fmt: skip
+
+
+def _run_detection(args: argparse.Namespace) -> dict[str, Any]:
+    """The detection replay (quick: two scenarios, one seed, a short run, no online refit in it)."""
+    import logging
+
+    logging.getLogger("lightning_dynpipe").setLevel(logging.ERROR)  # the forest's refit notices, once per refit
+    if args.quick:
+        kw: dict[str, Any] = dict(scenarios=("none", "quota25"), seeds=(0,), steps=120, onset=40,
+                                  forest_options={"refit_every": 20, "n_estimators": 16})  # fmt: skip
+    else:
+        kw = dict(seeds=tuple(range(args.detection_seeds)), steps=400, onset=100)
+    config = ", ".join(f"{k} {v}" for k, v in kw.items())
+    t0 = time.perf_counter()
+    runs = _detection.run_detection(**kw)
+    summary = _detection.summarise(runs)
+    print()
+    print(f"detection ({config}; {time.perf_counter() - t0:.1f} s):")
+    print(format_table(_DET_HEADERS, _detection_rows(summary)))
+    return {"config": config, "summary": summary, "runs": [vars(r) for r in runs],
+            "verdict": _detection.verdict(summary)}  # fmt: skip
+
+
+def _detection_rows(summary: Sequence[dict[str, Any]]) -> list[list[str]]:
+    return [
+        [
+            r["system"], r["scenario"], "-" if r["scenario"] == "none" else f"{r['detected']}/{r['seeds']}",
+            "-" if r["median_steps_to_decision"] is None else f"{r['median_steps_to_decision']:g}",
+            ",".join(str(m) for m in r["migrations"]), f"{r['limit_share']:.3f}",
+        ]
+        for r in summary
+    ]  # fmt: skip
 
 
 def _modified(machine: dict[str, Any]) -> str:

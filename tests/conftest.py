@@ -85,6 +85,48 @@ def run_benchmark() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run
 
 
+@pytest.fixture
+def run_benchmark_main(capfd: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs ``benchmarks/<script>``'s ``main(argv)`` in this process, with ``sys.argv`` as a user's shell would
+    set it, and returns what it printed as a completed process (exit status 0 or the test fails).
+
+    The script's own start-up (torch and Lightning imports, 5-9 s on the CI machine) is the largest part of a
+    quick benchmark run; in this process it is already paid. Spawned workers are launched as in a user's run.
+    What ``main`` changes in this process (torch's thread count and global RNG, warning filters, logger levels,
+    ``sys.argv``) is restored afterwards. Output is captured at the file-descriptor level, so what the script's
+    own subprocesses and workers print is in it too, as in a shell. ``run_benchmark`` (a subprocess) stays the
+    way to test a script's ``__main__`` block and exit-time behaviour."""
+
+    def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+        import importlib
+        import logging
+        import warnings
+
+        import torch
+
+        module = importlib.import_module(f"benchmarks.{Path(script).stem}")
+        capfd.readouterr()  # drop what the test printed before
+        threads, rng = torch.get_num_threads(), torch.get_rng_state()
+        levels = {name: logging.getLogger(name).level for name in logging.root.manager.loggerDict}
+        argv = sys.argv
+        sys.argv = [str(Path("benchmarks") / script), *args]
+        try:
+            with warnings.catch_warnings():
+                result = module.main(list(args))
+        finally:
+            sys.argv = argv
+            torch.set_num_threads(threads)
+            torch.set_rng_state(rng)
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+        out, err = capfd.readouterr()
+        code = result if isinstance(result, int) else 0
+        assert code == 0, f"exit status {code}\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}"
+        return subprocess.CompletedProcess([script, *args], code, out, err)
+
+    return run
+
+
 def table_rows(out: str, header: tuple[str, ...], count: int) -> list[str]:
     """The ``count`` rows under the first table of ``out`` whose header line holds every column of ``header``
     (the rows start two lines below the header, after the rule); fails with the output when there is none."""

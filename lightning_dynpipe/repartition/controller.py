@@ -270,6 +270,7 @@ class AdaptiveController:
             slowdowns=slowdowns,
             candidate_step_high_s=best.high.time_to_accuracy_s * M,
             details=self._details(window, current, best),
+            stage_compute_s=tuple(t.compute_s for t in window.stages),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

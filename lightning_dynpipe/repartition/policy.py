@@ -36,6 +36,9 @@ class PolicyInputs:
         candidate_step_high_s: upper end of the candidate's predicted step time (``None``: no interval, the
             value itself); the lower end of the gain is ``current_step_s - candidate_step_high_s``.
         details: what the prediction rested on (predicted stage and boundary times, top features), for logs.
+        stage_compute_s: per stage, the measured forward plus backward seconds per step under ``current`` (the
+            window's medians; empty when the caller did not give them). Threshold rules
+            (:mod:`lightning_dynpipe.repartition.rules`) trigger on these.
     """
 
     step: int
@@ -49,6 +52,7 @@ class PolicyInputs:
     slowdowns: tuple[float, ...]
     candidate_step_high_s: float | None = None
     details: str = ""
+    stage_compute_s: tuple[float, ...] = ()
 
     @property
     def candidate_step_upper_s(self) -> float:

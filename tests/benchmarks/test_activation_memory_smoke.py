@@ -12,8 +12,8 @@ import pytest
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_the_memory_table(run_benchmark: Callable[..., Any], tmp_path: Path) -> None:
-    out = run_benchmark("activation_memory.py", "--quick", "--out-dir", str(tmp_path)).stdout
+def test_quick_run_prints_the_memory_table(run_benchmark_main: Callable[..., Any], tmp_path: Path) -> None:
+    out = run_benchmark_main("activation_memory.py", "--quick", "--out-dir", str(tmp_path)).stdout
     assert "checkpointed MiB" in out and "time ratio" in out
     (record,) = tmp_path.glob("activation_memory-*.json")
     data = json.loads(record.read_text())

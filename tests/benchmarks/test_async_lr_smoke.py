@@ -14,9 +14,9 @@ from typing import Any
 
 
 def test_async_lr_quick_prints_the_tables_and_writes_the_record(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    out = run_benchmark("async_lr.py", "--quick", "--out-dir", str(tmp_path)).stdout
+    out = run_benchmark_main("async_lr.py", "--quick", "--out-dir", str(tmp_path)).stdout
 
     rows = table_rows(out, ("case", "setting", "lr_scale", "steps to target", "steps / plain", "final val acc"), 6)
     assert [r.split()[0] for r in rows] == ["digits-sgd"] * 3 + ["digits-adamw"] * 3, "\n".join(rows)

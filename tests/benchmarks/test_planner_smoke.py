@@ -2,7 +2,8 @@
 ``benchmarks/profile_inputs.py`` (``--quick``).
 
 Not performance tests: no speed is asserted (STYLE.md: a benchmark is a script that prints a table, not a timed
-unit test). Each runs the script as a user would, in a subprocess, with tiny models and sizes (two spawned gloo
+unit test). The first two run the script's ``main`` in the test process (its imports already paid), the
+last runs the script in a subprocess as a user would; all with tiny models and sizes (two spawned gloo
 workers for the measured parts; about 15-30 s each on two cores), writing into a temporary directory so the
 documented plots in docs/img/ are left alone. They check that the tables and verdict lines print and that the
 raw JSON record and the plots are written.
@@ -25,9 +26,9 @@ def _run(run_benchmark: Callable[..., Any], script: str, tmp_path: Path, *extra:
 
 @pytest.mark.multiprocess
 def test_simulator_accuracy_quick_prints_table_for_three_models(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    out = _run(run_benchmark, "simulator_accuracy.py", tmp_path)
+    out = _run(run_benchmark_main, "simulator_accuracy.py", tmp_path)
 
     rows = table_rows(
         out, ("model", "partition", "predicted: profile", "predicted: profile + framework", "measured (median)"), 3
@@ -55,9 +56,9 @@ def test_simulator_accuracy_quick_prints_table_for_three_models(
 
 @pytest.mark.multiprocess
 def test_planner_quick_prints_all_three_parts(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    out = _run(run_benchmark, "planner.py", tmp_path)
+    out = _run(run_benchmark_main, "planner.py", tmp_path)
 
     rows = table_rows(out, ("system", "partition", "samples/s (median)", "auto / this (paired)"), 3)
     assert [r.split()[0] for r in rows] == ["auto", "parameters", "uniform"], "\n".join(rows)

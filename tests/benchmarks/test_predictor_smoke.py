@@ -20,9 +20,9 @@ from lightning_dynpipe.predictor import ForestPredictor
 
 @pytest.mark.multiprocess
 def test_predictor_quick_calibrates_and_reports(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    out = run_benchmark("predictor.py", "--quick", "--out-dir", str(tmp_path)).stdout
+    out = run_benchmark_main("predictor.py", "--quick", "--out-dir", str(tmp_path)).stdout
     assert "calibrated on 9 windows (3 scenarios x 3 partitions" in out
     rows = table_rows(out, ("held out", "stage: forest", "prior", "baseline", "coverage"), 6)
     assert [" ".join(r.split()[:2]) for r in rows[:3]] == ["scenario none", "scenario quota50", "scenario delay1"]

@@ -1,6 +1,6 @@
 """Smoke test of ``benchmarks/profile_step.py`` and unit tests of its exclusive-time accounting.
 
-The smoke test runs the script as a user would (two spawned gloo workers, a tiny MLP, three profiled steps of
+The smoke test runs the script's ``main`` in the test process (two spawned gloo workers, a tiny MLP, three profiled steps of
 DynPipe ``async`` and torch ``Schedule1F1B``) and checks the table and the JSON record; it asserts no speed.
 The unit tests check that a component called inside another is subtracted from it, that the rows add up to
 the main thread's CPU, and that every patch is undone.
@@ -88,8 +88,8 @@ def test_sections_ignore_other_threads_and_calls_outside_the_window() -> None:
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_the_component_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
-    proc = run_benchmark("profile_step.py", "--quick", "--out-dir", str(tmp_path))
+def test_quick_run_prints_the_component_table(tmp_path: Path, run_benchmark_main: Callable[..., Any]) -> None:
+    proc = run_benchmark_main("profile_step.py", "--quick", "--out-dir", str(tmp_path))
     header = next(line for line in proc.stdout.splitlines() if line.startswith("component (CPU ms per step)"))
     for column in ("async / stage 0", "async / stage 1", "torch-1f1b / stage 0", "torch-1f1b / stage 1"):
         assert column in header
@@ -100,5 +100,5 @@ def test_quick_run_prints_the_component_table(tmp_path: Path, run_benchmark: Cal
     payload = json.loads(records[0].read_text())
     assert {r["system"] for r in payload["runs"]} == {"async", "torch-1f1b"}
     assert payload["machine"]["git_commit"]
-    again = run_benchmark("profile_step.py", "--from-json", str(records[0]), str(records[0]))  # pooled re-analysis
+    again = run_benchmark_main("profile_step.py", "--from-json", str(records[0]), str(records[0]))  # pooled re-analysis
     assert "component (CPU ms per step)" in again.stdout and "= main thread CPU" in again.stdout

@@ -1,7 +1,7 @@
 """Smoke test of ``benchmarks/throughput.py --quick``: it runs end to end and prints the table of all five systems.
 
 This is not a performance test and asserts no speed (STYLE.md: a benchmark is a script that prints a table, not
-a timed unit test). It runs the script as a user would, in a subprocess: two spawned gloo workers, a tiny MLP,
+a timed unit test). It runs the script's ``main`` in the test process: two spawned gloo workers, a tiny MLP,
 one repeat of three timed steps per system (about 20-40 s on two cores). Outputs go to a temporary directory,
 so the documented plot in docs/img/ is left alone.
 """
@@ -21,9 +21,9 @@ HEADER = ("system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F
 
 @pytest.mark.multiprocess
 def test_quick_run_prints_table_of_all_systems(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    proc = run_benchmark("throughput.py", "--quick", "--out-dir", str(tmp_path))
+    proc = run_benchmark_main("throughput.py", "--quick", "--out-dir", str(tmp_path))
 
     rows = table_rows(proc.stdout, HEADER, len(LABELS))
     assert [r[: len(max(LABELS, key=len))].strip() for r in rows] == list(LABELS), "\n".join(rows)
@@ -33,6 +33,8 @@ def test_quick_run_prints_table_of_all_systems(
 
     assert "target async >= 1.10x DynPipe sync" in proc.stdout
     assert "simulator, isolated costs" in proc.stdout
+    assert "simulator fed with the framework's costs measured inside each system's runs" in proc.stdout
+    assert "target the simulator fed with the framework's costs predicts each DynPipe system within 15%" in proc.stdout
 
     records = list(tmp_path.glob("throughput-*.json"))
     assert len(records) == 1
@@ -54,3 +56,26 @@ def test_defaults_cost_verdict_pairs_defaults_with_bare_by_repeat() -> None:
     assert "vs_async-bare" not in table["async"]
     verdict = render_targets({"table": table})
     assert "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x -> met" in verdict
+
+
+def test_framework_costs_feed_the_simulator_per_stage_and_message() -> None:
+    """The framework's costs are the in-run time around the operations: outside the step plus the step's rest as
+    ``step_overhead`` per step, and the sender's busy time per message; with them the simulator's step is longer
+    than with forward/backward/update alone, by at least the bottleneck stage's overhead per step."""
+    from benchmarks.throughput import Config, _framework_costs_from_runs, _simulate
+
+    cfg = Config(num_microbatches=4, sim_steps=8)
+    step = {"forward_s": 0.04, "backward_s": 0.08, "optimizer_s": 0.02, "num_forward": 4, "num_backward": 4,
+            "num_updates": 4, "recv_wait_s": 0.01, "send_s": 0.004, "step_s": 0.16}  # fmt: skip
+    stages = [{"stage": k, "wall_s": 3 * (0.17 + 0.01 * k), "steps": [dict(step)] * 3} for k in range(2)]
+    runs = [{"system": "async", "rep": 0, "stages": stages}]
+    costs = _framework_costs_from_runs(runs, "async", cfg)
+    assert costs is not None
+    assert costs["forward"] == pytest.approx([0.01, 0.01]) and costs["update"] == pytest.approx([0.005, 0.005])
+    # other = 0.16 - 0.14 - 0.01 - 0.004 = 0.006 per step; outside = wall per step - step = 0.01 / 0.02
+    assert costs["step_overhead"] == pytest.approx([0.016, 0.026])
+    assert costs["send_overhead"] == pytest.approx([0.001, 0.001])
+    bare = {k: costs[k] for k in ("forward", "backward", "update")}
+    assert _simulate("async", costs, cfg, "last_stage_broadcast") >= _simulate(
+        "async", bare, cfg, "last_stage_broadcast"
+    ) + max(costs["step_overhead"])

@@ -12,8 +12,8 @@ import pytest
 
 
 @pytest.mark.multiprocess
-def test_quick_run_prints_the_overhead_table(tmp_path: Path, run_benchmark: Callable[..., Any]) -> None:
-    proc = run_benchmark("monitor_overhead.py", "--quick", "--out-dir", str(tmp_path))
+def test_quick_run_prints_the_overhead_table(tmp_path: Path, run_benchmark_main: Callable[..., Any]) -> None:
+    proc = run_benchmark_main("monitor_overhead.py", "--quick", "--out-dir", str(tmp_path))
     out = proc.stdout
     for text in (
         "monitor pieces alone",
