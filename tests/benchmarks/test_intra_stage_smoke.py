@@ -1,7 +1,7 @@
 """Smoke test of ``benchmarks/intra_stage.py --quick``: it runs end to end, prints its table and writes the raw
-record, the plot and the dated report. Not a performance test: it asserts no speed or ratio (STYLE.md). Two
-spawned gloo workers pinned to their own cores, a tiny MLP, one seed, scenario quota50, both systems (about
-20 s on two cores; most of it is the two fits' start-up)."""
+record, the plot and the dated report. Not a performance test: it asserts no speed or ratio (STYLE.md). It runs
+the script's ``main`` in the test process: two spawned gloo workers pinned to their own cores, a tiny MLP, one
+seed, scenario quota50, both systems."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ HEADER = ("scenario", "even TTA s", "speed TTA s", "even/speed", "limit", "of li
 
 @pytest.mark.multiprocess
 def test_quick_run_prints_table_and_writes_report(
-    tmp_path: Path, run_benchmark: Callable[..., Any], table_rows: Callable[..., list[str]]
+    tmp_path: Path, run_benchmark_main: Callable[..., Any], table_rows: Callable[..., list[str]]
 ) -> None:
-    proc = run_benchmark("intra_stage.py", "--quick", "--out-dir", str(tmp_path))
+    proc = run_benchmark_main("intra_stage.py", "--quick", "--out-dir", str(tmp_path))
     rows = table_rows(proc.stdout, HEADER, 1)
     assert [r.split()[0] for r in rows] == ["quota50"], "\n".join(rows)
     assert "command:" in proc.stdout
