@@ -29,6 +29,7 @@ __all__ = [
     "microbatch_sizes",
     "check_batch_size",
     "take_share",
+    "batch_fingerprint",
 ]
 
 
@@ -134,3 +135,18 @@ def check_batch_size(batch: Any, num_microbatches: int) -> int:
             "dataloader), or lower num_microbatches."
         )
     return n
+
+
+def batch_fingerprint(batch: Any) -> float:
+    """A number that differs, almost surely, between two batches that differ in content or sample order.
+
+    Each sample's values are summed (float64) and weighted by its position, so the same samples in another
+    order give another number too: replicas that must read the same global batch compare these.
+    """
+    total = float(batch_len(batch) or 0)
+    for t in iter_tensors(batch):
+        if t.dim() == 0 or t.is_complex() or t.shape[0] == 0:
+            continue
+        per_sample = t.detach().reshape(t.shape[0], -1).double().sum(1)
+        total += float((per_sample * torch.arange(1, t.shape[0] + 1, dtype=torch.float64)).sum())
+    return total

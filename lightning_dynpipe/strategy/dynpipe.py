@@ -36,7 +36,7 @@ from lightning_dynpipe.engine import checkpoint, sharded
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
 from lightning_dynpipe.engine.materialize import is_on_meta, materialize_layers, record_random_state
-from lightning_dynpipe.engine.microbatch import batch_len, iter_tensors, take_share
+from lightning_dynpipe.engine.microbatch import batch_fingerprint, batch_len, take_share
 from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
@@ -736,8 +736,7 @@ class DynPipeStrategy(DDPStrategy):
         sampler gives them the same order when every process has the same seed (``PL_GLOBAL_SEED``).
         """
         assert self.stage is not None
-        tensors = [t for t in iter_tensors(batch) if not t.is_complex()]
-        fp = float(sum(t.detach().double().sum().item() for t in tensors)) + float(batch_len(batch) or 0)
+        fp = batch_fingerprint(batch)
         both = torch.tensor([fp, -fp], dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.stage.groups.stage_dp)
         if both[0].item() != -both[1].item():

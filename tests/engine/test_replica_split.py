@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.loopback import LoopbackGroup, loopback_channels, run_stages
-from lightning_dynpipe.engine.microbatch import split_microbatches, take_share
+from lightning_dynpipe.engine.microbatch import batch_fingerprint, split_microbatches, take_share
 from lightning_dynpipe.engine.replica import average_replica_gradients
 from lightning_dynpipe.engine.shard import StageShard
 from lightning_dynpipe.errors import ConfigurationError
@@ -131,6 +131,14 @@ def test_take_share_slices_every_tensor_and_refuses_outside_the_batch() -> None:
     assert take_share(batch, 0, 0)["y"][0].numel() == 0
     with pytest.raises(ConfigurationError, match=r"samples 4:6 of a batch of 5"):
         take_share(batch, 4, 2)
+
+
+def test_batch_fingerprint_tells_other_content_and_other_order_apart() -> None:
+    x, y = torch.randn(8, 3), torch.arange(8)
+    assert batch_fingerprint((x, y)) == batch_fingerprint((x.clone(), y.clone()))
+    assert batch_fingerprint((x, y)) != batch_fingerprint((x.flip(0), y.flip(0)))  # same samples, other order
+    assert batch_fingerprint((x, y)) != batch_fingerprint((x[:7], y[:7]))
+    assert batch_fingerprint({"a": x, "tag": "t"}) == batch_fingerprint({"a": x, "tag": "u"})  # tensors only
 
 
 def test_weighted_replica_average_is_the_mean_over_all_samples() -> None:
