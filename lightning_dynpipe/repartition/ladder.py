@@ -46,7 +46,8 @@ class ReplicaWindow:
     Attributes:
         step: the Lightning step of the check.
         samples: samples per step each replica trained on in the window (its share of the global batch).
-        compute_s: ``compute_s[d][k]``: median seconds per step of stage ``k``'s layers on replica ``d``.
+        compute_s: ``compute_s[d][k]``: seconds per step of stage ``k``'s layers on replica ``d``, forward and
+            backward only (the update's all-reduce waits for the slowest replica: it would hide the imbalance).
         split: the replica split the window was measured under.
     """
 

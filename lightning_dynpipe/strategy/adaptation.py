@@ -171,7 +171,9 @@ class AdaptationWiring:
         window = replica_window(
             trainer.global_step,
             samples,
-            [(r.dp_rank, r.stage_idx, r.summary.compute_s) for r in snapshot.replicas],
+            # forward + backward only: the update's all-reduce waits for the slowest replica, so a summary's
+            # compute_s (which includes the update) makes every replica look as slow as the slowest
+            [(r.dp_rank, r.stage_idx, r.summary.forward_s + r.summary.backward_s) for r in snapshot.replicas],
             split,
             partition.num_stages,
         )

@@ -74,10 +74,20 @@ def test_replica_window_takes_each_replicas_slowest_stage() -> None:
 
 
 def _snapshot(compute: tuple[float, float]) -> Any:
+    """Replica d computes for compute[d] s per step; the fast one then waits in the update's all-reduce for the slow
+    one, so the update (optimizer_s) evens out their compute_s: the ladder must not look at it."""
+    slowest = max(compute)
     reports = [
-        StageReport(d, 0, StageSummary.of([StageSample(step_s=0.05, forward_s=c / 3, backward_s=2 * c / 3)] * 6))
+        StageReport(
+            d,
+            0,
+            StageSummary.of(
+                [StageSample(step_s=0.05, forward_s=c / 3, backward_s=2 * c / 3, optimizer_s=slowest - c + 0.001)] * 6
+            ),
+        )
         for d, c in enumerate(compute)
     ]
+    assert reports[0].summary.compute_s == pytest.approx(reports[1].summary.compute_s)
     return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
 
 
