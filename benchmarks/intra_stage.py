@@ -27,7 +27,7 @@ Usage (from the repository root)::
 
 Outputs: the table on stdout, ``benchmarks/out/intra-stage-<stamp>.json`` (config, machine, versions, commit,
 command, every run's evaluations), ``docs/img/intra_stage.png`` and the dated report
-``benchmarks/results/<date>-intra-stage.md`` (``--quick`` writes all of them to ``--out-dir``).
+``benchmarks/results/<date>-intra-stage.md`` (``--quick`` or an explicit ``--out-dir`` write all of them there).
 """
 
 from __future__ import annotations
@@ -375,7 +375,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--target-acc", type=float, default=None)
     p.add_argument("--scenarios", default=None, help=f"comma-separated, from {list(SCENARIOS)}")
-    p.add_argument("--out-dir", type=Path, default=None, help="where the JSON (and, with --quick, all) goes")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where everything goes (default: JSON to benchmarks/out, plot to docs/img, report to benchmarks/results)",
+    )
     p.add_argument("--from-json", type=Path, default=None, help="re-analyse a raw record without measuring")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
@@ -430,11 +435,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(render_table(summary))
     payload["summary"] = summary
     payload["markdown"] = {"table": render_table(summary, markdown=True)}
-    plot_path = (out_dir if a.quick else _IMG) / "intra_stage.png"
+    apart = a.quick or a.out_dir is not None  # an explicit --out-dir takes everything, as --quick does
+    plot_path = (out_dir if apart else _IMG) / "intra_stage.png"
     if not a.no_plot and payload["runs"]:
         plot(payload["runs"], cfg, payload["machine"], plot_path)
         print(f"plot: {plot_path}")
-    report = (out_dir if a.quick else _RESULTS) / f"{payload['machine']['date_utc'][:10]}-intra-stage.md"
+    report = (out_dir if apart else _RESULTS) / f"{payload['machine']['date_utc'][:10]}-intra-stage.md"
     write_report(report, payload, json_path, plot_path)
     print(f"report: {report}")
     json_path.write_text(json.dumps(payload), encoding="utf-8")

@@ -49,12 +49,14 @@ class ReplicaWindow:
         compute_s: ``compute_s[d][k]``: seconds per step of stage ``k``'s layers on replica ``d``, forward and
             backward only (the update's all-reduce waits for the slowest replica: it would hide the imbalance).
         split: the replica split the window was measured under.
+        step_s: the measured seconds per step (the slowest replica's median; NaN: unknown), for the outcome check.
     """
 
     step: int
     samples: tuple[float, ...]
     compute_s: tuple[tuple[float, ...], ...]
     split: ReplicaSplit
+    step_s: float = math.nan
 
     def __post_init__(self) -> None:
         D = len(self.samples)
@@ -99,9 +101,18 @@ class EscalationLadder:
     Args:
         min_gain: act on a replica imbalance only when the re-split is predicted to shorten the step by at least
             this fraction (the predicted step is the slowest replica's share times its measured time per sample).
-        patience: consecutive checks an imbalance must be seen in before the ladder acts on it.
+        patience: consecutive checks an imbalance must be seen in before the ladder acts on it. Once it has acted,
+            an imbalance that persists (the split is not yet right: a replica's time is not proportional to its
+            share when it has a fixed cost per step) is re-split at every check until the replicas are balanced.
         min_change: ignore a new split whose weights differ from the current ones by less than this (a fraction
             of the global batch): measurement noise must not move samples back and forth.
+
+    **Outcome check.** The re-split assumes a replica's compute time is proportional to its share. Under a CPU
+    quota it is not: a throttled replica also stalls for its per-step work outside its share (reading the global
+    batch, the framework's hooks), so giving it fewer samples can stop paying. The first check after a re-split
+    compares the measured step time with the one before it; a re-split that did not shorten the step is rolled
+    back, and from that split the ladder moves no further in the same direction (it moves again when the target
+    turns the other way, e.g. when the interference ends).
     """
 
     min_gain: float = 0.10
@@ -109,6 +120,8 @@ class EscalationLadder:
     min_change: float = 0.02
     decisions: list[LadderDecision] = field(default_factory=list, init=False, repr=False)
     _streak: int = field(default=0, init=False, repr=False)
+    _last: tuple[ReplicaSplit, ReplicaSplit, float] | None = field(default=None, init=False, repr=False)
+    _hold: tuple[ReplicaSplit, tuple[float, ...]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_gain < 1) or self.patience < 1 or not (0 <= self.min_change < 1):
@@ -128,6 +141,21 @@ class EscalationLadder:
             return self.record(
                 LadderDecision(window.step, "keep", f"no usable measurement yet (compute seconds {list(replica_s)})")
             )
+        last, self._last = self._last, None
+        if last is not None and window.split == last[1] and math.isfinite(window.step_s):
+            old, new, before_s = last
+            if window.step_s >= before_s:  # the re-split did not pay: back, and no further that way
+                self._hold = (old, tuple(b - a for a, b in zip(old.weights, new.weights)))
+                self._streak = 0
+                return self.record(
+                    LadderDecision(
+                        window.step,
+                        "resplit",
+                        f"roll back: split {new} measured {window.step_s * 1e3:.1f} ms/step, not faster than "
+                        f"{before_s * 1e3:.1f} ms/step under {old}; no further re-split that way from {old}",
+                        split=old,
+                    )
+                )
         per_sample = [t / n for t, n in zip(replica_s, window.samples)]
         target = ReplicaSplit(speed_weights(window.samples, replica_s))
         total = sum(window.samples)
@@ -148,7 +176,19 @@ class EscalationLadder:
                     f"replicas balanced for the split in use (gain below {self.min_gain:.0%}): {numbers}",
                 )
             )
-        self._streak += 1
+        if self._hold is not None and window.split == self._hold[0]:
+            move = [b - a for a, b in zip(window.split.weights, target.weights)]
+            if sum(m * h for m, h in zip(move, self._hold[1])) > 0:
+                self._streak = 0
+                return self.record(
+                    LadderDecision(
+                        window.step,
+                        "keep",
+                        f"held: moving further that way from {window.split} did not shorten the step: {numbers}",
+                    )
+                )
+            self._hold = None  # the target turned the other way: the interference changed
+        self._streak += 1  # not reset by a re-split: a persisting imbalance is refined at the next check
         if self._streak < self.patience:
             return self.record(
                 LadderDecision(
@@ -158,7 +198,8 @@ class EscalationLadder:
                     f"{numbers}",
                 )
             )
-        self._streak = 0
+        if math.isfinite(window.step_s):
+            self._last = (window.split, target, window.step_s)
         return self.record(
             LadderDecision(window.step, "resplit", f"one replica is slower than the others: {numbers}", split=target)
         )
@@ -167,6 +208,7 @@ class EscalationLadder:
         """Forgets the decisions and the patience count (a new fit starts from scratch)."""
         self.decisions.clear()
         self._streak = 0
+        self._last = self._hold = None
 
     def record(self, decision: LadderDecision) -> LadderDecision:
         """Keeps ``decision`` (also those of rungs 3 and 4 the caller took) and returns it."""
@@ -192,10 +234,11 @@ def replica_window(
     compute_s_by_rank: Sequence[tuple[int, int, float]],
     split: ReplicaSplit,
     num_stages: int,
+    step_s: float = math.nan,
 ) -> ReplicaWindow:
     """A :class:`ReplicaWindow` from ``(dp_rank, stage_idx, compute_s)`` triples (one per process)."""
     D = split.num_replicas
     table = [[math.nan] * num_stages for _ in range(D)]
     for d, k, t in compute_s_by_rank:
         table[d][k] = t
-    return ReplicaWindow(step, tuple(float(n) for n in samples), tuple(tuple(r) for r in table), split)
+    return ReplicaWindow(step, tuple(float(n) for n in samples), tuple(tuple(r) for r in table), split, step_s)

@@ -176,6 +176,7 @@ class AdaptationWiring:
             [(r.dp_rank, r.stage_idx, r.summary.forward_s + r.summary.backward_s) for r in snapshot.replicas],
             split,
             partition.num_stages,
+            step_s=max((r.summary.step_s for r in snapshot.replicas), default=math.nan),
         )
         decision = self.ladder.decide(window)
         log.info("DynPipe adaptation: %s", decision)

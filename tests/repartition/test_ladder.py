@@ -40,6 +40,45 @@ def test_a_slow_replica_is_ignored_once_then_resplit_by_speed() -> None:
     assert [d.rung for d in ladder.decisions] == ["ignore", "resplit", "keep"]
 
 
+def test_an_imbalance_that_persists_after_a_resplit_is_refined_at_once() -> None:
+    ladder = EscalationLadder(patience=2)
+    ladder.decide(_window(10, (0.010, 0.020)))
+    first = ladder.decide(_window(20, (0.010, 0.020)))
+    assert first.rung == "resplit" and first.split is not None  # 21:11
+    # the slow replica has a fixed cost per step: with 11 samples it still takes 16 ms, the other 13 ms
+    again = ladder.decide(_window(30, (0.013, 0.016), first.split))
+    assert again.rung == "resplit" and again.split is not None and again.split.weights[1] < first.split.weights[1]
+
+
+def test_a_resplit_that_does_not_shorten_the_step_is_rolled_back_and_held() -> None:
+    ladder = EscalationLadder(patience=1)
+    w = _window(10, (0.010, 0.020))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.030))
+    assert first.rung == "resplit" and first.split is not None
+    # under the new split the step measured no faster (the slow replica's time did not follow its share)
+    shares = first.split.shares(32, 4)
+    after = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.010,), (0.020,)), first.split, step_s=0.031)
+    back = ladder.decide(after)
+    assert back.rung == "resplit" and back.split == EVEN and "roll back" in back.reason
+    # back at the even split the same imbalance is measured again: held, no ping-pong
+    held = ladder.decide(ReplicaWindow(30, w.samples, w.compute_s, EVEN, step_s=0.030))
+    assert held.rung == "keep" and "held" in held.reason
+    # the interference moves to the other replica: the target turns the other way, the hold is released
+    other = ladder.decide(ReplicaWindow(40, w.samples, ((0.020,), (0.010,)), EVEN, step_s=0.030))
+    assert other.rung == "resplit" and other.split is not None and other.split.weights[1] > 0.5
+
+
+def test_a_resplit_that_pays_is_kept_and_refined() -> None:
+    ladder = EscalationLadder(patience=1)
+    w = _window(10, (0.010, 0.030))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.035))
+    assert first.rung == "resplit" and first.split is not None
+    shares = first.split.shares(32, 4)
+    faster = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.016,), (0.020,)), first.split, step_s=0.025)
+    again = ladder.decide(faster)
+    assert again.rung == "resplit" and "roll back" not in again.reason
+
+
 def test_a_spike_that_goes_away_resets_the_patience() -> None:
     ladder = EscalationLadder(patience=2)
     assert ladder.decide(_window(10, (0.010, 0.030))).rung == "ignore"
