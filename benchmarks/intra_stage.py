@@ -17,7 +17,8 @@ Both systems train on the same global batches in the same order (every replica r
 only the cut between the shares differs), and a sync update equals plain training's on the global batch, so
 both reach accuracy at the same step: the time to accuracy (TTA) differs only by the time per step. The
 **limit** is the best a split can do with the replicas' measured speeds ``s0 >= s1`` (samples per second of
-compute, from the even run): ``(s0 + s1) / (2 * s1)``; 1.5x for a replica at exactly half speed.
+compute, from the even run): ``(s0 + s1) / (2 * s1)``, which assumes a replica's time is proportional to its
+share; the **quota limit** is the same for a replica at exactly the quota's speed, 1.5x at 50%.
 
 Usage (from the repository root)::
 
@@ -278,12 +279,16 @@ def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str
             if len(rates) == WORLD_SIZE:
                 limits.append(sum(rates) / (WORLD_SIZE * min(rates)))
         ratio, limit = median(ratios), median(limits)
+        # the issue's limit: a replica at `quota` of the other's speed, time proportional to the share
+        nominal = (1 + cfg.quota) / (2 * cfg.quota) if scenario == "quota50" else 1.0
         out[scenario] = {
             "even_tta_s": median([r["time_to_acc_s"] for r in by["even"] if r["reached"]]),
             "speed_tta_s": median([r["time_to_acc_s"] for r in by["speed"] if r["reached"]]),
             "ratio": ratio,
             "limit": limit,
             "of_limit": (ratio - 1) / (limit - 1) if limit > 1.10 else float("nan"),  # no limit to speak of
+            "quota_limit": nominal,
+            "of_quota_limit": (ratio - 1) / (nominal - 1) if nominal > 1 else float("nan"),
             "resplits": median([float(len(r["resplits"])) for r in by["speed"]]),
             "final_w0": median([r["evals"][-1]["w0"] for r in by["speed"] if r["evals"]]),
             "reached": f"{sum(r['reached'] for r in by['even'])}/{len(by['even'])}, "
@@ -292,8 +297,8 @@ def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str
     return out
 
 
-HEADERS = ("scenario", "even TTA s", "speed TTA s", "even/speed", "limit", "of limit", "re-splits", "final w0",
-           "reached")  # fmt: skip
+HEADERS = ("scenario", "even TTA s", "speed TTA s", "even/speed", "limit", "of limit", "quota limit",
+           "of quota limit", "re-splits", "final w0", "reached")  # fmt: skip
 
 
 def render_table(summary: dict[str, dict[str, Any]], *, markdown: bool = False) -> str:
@@ -305,6 +310,8 @@ def render_table(summary: dict[str, dict[str, Any]], *, markdown: bool = False) 
             f"{s['ratio']:.2f}x",
             f"{s['limit']:.2f}x",
             f"{s['of_limit']:.0%}" if s["of_limit"] == s["of_limit"] else "-",
+            f"{s['quota_limit']:.2f}x",
+            f"{s['of_quota_limit']:.0%}" if s["of_quota_limit"] == s["of_quota_limit"] else "-",
             f"{s['resplits']:.0f}",
             f"{s['final_w0']:.3f}",
             s["reached"],
@@ -346,8 +353,10 @@ def write_report(path: Path, payload: dict[str, Any], json_path: Path, plot_path
 2 pipeline replicas x 1 stage on 2 processes, each pinned to its own core; {payload["config"]["quota"]:.0%} CPU
 quota on replica 1 (`quota50`) or none; sync schedule; TTA = training seconds to the first evaluation at or
 above {payload["config"]["target_acc"]}. `even/speed`: median of per-seed TTA ratios. `limit`: the best split's
-speed-up from the even run's measured replica speeds, `(s0 + s1) / (2 min(s0, s1))`. `of limit`:
-`(ratio - 1) / (limit - 1)`. `final w0`: replica 0's share at the end of the speed run.
+speed-up from the even run's measured replica speeds, `(s0 + s1) / (2 min(s0, s1))` (it assumes each replica's
+time is proportional to its share; a throttled replica's fixed per-step stalls make it optimistic). `quota limit`:
+the same for a replica at exactly the quota's speed, `(1 + q) / (2 q)` (1.5x at 50%). `of limit`:
+`(ratio - 1) / (limit - 1)`, likewise `of quota limit`. `final w0`: replica 0's share at the end of the speed run.
 
 - **date**: {m["date_utc"]}
 - **machine**: {m["cpu_model"]}, {m["logical_cpus"]} logical CPUs, load {m["load_average_1_5_15"]} before,
