@@ -1,7 +1,7 @@
 """Smoke test of ``benchmarks/profile_step.py`` and unit tests of its exclusive-time accounting.
 
-The smoke test runs the script's ``main`` in the test process (two spawned gloo workers, a tiny MLP, three profiled steps of
-DynPipe ``async`` and torch ``Schedule1F1B``) and checks the table and the JSON record; it asserts no speed.
+The smoke test runs the script's ``main`` in the test process (two spawned gloo workers, a tiny MLP, three profiled
+steps of DynPipe ``async`` and torch ``Schedule1F1B``) and checks the table and the JSON record; it asserts no speed.
 The unit tests check that a component called inside another is subtracted from it, that the rows add up to
 the main thread's CPU, and that every patch is undone.
 """
