@@ -56,6 +56,7 @@ def replay_async(
     repartitions: Mapping[int, Sequence[int]] | None = None,
     on_step_end: Callable[[int, list[float]], None] | None = None,
     lr_scale: float = 1.0,
+    split: Callable[[Any], Sequence[Any]] | None = None,
 ) -> list[float]:
     """Trains ``pipeline`` in place with PipeDream semantics; returns the loss of every micro-batch.
 
@@ -75,6 +76,10 @@ def replay_async(
             balance (what :meth:`DynPipeStrategy.repartition` does; the optimizer state moves with the layers).
         on_step_end: called with ``(step, losses of that step)`` after each step.
         lr_scale: multiplies the learning rate of every update, as ``DynPipeStrategy(lr_scale=...)`` does.
+        split: maps a batch to its ``num_microbatches`` micro-batches; default: near-equal parts along dim 0
+            (:func:`~lightning_dynpipe.engine.microbatch.split_microbatches`). With data-parallel replicas and an
+            uneven ``replica_split``, micro-batch ``i`` of the pipeline is the union of every replica's
+            micro-batch ``i``, whose sizes differ: give them here.
     """
     part = Partition.from_balance(balance, len(pipeline))
     S = part.num_stages
@@ -102,7 +107,12 @@ def replay_async(
     i = 0  # micro-batch index since the last drain
     losses: list[float] = []
     for step, batch in enumerate(batches):
-        mbs, _ = split_microbatches(batch, num_microbatches)
+        mbs = list(split(batch)) if split is not None else split_microbatches(batch, num_microbatches)[0]
+        if len(mbs) != num_microbatches:
+            raise ConfigurationError(
+                f"split returned {len(mbs)} micro-batches for step {step}; the pipeline runs num_microbatches="
+                f"{num_microbatches} per step."
+            )
         step_losses = []
         for mb in mbs:
             used = [history[k][max(0, i - stale[k])] for k in range(S)]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_dynpipe.engine.microbatch import check_batch_size, split_microbatches
+from lightning_dynpipe.engine.microbatch import check_batch_size, microbatch_sizes, split_microbatches
 from lightning_dynpipe.engine.p2p import Message, Receiver, Sender
 from lightning_dynpipe.engine.stash import WeightStash
 from lightning_dynpipe.engine.wire import MessageKind
@@ -158,7 +158,10 @@ class StageExecutor:
         first_stage_input: on stage 0 (when ``S > 1``), maps a micro-batch to the pipeline input.
         last_stage_loss: on the last stage, runs the user's step on a micro-batch (its ``self.pipeline(...)``
             call reaching :meth:`local_forward`) and returns the loss.
-        optimizer_step: applies one update to this stage's parameters from their ``.grad`` and clears them.
+        optimizer_step: applies one update to this stage's parameters from their ``.grad`` and clears them. While
+            it runs, :attr:`update_samples` holds the number of samples whose gradient the update applies (the
+            micro-batch's under async, the step's under sync/gpipe): the weight of this replica's gradient in an
+            uneven replica split.
         checkpoint: per layer of ``stage_module``, whether its activations are recomputed in the backward
             instead of kept (activation checkpointing); default none.
     """
@@ -219,6 +222,8 @@ class StageExecutor:
         self._steps_since_drain = 0
         self._step_batches: list[Any] = []
         self._step_sizes: list[int] = []
+        self._mb_samples: dict[int, int] = {}  # samples of every micro-batch not yet applied by an update
+        self.update_samples = 0
         self._step_base = 0
         self._step_losses: list[float] = []
         self._eval_counter = 0
@@ -267,9 +272,12 @@ class StageExecutor:
         self.stats = StepStats(max_stash_depth=self.stats.max_stash_depth)
         if self.is_first or self.is_last:
             self._step_batches, self._step_sizes = split_microbatches(batch, self.num_microbatches)
+            sizes = self._step_sizes
         else:  # middle stages do not need the data, but must refuse the same batches as their neighbours
-            check_batch_size(batch, self.num_microbatches)
+            sizes = microbatch_sizes(check_batch_size(batch, self.num_microbatches), self.num_microbatches)
         self._step_base = self._steps_since_drain * self.num_microbatches
+        for slot, size in enumerate(sizes):  # what each update applies (weights of an uneven replica split)
+            self._mb_samples[self._step_base + slot] = size
         self._step_losses = []
         program = self.schedule.step_instructions(
             self.stage_idx,
@@ -588,6 +596,11 @@ class StageExecutor:
         t0 = time.perf_counter()
         if self.stash is not None:
             self.stash.before_update()
+        if instr.mb_idx is not None:  # async: the update applies one micro-batch's gradient
+            self.update_samples = self._mb_samples.pop(instr.mb_idx)
+        else:  # one update for the step's accumulated micro-batches
+            self.update_samples = sum(self._mb_samples.values())
+            self._mb_samples.clear()
         self._optimizer_step()
         if self.stash is not None:
             self.stash.bump()

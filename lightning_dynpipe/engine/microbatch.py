@@ -21,7 +21,16 @@ from torch import Tensor
 
 from lightning_dynpipe.errors import ConfigurationError
 
-__all__ = ["iter_tensors", "tree_map", "batch_len", "split_microbatches", "check_batch_size"]
+__all__ = [
+    "iter_tensors",
+    "tree_map",
+    "batch_len",
+    "split_microbatches",
+    "microbatch_sizes",
+    "check_batch_size",
+    "take_share",
+    "batch_fingerprint",
+]
 
 
 def tree_map(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
@@ -87,10 +96,28 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
 
     Non-tensor leaves are shared by all micro-batches. Returns the micro-batches and their sizes.
     """
-    n = check_batch_size(batch, num_microbatches)
-    base, extra = divmod(n, num_microbatches)
-    sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    sizes = microbatch_sizes(check_batch_size(batch, num_microbatches), num_microbatches)
     return _split(batch, sizes), sizes
+
+
+def microbatch_sizes(batch_size: int, num_microbatches: int) -> list[int]:
+    """The sizes :func:`split_microbatches` gives a batch of ``batch_size``: near-equal, larger ones first."""
+    base, extra = divmod(batch_size, num_microbatches)
+    return [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+
+
+def take_share(batch: Any, offset: int, size: int) -> Any:
+    """The samples ``offset : offset + size`` of every tensor of ``batch`` (dim 0): one replica's share.
+
+    Non-tensor leaves are kept as they are. Raises if the batch is shorter than ``offset + size``.
+    """
+    n = batch_len(batch)
+    if n is None or offset < 0 or size < 0 or offset + size > n:
+        raise ConfigurationError(
+            f"Cannot take samples {offset}:{offset + size} of a batch of {n} samples: a replica's share must lie "
+            "inside the global batch. Every replica must read the same global batch (replica_split)."
+        )
+    return _split(batch, [offset, size, n - offset - size])[1]
 
 
 def check_batch_size(batch: Any, num_microbatches: int) -> int:
@@ -108,3 +135,18 @@ def check_batch_size(batch: Any, num_microbatches: int) -> int:
             "dataloader), or lower num_microbatches."
         )
     return n
+
+
+def batch_fingerprint(batch: Any) -> float:
+    """A number that differs, almost surely, between two batches that differ in content or sample order.
+
+    Each sample's values are summed (float64) and weighted by its position, so the same samples in another
+    order give another number too: replicas that must read the same global batch compare these.
+    """
+    total = float(batch_len(batch) or 0)
+    for t in iter_tensors(batch):
+        if t.dim() == 0 or t.is_complex() or t.shape[0] == 0:
+            continue
+        per_sample = t.detach().reshape(t.shape[0], -1).double().sum(1)
+        total += float((per_sample * torch.arange(1, t.shape[0] + 1, dtype=torch.float64)).sum())
+    return total

@@ -12,11 +12,19 @@ from lightning_dynpipe.engine.collectives import Collectives
 __all__ = ["average_replica_gradients"]
 
 
-def average_replica_gradients(params: Sequence[nn.Parameter], coll: Collectives, num_replicas: int) -> None:
+def average_replica_gradients(
+    params: Sequence[nn.Parameter], coll: Collectives, num_replicas: int, samples: int | None = None
+) -> None:
     """Replaces each parameter's ``.grad`` by its mean over the stage's replicas: one all-reduce of a flat buffer.
 
     Collective over the stage's replicas. A parameter without a gradient contributes zeros (every replica must
     contribute the same buffer layout), so after the call every trainable parameter has a gradient.
+
+    ``samples``: the number of samples this replica's gradient is the mean over (an uneven replica split). The
+    result is then the mean weighted by sample count, ``sum_d samples_d * grad_d / sum_d samples_d``: for a loss
+    that is the mean over the samples of a per-sample loss, exactly the gradient of the mean over the union of
+    the replicas' samples. The sample counts travel in the same all-reduce (one extra float). Every replica must
+    pass ``samples`` or none must.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -25,9 +33,17 @@ def average_replica_gradients(params: Sequence[nn.Parameter], coll: Collectives,
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    coll.all_reduce_sum(flat)
-    flat /= num_replicas
+    if samples is None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        coll.all_reduce_sum(flat)
+        flat /= num_replicas
+    else:
+        if samples < 1:
+            raise ValueError(f"A replica's gradient must come from at least one sample; got samples={samples}.")
+        count = torch.full((1,), float(samples), dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([*(g.reshape(-1) * samples for g in grads), count])
+        coll.all_reduce_sum(flat)
+        flat = flat[:-1] / flat[-1]
     offset = 0
     for g in grads:
         n = g.numel()

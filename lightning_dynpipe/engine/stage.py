@@ -57,6 +57,8 @@ class PipelineStage:
         topology: stages and replicas on global ranks.
         rank: this process's global rank.
         failure: spreads a failure to the neighbouring stages.
+        weigh_replicas: average the replicas' gradients weighted by their sample counts (set by the strategy
+            when the global batch is split across the replicas, ``replica_split``) instead of by ``1/D``.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class PipelineStage:
         self.shard = shard
         self.checkpoint_layers = frozenset(checkpoint_layers)
         self.lr_scale = lr_scale
+        self.weigh_replicas = False
         self.ties = tuple(ties)
         self.split_ties = split_ties(self.ties, shard.partition)
         self.slots = slots
@@ -202,7 +205,11 @@ class PipelineStage:
         opt = self.optimizers[0]
         if self.topology.dp_size > 1:
             params = [p for g in opt.param_groups for p in g["params"]]
-            average_replica_gradients(params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size)
+            # an uneven replica split weighs each replica's gradient by its samples; an even one by 1/D
+            samples = self.executor.update_samples if self.weigh_replicas else None
+            average_replica_gradients(
+                params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size, samples=samples
+            )
         if self.split_ties:  # every stage of the pipeline takes part, holder of a copy or not
             sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self._pipeline_collectives())
         self._before_update(opt)

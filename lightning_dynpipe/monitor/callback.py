@@ -52,6 +52,7 @@ class _PendingGather:
     parts: list[torch.Tensor]
     work: Any  # the async collective's handle; None once complete (or with a single process)
     partition: Any  # the strategy's partition when the gather started
+    split: Any = None  # and its replica split
 
 
 def _balance(partition: Any) -> tuple[int, ...] | None:
@@ -139,6 +140,7 @@ class StageMonitor(Callback):
         self._warned = False
         self._steps = 0
         self._partition: Any = None
+        self._split: Any = None
         self._pending: _PendingGather | None = None
         self._group: Any = None  # None: WORLD
         self._own_group = False
@@ -169,6 +171,7 @@ class StageMonitor(Callback):
         self._acc = None
         self._steps = 0
         self._partition = None
+        self._split = None
         self.latest = None
         self.snapshots_taken = 0
         self.overhead_s = 0.0
@@ -204,6 +207,7 @@ class StageMonitor(Callback):
         self._acc = StageStatsAccumulator(self.window)
         self._sampler = ProcessSampler(getattr(strategy, "root_device", None) or pl_module.device)
         self._partition = getattr(strategy, "partition", None)
+        self._split = getattr(strategy, "replica_split", None)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
             # a CPU group for the gather: reading a device tensor back would synchronise the device every time
             self._group, self._own_group = dist.new_group(backend="gloo"), True
@@ -228,9 +232,13 @@ class StageMonitor(Callback):
         if executor is None:  # torn down mid-fit (failure): nothing to read
             return
         partition = getattr(strategy, "partition", None)
+        split = getattr(strategy, "replica_split", None)
         if partition is not self._partition and partition != self._partition:
             self._acc.reset()  # the window described the old stage; a repartition starts a new one
             self._partition = partition
+        if split != self._split:
+            self._acc.reset()  # likewise a re-split across the replicas: the shares the window measured changed
+            self._split = split
         self._acc.add(StageSample.from_step(executor.stats, self._sampler.sample()))
         self._steps += 1
         if self._pending is not None:
@@ -264,9 +272,11 @@ class StageMonitor(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             parts = [torch.empty_like(vector) for _ in range(dist.get_world_size(self._group))]
             work = dist.all_gather(parts, vector, group=self._group, async_op=self.overlap)
-            self._pending = _PendingGather(trainer.global_step, parts, work if self.overlap else None, self._partition)
+            self._pending = _PendingGather(
+                trainer.global_step, parts, work if self.overlap else None, self._partition, self._split
+            )
         else:
-            self._pending = _PendingGather(trainer.global_step, [vector], None, self._partition)
+            self._pending = _PendingGather(trainer.global_step, [vector], None, self._partition, self._split)
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, *, in_loop: bool) -> None:
         """Completes the pending gather and publishes the snapshot (``in_loop``: inside a batch hook)."""
@@ -278,7 +288,7 @@ class StageMonitor(Callback):
         snapshot = PipelineSnapshot.from_reports(pending.step, reports, balance=_balance(pending.partition))
         self.latest = snapshot
         self.snapshots_taken += 1
-        if pending.partition is self._partition:
+        if pending.partition is self._partition and pending.split == self._split:
             for fn in list(self._listeners):
                 fn(snapshot, trainer)
         # else: the pipeline was repartitioned while the gather travelled; the snapshot still goes to the

@@ -12,9 +12,13 @@ from lightning_dynpipe.plan.costs import (
 )
 from lightning_dynpipe.plan.memory import in_flight_microbatches, stage_memory, weight_versions
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
+from lightning_dynpipe.plan.replicas import ReplicaSplit, speed_weights, split_shares
 from lightning_dynpipe.plan.solver import Plan, assign_devices, evaluate, solve, throughput_optimal
 
 __all__ = [
+    "ReplicaSplit",
+    "speed_weights",
+    "split_shares",
     "Partition",
     "balance_by_weights",
     "LayerCost",

@@ -1,4 +1,5 @@
-"""When to repartition: the policy (pure) and the controller that turns a measured window into a decision.
+"""When to repartition: the policy (pure), the escalation ladder (pure: which response a measured imbalance gets)
+and the controller that turns a measured window into a decision.
 
 The strategy applies a decision at the next step; the layers move with
 :meth:`lightning_dynpipe.engine.stage.PipelineStage.migrate`, along the moves of
@@ -6,11 +7,17 @@ The strategy applies a decision at the next step; the layers move with
 """
 
 from lightning_dynpipe.plan.moves import LayerMove, plan_moves
+from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.repartition.ladder import EscalationLadder, LadderDecision, ReplicaWindow
 from lightning_dynpipe.repartition.policy import Decision, GainOverCostPolicy, PolicyInputs, RepartitionPolicy
 
 __all__ = [
     "AdaptiveController",
+    "EscalationLadder",
+    "LadderDecision",
+    "ReplicaSplit",
+    "ReplicaWindow",
     "Decision",
     "GainOverCostPolicy",
     "PolicyInputs",

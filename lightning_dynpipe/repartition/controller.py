@@ -154,6 +154,12 @@ class AdaptiveController:
             comm, window)`` method (the :class:`~lightning_dynpipe.predictor.ForestPredictor`) is given every
             window first.
         max_shift: the candidates beside the planner's: every shift of one boundary by up to this many layers.
+        consider_stage_counts: also solve for every other number of stages the processes allow, and record in
+            :attr:`stage_count_hint` when one is predicted to reach accuracy at least ``stage_count_gain`` sooner
+            (the escalation ladder's last rung: a live migration cannot change ``S``).
+        stage_count_gain: the relative time-to-accuracy improvement another ``S`` must promise to be reported.
+        stage_count_every: solve for other stage counts at every this many checks (the first included): one
+            solve per divisor of the process count, which on a large model costs about as much as the set-up plan.
     """
 
     def __init__(
@@ -168,6 +174,9 @@ class AdaptiveController:
         convergence: ConvergenceModel | None = None,
         predictor: InterferencePredictor | None = None,
         max_shift: int = 2,
+        consider_stage_counts: bool = True,
+        stage_count_gain: float = 0.10,
+        stage_count_every: int = 10,
     ) -> None:
         self.policy = policy
         self.model_cost = model_cost
@@ -181,6 +190,13 @@ class AdaptiveController:
         self.decisions: list[Decision] = []
         self.outcomes: list[Outcome] = []
         self._moved: tuple[Partition, float, float] | None = None
+        self.consider_stage_counts = consider_stage_counts
+        self.stage_count_gain = stage_count_gain
+        self.stage_count_every = max(1, stage_count_every)
+        self._checks = 0
+        self.stage_count_hint: tuple[int, float, float] | None = None
+        """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
+        is predicted to be better by ``stage_count_gain``; else ``None``."""
 
     def check(
         self,
@@ -229,6 +245,10 @@ class AdaptiveController:
             num_microbatches=M,
             slowdowns=device_slowdowns,
         )
+        self.stage_count_hint = None
+        self._checks += 1
+        if self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:
+            self.stage_count_hint = self._other_stage_count(planned, partition.num_stages * dp, comm, slowdowns)
         others = [Partition(planned.partition.balance), *neighbours(window.partition, self.max_shift)]
         unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]
         many = getattr(self.predictor, "predict_many", None)
@@ -263,6 +283,31 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _other_stage_count(
+        self, planned: Plan, world: int, comm: CommModel, slowdowns: Sequence[float]
+    ) -> tuple[int, float, float] | None:
+        """The planner's best plan over every number of stages, each process slowed as its stage is now."""
+        S = planned.partition.num_stages
+        # the measured slowdowns belong to processes, not to layers: under another S, process r keeps its own
+        per_process = [float(slowdowns[k]) for k in range(S) for _ in range(world // S)]
+        try:
+            anywhere = best_plan(
+                self.model_cost,
+                world,
+                schedule=self.schedule,
+                convergence=self.convergence,
+                comm=comm,
+                num_microbatches=self.num_microbatches,
+                slowdowns=per_process,
+            )
+        except ValueError as exc:  # no other S fits (memory, layers): nothing to report
+            log.debug("DynPipe adaptation: no plan over other stage counts: %r", exc)
+            return None
+        other, here = anywhere.time_to_accuracy_s, planned.time_to_accuracy_s
+        if anywhere.partition.num_stages != S and other < (1.0 - self.stage_count_gain) * here:
+            return anywhere.partition.num_stages, other, here
+        return None
 
     def _price(self, partition: Partition, prediction: PartitionPrediction, comm: CommModel) -> _Priced:
         """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals."""

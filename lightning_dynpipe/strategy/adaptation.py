@@ -14,15 +14,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.monitor.stats import PipelineSnapshot
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.predictor.base import StageTimes
 from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.repartition.ladder import EscalationLadder, LadderDecision, replica_window
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 __all__ = ["AdaptationWiring", "MIN_SAMPLES"]
@@ -42,6 +44,15 @@ class AdaptationWiring:
         pending: returns whether a repartition is already queued.
         repartition: queues a repartition (the strategy's :meth:`~lightning_dynpipe.DynPipeStrategy.repartition`).
         past_pauses: the measured pauses of the migrations so far.
+        replica_split: returns the replica split in use (``None``: off, or one replica).
+        replica_samples: returns each replica's share of the last global batch.
+        resplit: queues a new replica split (the strategy's
+            :meth:`~lightning_dynpipe.DynPipeStrategy.set_replica_split`).
+
+    With ``replica_split="speed"`` every check climbs the escalation ladder
+    (:class:`~lightning_dynpipe.repartition.ladder.EscalationLadder`): a short imbalance is ignored, a slow
+    replica gets a smaller share, balanced replicas with a slow stage go to the layer controller, and a better
+    number of stages is reported. Each check's rung is in :attr:`ladder_decisions`.
     """
 
     def __init__(
@@ -52,12 +63,20 @@ class AdaptationWiring:
         pending: Callable[[], bool],
         repartition: Callable[[Partition], None],
         past_pauses: Callable[[], Sequence[float]],
+        replica_split: Callable[[], ReplicaSplit | None] = lambda: None,
+        replica_samples: Callable[[], Sequence[int]] = tuple,
+        resplit: Callable[[ReplicaSplit], None] | None = None,
     ) -> None:
         self.config = config
         self._partition = partition
         self._pending = pending
         self._repartition = repartition
         self._past_pauses = past_pauses
+        self._replica_split = replica_split
+        self._replica_samples = replica_samples
+        self._resplit = resplit
+        self.ladder: EscalationLadder | None = None
+        self._hinted: set[int] = set()
         self.monitor: StageMonitor | None = None
         self.controller: AdaptiveController | None = None
         self._own_monitor: StageMonitor | None = None
@@ -75,6 +94,10 @@ class AdaptationWiring:
             callbacks.insert(1, monitor)  # after the metrics mirror, before the user's callbacks
         self.monitor = monitor
         self.controller = None
+        self.ladder = self.config.ladder if self.config.replica_split_mode == "speed" and replicas > 1 else None
+        self._hinted = set()
+        if self.ladder is not None:
+            self.ladder.reset()
         if self.config.policy is not None and model_cost is not None and num_stages > 1:
             self.controller = AdaptiveController(
                 self.config.policy,
@@ -86,18 +109,28 @@ class AdaptationWiring:
                 convergence=self.config.convergence,
                 predictor=self.config.predictor,
             )
-            monitor.add_listener(self.on_snapshot)
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
+        if self.controller is not None or self.ladder is not None:
+            monitor.add_listener(self.on_snapshot)
+
+    @property
+    def ladder_decisions(self) -> list[LadderDecision]:
+        """Every check's rung of the escalation ladder, with its reason (``replica_split="speed"``)."""
+        return list(self.ladder.decisions) if self.ladder is not None else []
 
     def on_snapshot(self, snapshot: PipelineSnapshot, trainer: Trainer) -> None:
         """Runs on every rank with the same snapshot, so every rank takes the same decision."""
         partition = self._partition()
-        if self.controller is None or partition is None or self._pending():
+        if (self.controller is None and self.ladder is None) or partition is None or self._pending():
             return
         # A window restarts at every repartition: decide only on enough steps of the current partition.
         if any(st.count < MIN_SAMPLES or math.isnan(st.step_s) for st in snapshot.stages):
+            return
+        if self.ladder is not None and self._climb(snapshot, trainer, partition) != "keep":
+            return  # rungs 1-2 answered (ignored a short spike, or re-split): layers stay where they are
+        if self.controller is None:
             return
         times = [StageTimes.from_summary(st) for st in snapshot.stages]
         step = trainer.global_step
@@ -114,6 +147,43 @@ class AdaptationWiring:
                 return
             self.controller.migrated(step)
             rank_zero_info(f"DynPipe adaptation: {decision}")
+        if self.ladder is not None:
+            if decision is not None and decision.repartition:
+                self.ladder.record(LadderDecision(step, "move_layers", f"a stage of every replica is slow: {decision}"))
+        hint = getattr(self.controller, "stage_count_hint", None)
+        if hint is not None:
+            best_s, other_s, here_s = hint
+            detail = f"predicted time to accuracy {other_s:.3g} s vs {here_s:.3g} s with {partition.num_stages} stages"
+            rung = EscalationLadder.stage_count_decision(step, partition.num_stages, best_s, detail)
+            if self.ladder is not None:
+                self.ladder.record(rung)
+            log.info("DynPipe adaptation: %s", rung)
+            if best_s not in self._hinted:  # warn once per number of stages, not at every check
+                self._hinted.add(best_s)
+                rank_zero_warn(f"DynPipe adaptation: {rung}")
+
+    def _climb(self, snapshot: PipelineSnapshot, trainer: Trainer, partition: Partition) -> str:
+        """Rungs 1 and 2 of the ladder from the replicas' measured compute times; returns the rung taken."""
+        assert self.ladder is not None
+        split, samples = self._replica_split(), tuple(self._replica_samples())
+        if split is None or len(samples) != split.num_replicas:
+            return "keep"
+        window = replica_window(
+            trainer.global_step,
+            samples,
+            # forward + backward only: the update's all-reduce waits for the slowest replica, so a summary's
+            # compute_s (which includes the update) makes every replica look as slow as the slowest
+            [(r.dp_rank, r.stage_idx, r.summary.forward_s + r.summary.backward_s) for r in snapshot.replicas],
+            split,
+            partition.num_stages,
+            step_s=max((r.summary.step_s for r in snapshot.replicas), default=math.nan),
+        )
+        decision = self.ladder.decide(window)
+        log.info("DynPipe adaptation: %s", decision)
+        if decision.rung == "resplit" and decision.split is not None and self._resplit is not None:
+            self._resplit(decision.split)
+            rank_zero_info(f"DynPipe adaptation: {decision}")
+        return decision.rung
 
     def detach(self, trainer: Trainer | None) -> None:
         """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""

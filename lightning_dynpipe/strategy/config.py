@@ -22,6 +22,7 @@ from lightning_dynpipe.interference.schedule import InterferenceSchedule
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
+from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
 
@@ -33,6 +34,8 @@ __all__ = [
     "MICROBATCH_LOGGING",
     "CheckpointMode",
     "CHECKPOINT_MODES",
+    "ReplicaSplitMode",
+    "REPLICA_SPLIT_MODES",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -43,6 +46,8 @@ MicroBatchLogging = Literal["step", "each"]
 MICROBATCH_LOGGING: tuple[str, ...] = ("step", "each")
 CheckpointMode = Literal["full", "sharded"]
 CHECKPOINT_MODES: tuple[str, ...] = ("full", "sharded")
+ReplicaSplitMode = Literal["off", "even", "fixed", "speed"]
+REPLICA_SPLIT_MODES: tuple[str, ...] = ("even", "speed")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ class DynPipeConfig:
             directory).
         gather_after_fit: whether the end of a run puts the whole model back into the user's module in every
             process (``False``: each process keeps its stage's layers).
+        replica_split_mode: ``"off"`` (every replica reads its own batches through a distributed sampler),
+            ``"even"``, ``"fixed"`` (``replica_weights``) or ``"speed"`` (re-split by measured speed through the
+            escalation ladder): every replica reads the same global batch and trains on its share of it.
+        replica_weights: the fixed relative weights of the replicas (``"fixed"`` only).
+        ladder: the escalation ladder (``"speed"`` only).
     """
 
     num_stages: int | None
@@ -98,6 +108,9 @@ class DynPipeConfig:
     predictor: InterferencePredictor | None = None
     checkpoint: CheckpointMode = "full"
     gather_after_fit: bool = True
+    replica_split_mode: ReplicaSplitMode = "off"
+    replica_weights: tuple[float, ...] | None = None
+    ladder: EscalationLadder | None = None
 
     @classmethod
     def from_arguments(
@@ -120,6 +133,7 @@ class DynPipeConfig:
         checkpoint: str = "full",
         gather_after_fit: bool = True,
         start_method: str = "popen",
+        replica_split: str | Sequence[float] | EscalationLadder | None = None,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -204,6 +218,7 @@ class DynPipeConfig:
                 "alone). Use start_method='popen' (or torchrun/SLURM), or keep gather_after_fit=True."
             )
         mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
+        split_mode, weights, ladder = _replica_split(replica_split, monitor_every_n_steps)
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -224,6 +239,9 @@ class DynPipeConfig:
             predictor=get_predictor(predictor),
             checkpoint=mode_checkpoint,
             gather_after_fit=gather_after_fit,
+            replica_split_mode=split_mode,
+            replica_weights=weights,
+            ladder=ladder,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
@@ -274,3 +292,34 @@ class DynPipeConfig:
                 f"single-device step (lr_scale={asked!r})."
             )
         return f"{head}; each update's learning rate is multiplied by {scale:.4g} (lr_scale={asked!r})."
+
+
+def _replica_split(
+    value: str | Sequence[float] | EscalationLadder | None, monitor_every_n_steps: int | None
+) -> tuple[ReplicaSplitMode, tuple[float, ...] | None, EscalationLadder | None]:
+    """Validates ``replica_split``: ``None``, ``"even"``, ``"speed"``, an :class:`EscalationLadder` or weights."""
+    if value is None:
+        return "off", None, None
+    if isinstance(value, EscalationLadder) or value == "speed":
+        if monitor_every_n_steps is None:
+            raise ConfigurationError(
+                "replica_split='speed' re-splits by the replicas' measured speeds, which the stage monitor measures, "
+                "but monitor_every_n_steps=None turns it off. Keep the monitor on, or give fixed weights."
+            )
+        return "speed", None, value if isinstance(value, EscalationLadder) else EscalationLadder()
+    if value == "even":
+        return "even", None, None
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ConfigurationError(
+            f"replica_split must be None, one of {list(REPLICA_SPLIT_MODES)}, an EscalationLadder or a list of "
+            f"positive weights, one per pipeline replica (e.g. [3, 1]); got {value!r}."
+        )
+    weights: tuple[Any, ...] = tuple(value)
+    if not weights or any(
+        isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w < float("inf")) for w in weights
+    ):
+        raise ConfigurationError(
+            f"replica_split weights must be positive finite numbers, one per pipeline replica; got {list(weights)}. "
+            "Use e.g. [3, 1] for a replica three times as fast as the other."
+        )
+    return "fixed", tuple(float(w) for w in weights), None

@@ -27,7 +27,15 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
-__all__ = ["find_pipeline", "check_model", "check_setup", "check_batches", "check_ties", "check_optimizers"]
+__all__ = [
+    "find_pipeline",
+    "check_model",
+    "check_setup",
+    "check_batches",
+    "check_ties",
+    "check_optimizers",
+    "check_replica_split",
+]
 
 
 def find_pipeline(module: LightningModule, pipeline_attr: str) -> nn.Sequential:
@@ -167,13 +175,18 @@ def check_model(
     return pipeline
 
 
-def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: float, max_steps: int) -> None:
+def check_batches(
+    loader: Any, *, num_microbatches: int, num_training_batches: float, max_steps: int, replicas: int = 1
+) -> None:
     """Refuses, before the first step, a training dataloader whose batches cannot be split into micro-batches.
 
     Every micro-batch needs at least one sample, so a batch needs ``num_microbatches`` of them. Checked from the
     loader's ``batch_size``, its sampler's length (the samples of this pipeline replica) and ``drop_last``; the
     smaller last batch of an epoch only counts when the run reaches it. Loaders whose size is unknown (iterable
     datasets, custom batch samplers without ``batch_size``) are checked batch by batch as they come.
+
+    ``replicas > 1``: the batch is a global batch split across that many replicas (``replica_split``), each of
+    which needs ``num_microbatches`` samples.
 
     Raises:
         ConfigurationError: the batch size, or the last batch of an epoch, is smaller than ``num_microbatches``.
@@ -184,6 +197,9 @@ def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: f
     sampler = loader.batch_sampler
     batch_size = loader.batch_size if loader.batch_size is not None else getattr(sampler, "batch_size", None)
     if not isinstance(batch_size, int):
+        return
+    if replicas > 1:
+        _check_split_batches(loader, batch_size, M, replicas, num_training_batches, max_steps)
         return
     if batch_size < M:
         raise ConfigurationError(
@@ -207,6 +223,35 @@ def check_batches(loader: Any, *, num_microbatches: int, num_training_batches: f
         f"batch_size={batch_size}), fewer than num_microbatches={M}, so it cannot be split into micro-batches. "
         f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
         f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
+    )
+
+
+def _check_split_batches(
+    loader: DataLoader[Any], batch_size: int, M: int, replicas: int, num_training_batches: float, max_steps: int
+) -> None:
+    need = M * replicas
+    fix = f"or lower num_microbatches (each of the {replicas} replicas takes at least num_microbatches={M} samples)"
+    if batch_size < need:
+        raise ConfigurationError(
+            f"The training dataloader's batch_size={batch_size} is the global batch of {replicas} replicas under "
+            f"replica_split, and each replica needs num_microbatches={M} samples: it needs at least {need}. Use "
+            f"batch_size >= {need}, {fix}."
+        )
+    drop_last = loader.drop_last if loader.batch_size is not None else getattr(loader.batch_sampler, "drop_last", False)
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    last = samples % batch_size
+    if drop_last or last == 0 or last >= need:
+        return
+    if num_training_batches < math.ceil(samples / batch_size) or 0 <= max_steps < math.ceil(samples / batch_size):
+        return
+    raise ConfigurationError(
+        f"The last training batch of each epoch holds {last} samples ({samples} samples, batch_size={batch_size}), "
+        f"fewer than the {need} that {replicas} replicas with num_microbatches={M} each need. Pass drop_last=True to "
+        f"the training DataLoader, choose a batch size that leaves 0 or at least {need} samples for the last batch, "
+        f"{fix}."
     )
 
 
@@ -310,4 +355,41 @@ def check_optimizers(optimizers: Sequence[Any]) -> None:
         raise ConfigurationError(
             f"configure_optimizers returned {len(optimizers)} optimizers; DynPipeStrategy supports one (with any "
             "number of parameter groups). Use parameter groups instead."
+        )
+
+
+def check_replica_split(
+    pipeline: nn.Sequential,
+    mode: str,
+    weights: Sequence[float] | None,
+    num_replicas: int,
+    pipeline_attr: str,
+) -> None:
+    """Refuses what a replica split cannot train exactly (every rank, at set-up, before the first step).
+
+    An update under a replica split equals plain training's on the global batch only if each sample's
+    gradient does not depend on which other samples share its replica's micro-batch. BatchNorm in training
+    normalises with its micro-batch's statistics, so with shares that differ from the even run's (or from one
+    another) the outputs, and the running statistics, differ: refused.
+    """
+    if mode == "fixed" and weights is not None and len(weights) != num_replicas:
+        raise ConfigurationError(
+            f"replica_split gives {len(weights)} weights ({list(weights)}) but the run has {num_replicas} pipeline "
+            f"replica(s) (devices / num_stages). Give one weight per replica, e.g. {[1.0] * num_replicas}."
+        )
+    if num_replicas < 2:
+        return
+    norms = [
+        f"{i}.{n}" if n else str(i)
+        for i, layer in enumerate(pipeline)
+        for n, m in layer.named_modules()
+        if isinstance(m, _BatchNorm)
+    ]
+    if norms:
+        raise ConfigurationError(
+            f"replica_split={mode!r} splits each global batch into shares whose sizes differ from replica to replica "
+            f"and change at run time, but `{pipeline_attr}` holds BatchNorm layers ({norms[:3]}): their batch "
+            "statistics (and running statistics) depend on the share's size and content, so the update would no "
+            "longer equal plain training's. Use a per-sample normalisation (LayerNorm, GroupNorm), or "
+            "replica_split=None (each replica reads its own batches)."
         )

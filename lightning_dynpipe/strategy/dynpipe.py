@@ -44,6 +44,7 @@ from lightning_dynpipe.engine.materialize import (
     materialized_copies,
     record_random_state,
 )
+from lightning_dynpipe.engine.microbatch import batch_fingerprint, batch_len, take_share
 from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
@@ -54,15 +55,24 @@ from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.plan.solver import Plan
 from lightning_dynpipe.predictor import InterferencePredictor
 from lightning_dynpipe.repartition.controller import AdaptiveController
+from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
 from lightning_dynpipe.strategy.config import DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_batches, check_optimizers, check_setup, check_ties, find_pipeline
+from lightning_dynpipe.strategy.contract import (
+    check_batches,
+    check_optimizers,
+    check_replica_split,
+    check_setup,
+    check_ties,
+    find_pipeline,
+)
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 from lightning_dynpipe.strategy.logs import StepLogs
 
@@ -176,6 +186,15 @@ class DynPipeStrategy(DDPStrategy):
             default 30 minutes.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: chosen from the device.
         cluster_environment: Lightning's cluster environment plugin.
+        replica_split: intra-stage balance across data-parallel pipeline replicas. ``None`` (default): each
+            replica reads its own batches (a distributed sampler), the dataloader's ``batch_size`` is per replica.
+            Otherwise every replica reads the same **global** batch (the dataloader's ``batch_size`` is the
+            global batch) and trains on its share of it, with gradients averaged weighted by sample count, so an
+            update equals plain training's on the global batch: ``"even"`` (equal shares), a list of relative
+            weights (``[3, 1]``), or ``"speed"`` (shares follow the replicas' measured speeds, re-split at a step
+            boundary by the escalation ladder; pass an
+            :class:`~lightning_dynpipe.repartition.ladder.EscalationLadder` to tune it). Refuses BatchNorm. See
+            docs/adaptation.md, "Intra-stage balance".
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -206,6 +225,7 @@ class DynPipeStrategy(DDPStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        replica_split: str | list[float] | EscalationLadder | None = None,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -225,6 +245,7 @@ class DynPipeStrategy(DDPStrategy):
             checkpoint=checkpoint,
             gather_after_fit=gather_after_fit,
             start_method=start_method,
+            replica_split=replica_split,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -248,7 +269,14 @@ class DynPipeStrategy(DDPStrategy):
             pending=self._has_pending_partition,
             repartition=self.repartition,
             past_pauses=self._migration_pauses,
+            replica_split=self._current_replica_split,
+            replica_samples=self._current_replica_samples,
+            resplit=self.set_replica_split,
         )
+        self._split: ReplicaSplit | None = None  # the replica split in use (None: replica_split off, or dp=1)
+        self._pending_split: ReplicaSplit | None = None
+        self._last_shares: tuple[int, ...] = ()
+        self.resplits: list[tuple[int, ReplicaSplit, ReplicaSplit]] = []  # (step, old, new) of every re-split
         self._planned_num_stages: int | None = None
         self._topology: PipelineTopology | None = None
         self._full_keys: list[str] = []
@@ -297,6 +325,54 @@ class DynPipeStrategy(DDPStrategy):
 
     def _current_partition(self) -> Partition | None:
         return self.partition
+
+    @property
+    def replica_split(self) -> ReplicaSplit | None:
+        """The split of each global batch across the pipeline replicas in use (``None``: ``replica_split`` is off
+        or there is one replica)."""
+        return self._split
+
+    @property
+    def replica_shares(self) -> tuple[int, ...]:
+        """Each replica's samples of the last global batch (``()`` before the first step or without a split)."""
+        return self._last_shares
+
+    def _current_replica_split(self) -> ReplicaSplit | None:
+        return self._split
+
+    def _current_replica_samples(self) -> tuple[int, ...]:
+        return self._last_shares
+
+    def set_replica_split(self, weights: ReplicaSplit | list[float] | tuple[float, ...]) -> None:
+        """Splits the global batches across the pipeline replicas by ``weights`` from the next training step on.
+
+        Call it with the same ``weights`` on every rank (the adaptive loop does, from the monitor's gathered
+        measurements). No drain and no restart: micro-batches in flight keep the sample counts they were split
+        with, so each update's weighting stays exact, and the sample order of the epoch does not change (every
+        replica reads the same global batches; only the cut between the shares moves).
+
+        Example::
+
+            class FavourReplicaZero(L.Callback):
+                def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                    if batch_idx == 50:
+                        trainer.strategy.set_replica_split([3, 1])
+        """
+        if self._split is None:
+            raise ConfigurationError(
+                "set_replica_split() needs a running fit with replica_split enabled and at least 2 pipeline replicas "
+                f"(replica_split={self.config.replica_split_mode!r}, replicas "
+                f"{self.topology.dp_size if self.stage is not None else 'unknown'}). Pass "
+                "DynPipeStrategy(replica_split='even') (or 'speed', or weights) and train with devices = "
+                "num_stages x replicas."
+            )
+        new = weights if isinstance(weights, ReplicaSplit) else ReplicaSplit(tuple(float(w) for w in weights))
+        if new.num_replicas != self._split.num_replicas:
+            raise ConfigurationError(
+                f"set_replica_split() needs one weight per pipeline replica ({self._split.num_replicas}); got "
+                f"{list(new.weights)}."
+            )
+        self._pending_split = new
 
     def _has_pending_partition(self) -> bool:
         return self._pending_partition is not None
@@ -357,7 +433,10 @@ class DynPipeStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard data across pipelines only: every stage of a pipeline must see the same batches.
+        # Shard data across pipelines only: every stage of a pipeline must see the same batches. With a replica
+        # split every replica reads the same global batches and takes its share of each (training_step).
+        if self.config.replica_split_mode != "off":
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.topology.dp_size, "rank": self.dp_rank}
 
     @override
@@ -524,6 +603,7 @@ class DynPipeStrategy(DDPStrategy):
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
         )
+        self._start_replica_split(pipeline, fitting)
         if meta:
             self.model_to_device()  # what is outside the pipeline (the other layers are placeholders now)
         self.setup_precision_plugin()
@@ -536,6 +616,26 @@ class DynPipeStrategy(DDPStrategy):
         )
         if fitting:
             rank_zero_info(self.config.describe_updates())
+
+    def _start_replica_split(self, pipeline: nn.Sequential, fitting: bool) -> None:
+        """Refuses what an uneven split cannot train exactly; sets the starting split (collective-free)."""
+        assert self.stage is not None
+        mode, dp = self.config.replica_split_mode, self.topology.dp_size
+        self._split, self._pending_split, self._last_shares = None, None, ()
+        self.stage.weigh_replicas = False
+        if mode == "off" or not fitting:
+            return
+        check_replica_split(pipeline, mode, self.config.replica_weights, dp, self.config.pipeline_attr)
+        if dp == 1:
+            rank_zero_info(f"DynPipe: replica_split={mode!r} has no effect with one pipeline replica.")
+            return
+        weights = self.config.replica_weights
+        self._split = ReplicaSplit(weights) if weights is not None else ReplicaSplit.even(dp)
+        self.stage.weigh_replicas = True
+        rank_zero_info(
+            f"DynPipe: replica_split={mode!r}: every replica reads the same global batch (the dataloader's "
+            f"batch_size) and trains on its share, weights {self._split}; gradients averaged by sample count."
+        )
 
     def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
         """Metrics rebinding and what the strategy adds to the Trainer; for fits the monitor and adaptive loop."""
@@ -592,6 +692,12 @@ class DynPipeStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._pending_split is not None:
+            old, self._split, self._pending_split = self._split, self._pending_split, None
+            assert old is not None
+            step = self._lm.trainer.global_step
+            self.resplits.append((step, old, self._split))
+            rank_zero_info(f"DynPipe re-split at step {step}: replica weights {old} -> {self._split}")
         if self._pending_partition is not None:
             new, self._pending_partition = self._pending_partition, None
             self._migrate(new, step=self._lm.trainer.global_step)
@@ -643,9 +749,35 @@ class DynPipeStrategy(DDPStrategy):
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         assert self.executor is not None
         self._step_logs.reset()
+        if self._split is not None:  # this replica's share of the global batch
+            if self._batch_idx == 0 or not self._last_shares:
+                self._check_same_global_batch(batch)
+            n = batch_len(batch) or 0
+            shares = self._split.shares(n, self.num_microbatches)
+            d = self.dp_rank
+            batch = take_share(batch, sum(shares[:d]), shares[d])
+            self._last_shares = shares
         with self.precision_plugin.train_step_context():
             loss = self.executor.train_step(batch)
         return torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
+
+    def _check_same_global_batch(self, batch: Any) -> None:
+        """Refuses replicas that read different global batches (first step of each epoch; one tiny all-reduce).
+
+        The shares of a split cover every sample once only if every replica reads the same global batch; Lightning's
+        sampler gives them the same order when every process has the same seed (``PL_GLOBAL_SEED``).
+        """
+        assert self.stage is not None
+        fp = batch_fingerprint(batch)
+        both = torch.tensor([fp, -fp], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.stage.groups.stage_dp)
+        if both[0].item() != -both[1].item():
+            raise ConfigurationError(
+                f"replica_split needs every pipeline replica to read the same global batch, but at batch "
+                f"{self._batch_idx} the replicas' batches differ (checksums between {-both[1].item():.6g} and "
+                f"{both[0].item():.6g}). Give every process the same seed (seed_everything(n) before the Trainer) "
+                "and a dataloader that does not depend on the rank, or use replica_split=None."
+            )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -709,6 +841,7 @@ class DynPipeStrategy(DDPStrategy):
             num_microbatches=self.num_microbatches,
             num_training_batches=trainer.num_training_batches,
             max_steps=trainer.max_steps,
+            replicas=self._split.num_replicas if self._split is not None else 1,
         )
 
     @override
@@ -900,6 +1033,7 @@ class DynPipeStrategy(DDPStrategy):
         self.additions.remove(trainer, self.lightning_module)
         self.adaptation.detach(trainer)
         self.stage = None
+        self._split = self._pending_split = None
         self._planned_num_stages = None
         self._topology = None
         super().teardown()

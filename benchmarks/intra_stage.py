@@ -1,0 +1,461 @@
+"""Intra-stage balance: time to accuracy of 2 pipeline replicas when one of them runs at half speed.
+
+Two processes, each pinned to its own core, train one MLP as 2 data-parallel replicas of a 1-stage pipeline
+(``DynPipeStrategy(num_stages=1, devices=2)``, ``schedule="sync"``), so every step all-reduces the gradients
+and the slower replica sets the pace of both. Systems:
+
+``even``    ``replica_split="even"``: each global batch split in halves
+``speed``   ``replica_split="speed"``: the escalation ladder re-splits by the replicas' measured speeds
+
+Scenarios:
+
+``quota50`` a CPU quota of 50% of one core on replica 1's process, the whole run (cgroup, else a SIGSTOP
+            throttle; :class:`~lightning_dynpipe.interference.quota.CpuLimit`)
+``none``    no interference: the speed-weighted split must change nothing
+
+Both systems train on the same global batches in the same order (every replica reads the same global batch;
+only the cut between the shares differs), and a sync update equals plain training's on the global batch, so
+both reach accuracy at the same step: the time to accuracy (TTA) differs only by the time per step. The
+**limit** is the best a split can do with the replicas' measured speeds ``s0 >= s1`` (samples per second of
+compute, from the even run): ``(s0 + s1) / (2 * s1)``, which assumes a replica's time is proportional to its
+share; the **quota limit** is the same for a replica at exactly the quota's speed, 1.5x at 50%.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/intra_stage.py                     # full: 2 seeds, 300 steps, target 0.85
+    .venv/bin/python benchmarks/intra_stage.py --quick             # smoke run: quota50, 1 seed, 30 steps, tiny MLP
+    .venv/bin/python benchmarks/intra_stage.py --from-json benchmarks/out/intra-stage-<stamp>.json
+
+Outputs: the table on stdout, ``benchmarks/out/intra-stage-<stamp>.json`` (config, machine, versions, commit,
+command, every run's evaluations), ``docs/img/intra_stage.png`` and the dated report
+``benchmarks/results/<date>-intra-stage.md`` (``--quick`` or an explicit ``--out-dir`` write all of them there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    describe_machine,
+    external_launch_env,
+    format_table,
+    free_port,
+    machine_info,
+    median,
+    rotated,
+)
+
+WORLD_SIZE = 2
+SYSTEMS: tuple[str, ...] = ("even", "speed")
+SCENARIOS: tuple[str, ...] = ("quota50", "none")
+_IMG = REPO_ROOT / "docs" / "img"
+_RESULTS = REPO_ROOT / "benchmarks" / "results"
+_OUT = REPO_ROOT / "benchmarks" / "out"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measurement's settings (recorded in the JSON)."""
+
+    scenarios: tuple[str, ...] = SCENARIOS
+    seeds: int = 2
+    max_steps: int = 300
+    global_batch: int = 256
+    num_microbatches: int = 4
+    width: int = 512
+    depth: int = 3
+    target_acc: float = 0.85
+    eval_every: int = 10
+    monitor_every: int = 10
+    quota: float = 0.5
+    lr: float = 0.05
+
+
+QUICK = Config(scenarios=("quota50",), seeds=1, max_steps=30, global_batch=64, width=64, depth=2, target_acc=0.25,
+               eval_every=10, monitor_every=5)  # fmt: skip
+
+
+def _data(cfg: Config, seed: int) -> tuple[torch.utils.data.TensorDataset, tuple[torch.Tensor, torch.Tensor]]:
+    """Gaussian inputs labelled by a fixed random linear teacher (10 classes): no download. The MLP plateaus near
+    90% validation accuracy on it (one draw of the task, plain training, 256 per batch: 0.84 after 100 steps,
+    0.90 after 200)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    teacher = torch.randn(32, 10, generator=g)
+    n = cfg.max_steps * cfg.global_batch
+
+    def label(x: torch.Tensor) -> torch.Tensor:
+        return (x @ teacher).argmax(1)
+
+    x = torch.randn(n, 32, generator=g)
+    xv = torch.randn(2048, 32, generator=g)
+    return torch.utils.data.TensorDataset(x, label(x)), (xv, label(xv))
+
+
+def _model(cfg: Config, seed: int) -> Any:
+    import lightning.pytorch as L
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            layers: list[nn.Module] = [nn.Linear(32, cfg.width), nn.ReLU()]
+            for _ in range(cfg.depth - 1):
+                layers += [nn.Linear(cfg.width, cfg.width), nn.ReLU()]
+            self.pipeline = nn.Sequential(*layers, nn.Linear(cfg.width, 10))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.pipeline(x), y)  # the mean over the micro-batch
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=cfg.lr, momentum=0.9)
+
+    return MLP()
+
+
+def _recorder(cfg: Config, scenario: str, val: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    """Clocks training (evaluation excluded), evaluates on rank 0, and holds the quota on replica 1."""
+    from lightning.pytorch import Callback
+
+    from lightning_dynpipe.interference.quota import CpuLimit
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.evals: list[dict[str, float]] = []
+            self.train_s = 0.0
+            self.compute_s: list[float] = []
+            self.shares: list[int] = []
+            self.limit: Any = None
+            self.backend = ""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if scenario == "quota50" and trainer.strategy.dp_rank == 1:
+                # a short period spreads the throttling over every step instead of stalling one step in ten
+                self.limit = CpuLimit(pid=0, fraction=cfg.quota, period_s=0.01)
+                self.limit.start()
+                self.backend = str(getattr(self.limit, "backend", ""))
+            dist.barrier()
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            s = trainer.strategy
+            stats = s.executor.stats
+            self.compute_s.append(stats.forward_s + stats.backward_s)
+            self.shares.append(s.replica_shares[s.dp_rank])
+            step = trainer.global_step
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                self.train_s += time.perf_counter() - self._t
+                if trainer.global_rank == 0:
+                    with torch.no_grad():  # one stage holds every layer: call them past the pipeline's routing
+                        out = nn.Sequential.forward(pl_module.pipeline, val[0])
+                        acc = float((out.argmax(1) == val[1]).float().mean())
+                    split = s.replica_split
+                    self.evals.append({"step": step, "train_s": self.train_s, "acc": acc,
+                                       "w0": split.weights[0] if split is not None else float("nan")})  # fmt: skip
+                self._t = time.perf_counter()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.limit is not None:
+                self.limit.stop()
+
+    return Recorder()
+
+
+def _run(system: str, scenario: str, cfg: Config, seed: int) -> dict[str, Any]:
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.repartition.ladder import EscalationLadder
+
+    os.environ["PL_GLOBAL_SEED"] = str(seed)  # the sampler's seed: the same global batches on both replicas
+    data, val = _data(cfg, seed)
+    model = _model(cfg, seed)
+    rec = _recorder(cfg, scenario, val)
+    strategy = DynPipeStrategy(
+        num_stages=1,
+        balance=[len(model.pipeline)],
+        num_microbatches=cfg.num_microbatches,
+        schedule="sync",
+        adaptive=False,
+        monitor_every_n_steps=cfg.monitor_every,
+        replica_split="even" if system == "even" else EscalationLadder(),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=cfg.max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[rec],
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=cfg.global_batch, shuffle=True))
+    warm = len(rec.compute_s) // 4  # after the start-up steps
+    mine = {
+        "compute_s": median(rec.compute_s[warm:]),
+        "share": median([float(x) for x in rec.shares[warm:]]),
+        "quota_backend": rec.backend,
+    }
+    both: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(both, mine)
+    reached = [e for e in rec.evals if e["acc"] >= cfg.target_acc]
+    return {
+        "system": system,
+        "scenario": scenario,
+        "seed": seed,
+        "evals": rec.evals,
+        "reached": bool(reached),
+        "time_to_acc_s": reached[0]["train_s"] if reached else None,
+        "steps_to_acc": reached[0]["step"] if reached else None,
+        "train_s": rec.evals[-1]["train_s"] if rec.evals else None,
+        "replicas": both,
+        "resplits": [(step, str(old), str(new)) for step, old, new in strategy.resplits],
+        "quota_backend": ",".join(p["quota_backend"] for p in both if p["quota_backend"]),
+    }
+
+
+def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    import logging
+    import warnings
+
+    from lightning_dynpipe.interference import pin_current_process
+
+    external_launch_env(rank, WORLD_SIZE, port)
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    pin_current_process([cores[rank % len(cores)]])  # each replica its own core
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    runs: list[dict[str, Any]] = []
+    try:
+        for seed in range(cfg.seeds):
+            for si, scenario in enumerate(cfg.scenarios):
+                for position, system in enumerate(rotated(list(SYSTEMS), seed + si)):
+                    dist.barrier()
+                    r = _run(system, scenario, cfg, seed)
+                    r.update(position=position, load1=os.getloadavg()[0])
+                    runs.append(r)
+                    if rank == 0:
+                        tta = f"{r['time_to_acc_s']:.1f} s" if r["reached"] else "not reached"
+                        print(f"  seed {seed} {scenario:<8} {system:<6} TTA {tta}; re-splits {r['resplits']}",
+                              flush=True)  # fmt: skip
+                        Path(result_path).write_text(json.dumps({"runs": runs}), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str, Any]]:
+    """Per scenario: median TTA of each system, the median per-seed ratio even/speed, the limit and its share."""
+    out: dict[str, dict[str, Any]] = {}
+    for scenario in cfg.scenarios:
+        by = {s: [r for r in runs if r["scenario"] == scenario and r["system"] == s] for s in SYSTEMS}
+        ratios, limits = [], []
+        for seed in sorted({r["seed"] for r in by["even"]}):
+            even = next((r for r in by["even"] if r["seed"] == seed), None)
+            speed = next((r for r in by["speed"] if r["seed"] == seed), None)
+            if even is None or speed is None:
+                continue
+            if even["reached"] and speed["reached"]:
+                ratios.append(even["time_to_acc_s"] / speed["time_to_acc_s"])
+            rates = [p["share"] / p["compute_s"] for p in even["replicas"] if p["compute_s"] > 0]
+            if len(rates) == WORLD_SIZE:
+                limits.append(sum(rates) / (WORLD_SIZE * min(rates)))
+        ratio, limit = median(ratios), median(limits)
+        # the issue's limit: a replica at `quota` of the other's speed, time proportional to the share
+        nominal = (1 + cfg.quota) / (2 * cfg.quota) if scenario == "quota50" else 1.0
+        out[scenario] = {
+            "even_tta_s": median([r["time_to_acc_s"] for r in by["even"] if r["reached"]]),
+            "speed_tta_s": median([r["time_to_acc_s"] for r in by["speed"] if r["reached"]]),
+            "ratio": ratio,
+            "limit": limit,
+            "of_limit": (ratio - 1) / (limit - 1) if limit > 1.10 else float("nan"),  # no limit to speak of
+            "quota_limit": nominal,
+            "of_quota_limit": (ratio - 1) / (nominal - 1) if nominal > 1 else float("nan"),
+            "resplits": median([float(len(r["resplits"])) for r in by["speed"]]),
+            "final_w0": median([r["evals"][-1]["w0"] for r in by["speed"] if r["evals"]]),
+            "reached": f"{sum(r['reached'] for r in by['even'])}/{len(by['even'])}, "
+            f"{sum(r['reached'] for r in by['speed'])}/{len(by['speed'])}",
+        }
+    return out
+
+
+HEADERS = ("scenario", "even TTA s", "speed TTA s", "even/speed", "limit", "of limit", "quota limit",
+           "of quota limit", "re-splits", "final w0", "reached")  # fmt: skip
+
+
+def render_table(summary: dict[str, dict[str, Any]], *, markdown: bool = False) -> str:
+    rows = [
+        [
+            scenario,
+            f"{s['even_tta_s']:.2f}",
+            f"{s['speed_tta_s']:.2f}",
+            f"{s['ratio']:.2f}x",
+            f"{s['limit']:.2f}x",
+            f"{s['of_limit']:.0%}" if s["of_limit"] == s["of_limit"] else "-",
+            f"{s['quota_limit']:.2f}x",
+            f"{s['of_quota_limit']:.0%}" if s["of_quota_limit"] == s["of_quota_limit"] else "-",
+            f"{s['resplits']:.0f}",
+            f"{s['final_w0']:.3f}",
+            s["reached"],
+        ]
+        for scenario, s in summary.items()
+    ]
+    return format_table(HEADERS, rows, markdown=markdown)
+
+
+def plot(runs: Sequence[dict[str, Any]], cfg: Config, machine: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, len(cfg.scenarios), figsize=(5 * len(cfg.scenarios), 3.6), squeeze=False)
+    for ax, scenario in zip(axes[0], cfg.scenarios):
+        for r in runs:
+            if r["scenario"] == scenario and r["seed"] == 0:
+                ax.plot([e["train_s"] for e in r["evals"]], [e["acc"] for e in r["evals"]], label=r["system"])
+        ax.axhline(cfg.target_acc, color="grey", lw=0.8, ls="--")
+        ax.set(title=scenario, xlabel="training seconds", ylabel="validation accuracy")
+        ax.legend()
+    fig.suptitle(f"2 replicas x 1 stage, {machine['cpu_model']}, seed 0", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(path: Path, payload: dict[str, Any], json_path: Path, plot_path: Path) -> None:
+    """The dated report (benchmarks/results/README.md: date, machine, versions, commit, command, table, plot)."""
+    m = payload["machine"]
+    text = f"""# Intra-stage balance ({m["date_utc"][:10]})
+
+2 pipeline replicas x 1 stage on 2 processes, each pinned to its own core; {payload["config"]["quota"]:.0%} CPU
+quota on replica 1 (`quota50`) or none; sync schedule; TTA = training seconds to the first evaluation at or
+above {payload["config"]["target_acc"]}. `even/speed`: median of per-seed TTA ratios. `limit`: the best split's
+speed-up from the even run's measured replica speeds, `(s0 + s1) / (2 min(s0, s1))` (it assumes each replica's
+time is proportional to its share; a throttled replica's fixed per-step stalls make it optimistic). `quota limit`:
+the same for a replica at exactly the quota's speed, `(1 + q) / (2 q)` (1.5x at 50%). `of limit`:
+`(ratio - 1) / (limit - 1)`, likewise `of quota limit`. `final w0`: replica 0's share at the end of the speed run.
+
+- **date**: {m["date_utc"]}
+- **machine**: {m["cpu_model"]}, {m["logical_cpus"]} logical CPUs, load {m["load_average_1_5_15"]} before,
+  {m.get("load_average_1_5_15_after")} after
+- **versions**: {m["os"]}, Python {m["python"]}, torch {m["torch"]}, Lightning {m["lightning"]}
+- **commit**: {m["git_commit"]} (modified files: {m["git_modified_files"]})
+- **command**: `{payload["command"]}`
+- **quota backend**: {sorted({r["quota_backend"] for r in payload["runs"] if r["quota_backend"]})}
+
+{payload["markdown"]["table"]}
+
+![time to accuracy]({os.path.relpath(plot_path, path.parent)})
+
+Reproduce: `{payload["command"]}`; re-analyse without measuring: `.venv/bin/python benchmarks/intra_stage.py
+--from-json {json_path.name}`.
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: quota50 only, 1 seed, 30 steps, MLP 2x64 (~20 s)")
+    p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--target-acc", type=float, default=None)
+    p.add_argument("--scenarios", default=None, help=f"comma-separated, from {list(SCENARIOS)}")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where everything goes (default: JSON to benchmarks/out, plot to docs/img, report to benchmarks/results)",
+    )
+    p.add_argument("--from-json", type=Path, default=None, help="re-analyse a raw record without measuring")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    cfg = QUICK if a.quick else Config()
+    changes: dict[str, Any] = {}
+    if a.seeds is not None:
+        changes["seeds"] = a.seeds
+    if a.max_steps is not None:
+        changes["max_steps"] = a.max_steps
+    if a.target_acc is not None:
+        changes["target_acc"] = a.target_acc
+    if a.scenarios is not None:
+        bad = [s for s in a.scenarios.split(",") if s not in SCENARIOS]
+        if bad:
+            p.error(f"unknown scenarios {bad}; choose from {list(SCENARIOS)}")
+        changes["scenarios"] = tuple(a.scenarios.split(","))
+    return Config(**{**asdict(cfg), **changes}), a
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg, a = _parse(argv)
+    out_dir = a.out_dir or (Path(tempfile.gettempdir()) / "intra-stage-quick" if a.quick else _OUT)
+    if a.from_json is not None:
+        payload = json.loads(a.from_json.read_text(encoding="utf-8"))
+        cfg = Config(**{**payload["config"], "scenarios": tuple(payload["config"]["scenarios"])})
+        json_path = a.from_json
+    else:
+        machine, cmd = machine_info(), command_line()
+        print(describe_machine(machine))
+        print(f"command: {cmd}")
+        from torch.multiprocessing.spawn import spawn
+
+        json_path = out_dir / f"intra-stage-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = os.path.join(tmp, "runs.json")
+            try:
+                spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
+            finally:
+                raw = json.loads(Path(result_path).read_text(encoding="utf-8")) if os.path.exists(result_path) else {}
+                machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
+                payload = {"config": asdict(cfg), "machine": machine, "command": cmd,
+                           "elapsed_s": time.perf_counter() - t0, "runs": [], **raw}  # fmt: skip
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps(payload), encoding="utf-8")
+    summary = summarise(payload["runs"], cfg)
+    print()
+    print(
+        "time to accuracy (median over seeds); even/speed: median per-seed ratio; limit: from the even run's "
+        "measured replica speeds; of limit: (ratio - 1) / (limit - 1):"
+    )
+    print(render_table(summary))
+    payload["summary"] = summary
+    payload["markdown"] = {"table": render_table(summary, markdown=True)}
+    apart = a.quick or a.out_dir is not None  # an explicit --out-dir takes everything, as --quick does
+    plot_path = (out_dir if apart else _IMG) / "intra_stage.png"
+    if not a.no_plot and payload["runs"]:
+        plot(payload["runs"], cfg, payload["machine"], plot_path)
+        print(f"plot: {plot_path}")
+    report = (out_dir if apart else _RESULTS) / f"{payload['machine']['date_utc'][:10]}-intra-stage.md"
+    write_report(report, payload, json_path, plot_path)
+    print(f"report: {report}")
+    json_path.write_text(json.dumps(payload), encoding="utf-8")
+    print(f"raw runs: {json_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The escalation ladder: ignore a short imbalance, re-split when one replica is slow, hand balanced replicas to
+the layer controller, report a better number of stages; and its wiring into the adaptive loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.plan.replicas import ReplicaSplit
+from lightning_dynpipe.repartition.ladder import EscalationLadder, ReplicaWindow, replica_window
+from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
+from lightning_dynpipe.strategy.config import DynPipeConfig
+
+EVEN = ReplicaSplit.even(2)
+
+
+def _window(step: int, compute: tuple[float, float], split: ReplicaSplit = EVEN, n: int = 32) -> ReplicaWindow:
+    shares = split.shares(n, 4)
+    return ReplicaWindow(step, tuple(float(s) for s in shares), ((compute[0],), (compute[1],)), split)
+
+
+def test_a_slow_replica_is_ignored_once_then_resplit_by_speed() -> None:
+    ladder = EscalationLadder(min_gain=0.05, patience=2)
+    first = ladder.decide(_window(10, (0.010, 0.020)))  # replica 1 at half speed
+    assert first.rung == "ignore" and "1 of 2 checks" in first.reason
+    second = ladder.decide(_window(20, (0.010, 0.020)))
+    assert second.rung == "resplit" and second.split is not None
+    assert second.split.weights == pytest.approx((2 / 3, 1 / 3))
+    # 32 samples at 1600 and 800 samples/s: 16/800 = 20 ms evenly, 32 * (2/3) / 1600 = 13.3 ms split (1.5x)
+    assert "replica samples/s [1600, 800]" in second.reason and "20.0 -> 13.3 ms (+33%)" in second.reason
+    # under the new split the replicas are balanced: nothing more to do (no churn)
+    shares = second.split.shares(32, 4)  # (21, 11)
+    third = ladder.decide(_window(30, (shares[0] * 0.010 / 16, shares[1] * 0.020 / 16), second.split))
+    assert third.rung == "keep" and "balanced" in third.reason
+    assert [d.rung for d in ladder.decisions] == ["ignore", "resplit", "keep"]
+
+
+def test_an_imbalance_that_persists_after_a_resplit_is_refined_at_once() -> None:
+    ladder = EscalationLadder(patience=2)
+    ladder.decide(_window(10, (0.010, 0.020)))
+    first = ladder.decide(_window(20, (0.010, 0.020)))
+    assert first.rung == "resplit" and first.split is not None  # 21:11
+    # the slow replica has a fixed cost per step: with 11 samples it still takes 16 ms, the other 13 ms
+    again = ladder.decide(_window(30, (0.013, 0.016), first.split))
+    assert again.rung == "resplit" and again.split is not None and again.split.weights[1] < first.split.weights[1]
+
+
+def test_a_resplit_that_does_not_shorten_the_step_is_rolled_back_and_held() -> None:
+    ladder = EscalationLadder(patience=1)
+    w = _window(10, (0.010, 0.020))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.030))
+    assert first.rung == "resplit" and first.split is not None
+    # under the new split the step measured no faster (the slow replica's time did not follow its share)
+    shares = first.split.shares(32, 4)
+    after = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.010,), (0.020,)), first.split, step_s=0.031)
+    back = ladder.decide(after)
+    assert back.rung == "resplit" and back.split == EVEN and "roll back" in back.reason
+    # back at the even split the same imbalance is measured again: held, no ping-pong
+    held = ladder.decide(ReplicaWindow(30, w.samples, w.compute_s, EVEN, step_s=0.030))
+    assert held.rung == "keep" and "held" in held.reason
+    # the interference moves to the other replica: the target turns the other way, the hold is released
+    other = ladder.decide(ReplicaWindow(40, w.samples, ((0.020,), (0.010,)), EVEN, step_s=0.030))
+    assert other.rung == "resplit" and other.split is not None and other.split.weights[1] > 0.5
+
+
+def test_a_resplit_that_pays_is_kept_and_refined() -> None:
+    ladder = EscalationLadder(patience=1)
+    w = _window(10, (0.010, 0.030))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.035))
+    assert first.rung == "resplit" and first.split is not None
+    shares = first.split.shares(32, 4)
+    faster = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.016,), (0.020,)), first.split, step_s=0.025)
+    again = ladder.decide(faster)
+    assert again.rung == "resplit" and "roll back" not in again.reason
+
+
+def test_a_spike_that_goes_away_resets_the_patience() -> None:
+    ladder = EscalationLadder(patience=2)
+    assert ladder.decide(_window(10, (0.010, 0.030))).rung == "ignore"
+    assert ladder.decide(_window(20, (0.010, 0.010))).rung == "keep"
+    assert ladder.decide(_window(30, (0.010, 0.030))).rung == "ignore"  # counted from 1 again
+
+
+def test_small_differences_keep_the_split() -> None:
+    ladder = EscalationLadder(min_gain=0.05, patience=1)
+    assert ladder.decide(_window(10, (0.010, 0.0104))).rung == "keep"  # 2% gain: noise
+
+
+def test_stage_count_rung_says_what_to_do() -> None:
+    d = EscalationLadder.stage_count_decision(50, 2, 1, "predicted time to accuracy 10 s vs 14 s")
+    assert d.rung == "change_stages" and d.num_stages == 1
+    assert "restart from the checkpoint with num_stages=1" in str(d)
+
+
+def test_ladder_and_window_refuse_bad_inputs() -> None:
+    with pytest.raises(ConfigurationError, match="patience >= 1"):
+        EscalationLadder(patience=0)
+    with pytest.raises(ConfigurationError, match="one entry per replica"):
+        ReplicaWindow(1, (16.0,), ((0.01,), (0.01,)), EVEN)
+
+
+def test_replica_window_takes_each_replicas_slowest_stage() -> None:
+    w = replica_window(5, (16, 16), [(0, 0, 0.01), (0, 1, 0.03), (1, 0, 0.02), (1, 1, 0.01)], EVEN, 2)
+    assert w.replica_compute_s() == (0.03, 0.02)
+
+
+# ---------------------------------------------------------------------------------------------- the wiring
+
+
+def _snapshot(compute: tuple[float, float]) -> Any:
+    """Replica d computes for compute[d] s per step; the fast one then waits in the update's all-reduce for the slow
+    one, so the update (optimizer_s) evens out their compute_s: the ladder must not look at it."""
+    slowest = max(compute)
+    reports = [
+        StageReport(
+            d,
+            0,
+            StageSummary.of(
+                [StageSample(step_s=0.05, forward_s=c / 3, backward_s=2 * c / 3, optimizer_s=slowest - c + 0.001)] * 6
+            ),
+        )
+        for d, c in enumerate(compute)
+    ]
+    assert reports[0].summary.compute_s == pytest.approx(reports[1].summary.compute_s)
+    return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
+
+
+def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
+    split = [EVEN]
+    queued: list[ReplicaSplit] = []
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(replica_split="speed", adaptive=False),
+        partition=lambda: Partition((5,)),
+        pending=lambda: False,
+        repartition=lambda p: None,
+        past_pauses=lambda: [],
+        replica_split=lambda: split[0],
+        replica_samples=lambda: split[0].shares(32, 4),
+        resplit=queued.append,
+    )
+    wiring.ladder = EscalationLadder(patience=2)
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    assert MIN_SAMPLES <= 6
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert queued == []
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
+    assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
+
+
+def test_the_controller_reports_a_better_number_of_stages_every_n_checks() -> None:
+    """Rung 4: under async with a staleness penalty (beta=2), 2 processes train faster to accuracy as 2 replicas
+    of 1 stage than as a 2-stage pipeline; the controller says so, and solves for it every stage_count_every
+    checks only."""
+    from lightning_dynpipe.plan.convergence import ConvergenceModel
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.repartition.controller import AdaptiveController, StageTimes
+    from lightning_dynpipe.repartition.policy import GainOverCostPolicy
+
+    cost = ModelCost.from_arrays([0.001] * 8, [0.002] * 8, param_bytes=[1000] * 8)
+    c = AdaptiveController(
+        GainOverCostPolicy(),
+        model_cost=cost,
+        comm=CommModel(),
+        schedule="async",
+        num_microbatches=4,
+        convergence=ConvergenceModel(beta=2.0),
+        stage_count_every=3,
+    )
+    times = [StageTimes(0.048, 0.048), StageTimes(0.048, 0.048)]
+    hints = []
+    for step in range(4):
+        c.check(10 * step, times, Partition((4, 4)), remaining_steps=1000)
+        hints.append(c.stage_count_hint)
+    assert hints[0] is not None and hints[0][0] == 1 and hints[0][1] < 0.9 * hints[0][2]
+    assert hints[1] is None and hints[2] is None and hints[3] == hints[0]
+    d = EscalationLadder.stage_count_decision(30, 2, hints[0][0], "x")
+    assert d.rung == "change_stages" and d.num_stages == 1
+
+
+def test_the_wiring_warns_once_per_better_stage_count_and_records_the_rung() -> None:
+    class Controller:
+        stage_count_hint = (1, 10.0, 14.0)
+
+        def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
+            return SimpleNamespace(repartition=False, partition=Partition((4, 4)), reason="already the best")
+
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(),
+        partition=lambda: Partition((4, 4)),
+        pending=lambda: False,
+        repartition=lambda p: None,
+        past_pauses=lambda: [],
+    )
+    wiring.controller = Controller()  # type: ignore[assignment]
+    wiring.ladder = EscalationLadder()
+    stage = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+    snapshot = SimpleNamespace(stages=[stage, stage], replicas=[])
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    with pytest.warns(UserWarning, match=r"rung change_stages: the best plan .* has 1 stages.*num_stages=1"):
+        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second check records the rung without warning again
+        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+    assert [d.rung for d in wiring.ladder_decisions] == ["change_stages", "change_stages"]
