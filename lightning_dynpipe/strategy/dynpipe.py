@@ -92,19 +92,28 @@ class MigrationRecord:
 
 
 class _CollectingForkLauncher(_MultiProcessingLauncher):
-    """Lightning's fork launcher, which first collects this process's garbage.
+    """Lightning's fork launcher, made safe against two things a forked child inherits but cannot use.
 
-    A forked child inherits the parent's unreachable objects and may collect them itself. A
-    ``ProcessGroupGloo`` left in a reference cycle by an earlier run in this process (a notebook's previous
-    ``fit``, a single-device run) joins its worker threads when it is freed; in a forked child those threads do
-    not exist, so the child's garbage collector blocks forever, inside whatever it was doing (seen as a pipeline
-    that hangs at its first step). Collecting in the parent first frees such objects where their threads live.
+    * Garbage: a ``ProcessGroupGloo`` left in a reference cycle by an earlier run in this process (a notebook's
+      previous ``fit``, a single-device run) joins its worker threads when it is freed; in a forked child those
+      threads do not exist, so the child's garbage collector blocks forever inside whatever it was doing (a
+      pipeline that hangs at its first step). The parent collects before forking, where those threads live.
+    * The OpenMP thread pool: a forked child can wait forever at the pool's barrier in its first parallel
+      operator, for threads of the parent's pool that were not copied (GNU libgomp; seen in the test suite, where
+      the forking process had run many tests before). Each forked process therefore computes with one intra-op
+      thread (``torch.set_num_threads(1)``, as PyTorch's own DataLoader workers do), which never enters an
+      OpenMP parallel region; use the popen or spawn launcher for more threads per stage.
     """
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         gc.collect()
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        torch.set_num_threads(1)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
 
 class DynPipeStrategy(DDPStrategy):

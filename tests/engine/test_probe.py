@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.multiprocessing import start_processes
 
@@ -40,6 +41,7 @@ def _probe(group: object, rank: int, repeats: int) -> dict[str, object]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)  # forked: the test process's OpenMP pool does not exist here (libgomp would hang)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )

@@ -42,6 +42,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)  # forked: the test process's OpenMP pool does not exist here (libgomp would hang)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         mirror = MetricsMirror(torch.device("cpu"))
