@@ -207,23 +207,37 @@ def check_batches(
             f"micro-batch needs at least one sample. Use batch_size >= {M} (a multiple of {M} splits evenly), or "
             f"DynPipeStrategy(num_microbatches={batch_size}) or fewer."
         )
-    drop_last = loader.drop_last if loader.batch_size is not None else getattr(sampler, "drop_last", False)
-    try:
-        samples = len(loader.sampler)  # type: ignore[arg-type]
-    except TypeError:
+    short = _short_last_batch(loader, batch_size, M, num_training_batches, max_steps)
+    if short is None:
         return
-    last = samples % batch_size
-    if drop_last or last == 0 or last >= M:
-        return
-    batches = math.ceil(samples / batch_size)
-    if num_training_batches < batches or 0 <= max_steps < batches:
-        return  # the run stops (or limit_train_batches cuts the epoch) before the last batch
+    samples, last = short
     raise ConfigurationError(
         f"The last training batch of each epoch holds {last} samples ({samples} samples per pipeline replica, "
         f"batch_size={batch_size}), fewer than num_microbatches={M}, so it cannot be split into micro-batches. "
         f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
         f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
     )
+
+
+def _short_last_batch(
+    loader: DataLoader[Any], batch_size: int, need: int, num_training_batches: float, max_steps: int
+) -> tuple[int, int] | None:
+    """``(samples, last)`` when the epoch's last batch holds ``0 < last < need`` samples and the run reaches it;
+    ``None`` when it is dropped, full enough, not reached (``max_steps`` or ``limit_train_batches`` stop the
+    epoch before it), or the sampler has no length."""
+    sampler = loader.batch_sampler
+    drop_last = loader.drop_last if loader.batch_size is not None else getattr(sampler, "drop_last", False)
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    last = samples % batch_size
+    if drop_last or last == 0 or last >= need:
+        return None
+    batches = math.ceil(samples / batch_size)
+    if num_training_batches < batches or 0 <= max_steps < batches:
+        return None  # the run stops (or limit_train_batches cuts the epoch) before the last batch
+    return samples, last
 
 
 def _check_split_batches(
@@ -237,16 +251,10 @@ def _check_split_batches(
             f"replica_split, and each replica needs num_microbatches={M} samples: it needs at least {need}. Use "
             f"batch_size >= {need}, {fix}."
         )
-    drop_last = loader.drop_last if loader.batch_size is not None else getattr(loader.batch_sampler, "drop_last", False)
-    try:
-        samples = len(loader.sampler)  # type: ignore[arg-type]
-    except TypeError:
+    short = _short_last_batch(loader, batch_size, need, num_training_batches, max_steps)
+    if short is None:
         return
-    last = samples % batch_size
-    if drop_last or last == 0 or last >= need:
-        return
-    if num_training_batches < math.ceil(samples / batch_size) or 0 <= max_steps < math.ceil(samples / batch_size):
-        return
+    samples, last = short
     raise ConfigurationError(
         f"The last training batch of each epoch holds {last} samples ({samples} samples, batch_size={batch_size}), "
         f"fewer than the {need} that {replicas} replicas with num_microbatches={M} each need. Pass drop_last=True to "
