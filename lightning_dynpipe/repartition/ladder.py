@@ -50,6 +50,11 @@ class ReplicaWindow:
             backward only (the update's all-reduce waits for the slowest replica: it would hide the imbalance).
         split: the replica split the window was measured under.
         step_s: the measured seconds per step (the slowest replica's median; NaN: unknown), for the outcome check.
+        update_s: ``update_s[d][k]``: seconds per step of stage ``k``'s update on replica ``d``, the gradient
+            all-reduce included (empty: not measured). The all-reduce ends at the same moment on every replica,
+            so a replica that reached it early waits there longer: the difference to the stage's shortest update
+            is that replica's slack, and it includes everything a replica does in a step, not only the compute
+            the split moves.
     """
 
     step: int
@@ -57,6 +62,7 @@ class ReplicaWindow:
     compute_s: tuple[tuple[float, ...], ...]
     split: ReplicaSplit
     step_s: float = math.nan
+    update_s: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         D = len(self.samples)
@@ -65,10 +71,27 @@ class ReplicaWindow:
                 f"A ReplicaWindow needs one entry per replica: samples for {D}, compute times for "
                 f"{len(self.compute_s)}, a split of {self.split.num_replicas}."
             )
+        if self.update_s and len(self.update_s) != D:
+            raise ConfigurationError(f"A ReplicaWindow needs update times for {D} replicas; got {len(self.update_s)}.")
 
     def replica_compute_s(self) -> tuple[float, ...]:
         """Per replica, the compute time of its slowest stage: the stage that sets the replica's pace."""
         return tuple(max(ks) for ks in self.compute_s)
+
+    def replica_slack_s(self) -> tuple[float, ...] | None:
+        """Per replica, how long it waited for the others at the gradient all-reduce (None: not measured).
+
+        For each stage, a replica's update time minus the stage's shortest one over the replicas; a replica's
+        slack is the smallest over its stages (the stage with the least room sets how much more it can take).
+        """
+        if not self.update_s or not (self.step_s > 0 and math.isfinite(self.step_s)):
+            return None
+        table = self.update_s
+        if any(not math.isfinite(u) for row in table for u in row):
+            return None
+        stages = range(len(table[0]))
+        shortest = [min(row[k] for row in table) for k in stages]
+        return tuple(max(0.0, min(row[k] - shortest[k] for k in stages)) for row in table)
 
 
 @dataclass(frozen=True)
@@ -106,28 +129,63 @@ class EscalationLadder:
             share when it has a fixed cost per step) is re-split at every check until the replicas are balanced.
         min_change: ignore a new split whose weights differ from the current ones by less than this (a fraction
             of the global batch): measurement noise must not move samples back and forth.
+        rollback_tolerance: the outcome check rolls a re-split back only when the step measured under it is
+            slower than before by more than this fraction (a window's median step moves by a few percent on a
+            shared machine; a re-split rolled back on noise would hold the split away from a better one).
+        hold_checks: a rolled-back direction is held for this many checks, then tried again (0: for the rest of
+            the fit). One window's median step is a noisy judge under a CPU quota (5-10% from window to window
+            here): a hold that lasted for ever would keep a split that one unlucky window condemned.
+        probe: once the replicas reach the all-reduce together, move this fraction of the global batch further
+            from the slowest replica to the fastest and keep it if the measured step got shorter (0: never).
+            Equal arrival is not always the shortest step: a throttled replica that arrives with its CPU budget
+            spent also slows the all-reduce and the update that follow it.
+        probe_min_speed_ratio: probe only when the fastest replica computes a sample at least this many times
+            faster than the slowest (interference, not a noisy machine).
 
-    **Outcome check.** The re-split assumes a replica's compute time is proportional to its share. Under a CPU
-    quota it is not: a throttled replica also stalls for its per-step work outside its share (reading the global
-    batch, the framework's hooks), so giving it fewer samples can stop paying. The first check after a re-split
-    compares the measured step time with the one before it; a re-split that did not shorten the step is rolled
-    back, and from that split the ladder moves no further in the same direction (it moves again when the target
-    turns the other way, e.g. when the interference ends).
+    **Where the split goes.** With the replicas' update times in the window (the strategy supplies them), the
+    target is the split at which every replica reaches the gradient all-reduce at the same moment: a replica's
+    wait there is the work it has room for, fixed costs included (under a CPU quota a throttled replica also
+    stalls in its per-step work outside its share: reading the global batch, the framework's hooks), and the
+    move is sized by the measured cost per sample, so it falls short rather than overshoots and the next check
+    refines it. Without update times, shares follow the speeds (compute per sample). From the balanced split the
+    ladder probes further (``probe``) while the measured step keeps getting shorter.
+
+    **Outcome check.** The first check after a re-split compares the measured step time with the one before it;
+    a re-split under which the step got slower (by more than ``rollback_tolerance``) is rolled back, and from
+    that split the ladder moves no further in the same direction (it moves again when the target turns the
+    other way, e.g. when the interference ends).
     """
 
     min_gain: float = 0.10
     patience: int = 2
     min_change: float = 0.02
+    rollback_tolerance: float = 0.05
+    hold_checks: int = 5
+    probe: float = 0.05
+    probe_min_speed_ratio: float = 1.5
     decisions: list[LadderDecision] = field(default_factory=list, init=False, repr=False)
     _streak: int = field(default=0, init=False, repr=False)
-    _last: tuple[ReplicaSplit, ReplicaSplit, float] | None = field(default=None, init=False, repr=False)
+    _last: tuple[ReplicaSplit, ReplicaSplit, float, bool] | None = field(default=None, init=False, repr=False)
     _hold: tuple[ReplicaSplit, tuple[float, ...]] | None = field(default=None, init=False, repr=False)
+    _held_for: int = field(default=0, init=False, repr=False)
+    _probed: tuple[float, ...] | None = field(default=None, init=False, repr=False)  # direction of kept probes
 
     def __post_init__(self) -> None:
-        if not (0 <= self.min_gain < 1) or self.patience < 1 or not (0 <= self.min_change < 1):
+        if (
+            not (0 <= self.min_gain < 1)
+            or self.patience < 1
+            or not (0 <= self.min_change < 1)
+            or not (0 <= self.rollback_tolerance < 1)
+            or not (0 <= self.probe < 0.5)
+            or self.probe_min_speed_ratio < 1
+            or self.hold_checks < 0
+        ):
             raise ConfigurationError(
-                f"EscalationLadder needs 0 <= min_gain < 1, patience >= 1 and 0 <= min_change < 1; got min_gain="
-                f"{self.min_gain}, patience={self.patience}, min_change={self.min_change}."
+                f"EscalationLadder needs 0 <= min_gain < 1, patience >= 1, 0 <= min_change < 1 and 0 <= "
+                f"rollback_tolerance < 1, 0 <= probe < 0.5, probe_min_speed_ratio >= 1 and hold_checks >= 0; "
+                f"got hold_checks={self.hold_checks}, min_gain="
+                f"{self.min_gain}, patience={self.patience}, min_change={self.min_change}, rollback_tolerance="
+                f"{self.rollback_tolerance}, probe={self.probe}, probe_min_speed_ratio={self.probe_min_speed_ratio}."
             )
 
     def decide(self, window: ReplicaWindow) -> LadderDecision:
@@ -143,32 +201,58 @@ class EscalationLadder:
             )
         last, self._last = self._last, None
         if last is not None and window.split == last[1] and math.isfinite(window.step_s):
-            old, new, before_s = last
-            if window.step_s >= before_s:  # the re-split did not pay: back, and no further that way
+            old, new, before_s, probed = last
+            # a move towards the target is kept unless it cost; a probe only if it paid
+            limit_s = before_s if probed else before_s * (1.0 + self.rollback_tolerance)
+            if window.step_s > limit_s:  # back, and no further that way
                 self._hold = (old, tuple(b - a for a, b in zip(old.weights, new.weights)))
+                self._held_for = 0
                 self._streak = 0
                 return self.record(
                     LadderDecision(
                         window.step,
                         "resplit",
-                        f"roll back: split {new} measured {window.step_s * 1e3:.1f} ms/step, not faster than "
-                        f"{before_s * 1e3:.1f} ms/step under {old}; no further re-split that way from {old}",
+                        f"roll back: {'probe ' if probed else ''}split {new} measured {window.step_s * 1e3:.1f} "
+                        f"ms/step, {'not faster' if probed else 'slower'} than {before_s * 1e3:.1f} ms/step under "
+                        f"{old}; no further re-split that way from {old}",
                         split=old,
                     )
                 )
+            if probed:  # it paid: the arrival target must not pull the split back while the interference lasts
+                self._probed = tuple(b - a for a, b in zip(old.weights, new.weights))
+        if self._hold is not None and self.hold_checks:
+            self._held_for += 1
+            if self._held_for > self.hold_checks:
+                self._hold = None  # try that direction again: the window that condemned it may have been unlucky
         per_sample = [t / n for t, n in zip(replica_s, window.samples)]
-        target = ReplicaSplit(speed_weights(window.samples, replica_s))
-        total = sum(window.samples)
-        now_s = max(n * p for n, p in zip(window.samples, per_sample))
-        then_s = max(total * w * p for w, p in zip(target.weights, per_sample))
+        if self._probed is not None and max(per_sample) < self.probe_min_speed_ratio * min(per_sample):
+            self._probed = None  # the interference that the probes answered has gone
+        slack = window.replica_slack_s()
+        if slack is None:
+            target, now_s, then_s = _proportional(window.samples, per_sample)
+        else:
+            target, now_s, then_s = _balanced_arrival(window.samples, per_sample, slack, window.step_s)
         gain = 1.0 - then_s / now_s
         speeds = [round(1.0 / p) for p in per_sample]
+        waits = "" if slack is None else f", waits at the all-reduce {[round(x * 1e3, 1) for x in slack]} ms"
         numbers = (
-            f"replica samples/s {speeds}, split {window.split} -> {target}, predicted step "
+            f"replica samples/s {speeds}{waits}, split {window.split} -> {target}, predicted step "
             f"{now_s * 1e3:.1f} -> {then_s * 1e3:.1f} ms ({gain:+.0%})"
         )
         if not target.differs(window.split, self.min_change) or gain < self.min_gain:
             self._streak = 0
+            probe = self._probe(window, per_sample) if slack is not None else None
+            if probe is not None:
+                self._last = (window.split, probe, window.step_s, True)
+                return self.record(
+                    LadderDecision(
+                        window.step,
+                        "resplit",
+                        f"probe: the replicas reach the all-reduce together at {window.split}; trying {probe}, kept "
+                        f"if the step measures shorter than {window.step_s * 1e3:.1f} ms: {numbers}",
+                        split=probe,
+                    )
+                )
             return self.record(
                 LadderDecision(
                     window.step,
@@ -188,6 +272,18 @@ class EscalationLadder:
                     )
                 )
             self._hold = None  # the target turned the other way: the interference changed
+        if self._probed is not None:
+            move = [b - a for a, b in zip(window.split.weights, target.weights)]
+            if sum(m * h for m, h in zip(move, self._probed)) < 0:
+                self._streak = 0
+                return self.record(
+                    LadderDecision(
+                        window.step,
+                        "keep",
+                        f"held: probes to {window.split} measured shorter steps than equal arrival at the "
+                        f"all-reduce, and the replicas' speeds still differ: {numbers}",
+                    )
+                )
         self._streak += 1  # not reset by a re-split: a persisting imbalance is refined at the next check
         if self._streak < self.patience:
             return self.record(
@@ -199,16 +295,37 @@ class EscalationLadder:
                 )
             )
         if math.isfinite(window.step_s):
-            self._last = (window.split, target, window.step_s)
+            self._last = (window.split, target, window.step_s, False)
         return self.record(
             LadderDecision(window.step, "resplit", f"one replica is slower than the others: {numbers}", split=target)
         )
+
+    def _probe(self, window: ReplicaWindow, per_sample: Sequence[float]) -> ReplicaSplit | None:
+        """The split ``probe`` further from the slowest replica to the fastest, or None (no interference to speak
+        of, a replica would be left with no sample, or a hold forbids that direction)."""
+        if self.probe <= 0:
+            return None
+        slow = max(range(len(per_sample)), key=lambda d: per_sample[d])
+        fast = min(range(len(per_sample)), key=lambda d: per_sample[d])
+        if per_sample[slow] < self.probe_min_speed_ratio * per_sample[fast]:
+            return None
+        weights = list(window.split.weights)
+        if (weights[slow] - self.probe) * sum(window.samples) < 1.0:
+            return None
+        weights[slow] -= self.probe
+        weights[fast] += self.probe
+        if self._hold is not None and window.split == self._hold[0]:
+            move = [b - a for a, b in zip(window.split.weights, weights)]
+            if sum(m * h for m, h in zip(move, self._hold[1])) > 0:
+                return None
+        return ReplicaSplit(tuple(weights))
 
     def reset(self) -> None:
         """Forgets the decisions and the patience count (a new fit starts from scratch)."""
         self.decisions.clear()
         self._streak = 0
         self._last = self._hold = None
+        self._probed = None
 
     def record(self, decision: LadderDecision) -> LadderDecision:
         """Keeps ``decision`` (also those of rungs 3 and 4 the caller took) and returns it."""
@@ -228,6 +345,52 @@ class EscalationLadder:
         )
 
 
+def _proportional(
+    samples: Sequence[float], per_sample: Sequence[float]
+) -> tuple[ReplicaSplit, float, float]:
+    """Without update times: shares in proportion to the speeds, each replica's time taken as proportional to
+    its share. Returns the target and the predicted slowest-replica compute now and under the target."""
+    target = ReplicaSplit(speed_weights(samples, [n * p for n, p in zip(samples, per_sample)]))
+    total = sum(samples)
+    now_s = max(n * p for n, p in zip(samples, per_sample))
+    then_s = max(total * w * p for w, p in zip(target.weights, per_sample))
+    return target, now_s, then_s
+
+
+def _balanced_arrival(
+    samples: Sequence[float], per_sample: Sequence[float], slack_s: Sequence[float], step_s: float
+) -> tuple[ReplicaSplit, float, float]:
+    """With the replicas' waits at the all-reduce: the split at which every replica reaches it at once.
+
+    A replica's work per step is ``need_d = step_s - slack_d``: everything it did, its fixed costs included
+    (reading the batch, the framework's per-step work, a quota's stalls in them), which a proportional model
+    leaves out. Moving one sample changes ``need_d`` by ``per_sample[d]`` (forward + backward over samples: at
+    least the marginal cost, so the move falls short rather than overshoots; the next check refines it). The
+    target equalises ``need_d + per_sample[d] * (n'_d - n_d)`` over the replicas with ``sum n' = sum n``; a
+    replica keeps at least one sample. Returns the target and the predicted step now and under it.
+    """
+    need = [step_s - w for w in slack_s]
+    active = list(range(len(samples)))
+    new = list(samples)
+    total = float(sum(samples))
+    while True:  # water-filling: a replica whose share would drop below one sample is held at one
+        fixed = sum(1.0 for d in range(len(samples)) if d not in active)
+        level = (total - fixed + sum(need[d] / per_sample[d] - samples[d] for d in active)) / sum(
+            1.0 / per_sample[d] for d in active
+        )
+        for d in active:
+            new[d] = samples[d] + (level - need[d]) / per_sample[d]
+        low = [d for d in active if new[d] < 1.0]
+        if not low:
+            break
+        for d in low:
+            new[d] = 1.0
+            active.remove(d)
+    then_need = max(need[d] + per_sample[d] * (new[d] - samples[d]) for d in range(len(samples)))
+    shared = step_s - max(need)  # the all-reduce's own time and the update: no split changes them
+    return ReplicaSplit(tuple(n / total for n in new)), step_s, then_need + shared
+
+
 def replica_window(
     step: int,
     samples: Sequence[float],
@@ -235,10 +398,17 @@ def replica_window(
     split: ReplicaSplit,
     num_stages: int,
     step_s: float = math.nan,
+    update_s_by_rank: Sequence[tuple[int, int, float]] = (),
 ) -> ReplicaWindow:
-    """A :class:`ReplicaWindow` from ``(dp_rank, stage_idx, compute_s)`` triples (one per process)."""
+    """A :class:`ReplicaWindow` from ``(dp_rank, stage_idx, seconds)`` triples (one per process): the compute
+    times and, optionally, the update times (the gradient all-reduce included)."""
     D = split.num_replicas
-    table = [[math.nan] * num_stages for _ in range(D)]
-    for d, k, t in compute_s_by_rank:
-        table[d][k] = t
-    return ReplicaWindow(step, tuple(float(n) for n in samples), tuple(tuple(r) for r in table), split, step_s)
+
+    def table(triples: Sequence[tuple[int, int, float]]) -> tuple[tuple[float, ...], ...]:
+        rows = [[math.nan] * num_stages for _ in range(D)]
+        for d, k, t in triples:
+            rows[d][k] = t
+        return tuple(tuple(r) for r in rows)
+
+    updates = table(update_s_by_rank) if update_s_by_rank else ()
+    return ReplicaWindow(step, tuple(float(n) for n in samples), table(compute_s_by_rank), split, step_s, updates)

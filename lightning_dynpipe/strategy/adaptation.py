@@ -177,6 +177,8 @@ class AdaptationWiring:
             split,
             partition.num_stages,
             step_s=max((r.summary.step_s for r in snapshot.replicas), default=math.nan),
+            # the update includes the gradient all-reduce: a replica that reached it early waited there longer
+            update_s_by_rank=[(r.dp_rank, r.stage_idx, r.summary.optimizer_s) for r in snapshot.replicas],
         )
         decision = self.ladder.decide(window)
         log.info("DynPipe adaptation: %s", decision)

@@ -57,7 +57,7 @@ def test_a_resplit_that_does_not_shorten_the_step_is_rolled_back_and_held() -> N
     assert first.rung == "resplit" and first.split is not None
     # under the new split the step measured no faster (the slow replica's time did not follow its share)
     shares = first.split.shares(32, 4)
-    after = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.010,), (0.020,)), first.split, step_s=0.031)
+    after = ReplicaWindow(20, tuple(float(x) for x in shares), ((0.010,), (0.020,)), first.split, step_s=0.033)
     back = ladder.decide(after)
     assert back.rung == "resplit" and back.split == EVEN and "roll back" in back.reason
     # back at the even split the same imbalance is measured again: held, no ping-pong
@@ -66,6 +66,57 @@ def test_a_resplit_that_does_not_shorten_the_step_is_rolled_back_and_held() -> N
     # the interference moves to the other replica: the target turns the other way, the hold is released
     other = ladder.decide(ReplicaWindow(40, w.samples, ((0.020,), (0.010,)), EVEN, step_s=0.030))
     assert other.rung == "resplit" and other.split is not None and other.split.weights[1] > 0.5
+
+
+def test_a_resplit_measured_within_the_noise_of_before_is_not_rolled_back() -> None:
+    ladder = EscalationLadder(patience=1, rollback_tolerance=0.02)  # the test measures +1%
+    w = _window(10, (0.010, 0.020))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.030))
+    assert first.split is not None
+    shares = tuple(float(x) for x in first.split.shares(32, 4))
+    same = ladder.decide(ReplicaWindow(20, shares, ((0.014,), (0.014,)), first.split, step_s=0.0303))  # +1%
+    assert same.rung == "keep" and "roll back" not in same.reason
+
+
+def test_a_held_direction_is_tried_again_after_hold_checks() -> None:
+    ladder = EscalationLadder(patience=1, hold_checks=2)
+    w = _window(10, (0.010, 0.020))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, EVEN, step_s=0.030))
+    assert first.split is not None
+    shares = tuple(float(x) for x in first.split.shares(32, 4))
+    assert "roll back" in ladder.decide(ReplicaWindow(20, shares, ((0.010,), (0.020,)), first.split, step_s=0.040)).reason
+    rungs = [ladder.decide(ReplicaWindow(30 + 10 * i, w.samples, w.compute_s, EVEN, step_s=0.030)).rung for i in range(3)]
+    assert rungs == ["keep", "keep", "resplit"]  # held for 2 checks, then the same re-split once more
+
+
+def _probe_window(step: int, split: ReplicaSplit, step_s: float) -> ReplicaWindow:
+    """Replica 1 computes a sample 3x slower than replica 0; the split in use makes both arrive together."""
+    shares = tuple(float(x) for x in split.shares(64, 4))
+    compute = ((shares[0] * 0.001,), (shares[1] * 0.003,))
+    return ReplicaWindow(step, shares, compute, split, step_s=step_s, update_s=((0.005,), (0.005,)))
+
+
+def test_from_equal_arrival_a_probe_further_is_kept_while_it_shortens_the_step() -> None:
+    ladder = EscalationLadder(patience=1, probe=0.05)
+    start = ReplicaSplit((0.75, 0.25))
+    first = ladder.decide(_probe_window(10, start, step_s=0.060))
+    assert first.rung == "resplit" and "probe" in first.reason and first.split is not None
+    assert first.split.weights == pytest.approx((0.80, 0.20))
+    # faster: kept, and the next probe goes further
+    second = ladder.decide(_probe_window(20, first.split, step_s=0.055))
+    assert second.rung == "resplit" and "probe" in second.reason and second.split is not None
+    assert second.split.weights == pytest.approx((0.85, 0.15))
+    # not faster: back to the best, and no more probes that way
+    third = ladder.decide(_probe_window(30, second.split, step_s=0.056))
+    assert third.rung == "resplit" and "roll back: probe" in third.reason and third.split == first.split
+    fourth = ladder.decide(_probe_window(40, first.split, step_s=0.055))
+    assert fourth.rung == "keep"
+
+
+def test_no_probe_when_the_replicas_compute_alike() -> None:
+    ladder = EscalationLadder(patience=1, probe=0.05)
+    w = _timed(10, (0.010, 0.012), (0.011, 0.010), step_s=0.040)  # 1.2x apart: a noisy machine, not interference
+    assert ladder.decide(w).rung == "keep"
 
 
 def test_a_resplit_that_pays_is_kept_and_refined() -> None:
@@ -91,6 +142,47 @@ def test_small_differences_keep_the_split() -> None:
     assert ladder.decide(_window(10, (0.010, 0.0104))).rung == "keep"  # 2% gain: noise
 
 
+def _timed(
+    step: int, compute: tuple[float, float], update: tuple[float, float], step_s: float, split: ReplicaSplit = EVEN
+) -> ReplicaWindow:
+    w = _window(step, compute, split)
+    return ReplicaWindow(w.step, w.samples, w.compute_s, split, step_s=step_s, update_s=((update[0],), (update[1],)))
+
+
+def test_the_waits_at_the_all_reduce_place_the_split_with_each_replicas_fixed_costs() -> None:
+    # replica 1 computes at half speed, and its step has 20 ms more of work that no split moves (a throttled
+    # replica's batch reading and framework work): replica 0 waits 20 ms at the all-reduce
+    ladder = EscalationLadder(patience=1)
+    d = ladder.decide(_timed(10, (0.010, 0.020), (0.030, 0.010), step_s=0.050))
+    assert d.rung == "resplit" and d.split is not None
+    # need 30 and 50 ms, 0.625 and 1.25 ms per sample: equal at 36.7 ms with 26.7 and 5.3 of the 32 samples;
+    # speeds alone would say 2:1
+    assert d.split.weights == pytest.approx((5 / 6, 1 / 6))
+    assert "waits at the all-reduce [20.0, 0.0] ms" in d.reason and "50.0 -> 36.7 ms (+27%)" in d.reason
+
+
+def test_waits_smaller_than_the_gain_threshold_keep_the_split() -> None:
+    # a 10% difference in compute, but each replica's wait is 1 ms of a 40 ms step: not worth a re-split
+    ladder = EscalationLadder(patience=1)
+    d = ladder.decide(_timed(10, (0.010, 0.011), (0.012, 0.011), step_s=0.040))
+    assert d.rung == "keep" and "balanced" in d.reason
+
+
+def test_a_replica_keeps_at_least_one_sample() -> None:
+    ladder = EscalationLadder(patience=1, min_gain=0.05)
+    # replica 1's fixed work alone is longer than replica 0's whole step: everything but one sample moves
+    d = ladder.decide(_timed(10, (0.010, 0.020), (0.200, 0.010), step_s=0.220))
+    assert d.split is not None and d.split.weights == pytest.approx((31 / 32, 1 / 32))
+    assert "220.0 -> 201.2 ms" in d.reason  # replica 1's 220 ms of work less 15 samples at 1.25 ms
+
+
+def test_without_update_times_or_step_time_the_split_follows_the_speeds() -> None:
+    w = _window(10, (0.010, 0.020))
+    assert ReplicaWindow(w.step, w.samples, w.compute_s, EVEN, update_s=((0.02,), (0.01,))).replica_slack_s() is None
+    d = EscalationLadder(patience=1).decide(w)
+    assert d.split is not None and d.split.weights == pytest.approx((2 / 3, 1 / 3)) and "waits" not in d.reason
+
+
 def test_stage_count_rung_says_what_to_do() -> None:
     d = EscalationLadder.stage_count_decision(50, 2, 1, "predicted time to accuracy 10 s vs 14 s")
     assert d.rung == "change_stages" and d.num_stages == 1
@@ -100,13 +192,23 @@ def test_stage_count_rung_says_what_to_do() -> None:
 def test_ladder_and_window_refuse_bad_inputs() -> None:
     with pytest.raises(ConfigurationError, match="patience >= 1"):
         EscalationLadder(patience=0)
+    with pytest.raises(ConfigurationError, match="rollback_tolerance=1.5"):
+        EscalationLadder(rollback_tolerance=1.5)
     with pytest.raises(ConfigurationError, match="one entry per replica"):
         ReplicaWindow(1, (16.0,), ((0.01,), (0.01,)), EVEN)
 
 
 def test_replica_window_takes_each_replicas_slowest_stage() -> None:
     w = replica_window(5, (16, 16), [(0, 0, 0.01), (0, 1, 0.03), (1, 0, 0.02), (1, 1, 0.01)], EVEN, 2)
-    assert w.replica_compute_s() == (0.03, 0.02)
+    assert w.replica_compute_s() == (0.03, 0.02) and w.replica_slack_s() is None
+
+
+def test_a_replicas_slack_is_its_smallest_wait_over_its_stages() -> None:
+    updates = [(0, 0, 0.030), (0, 1, 0.015), (1, 0, 0.010), (1, 1, 0.012)]
+    w = replica_window(5, (16, 16), [(0, 0, 0.01), (0, 1, 0.01), (1, 0, 0.02), (1, 1, 0.02)], EVEN, 2,
+                       step_s=0.05, update_s_by_rank=updates)  # fmt: skip
+    # stage 0: replica 0 waited 20 ms longer; stage 1: 3 ms: replica 0 can take 3 ms more work, not 20
+    assert w.replica_slack_s() == pytest.approx((0.003, 0.0))
 
 
 # ---------------------------------------------------------------------------------------------- the wiring
