@@ -10,7 +10,10 @@ the engine's (:class:`~lightning_dynpipe.engine.shard.StageShard`,
 from __future__ import annotations
 
 import gc
+import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
@@ -114,6 +117,46 @@ class _CollectingForkLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         torch.set_num_threads(1)
         super()._wrapping_function(process_idx, *args, **kwargs)
+
+
+log = logging.getLogger(__name__)
+_LAUNCHER_EXIT_GRACE_S = 30.0
+
+
+def _let_the_launching_process_fail(children: list[Any], grace_s: float = _LAUNCHER_EXIT_GRACE_S) -> bool:
+    """After an exception in the process that launched the others (popen launcher), let it end as failed Python
+    programs do (traceback, exit code 1), or let the user's script go on, instead of being killed with SIGKILL.
+    Returns whether Lightning's observer was found and stopped.
+
+    Lightning's child-process observer (a thread of the launching process, polling every 5 s) sends SIGKILL to
+    the launching process itself as soon as a child has exited with a non-zero code, to avoid orphans. After a
+    failure the children end by design (they are told of it and raise), so a launching process still running
+    then (its teardown, or the user's code after the failed ``fit``) died with exit -9 and no traceback. This
+    stops the observer from acting and keeps its guarantee against orphans: ``grace_s`` after the exception, a
+    child still running is killed (a child ends itself within 15 s of learning of the failure, see
+    :class:`~lightning_dynpipe.engine.p2p.FailureHandler`).
+    """
+    if not children:
+        return False
+    try:  # private to Lightning; without it nothing kills this process early and there is nothing to do
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:  # pragma: no cover - another Lightning layout
+        return False
+    observers = [t for t in threading.enumerate() if isinstance(t, _ChildProcessObserver)]
+    for observer in observers:
+        observer._child_processes = []  # its next poll finds no failed child and ends the thread
+
+    def _kill_survivors() -> None:
+        for proc in children:
+            if proc.poll() is None:
+                log.warning("DynPipe: rank process %d still running %.0f s after the failure: killing it", proc.pid,
+                            grace_s)  # fmt: skip
+                proc.send_signal(signal.SIGKILL)
+
+    timer = threading.Timer(grace_s, _kill_survivors)
+    timer.daemon = True  # the process ending on its own ends the timer
+    timer.start()
+    return bool(observers)
 
 
 class DynPipeStrategy(DDPStrategy):
@@ -1019,6 +1062,8 @@ class DynPipeStrategy(DDPStrategy):
         # (Not on Ctrl-C: Lightning's launcher kills the other processes itself.)
         if self.stage is not None and not isinstance(exception, KeyboardInterrupt):
             self.stage.failure.local_failure(exception)
+            # the launching process ends with its traceback and exit code 1, not Lightning's SIGKILL
+            _let_the_launching_process_fail(getattr(self._launcher, "procs", None) or [])
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown

@@ -1,6 +1,10 @@
 """A 2-stage fit (popen launcher) in which one stage fails at step 3, or (``long``) that trains until interrupted.
 
-Usage: python failing_fit.py {last-exception,first-exception,first-sigkill,long}
+Usage: python failing_fit.py {last-exception,last-exception-slow-exit,first-exception,first-sigkill,long}
+
+``last-exception-slow-exit``: as ``last-exception``, and the script goes on after ``fit`` raised (as a script
+that cleans up or logs would) until the other rank has ended, plus 6 s, before it re-raises: Lightning's
+child-process observer, which polls every 5 s, sees the other rank's exit code 1 while this process still runs.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as L
@@ -44,7 +49,7 @@ class FailingNet(TinyNet):
             self.pipeline.insert(0, Bomb())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.mode == "last-exception" and batch_idx == FAIL_STEP:
+        if self.mode.startswith("last-exception") and batch_idx == FAIL_STEP:
             raise ValueError("boom in training_step")
         return super().training_step(batch, batch_idx)
 
@@ -69,7 +74,10 @@ class AnnounceTraining(L.Callback):
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    callbacks: list[L.Callback] = {"first-sigkill": [KillStageZero()], "long": [AnnounceTraining()]}.get(mode, [])
+    callbacks: list[L.Callback] = {
+        "first-sigkill": [KillStageZero()],
+        "long": [AnnounceTraining()],
+    }.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
     epochs = 10_000 if mode == "long" else 2
     trainer = L.Trainer(
@@ -78,4 +86,14 @@ if __name__ == "__main__":
         strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
         **trainer_kwargs(callbacks=callbacks),
     )
-    trainer.fit(FailingNet(mode), loader())
+    try:
+        trainer.fit(FailingNet(mode), loader())
+    except Exception:
+        children = trainer.strategy.launcher.procs if trainer.strategy.launcher else []  # type: ignore[attr-defined]
+        if mode == "last-exception-slow-exit" and children:  # the launching process
+            deadline = time.monotonic() + 60
+            while any(p.poll() is None for p in children) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            print(f"the other ranks ended with {[p.returncode for p in children]}", flush=True)
+            time.sleep(6.0)
+        raise
