@@ -24,8 +24,8 @@ share; the **quota limit** is the same for a replica at exactly the quota's spee
 when a step has work that no split moves: the gradient all-reduce and the update, the framework's per-step and
 per-micro-batch work, reading the whole global batch (every replica reads it), all of it slowed on the throttled
 replica. The **measured limit** (even TTA over the best fixed split's) is what is left with them. The workload
-(global batch 1024) is one where the split-able forward and backward are most of the step; with 256 per step
-they are under half of it and the measured limit is about 1.25x (``--global-batch 256`` shows it).
+(global batch 1024) is one where the split-able forward and backward are most of the step; the smaller the
+global batch, the more of the step is work no split moves (``--global-batch`` measures another).
 
 Usage (from the repository root)::
 
@@ -111,7 +111,6 @@ def systems(cfg: Config, scenario: str) -> list[str]:
 
 def fixed_name(w0: float) -> str:
     return f"fixed-{w0:.2f}"
-
 
 
 def _data(cfg: Config, seed: int) -> tuple[torch.utils.data.TensorDataset, tuple[torch.Tensor, torch.Tensor]]:
@@ -318,7 +317,7 @@ def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str
         # the limit: a replica at `quota` of the other's speed, time proportional to the share
         nominal = (1 + cfg.quota) / (2 * cfg.quota) if scenario == "quota50" else 1.0
 
-        def share(limit_x: float) -> float:
+        def share(limit_x: float, ratio: float = ratio) -> float:
             return (ratio - 1) / (limit_x - 1) if limit_x > 1.05 else float("nan")  # no limit to speak of
 
         out[scenario] = {

@@ -345,9 +345,7 @@ class EscalationLadder:
         )
 
 
-def _proportional(
-    samples: Sequence[float], per_sample: Sequence[float]
-) -> tuple[ReplicaSplit, float, float]:
+def _proportional(samples: Sequence[float], per_sample: Sequence[float]) -> tuple[ReplicaSplit, float, float]:
     """Without update times: shares in proportion to the speeds, each replica's time taken as proportional to
     its share. Returns the target and the predicted slowest-replica compute now and under the target."""
     target = ReplicaSplit(speed_weights(samples, [n * p for n, p in zip(samples, per_sample)]))

@@ -84,8 +84,10 @@ def test_a_held_direction_is_tried_again_after_hold_checks() -> None:
     first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, EVEN, step_s=0.030))
     assert first.split is not None
     shares = tuple(float(x) for x in first.split.shares(32, 4))
-    assert "roll back" in ladder.decide(ReplicaWindow(20, shares, ((0.010,), (0.020,)), first.split, step_s=0.040)).reason
-    rungs = [ladder.decide(ReplicaWindow(30 + 10 * i, w.samples, w.compute_s, EVEN, step_s=0.030)).rung for i in range(3)]
+    back = ladder.decide(ReplicaWindow(20, shares, ((0.010,), (0.020,)), first.split, step_s=0.040))
+    assert "roll back" in back.reason
+    rungs = [ladder.decide(ReplicaWindow(30 + 10 * i, w.samples, w.compute_s, EVEN, step_s=0.030)).rung
+             for i in range(3)]  # fmt: skip
     assert rungs == ["keep", "keep", "resplit"]  # held for 2 checks, then the same re-split once more
 
 
