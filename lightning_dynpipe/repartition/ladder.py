@@ -229,7 +229,7 @@ class EscalationLadder:
             self._probed = None  # the interference that the probes answered has gone
         slack = window.replica_slack_s()
         if slack is None:
-            target, now_s, then_s = _proportional(window.samples, per_sample)
+            target, now_s, then_s = _proportional(window.samples, replica_s)
         else:
             target, now_s, then_s = _balanced_arrival(window.samples, per_sample, slack, window.step_s)
         gain = 1.0 - then_s / now_s
@@ -345,14 +345,13 @@ class EscalationLadder:
         )
 
 
-def _proportional(samples: Sequence[float], per_sample: Sequence[float]) -> tuple[ReplicaSplit, float, float]:
+def _proportional(samples: Sequence[float], compute_s: Sequence[float]) -> tuple[ReplicaSplit, float, float]:
     """Without update times: shares in proportion to the speeds, each replica's time taken as proportional to
     its share. Returns the target and the predicted slowest-replica compute now and under the target."""
-    target = ReplicaSplit(speed_weights(samples, [n * p for n, p in zip(samples, per_sample)]))
+    target = ReplicaSplit(speed_weights(samples, compute_s))
     total = sum(samples)
-    now_s = max(n * p for n, p in zip(samples, per_sample))
-    then_s = max(total * w * p for w, p in zip(target.weights, per_sample))
-    return target, now_s, then_s
+    then_s = max(total * w * t / n for w, t, n in zip(target.weights, compute_s, samples))
+    return target, max(compute_s), then_s
 
 
 def _balanced_arrival(
