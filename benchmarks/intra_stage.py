@@ -15,15 +15,14 @@ Scenarios:
             throttle; :class:`~lightning_dynpipe.interference.quota.CpuLimit`)
 ``none``    no interference: the speed-weighted split must change nothing
 
-Both systems train on the same global batches in the same order (every replica reads the same global batch;
-only the cut between the shares differs), and a sync update equals plain training's on the global batch, so
+Both systems train on the same global batches in the same order (every replica draws the same global batch
+and loads only its share; only the cut between the shares differs), and a sync update equals plain training's on the global batch, so
 both reach accuracy at the same step: the time to accuracy (TTA) differs only by the time per step. The
 **limit** is the best a split can do with the replicas' measured speeds ``s0 >= s1`` (samples per second of
 compute, from the even run): ``(s0 + s1) / (2 * s1)``, which assumes a replica's time is proportional to its
 share; the **quota limit** is the same for a replica at exactly the quota's speed, 1.5x at 50%. Neither holds
 when a step has work that no split moves: the gradient all-reduce and the update, the framework's per-step and
-per-micro-batch work, reading the whole global batch (every replica reads it), all of it slowed on the throttled
-replica. The **measured limit** (even TTA over the best fixed split's) is what is left with them. The workload
+per-micro-batch work, all of it slowed on the throttled replica. The **measured limit** (even TTA over the best fixed split's) is what is left with them. The workload
 (global batch 1024) is one where the split-able forward and backward are most of the step; the smaller the
 global batch, the more of the step is work no split moves (``--global-batch`` measures another).
 
@@ -409,7 +408,7 @@ TTA = training seconds to the first evaluation at or above {payload["config"]["t
 of per-seed TTA ratios. `measured limit`: median per-seed ratio of the even run's TTA to the best fixed split's
 (`replica_split=[w0, 1 - w0]` from the first step, w0 in {list(payload["config"].get("fixed_splits", []))};
 `best w0` per seed): what a split known in advance achieves, with the work no split moves (all-reduce, update,
-the framework's per-step work, reading the global batch) slowed on the throttled replica. `prop. limit`: the best
+the framework's per-step work) slowed on the throttled replica. `prop. limit`: the best
 split's speed-up from the even run's replica speeds if each replica's time were proportional to its share,
 `(s0 + s1) / (2 min(s0, s1))`; `quota limit`: the same for a replica at exactly the quota's speed, `(1 + q) / (2 q)`
 (1.5x at 50%). `of X`: `(ratio - 1) / (X - 1)`. `final w0`: replica 0's share at the end of the speed run.

@@ -8,12 +8,17 @@ import torch
 from torch import nn
 
 from lightning_dynpipe.engine.collectives import Collectives
+from lightning_dynpipe.engine.shares import check_cover, cover_row
 
 __all__ = ["average_replica_gradients"]
 
 
 def average_replica_gradients(
-    params: Sequence[nn.Parameter], coll: Collectives, num_replicas: int, samples: int | None = None
+    params: Sequence[nn.Parameter],
+    coll: Collectives,
+    num_replicas: int,
+    samples: int | None = None,
+    cover: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Replaces each parameter's ``.grad`` by its mean over the stage's replicas: one all-reduce of a flat buffer.
 
@@ -24,7 +29,12 @@ def average_replica_gradients(
     result is then the mean weighted by sample count, ``sum_d samples_d * grad_d / sum_d samples_d``: for a loss
     that is the mean over the samples of a per-sample loss, exactly the gradient of the mean over the union of
     the replicas' samples. The sample counts travel in the same all-reduce (one extra float). Every replica must
-    pass ``samples`` or none must.
+    pass ``samples`` or none must. Half-precision gradients are weighted and summed in float32 (a sample count
+    above 256 is not exact in bfloat16) and written back in their own dtype.
+
+    ``cover``: ``(replica, start, count, total)``, the slice of the global batch this replica's step trains on;
+    it travels in the same all-reduce (3 floats per replica) and :func:`~lightning_dynpipe.engine.shares.check_cover`
+    raises on every replica unless the slices tile the global batch. Passed with ``samples``.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -40,9 +50,14 @@ def average_replica_gradients(
     else:
         if samples < 1:
             raise ValueError(f"A replica's gradient must come from at least one sample; got samples={samples}.")
-        count = torch.full((1,), float(samples), dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([*(g.reshape(-1) * samples for g in grads), count])
+        acc = torch.float32 if grads[0].dtype in (torch.float16, torch.bfloat16) else grads[0].dtype
+        count = torch.full((1,), float(samples), dtype=acc, device=grads[0].device)
+        rows = [] if cover is None else [cover_row(cover[0], num_replicas, *cover[1:], like=count)]
+        flat = torch.cat([*(g.reshape(-1).to(acc) * samples for g in grads), count, *rows])
         coll.all_reduce_sum(flat)
+        if cover is not None:
+            check_cover(flat[-3 * num_replicas :], num_replicas)
+            flat = flat[: -3 * num_replicas]
         flat = flat[:-1] / flat[-1]
     offset = 0
     for g in grads:

@@ -59,6 +59,9 @@ class PipelineStage:
         failure: spreads a failure to the neighbouring stages.
         weigh_replicas: average the replicas' gradients weighted by their sample counts (set by the strategy
             when the global batch is split across the replicas, ``replica_split``) instead of by ``1/D``.
+        replica_cover: ``(replica, start, count, total)``: the slice of the global batch this replica's current
+            step trains on (set by the strategy with ``weigh_replicas``); every update's all-reduce checks that
+            the replicas' slices tile the global batch.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class PipelineStage:
         self.checkpoint_layers = frozenset(checkpoint_layers)
         self.lr_scale = lr_scale
         self.weigh_replicas = False
+        self.replica_cover: tuple[int, int, int, int] | None = None
         self.ties = tuple(ties)
         self.split_ties = split_ties(self.ties, shard.partition)
         self.slots = slots
@@ -207,8 +211,13 @@ class PipelineStage:
             params = [p for g in opt.param_groups for p in g["params"]]
             # an uneven replica split weighs each replica's gradient by its samples; an even one by 1/D
             samples = self.executor.update_samples if self.weigh_replicas else None
+            cover = self.replica_cover if self.weigh_replicas else None
             average_replica_gradients(
-                params, DistCollectives(self.groups.stage_dp, self.rank), self.topology.dp_size, samples=samples
+                params,
+                DistCollectives(self.groups.stage_dp, self.rank),
+                self.topology.dp_size,
+                samples=samples,
+                cover=cover,
             )
         if self.split_ties:  # every stage of the pipeline takes part, holder of a copy or not
             sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self._pipeline_collectives())

@@ -84,7 +84,8 @@ class DynPipeConfig:
             process (``False``: each process keeps its stage's layers).
         replica_split_mode: ``"off"`` (every replica reads its own batches through a distributed sampler),
             ``"even"``, ``"fixed"`` (``replica_weights``) or ``"speed"`` (re-split by measured speed through the
-            escalation ladder): every replica reads the same global batch and trains on its share of it.
+            escalation ladder): every replica draws the same global batch and trains on (with a plain DataLoader,
+            loads only) its share of it.
         replica_weights: the fixed relative weights of the replicas (``"fixed"`` only).
         ladder: the escalation ladder (``"speed"`` only).
     """

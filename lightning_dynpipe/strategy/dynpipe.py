@@ -31,7 +31,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
@@ -49,6 +49,7 @@ from lightning_dynpipe.engine.materialize import (
 )
 from lightning_dynpipe.engine.microbatch import batch_fingerprint, batch_len, take_share
 from lightning_dynpipe.engine.shard import Placeholder
+from lightning_dynpipe.engine.shares import IssuedShare, ShareBatchSampler, share_reading_dataloader
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
@@ -325,8 +326,10 @@ class DynPipeStrategy(DDPStrategy):
             replica_samples=self._current_replica_samples,
             resplit=self.set_replica_split,
         )
-        self._split: ReplicaSplit | None = None  # the replica split in use (None: replica_split off, or dp=1)
+        self._split: ReplicaSplit | None = None  # the split of new batches (None: replica_split off, or dp=1)
         self._pending_split: ReplicaSplit | None = None
+        self._trained_split: ReplicaSplit | None = None  # the split of the batch in training
+        self._share_sampler: ShareBatchSampler | None = None  # reads only this replica's share of each batch
         self._last_shares: tuple[int, ...] = ()
         self.resplits: list[tuple[int, ReplicaSplit, ReplicaSplit]] = []  # (step, old, new) of every re-split
         self._planned_num_stages: int | None = None
@@ -380,9 +383,9 @@ class DynPipeStrategy(DDPStrategy):
 
     @property
     def replica_split(self) -> ReplicaSplit | None:
-        """The split of each global batch across the pipeline replicas in use (``None``: ``replica_split`` is off
-        or there is one replica)."""
-        return self._split
+        """The split of the global batch in training across the pipeline replicas (before the first step: the
+        starting split; ``None``: ``replica_split`` is off or there is one replica)."""
+        return self._trained_split or self._split
 
     @property
     def replica_shares(self) -> tuple[int, ...]:
@@ -396,12 +399,21 @@ class DynPipeStrategy(DDPStrategy):
         return self._last_shares
 
     def set_replica_split(self, weights: ReplicaSplit | list[float] | tuple[float, ...]) -> None:
-        """Splits the global batches across the pipeline replicas by ``weights`` from the next training step on.
+        """Splits the global batches across the pipeline replicas by ``weights`` from the next global batch the
+        dataloader draws on.
+
+        Where each replica reads only its share (a plain ``DataLoader``, the default), the batches the dataloader
+        has drawn already keep their split: without workers a call from any hook of step ``t`` splits step
+        ``t + 1`` on (step ``t``'s batch is drawn before its first hook); dataloader workers draw
+        ``num_workers x prefetch_factor`` batches ahead, and a dataloader without a length one more (Lightning's
+        prefetch). Where every replica reads the whole global batch, the next step that starts takes it (step
+        ``t`` itself from ``on_train_batch_start``). :attr:`replica_split` and :attr:`resplits` report the split
+        each step trained on.
 
         Call it with the same ``weights`` on every rank (the adaptive loop does, from the monitor's gathered
         measurements). No drain and no restart: micro-batches in flight keep the sample counts they were split
         with, so each update's weighting stays exact, and the sample order of the epoch does not change (every
-        replica reads the same global batches; only the cut between the shares moves).
+        replica draws the same global batches; only the cut between the shares moves).
 
         Example::
 
@@ -674,6 +686,7 @@ class DynPipeStrategy(DDPStrategy):
         assert self.stage is not None
         mode, dp = self.config.replica_split_mode, self.topology.dp_size
         self._split, self._pending_split, self._last_shares = None, None, ()
+        self._trained_split, self._share_sampler = None, None
         self.stage.weigh_replicas = False
         if mode == "off" or not fitting:
             return
@@ -685,9 +698,25 @@ class DynPipeStrategy(DDPStrategy):
         self._split = ReplicaSplit(weights) if weights is not None else ReplicaSplit.even(dp)
         self.stage.weigh_replicas = True
         rank_zero_info(
-            f"DynPipe: replica_split={mode!r}: every replica reads the same global batch (the dataloader's "
+            f"DynPipe: replica_split={mode!r}: every replica draws the same global batches (the dataloader's "
             f"batch_size) and trains on its share, weights {self._split}; gradients averaged by sample count."
         )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # With a replica split each replica loads only its share of every global batch (engine/shares.py).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._split is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        rebuilt, sampler, why_not = share_reading_dataloader(dataloader, self.dp_rank, _ReplicaShares(self))
+        if sampler is None:
+            rank_zero_info(
+                f"DynPipe: replica_split: every replica loads the whole global batch and keeps its share: the "
+                f"training dataloader cannot be rebuilt to load shares only ({why_not})."
+            )
+            return dataloader
+        self._share_sampler = sampler
+        return rebuilt
 
     def _install_callbacks(self, trainer: Trainer, fitting: bool) -> None:
         """Metrics rebinding and what the strategy adds to the Trainer; for fits the monitor and adaptive loop."""
@@ -745,11 +774,7 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pending_split is not None:
-            old, self._split, self._pending_split = self._split, self._pending_split, None
-            assert old is not None
-            step = self._lm.trainer.global_step
-            self.resplits.append((step, old, self._split))
-            rank_zero_info(f"DynPipe re-split at step {step}: replica weights {old} -> {self._split}")
+            self._split, self._pending_split = self._pending_split, None
         if self._pending_partition is not None:
             new, self._pending_partition = self._pending_partition, None
             self._migrate(new, step=self._lm.trainer.global_step)
@@ -801,32 +826,54 @@ class DynPipeStrategy(DDPStrategy):
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         assert self.executor is not None
         self._step_logs.reset()
-        if self._split is not None:  # this replica's share of the global batch
-            if self._batch_idx == 0 or not self._last_shares:
-                self._check_same_global_batch(batch)
-            n = batch_len(batch) or 0
-            shares = self._split.shares(n, self.num_microbatches)
-            d = self.dp_rank
-            batch = take_share(batch, sum(shares[:d]), shares[d])
-            self._last_shares = shares
+        if self._split is not None:
+            batch = self._replica_share(batch)
         with self.precision_plugin.train_step_context():
             loss = self.executor.train_step(batch)
         return torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
 
-    def _check_same_global_batch(self, batch: Any) -> None:
-        """Refuses replicas that read different global batches (first step of each epoch; one tiny all-reduce).
+    def _replica_share(self, batch: Any) -> Any:
+        """This replica's share of the global batch in training; records which slice of it the step trains on."""
+        assert self._split is not None and self.stage is not None
+        d = self.dp_rank
+        issued = self._share_sampler.pop() if self._share_sampler is not None else None
+        if issued is None:  # the whole global batch was loaded: keep this replica's share
+            if self._batch_idx == 0 or not self._last_shares:
+                self._check_same_global_batch(batch_fingerprint(batch), "batches")
+            split, shares = self._split, self._split.shares(batch_len(batch) or 0, self.num_microbatches)
+            issued = IssuedShare(shares, d, split)
+            batch = take_share(batch, issued.start, issued.count)
+        else:  # the dataloader loaded only this replica's share
+            if issued.fingerprint is not None:
+                self._check_same_global_batch(issued.fingerprint, "sample indices")
+            if batch_len(batch) != issued.count:
+                raise RuntimeError(
+                    f"The batch of training step {self._batch_idx} holds {batch_len(batch)} samples, but replica {d} "
+                    f"drew {issued.count} of its global batch of {issued.total}: the batch does not come from the "
+                    "training dataloader's draw in order. Do not fetch training batches outside the training loop."
+                )
+        if self._trained_split is not None and issued.split != self._trained_split:
+            step = self._lm.trainer.global_step
+            self.resplits.append((step, self._trained_split, issued.split))
+            rank_zero_info(f"DynPipe re-split at step {step}: replica weights {self._trained_split} -> {issued.split}")
+        self._trained_split, self._last_shares = issued.split, issued.shares
+        self.stage.replica_cover = (d, issued.start, issued.count, issued.total)
+        return batch
 
-        The shares of a split cover every sample once only if every replica reads the same global batch; Lightning's
-        sampler gives them the same order when every process has the same seed (``PL_GLOBAL_SEED``).
+    def _check_same_global_batch(self, fp: float, what: str) -> None:
+        """Refuses replicas that draw different global batches (first step of each pass; one tiny all-reduce).
+
+        The shares of a split cover every sample once only if every replica draws the same global batch; Lightning's
+        sampler gives them the same order when every process has the same seed (``PL_GLOBAL_SEED``). ``fp``: this
+        replica's fingerprint of the global batch's ``what``.
         """
         assert self.stage is not None
-        fp = batch_fingerprint(batch)
         both = torch.tensor([fp, -fp], dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.stage.groups.stage_dp)
         if both[0].item() != -both[1].item():
             raise ConfigurationError(
-                f"replica_split needs every pipeline replica to read the same global batch, but at batch "
-                f"{self._batch_idx} the replicas' batches differ (checksums between {-both[1].item():.6g} and "
+                f"replica_split needs every pipeline replica to draw the same global batch, but at batch "
+                f"{self._batch_idx} the replicas' {what} differ (checksums between {-both[1].item():.6g} and "
                 f"{both[0].item():.6g}). Give every process the same seed (seed_everything(n) before the Trainer) "
                 "and a dataloader that does not depend on the rank, or use replica_split=None."
             )
@@ -1087,7 +1134,8 @@ class DynPipeStrategy(DDPStrategy):
         self.additions.remove(trainer, self.lightning_module)
         self.adaptation.detach(trainer)
         self.stage = None
-        self._split = self._pending_split = None
+        self._split = self._pending_split = self._trained_split = None
+        self._share_sampler = None
         self._planned_num_stages = None
         self._topology = None
         super().teardown()
@@ -1117,3 +1165,26 @@ class DynPipeStrategy(DDPStrategy):
         state = super().__getstate__()
         state["stage"] = None  # process groups and threads do not travel
         return state
+
+
+class _ReplicaShares:
+    """The strategy as the :class:`~lightning_dynpipe.engine.shares.ShareSource` of its training dataloader."""
+
+    def __init__(self, strategy: DynPipeStrategy) -> None:
+        self._strategy = strategy
+
+    def reads_shares(self, sampler: ShareBatchSampler) -> bool:
+        # Only the sole training dataloader, as the loop holds it: with several (a CombinedLoader) every replica
+        # loads whole batches and keeps its share of each, as before.
+        s = self._strategy
+        module = s.lightning_module
+        if s._split is None or module is None or sampler is not s._share_sampler:
+            return False
+        current = module.trainer.train_dataloader
+        return getattr(current, "batch_sampler", None) is sampler
+
+    def next_shares(self, batch_size: int) -> tuple[tuple[int, ...], ReplicaSplit]:
+        s = self._strategy
+        split = s._pending_split or s._split
+        assert split is not None
+        return split.shares(batch_size, s.num_microbatches), split

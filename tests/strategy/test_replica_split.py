@@ -1,15 +1,17 @@
-"""Uneven replica splits through Lightning (replica_split): every replica reads the same global batches (the
+"""Uneven replica splits through Lightning (replica_split): every replica draws the same global batches (the
 strategy's sampler kwargs, with Lightning's sampler injection on) and trains on its share of each.
 
 One run per layout, each combining its checks (every run costs 10-20 s of spawn):
 
-* devices=2, num_stages=1, sync, gradient clipping, replica_split="speed" (an eager escalation ladder): set to
-  3:1 by hand before step 1, then re-split by the ladder from the measured speeds (whatever they are), equals
-  plain single-process training on the global batches with the same clipping (1e-6);
-* devices=4, num_stages=2 (dp=2 x S=2), async, layers and replicas together: 3:1, layers 2-3 moved to stage 0
-  before step 2 (a drain), re-split to 1:3 before step 4 without a drain, equals the PipeDream replay whose
-  micro-batch i is the union of the replicas' micro-batches i, with the same repartition (1e-6); both replicas of
-  a stage hold the same weights after the move.
+* devices=2, num_stages=1, sync, gradient clipping, replica_split="speed" (an eager escalation ladder), a
+  DataLoader subclass (so every replica loads the whole global batch and keeps its share): set to 3:1 by hand
+  before step 1, then re-split by the ladder from the measured speeds (whatever they are), equals plain
+  single-process training on the global batches with the same clipping (1e-6);
+* devices=4, num_stages=2 (dp=2 x S=2), async, layers and replicas together, a plain DataLoader (each replica
+  loads only its share): 3:1, layers 2-3 moved to stage 0 before step 2 (a drain), re-split to 1:3 in step 3's
+  first hook, which the next batch drawn takes (step 4's), without a drain, equals
+  the PipeDream replay whose micro-batch i is the union of the replicas' micro-batches i, with the same
+  repartition (1e-6); both replicas of a stage hold the same weights after the move.
 
 A wrong weighting, a lost or repeated sample, or a share taken from the wrong place moves the weights by far more
 than the tolerance (tests/engine/test_replica_split.py shows the unweighted average failing).
@@ -40,8 +42,17 @@ N_SPEED = 336  # 14 steps: the ladder needs a window of MIN_SAMPLES steps after 
 CLIP = 0.5
 
 
+# steps between set_replica_split() in on_train_batch_start and the first step trained on the new split: 0 where
+# the whole global batch is loaded, 1 where only the share is (batch i was drawn before step i's hooks)
+LAG = {False: 0, True: 1}
+
+
+class WholeBatches(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader subclass: the strategy does not rebuild it, so every replica loads whole global batches."""
+
+
 class Resplit(L.Callback):
-    """Changes the split before the given batches; checks every rank's split and shares."""
+    """Changes the split before the given batches; checks every rank's split, shares and batch."""
 
     def __init__(
         self,
@@ -49,14 +60,19 @@ class Resplit(L.Callback):
         first: tuple[float, ...],
         ladder: bool = False,
         moves: dict[int, list[int]] | None = None,
+        shares_only: bool = True,
     ) -> None:
         self.plan, self.first, self.ladder, self.moves = plan, first, ladder, moves or {}
+        self.shares_only, self.lag = shares_only, LAG[shares_only]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         s = trainer.strategy
         assert isinstance(s, DynPipeStrategy)
         assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
-        assert batch[0].shape[0] == GLOBAL  # every replica reads the whole global batch
+        if not self.shares_only:
+            assert batch[0].shape[0] == GLOBAL  # every replica loads the whole global batch
+        else:  # only its share of the split this step trains on
+            assert batch[0].shape[0] == self._expected(i).shares(GLOBAL, M)[s.dp_rank]
         if i in self.plan:
             s.set_replica_split(list(self.plan[i]))
         if i in self.moves:
@@ -68,7 +84,7 @@ class Resplit(L.Callback):
         if self.ladder:  # the ladder's splits come from measurements: check the shares follow the split in use
             assert s.replica_shares == s.replica_split.shares(GLOBAL, M)
             return
-        expected = ReplicaSplit(self.plan[max(k for k in self.plan if k <= i)] if i >= min(self.plan) else self.first)
+        expected = self._expected(i)
         assert s.replica_split == expected, (i, s.replica_split, expected)
         assert s.replica_shares == expected.shares(GLOBAL, M)
         if i in self.moves:  # both replicas of this stage moved the same layers and hold the same weights
@@ -77,14 +93,18 @@ class Resplit(L.Callback):
             both = s.all_gather(flat)
             assert torch.equal(both[0], both[1])
 
+    def _expected(self, i: int) -> ReplicaSplit:
+        started = [k for k in self.plan if k + self.lag <= i]
+        return ReplicaSplit(self.plan[max(started)] if started else self.first)
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
         assert isinstance(s, DynPipeStrategy)
         steps = [step for step, _, _ in s.resplits]
         if not self.ladder:
-            assert steps == sorted(self.plan)
+            assert steps == [k + self.lag for k in sorted(self.plan)]
             return
-        assert steps[: len(self.plan)] == sorted(self.plan)
+        assert steps[: len(self.plan)] == [k + self.lag for k in sorted(self.plan)]
         rungs = [d.rung for d in s.adaptation.ladder_decisions]
         # every re-split the ladder decided was applied at the next step, except one decided by the check that
         # completes at the end of fit, after the last step
@@ -132,14 +152,16 @@ def _fit(
         strategy=strategy,
         **trainer_kwargs(callbacks=[callback], use_distributed_sampler=True, **kw),
     )
-    trainer.fit(model, DataLoader(dataset(n), batch_size=GLOBAL, shuffle=False))
+    loader = DataLoader if callback.shares_only else WholeBatches
+    trainer.fit(model, loader(dataset(n), batch_size=GLOBAL, shuffle=False))
 
 
 @pytest.mark.multiprocess
 def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
-    _fit(model, 2, 1, "sync", Resplit({1: (3.0, 1.0)}, (1.0, 1.0), ladder=True), n=N_SPEED, gradient_clip_val=CLIP)
+    callback = Resplit({1: (3.0, 1.0)}, (1.0, 1.0), ladder=True, shares_only=False)
+    _fit(model, 2, 1, "sync", callback, n=N_SPEED, gradient_clip_val=CLIP)
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
     for x, y in _global_batches(N_SPEED):
         opt.zero_grad()
@@ -154,9 +176,10 @@ def test_sync_speed_splits_equal_plain_training_with_clipping() -> None:
 def test_async_dp2_x_s2_uneven_split_changed_mid_run_equals_the_replay() -> None:
     model = TinyNet()
     ref = copy.deepcopy(model)
-    plan, first, moves = {4: (1.0, 3.0)}, (3.0, 1.0), {2: [4, 1]}
+    plan, first, moves = {3: (1.0, 3.0)}, (3.0, 1.0), {2: [4, 1]}
     _fit(model, 4, 2, "async", Resplit(plan, first, moves=moves))
-    batches, splits = _global_batches(), _splits(plan, first, N // GLOBAL)
+    trained = {k + LAG[True]: v for k, v in plan.items()}
+    batches, splits = _global_batches(), _splits(trained, first, N // GLOBAL)
     by_step = {id(b): s for b, s in zip(batches, splits)}
 
     def union(batch: Any) -> list[Any]:
