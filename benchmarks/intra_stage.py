@@ -15,16 +15,17 @@ Scenarios:
             throttle; :class:`~lightning_dynpipe.interference.quota.CpuLimit`)
 ``none``    no interference: the speed-weighted split must change nothing
 
-Both systems train on the same global batches in the same order (every replica draws the same global batch
-and loads only its share; only the cut between the shares differs), and a sync update equals plain training's on the global batch, so
-both reach accuracy at the same step: the time to accuracy (TTA) differs only by the time per step. The
-**limit** is the best a split can do with the replicas' measured speeds ``s0 >= s1`` (samples per second of
-compute, from the even run): ``(s0 + s1) / (2 * s1)``, which assumes a replica's time is proportional to its
-share; the **quota limit** is the same for a replica at exactly the quota's speed, 1.5x at 50%. Neither holds
-when a step has work that no split moves: the gradient all-reduce and the update, the framework's per-step and
-per-micro-batch work, all of it slowed on the throttled replica. The **measured limit** (even TTA over the best fixed split's) is what is left with them. The workload
-(global batch 1024) is one where the split-able forward and backward are most of the step; the smaller the
-global batch, the more of the step is work no split moves (``--global-batch`` measures another).
+Both systems train on the same global batches in the same order (every replica draws the same global batch and
+loads only its share; only the cut between the shares differs), and a sync update equals plain training's on the
+global batch, so both reach accuracy at the same step: the time to accuracy (TTA) differs only by the time per
+step. The **limit** is the best a split can do with the replicas' measured speeds ``s0 >= s1`` (samples per second
+of compute, from the even run): ``(s0 + s1) / (2 * s1)``, which assumes a replica's time is proportional to its
+share; the **quota limit** is the same for a replica at exactly the quota's speed, 1.5x at 50%. Neither holds when
+a step has work that no split moves: the gradient all-reduce and the update, the framework's per-step and per-
+micro-batch work, all of it slowed on the throttled replica. The **measured limit** (even TTA over the best fixed
+split's) is what is left with them. The workload (global batch 1024) is one where the split-able forward and
+backward are most of the step; the smaller the global batch, the more of the step is work no split moves
+(``--global-batch`` measures another).
 
 Usage (from the repository root)::
 
@@ -91,7 +92,7 @@ class Config:
     width: int = 512
     depth: int = 3
     target_acc: float = 0.92
-    fixed_splits: tuple[float, ...] = (0.7, 0.8, 0.9)  # replica 0's share in the fixed-split runs
+    fixed_splits: tuple[float, ...] = (0.7, 0.8, 0.9, 0.95)  # replica 0's share in the fixed-split runs
     eval_every: int = 10
     monitor_every: int = 10
     quota: float = 0.5

@@ -141,6 +141,10 @@ class EscalationLadder:
             spent also slows the all-reduce and the update that follow it.
         probe_min_speed_ratio: probe only when the fastest replica computes a sample at least this many times
             faster than the slowest (interference, not a noisy machine).
+        probe_growth: after a kept probe the next one moves this many times as much of the batch (a line search
+            that expands while it pays; a rolled-back probe starts again from ``probe``; 1: fixed-size probes).
+            A small step near the best split gains less than a window's noise, so fixed-size probes stall short of
+            it; a larger one is judged on a larger difference.
 
     **Where the split goes.** With the replicas' update times in the window (the strategy supplies them), the
     target is the split at which every replica reaches the gradient all-reduce at the same moment: a replica's
@@ -163,12 +167,14 @@ class EscalationLadder:
     hold_checks: int = 5
     probe: float = 0.05
     probe_min_speed_ratio: float = 1.5
+    probe_growth: float = 2.0
     decisions: list[LadderDecision] = field(default_factory=list, init=False, repr=False)
     _streak: int = field(default=0, init=False, repr=False)
     _last: tuple[ReplicaSplit, ReplicaSplit, float, bool] | None = field(default=None, init=False, repr=False)
     _hold: tuple[ReplicaSplit, tuple[float, ...]] | None = field(default=None, init=False, repr=False)
     _held_for: int = field(default=0, init=False, repr=False)
     _probed: tuple[float, ...] | None = field(default=None, init=False, repr=False)  # direction of kept probes
+    _probe_size: float = field(default=0.0, init=False, repr=False)  # the next probe's move (0: ``probe``)
 
     def __post_init__(self) -> None:
         if (
@@ -179,11 +185,12 @@ class EscalationLadder:
             or not (0 <= self.probe < 0.5)
             or self.probe_min_speed_ratio < 1
             or self.hold_checks < 0
+            or not (math.isfinite(self.probe_growth) and self.probe_growth >= 1)
         ):
             raise ConfigurationError(
                 f"EscalationLadder needs 0 <= min_gain < 1, patience >= 1, 0 <= min_change < 1 and 0 <= "
-                f"rollback_tolerance < 1, 0 <= probe < 0.5, probe_min_speed_ratio >= 1 and hold_checks >= 0; "
-                f"got hold_checks={self.hold_checks}, min_gain="
+                f"rollback_tolerance < 1, 0 <= probe < 0.5, probe_min_speed_ratio >= 1, hold_checks >= 0 and "
+                f"probe_growth >= 1; got probe_growth={self.probe_growth}, hold_checks={self.hold_checks}, min_gain="
                 f"{self.min_gain}, patience={self.patience}, min_change={self.min_change}, rollback_tolerance="
                 f"{self.rollback_tolerance}, probe={self.probe}, probe_min_speed_ratio={self.probe_min_speed_ratio}."
             )
@@ -206,6 +213,7 @@ class EscalationLadder:
             limit_s = before_s if probed else before_s * (1.0 + self.rollback_tolerance)
             if window.step_s > limit_s:  # back, and no further that way
                 self._hold = (old, tuple(b - a for a, b in zip(old.weights, new.weights)))
+                self._probe_size = 0.0
                 self._held_for = 0
                 self._streak = 0
                 return self.record(
@@ -220,6 +228,7 @@ class EscalationLadder:
                 )
             if probed:  # it paid: the arrival target must not pull the split back while the interference lasts
                 self._probed = tuple(b - a for a, b in zip(old.weights, new.weights))
+                self._probe_size = max(abs(m) for m in self._probed) * self.probe_growth
         if self._hold is not None and self.hold_checks:
             self._held_for += 1
             if self._held_for > self.hold_checks:
@@ -227,6 +236,7 @@ class EscalationLadder:
         per_sample = [t / n for t, n in zip(replica_s, window.samples)]
         if self._probed is not None and max(per_sample) < self.probe_min_speed_ratio * min(per_sample):
             self._probed = None  # the interference that the probes answered has gone
+            self._probe_size = 0.0
         slack = window.replica_slack_s()
         if slack is None:
             target, now_s, then_s = _proportional(window.samples, replica_s)
@@ -310,10 +320,13 @@ class EscalationLadder:
         if per_sample[slow] < self.probe_min_speed_ratio * per_sample[fast]:
             return None
         weights = list(window.split.weights)
-        if (weights[slow] - self.probe) * sum(window.samples) < 1.0:
-            return None
-        weights[slow] -= self.probe
-        weights[fast] += self.probe
+        size = max(self._probe_size, self.probe)
+        while (weights[slow] - size) * sum(window.samples) < 1.0:  # leave the slow replica a sample at least
+            size /= 2.0
+            if size < self.probe:
+                return None
+        weights[slow] -= size
+        weights[fast] += size
         if self._hold is not None and window.split == self._hold[0]:
             move = [b - a for a, b in zip(window.split.weights, weights)]
             if sum(m * h for m, h in zip(move, self._hold[1])) > 0:
@@ -326,6 +339,7 @@ class EscalationLadder:
         self._streak = 0
         self._last = self._hold = None
         self._probed = None
+        self._probe_size = 0.0
 
     def record(self, decision: LadderDecision) -> LadderDecision:
         """Keeps ``decision`` (also those of rungs 3 and 4 the caller took) and returns it."""

@@ -99,7 +99,7 @@ def _probe_window(step: int, split: ReplicaSplit, step_s: float) -> ReplicaWindo
 
 
 def test_from_equal_arrival_a_probe_further_is_kept_while_it_shortens_the_step() -> None:
-    ladder = EscalationLadder(patience=1, probe=0.05)
+    ladder = EscalationLadder(patience=1, probe=0.05, probe_growth=1.0)
     start = ReplicaSplit((0.75, 0.25))
     first = ladder.decide(_probe_window(10, start, step_s=0.060))
     assert first.rung == "resplit" and "probe" in first.reason and first.split is not None
@@ -113,6 +113,30 @@ def test_from_equal_arrival_a_probe_further_is_kept_while_it_shortens_the_step()
     assert third.rung == "resplit" and "roll back: probe" in third.reason and third.split == first.split
     fourth = ladder.decide(_probe_window(40, first.split, step_s=0.055))
     assert fourth.rung == "keep"
+
+
+def test_probes_expand_while_they_pay_and_start_small_again_after_a_rollback() -> None:
+    ladder = EscalationLadder(patience=1, probe=0.05)  # probe_growth 2
+    first = ladder.decide(_probe_window(10, ReplicaSplit((0.6, 0.4)), step_s=0.080))
+    assert first.split is not None and first.split.weights == pytest.approx((0.65, 0.35))
+    second = ladder.decide(_probe_window(20, first.split, step_s=0.075))  # kept: the next moves 0.10
+    assert second.split is not None and second.split.weights == pytest.approx((0.75, 0.25))
+    third = ladder.decide(_probe_window(30, second.split, step_s=0.070))  # kept: 0.20
+    assert third.split is not None and third.split.weights == pytest.approx((0.95, 0.05))
+    back = ladder.decide(_probe_window(40, third.split, step_s=0.072))  # not faster: back to 0.75
+    assert "roll back: probe" in back.reason and back.split == second.split
+    # the direction is held, then tried again with the first probe's size
+    rungs = [ladder.decide(_probe_window(50 + 10 * i, second.split, step_s=0.070)) for i in range(6)]
+    assert [d.rung for d in rungs] == ["keep"] * 5 + ["resplit"]
+    assert rungs[-1].split is not None and rungs[-1].split.weights == pytest.approx((0.80, 0.20))
+
+
+def test_an_expanded_probe_is_halved_to_leave_the_slow_replica_a_sample() -> None:
+    ladder = EscalationLadder(patience=1, probe=0.05)
+    first = ladder.decide(_probe_window(10, ReplicaSplit((0.85, 0.15)), step_s=0.080))
+    assert first.split is not None and first.split.weights == pytest.approx((0.90, 0.10))
+    second = ladder.decide(_probe_window(20, first.split, step_s=0.075))  # 0.10 would leave nothing: 0.05
+    assert second.split is not None and second.split.weights == pytest.approx((0.95, 0.05))
 
 
 def test_no_probe_when_the_replicas_compute_alike() -> None:
@@ -196,6 +220,8 @@ def test_ladder_and_window_refuse_bad_inputs() -> None:
         EscalationLadder(patience=0)
     with pytest.raises(ConfigurationError, match="rollback_tolerance=1.5"):
         EscalationLadder(rollback_tolerance=1.5)
+    with pytest.raises(ConfigurationError, match="probe_growth >= 1; got probe_growth=0.5"):
+        EscalationLadder(probe_growth=0.5)
     with pytest.raises(ConfigurationError, match="one entry per replica"):
         ReplicaWindow(1, (16.0,), ((0.01,), (0.01,)), EVEN)
 
