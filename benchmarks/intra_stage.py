@@ -244,7 +244,8 @@ def _run(system: str, scenario: str, cfg: Config, seed: int) -> dict[str, Any]:
         "train_s": rec.evals[-1]["train_s"] if rec.evals else None,
         "replicas": both,
         "resplits": [(step, str(old), str(new)) for step, old, new in strategy.resplits],
-        "ladder": [(d.step, d.reason) for d in strategy.adaptation.ladder_decisions if d.rung == "resplit"],
+        # every check that saw an imbalance: the spikes it ignored (with the signs of interference it saw) too
+        "ladder": [(d.step, d.rung, d.reason) for d in strategy.adaptation.ladder_decisions if d.rung != "keep"],
         "quota_backend": ",".join(p["quota_backend"] for p in both if p["quota_backend"]),
     }
 

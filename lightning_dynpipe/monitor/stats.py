@@ -32,6 +32,8 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 __all__ = [
+    "INTERFERENCE_SIGNS",
+    "interference_excess",
     "METRIC_NAMES",
     "PipelineSnapshot",
     "REPORT_LENGTH",
@@ -335,6 +337,49 @@ class StageSummary:
     def comm_overlap(self) -> float:
         """Share of incoming transfer time hidden behind compute (1 with no transfers)."""
         return 1.0 if not self.comm_s > 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
+
+
+def interference_excess(summaries: Sequence[StageSummary]) -> list[str] | None:
+    """For the replicas of one stage: what each one's system readings show beyond the least affected replica's.
+
+    A slowdown with a cause that lasts is visible in the readings: a cgroup CPU limit below one core (and below
+    the others'), other processes busy on its cores, its main thread runnable but waiting for a core, a throttled
+    GPU clock. Each counts only by how much it exceeds the replica that shows the least of it, so what every
+    replica shares says nothing about which one is slow: processes of the same job sharing cores, a process's
+    own threads competing with its main thread on a pinned core, CPU time the hypervisor steals from the whole
+    machine (not used at all). A replica slowed with no such excess (a noisy neighbour outside this machine's
+    view, a passing hiccup) gets ``""``. Thresholds: :data:`INTERFERENCE_SIGNS`. Returns ``None`` when a
+    summary has no system readings (no sampler, or a platform without them).
+    """
+    if not summaries or any(not s.cpu_share > 0 for s in summaries):
+        return None
+    t = INTERFERENCE_SIGNS
+    limits = [s.cpu_limit if s.cpu_limit is not None else math.inf for s in summaries]
+    others = [s.other_cpu_load or 0.0 for s in summaries]
+    waits = [s.run_queue_wait_share for s in summaries]
+    throttled = [(s.gpu_throttled or 0.0) >= t["gpu_throttled"] for s in summaries]
+    out = []
+    for i in range(len(summaries)):
+        signs = []
+        if limits[i] < t["cpu_limit"] and limits[i] < max(limits):
+            signs.append(f"cgroup CPU limit {limits[i]:.2f} cores")
+        if others[i] - min(others) >= t["other_cpu_load"]:
+            signs.append(f"other processes busy on its cores ({others[i]:.2f} cores)")
+        if waits[i] - min(waits) >= t["run_queue_wait_share"]:
+            signs.append(f"waiting for a core {waits[i]:.0%} of the time")
+        if throttled[i] and not all(throttled):
+            signs.append("GPU clock throttled")
+        out.append(", ".join(signs))
+    return out
+
+
+INTERFERENCE_SIGNS: dict[str, float] = {
+    "cpu_limit": 1.0,  # cores: a limit below one core throttles a stage's main thread
+    "other_cpu_load": 0.25,  # cores' worth of other processes' CPU time on its cores, beyond the least affected
+    "run_queue_wait_share": 0.30,  # share of the time its main thread waited for a core, beyond the least affected
+    "gpu_throttled": 0.5,  # median of NVML's throttle flag over the window
+}
+"""Thresholds of :func:`interference_excess` (medians over the monitor's window)."""
 
 
 class StageStatsAccumulator:

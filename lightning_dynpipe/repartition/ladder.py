@@ -3,15 +3,21 @@
 At every monitor check the ladder looks at each replica's measured speed and climbs only as far as it must:
 
 1. **ignore**: an imbalance seen in fewer than ``patience`` consecutive checks is taken to be short (a
-   spike) and left alone; nothing here predicts how long interference lasts, so persistence is the prediction;
+   spike) and left alone. Persistence is the prediction of how long interference lasts, weighed by its visible
+   cause on the replica that would give up samples: a CPU limit, another process on its cores, a wait for a
+   core or CPU stolen by the hypervisor last, so the ladder acts after ``explained_patience`` checks; with none
+   of them (a noisy neighbour outside this machine's view, a passing hiccup) the imbalance must persist for
+   ``unexplained_patience`` checks;
 2. **resplit**: one replica is slower than the others (interference on its devices): split each global batch
    across the replicas in proportion to their speeds. No drain, no transfer: it takes effect at the next step;
 3. **move_layers**: the replicas are balanced but a stage of every replica is slow: that is inter-stage
    imbalance, which only moving layers fixes; the :class:`~lightning_dynpipe.repartition.controller.
    AdaptiveController` (and its policy) decides whether the move pays;
 4. **change_stages**: the planner's best plan under the measured slowdowns has another number of stages; a
-   live migration cannot change ``S``, so the ladder says so (a restart from the partition-independent
-   checkpoint under that plan is the user's to make).
+   live migration cannot change ``S``, so the ladder says so, and where the user opts in
+   (``DynPipeStrategy(change_stages="restart")``) the strategy checkpoints, ends the fit and
+   :func:`~lightning_dynpipe.fit_with_restarts` continues from the partition-independent checkpoint under that
+   number of stages.
 
 Every decision carries its rung and its reason, so a user can see why it acted or did not.
 
@@ -55,6 +61,9 @@ class ReplicaWindow:
             so a replica that reached it early waits there longer: the difference to the stage's shortest update
             is that replica's slack, and it includes everything a replica does in a step, not only the compute
             the split moves.
+        causes: per replica, the visible signs of interference on its processes
+            (:meth:`~lightning_dynpipe.monitor.stats.StageSummary.interference_signs`; ``""``: none seen). Empty:
+            not reported, and every imbalance counts as explained.
     """
 
     step: int
@@ -63,6 +72,7 @@ class ReplicaWindow:
     split: ReplicaSplit
     step_s: float = math.nan
     update_s: tuple[tuple[float, ...], ...] = ()
+    causes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         D = len(self.samples)
@@ -73,6 +83,8 @@ class ReplicaWindow:
             )
         if self.update_s and len(self.update_s) != D:
             raise ConfigurationError(f"A ReplicaWindow needs update times for {D} replicas; got {len(self.update_s)}.")
+        if self.causes and len(self.causes) != D:
+            raise ConfigurationError(f"A ReplicaWindow needs causes for {D} replicas; got {len(self.causes)}.")
 
     def replica_compute_s(self) -> tuple[float, ...]:
         """Per replica, the compute time of its slowest stage: the stage that sets the replica's pace."""
@@ -124,9 +136,17 @@ class EscalationLadder:
     Args:
         min_gain: act on a replica imbalance only when the re-split is predicted to shorten the step by at least
             this fraction (the predicted step is the slowest replica's share times its measured time per sample).
-        patience: consecutive checks an imbalance must be seen in before the ladder acts on it. Once it has acted,
-            an imbalance that persists (the split is not yet right: a replica's time is not proportional to its
-            share when it has a fixed cost per step) is re-split at every check until the replicas are balanced.
+        patience: consecutive checks an imbalance must be seen in before the ladder acts on it, when the window
+            does not say what the replicas' processes saw (:attr:`ReplicaWindow.causes` empty: no system
+            readings). Once it has acted, an imbalance that persists (the split is not yet right: a replica's
+            time is not proportional to its share when it has a fixed cost per step) is re-split at every check
+            until the replicas are balanced.
+        explained_patience: the same when the replica that would give up samples shows a sign of interference
+            that lasts (a CPU quota, a co-located process, waits for a core): acting at the first check saves a
+            whole window at the old split.
+        unexplained_patience: the same when that replica shows no sign of interference. Two checks of the
+            monitor's default windows (20 steps, every 10) share half their steps, so a one-second slowdown of
+            one core, which a shared machine has without any job of its own on it, filled two of them in a row.
         min_change: ignore a new split whose weights differ from the current ones by less than this (a fraction
             of the global batch): measurement noise must not move samples back and forth.
         rollback_tolerance: the outcome check rolls a re-split back only when the step measured under it is
@@ -162,6 +182,8 @@ class EscalationLadder:
 
     min_gain: float = 0.10
     patience: int = 2
+    explained_patience: int = 1
+    unexplained_patience: int = 4
     min_change: float = 0.02
     rollback_tolerance: float = 0.05
     hold_checks: int = 5
@@ -180,6 +202,8 @@ class EscalationLadder:
         if (
             not (0 <= self.min_gain < 1)
             or self.patience < 1
+            or self.explained_patience < 1
+            or self.unexplained_patience < 1
             or not (0 <= self.min_change < 1)
             or not (0 <= self.rollback_tolerance < 1)
             or not (0 <= self.probe < 0.5)
@@ -188,10 +212,12 @@ class EscalationLadder:
             or not (math.isfinite(self.probe_growth) and self.probe_growth >= 1)
         ):
             raise ConfigurationError(
-                f"EscalationLadder needs 0 <= min_gain < 1, patience >= 1, 0 <= min_change < 1 and 0 <= "
-                f"rollback_tolerance < 1, 0 <= probe < 0.5, probe_min_speed_ratio >= 1, hold_checks >= 0 and "
-                f"probe_growth >= 1; got probe_growth={self.probe_growth}, hold_checks={self.hold_checks}, min_gain="
-                f"{self.min_gain}, patience={self.patience}, min_change={self.min_change}, rollback_tolerance="
+                f"EscalationLadder needs 0 <= min_gain < 1, patience, explained_patience and unexplained_patience "
+                f">= 1, 0 <= min_change < 1 and 0 <= rollback_tolerance < 1, 0 <= probe < 0.5, probe_min_speed_ratio "
+                f">= 1, hold_checks >= 0 and probe_growth >= 1; got probe_growth={self.probe_growth}, hold_checks="
+                f"{self.hold_checks}, min_gain={self.min_gain}, patience={self.patience}, explained_patience="
+                f"{self.explained_patience}, unexplained_patience={self.unexplained_patience}, min_change="
+                f"{self.min_change}, rollback_tolerance="
                 f"{self.rollback_tolerance}, probe={self.probe}, probe_min_speed_ratio={self.probe_min_speed_ratio}."
             )
 
@@ -295,30 +321,43 @@ class EscalationLadder:
                     )
                 )
         self._streak += 1  # not reset by a re-split: a persisting imbalance is refined at the next check
-        if self._streak < self.patience:
+        giver = min(range(len(target.weights)), key=lambda d: target.weights[d] - window.split.weights[d])
+        patience, cause = self.patience, ""
+        if window.causes:
+            sign = window.causes[giver]
+            if sign:
+                patience, cause = self.explained_patience, f"; replica {giver}: {sign}"
+            else:
+                patience, cause = self.unexplained_patience, f"; no sign of interference on replica {giver}"
+        if self._streak < patience:
             return self.record(
                 LadderDecision(
                     window.step,
                     "ignore",
-                    f"replica imbalance seen in {self._streak} of {self.patience} checks in a row, taken to be short: "
-                    f"{numbers}",
+                    f"replica imbalance seen in {self._streak} of {patience} checks in a row, taken to be short: "
+                    f"{numbers}{cause}",
                 )
             )
         if math.isfinite(window.step_s):
             self._last = (window.split, target, window.step_s, False)
         return self.record(
-            LadderDecision(window.step, "resplit", f"one replica is slower than the others: {numbers}", split=target)
+            LadderDecision(
+                window.step, "resplit", f"one replica is slower than the others: {numbers}{cause}", split=target
+            )
         )
 
     def _probe(self, window: ReplicaWindow, per_sample: Sequence[float]) -> ReplicaSplit | None:
         """The split ``probe`` further from the slowest replica to the fastest, or None (no interference to speak
-        of, a replica would be left with no sample, or a hold forbids that direction)."""
+        of or none visible on the slow replica, a replica would be left with no sample, or a hold forbids that
+        direction)."""
         if self.probe <= 0:
             return None
         slow = max(range(len(per_sample)), key=lambda d: per_sample[d])
         fast = min(range(len(per_sample)), key=lambda d: per_sample[d])
         if per_sample[slow] < self.probe_min_speed_ratio * per_sample[fast]:
             return None
+        if window.causes and not window.causes[slow]:
+            return None  # the slow replica shows no sign of interference: nothing to probe for
         weights = list(window.split.weights)
         size = max(self._probe_size, self.probe)
         while (weights[slow] - size) * sum(window.samples) < 1.0:  # leave the slow replica a sample at least
@@ -347,14 +386,21 @@ class EscalationLadder:
         return decision
 
     @staticmethod
-    def stage_count_decision(step: int, current_stages: int, best_stages: int, detail: str) -> LadderDecision:
-        """Rung 4, when the planner's best plan has ``best_stages != current_stages``."""
+    def stage_count_decision(
+        step: int, current_stages: int, best_stages: int, detail: str, restart: bool = False
+    ) -> LadderDecision:
+        """Rung 4, when the planner's best plan has ``best_stages != current_stages`` (``restart``: the strategy
+        is restarting under it, ``DynPipeStrategy(change_stages="restart")``)."""
+        what = (
+            f"ending the fit to continue with num_stages={best_stages}"
+            if restart
+            else f"restart from the checkpoint with num_stages={best_stages} to use it"
+        )
         return LadderDecision(
             step,
             "change_stages",
             f"the best plan under the measured slowdowns has {best_stages} stages, the pipeline runs "
-            f"{current_stages}; a live migration keeps the number of stages, so restart from the checkpoint with "
-            f"num_stages={best_stages} to use it ({detail})",
+            f"{current_stages}; a live migration keeps the number of stages, so {what} ({detail})",
             num_stages=best_stages,
         )
 
@@ -410,10 +456,19 @@ def replica_window(
     num_stages: int,
     step_s: float = math.nan,
     update_s_by_rank: Sequence[tuple[int, int, float]] = (),
+    causes_by_rank: Sequence[tuple[int, int, str]] = (),
 ) -> ReplicaWindow:
     """A :class:`ReplicaWindow` from ``(dp_rank, stage_idx, seconds)`` triples (one per process): the compute
-    times and, optionally, the update times (the gradient all-reduce included)."""
+    times and, optionally, the update times (the gradient all-reduce included) and each process's signs of
+    interference (a replica's causes: those of its stages, joined)."""
     D = split.num_replicas
+    causes: tuple[str, ...] = ()
+    if causes_by_rank:
+        per = [[] for _ in range(D)]  # type: list[list[str]]
+        for d, k, sign in sorted(causes_by_rank):
+            if sign:
+                per[d].append(f"stage {k}: {sign}" if num_stages > 1 else sign)
+        causes = tuple("; ".join(p) for p in per)
 
     def table(triples: Sequence[tuple[int, int, float]]) -> tuple[tuple[float, ...], ...]:
         rows = [[math.nan] * num_stages for _ in range(D)]
@@ -422,4 +477,6 @@ def replica_window(
         return tuple(tuple(r) for r in rows)
 
     updates = table(update_s_by_rank) if update_s_by_rank else ()
-    return ReplicaWindow(step, tuple(float(n) for n in samples), table(compute_s_by_rank), split, step_s, updates)
+    return ReplicaWindow(
+        step, tuple(float(n) for n in samples), table(compute_s_by_rank), split, step_s, updates, causes
+    )

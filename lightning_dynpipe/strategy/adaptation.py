@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
-from lightning_dynpipe.monitor.stats import PipelineSnapshot
+from lightning_dynpipe.monitor.stats import PipelineSnapshot, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.replicas import ReplicaSplit
@@ -48,6 +48,8 @@ class AdaptationWiring:
         replica_samples: returns each replica's share of the last global batch.
         resplit: queues a new replica split (the strategy's
             :meth:`~lightning_dynpipe.DynPipeStrategy.set_replica_split`).
+        restart: with ``change_stages="restart"``, checkpoints and ends the fit to continue under the given
+            number of stages (the strategy's ``_restart``); returns the checkpoint's path, or None when it did not.
 
     With ``replica_split="speed"`` every check climbs the escalation ladder
     (:class:`~lightning_dynpipe.repartition.ladder.EscalationLadder`): a short imbalance is ignored, a slow
@@ -66,6 +68,7 @@ class AdaptationWiring:
         replica_split: Callable[[], ReplicaSplit | None] = lambda: None,
         replica_samples: Callable[[], Sequence[int]] = tuple,
         resplit: Callable[[ReplicaSplit], None] | None = None,
+        restart: Callable[[int, str], str | None] | None = None,
     ) -> None:
         self.config = config
         self._partition = partition
@@ -75,6 +78,7 @@ class AdaptationWiring:
         self._replica_split = replica_split
         self._replica_samples = replica_samples
         self._resplit = resplit
+        self._restart = restart
         self.ladder: EscalationLadder | None = None
         self._hinted: set[int] = set()
         self.monitor: StageMonitor | None = None
@@ -155,10 +159,17 @@ class AdaptationWiring:
             best_s, other_s, here_s = hint
             detail = f"predicted time to accuracy {other_s:.3g} s vs {here_s:.3g} s with {partition.num_stages} stages"
             rung = EscalationLadder.stage_count_decision(step, partition.num_stages, best_s, detail)
+            restarted = None
+            if self.config.change_stages == "restart" and self._restart is not None and remaining > 0:
+                restarted = self._restart(best_s, str(rung))
+            if restarted is not None:
+                rung = EscalationLadder.stage_count_decision(
+                    step, partition.num_stages, best_s, f"{detail}; restarting from {restarted}", restart=True
+                )
             if self.ladder is not None:
                 self.ladder.record(rung)
             log.info("DynPipe adaptation: %s", rung)
-            if best_s not in self._hinted:  # warn once per number of stages, not at every check
+            if best_s not in self._hinted and restarted is None:  # warn once per number of stages
                 self._hinted.add(best_s)
                 rank_zero_warn(f"DynPipe adaptation: {rung}")
 
@@ -168,6 +179,7 @@ class AdaptationWiring:
         split, samples = self._replica_split(), tuple(self._replica_samples())
         if split is None or len(samples) != split.num_replicas:
             return "keep"
+        causes = _replica_causes(snapshot)
         window = replica_window(
             trainer.global_step,
             samples,
@@ -179,6 +191,8 @@ class AdaptationWiring:
             step_s=max((r.summary.step_s for r in snapshot.replicas), default=math.nan),
             # the update includes the gradient all-reduce: a replica that reached it early waited there longer
             update_s_by_rank=[(r.dp_rank, r.stage_idx, r.summary.optimizer_s) for r in snapshot.replicas],
+            # a slowdown with a visible cause is acted on sooner than one without (a passing hiccup)
+            causes_by_rank=causes,
         )
         decision = self.ladder.decide(window)
         log.info("DynPipe adaptation: %s", decision)
@@ -199,3 +213,16 @@ class AdaptationWiring:
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)
         self.monitor = self._own_monitor = None
+
+
+def _replica_causes(snapshot: PipelineSnapshot) -> list[tuple[int, int, str]]:
+    """Each process's signs of interference beyond the other replicas of its stage, as ``(dp_rank, stage_idx,
+    signs)``; empty when a process has no system readings (then every imbalance counts as explained)."""
+    out: list[tuple[int, int, str]] = []
+    for k in sorted({r.stage_idx for r in snapshot.replicas}):
+        reports = [r for r in snapshot.replicas if r.stage_idx == k]
+        excess = interference_excess([r.summary for r in reports])
+        if excess is None:
+            return []
+        out += [(r.dp_rank, k, sign) for r, sign in zip(reports, excess)]
+    return out

@@ -36,6 +36,8 @@ __all__ = [
     "CHECKPOINT_MODES",
     "ReplicaSplitMode",
     "REPLICA_SPLIT_MODES",
+    "ChangeStages",
+    "CHANGE_STAGES",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -48,6 +50,8 @@ CheckpointMode = Literal["full", "sharded"]
 CHECKPOINT_MODES: tuple[str, ...] = ("full", "sharded")
 ReplicaSplitMode = Literal["off", "even", "fixed", "speed"]
 REPLICA_SPLIT_MODES: tuple[str, ...] = ("even", "speed")
+ChangeStages = Literal["report", "restart"]
+CHANGE_STAGES: tuple[str, ...] = ("report", "restart")
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class DynPipeConfig:
             loads only) its share of it.
         replica_weights: the fixed relative weights of the replicas (``"fixed"`` only).
         ladder: the escalation ladder (``"speed"`` only).
+        change_stages: what the adaptive loop does when another number of stages is predicted to reach accuracy
+            sooner: ``"report"`` (a warning) or ``"restart"`` (checkpoint, end the fit, continue under that number
+            with :func:`~lightning_dynpipe.strategy.restart.fit_with_restarts`).
     """
 
     num_stages: int | None
@@ -112,6 +119,7 @@ class DynPipeConfig:
     replica_split_mode: ReplicaSplitMode = "off"
     replica_weights: tuple[float, ...] | None = None
     ladder: EscalationLadder | None = None
+    change_stages: ChangeStages = "report"
 
     @classmethod
     def from_arguments(
@@ -135,6 +143,7 @@ class DynPipeConfig:
         gather_after_fit: bool = True,
         start_method: str = "popen",
         replica_split: str | Sequence[float] | EscalationLadder | None = None,
+        change_stages: str = "report",
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -220,6 +229,7 @@ class DynPipeConfig:
             )
         mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         split_mode, weights, ladder = _replica_split(replica_split, monitor_every_n_steps)
+        _check_change_stages(change_stages, policy, split_mode)
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -243,6 +253,7 @@ class DynPipeConfig:
             replica_split_mode=split_mode,
             replica_weights=weights,
             ladder=ladder,
+            change_stages="restart" if change_stages == "restart" else "report",
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
@@ -324,3 +335,28 @@ def _replica_split(
             "Use e.g. [3, 1] for a replica three times as fast as the other."
         )
     return "fixed", tuple(float(w) for w in weights), None
+
+
+def _check_change_stages(value: str, policy: RepartitionPolicy | None, split_mode: ReplicaSplitMode) -> None:
+    """Validates ``change_stages``: a restart needs the adaptive loop, and must keep the global batch."""
+    if value not in CHANGE_STAGES:
+        raise ConfigurationError(
+            f"change_stages must be one of {list(CHANGE_STAGES)}; got {value!r}. 'report' warns when another number "
+            "of stages is predicted to reach accuracy sooner; 'restart' checkpoints and ends the fit so that "
+            "fit_with_restarts continues under that number."
+        )
+    if value != "restart":
+        return
+    if policy is None:
+        raise ConfigurationError(
+            "change_stages='restart' acts on the adaptive loop's predictions, but adaptive=False turns the loop off. "
+            "Keep adaptive on (the default), or use change_stages='report'."
+        )
+    if split_mode not in ("even", "speed"):
+        raise ConfigurationError(
+            f"change_stages='restart' changes the number of pipeline replicas along with the number of stages (the "
+            f"processes stay the same). With replica_split={'None' if split_mode == 'off' else 'fixed weights'}, "
+            "that changes the training: each replica reads its own batches, so the global batch would grow or shrink "
+            "with the replicas (and fixed weights name one weight per replica). Use replica_split='even' or 'speed': "
+            "every replica then reads the same global batch (the dataloader's batch_size) whatever their number."
+        )

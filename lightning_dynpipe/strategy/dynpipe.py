@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -79,6 +80,7 @@ from lightning_dynpipe.strategy.contract import (
 )
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 from lightning_dynpipe.strategy.logs import StepLogs
+from lightning_dynpipe.strategy.restart import RestartPlan
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
 
@@ -95,7 +97,26 @@ class MigrationRecord:
     pause_s: float
 
 
-class _CollectingForkLauncher(_MultiProcessingLauncher):
+class _DynPipeSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, also sending rank 0's :class:`RestartPlan` back to the launching process (its
+    strategy object is not the one that trained, so :func:`fit_with_restarts` would not see the plan otherwise)."""
+
+    @override
+    def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        plan = getattr(trainer.strategy, "restart_plan", None)
+        extra["dynpipe_restart_plan"] = plan.to_dict() if plan is not None else None
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        plan = extra.get("dynpipe_restart_plan")
+        if hasattr(trainer.strategy, "restart_plan"):
+            trainer.strategy.restart_plan = RestartPlan.from_dict(plan) if plan is not None else None
+
+
+class _CollectingForkLauncher(_DynPipeSpawnLauncher):
     """Lightning's fork launcher, made safe against two things a forked child inherits but cannot use.
 
     * Garbage: a ``ProcessGroupGloo`` left in a reference cycle by an earlier run in this process (a notebook's
@@ -248,6 +269,14 @@ class DynPipeStrategy(DDPStrategy):
             boundary by the escalation ladder; pass an
             :class:`~lightning_dynpipe.repartition.ladder.EscalationLadder` to tune it). Refuses BatchNorm. See
             docs/adaptation.md, "Intra-stage balance".
+        change_stages: what the adaptive loop does when the planner, fed with the measured slowdowns, predicts
+            that another number of stages reaches accuracy sooner (a live migration keeps the number of stages).
+            ``"report"`` (default): a warning saying so. ``"restart"``: at the end of that step, write a
+            partition-independent checkpoint under ``trainer.default_root_dir/dynpipe-restart/``, end the fit,
+            and leave a :class:`~lightning_dynpipe.strategy.restart.RestartPlan` in :attr:`restart_plan`;
+            :func:`~lightning_dynpipe.fit_with_restarts` continues from it under the new number of stages, with
+            the same processes. Needs ``replica_split="even"`` or ``"speed"`` (the global batch stays the
+            dataloader's ``batch_size`` whatever the number of replicas). See docs/adaptation.md.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -279,6 +308,7 @@ class DynPipeStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         replica_split: str | list[float] | EscalationLadder | None = None,
+        change_stages: Literal["report", "restart"] = "report",
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -299,6 +329,7 @@ class DynPipeStrategy(DDPStrategy):
             gather_after_fit=gather_after_fit,
             start_method=start_method,
             replica_split=replica_split,
+            change_stages=change_stages,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -325,6 +356,7 @@ class DynPipeStrategy(DDPStrategy):
             replica_split=self._current_replica_split,
             replica_samples=self._current_replica_samples,
             resplit=self.set_replica_split,
+            restart=self._restart,
         )
         self._split: ReplicaSplit | None = None  # the split of new batches (None: replica_split off, or dp=1)
         self._pending_split: ReplicaSplit | None = None
@@ -341,6 +373,8 @@ class DynPipeStrategy(DDPStrategy):
         self._init_own_generator = False
         self._loaded_sharded = False  # the checkpoint being restored was read stage by stage
         self._batch_idx = 0
+        self.restart_plan: RestartPlan | None = None  # set when the fit ended to continue under another S
+        self.restart_allowed = True  # fit_with_restarts clears it for its last fit
 
     # ------------------------------------------------------------------ configuration, read-only
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="``M``, micro-batches per batch.")
@@ -509,8 +543,11 @@ class DynPipeStrategy(DDPStrategy):
         if not self.config.stages_auto:
             PipelineTopology(self.num_stages, self.num_nodes * self.num_processes)
         super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher and self._start_method in ("fork", "forkserver"):
-            self._launcher = _CollectingForkLauncher(self, start_method=self._start_method)
+        if type(self._launcher) is _MultiProcessingLauncher:
+            if self._start_method in ("fork", "forkserver"):
+                self._launcher = _CollectingForkLauncher(self, start_method=self._start_method)
+            else:
+                self._launcher = _DynPipeSpawnLauncher(self, start_method="spawn")
 
     @override
     def setup_environment(self) -> None:
@@ -770,6 +807,27 @@ class DynPipeStrategy(DDPStrategy):
             pipeline_attr=self.config.pipeline_attr,
         )
         self._pending_partition = new
+
+    def _restart(self, num_stages: int, reason: str) -> str | None:
+        """The ladder's last rung under ``change_stages="restart"``: checkpoint at the end of this step and end
+        the fit (collective: every rank takes the same decision on the same snapshot, inside the same batch hook).
+        Returns the checkpoint's path, or None when this fit may not restart (its last allowed one, or done)."""
+        trainer = self._lm.trainer
+        if not self.restart_allowed or self.restart_plan is not None:
+            return None
+        step = trainer.global_step
+        name = f"step{step}-stages{self.num_stages}-to-{num_stages}"
+        suffix = ".ckpt" if self.checkpoint_mode == "full" else ""  # sharded: a directory
+        path = os.path.join(trainer.default_root_dir, "dynpipe-restart", name + suffix)
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        self.restart_plan = RestartPlan(num_stages, path, step, self.num_stages, reason)
+        rank_zero_info(
+            f"DynPipe: ending the fit after step {step} to continue with {num_stages} stages instead of "
+            f"{self.num_stages}; checkpoint {path}. fit_with_restarts continues from it; by hand: "
+            f"DynPipeStrategy(num_stages={num_stages}, ...) and trainer.fit(..., ckpt_path={path!r})."
+        )
+        return path
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

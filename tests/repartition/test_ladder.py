@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
+from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary, interference_excess
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.repartition.ladder import EscalationLadder, ReplicaWindow, replica_window
@@ -163,6 +163,75 @@ def test_a_spike_that_goes_away_resets_the_patience() -> None:
     assert ladder.decide(_window(30, (0.010, 0.030))).rung == "ignore"  # counted from 1 again
 
 
+def _caused(window: ReplicaWindow, causes: tuple[str, str]) -> ReplicaWindow:
+    w = window
+    return ReplicaWindow(w.step, w.samples, w.compute_s, w.split, w.step_s, w.update_s, causes)
+
+
+def test_a_slowdown_without_a_visible_cause_must_persist_for_unexplained_patience() -> None:
+    # a shared machine slows one core for a second with no job of its own on it: two overlapping monitor
+    # windows in a row see it, and nothing in the readings explains it
+    ladder = EscalationLadder()  # patience 2, unexplained 4
+    rungs = [ladder.decide(_caused(_window(10 * i, (0.020, 0.010)), ("", ""))) for i in range(1, 5)]
+    assert [d.rung for d in rungs] == ["ignore", "ignore", "ignore", "resplit"]
+    assert "seen in 2 of 4 checks" in rungs[1].reason and "no sign of interference on replica 0" in rungs[1].reason
+    # it went away after two checks: nothing changed, and the count starts again
+    ladder = EscalationLadder()
+    for i in range(2):
+        assert ladder.decide(_caused(_window(10 * i, (0.020, 0.010)), ("", ""))).rung == "ignore"
+    assert ladder.decide(_caused(_window(30, (0.010, 0.010)), ("", ""))).rung == "keep"
+    assert ladder.decide(_caused(_window(40, (0.020, 0.010)), ("", ""))).rung == "ignore"
+
+
+def test_a_slowdown_with_a_visible_cause_is_acted_on_at_the_first_check() -> None:
+    ladder = EscalationLadder()  # explained_patience 1
+    d = ladder.decide(_caused(_window(10, (0.010, 0.020)), ("", "cgroup CPU limit 0.50 cores")))
+    assert d.rung == "resplit" and d.split is not None and d.split.weights[1] < 0.5
+    assert d.reason.endswith("; replica 1: cgroup CPU limit 0.50 cores")
+    # the cause that counts is the one of the replica that would give samples up, not of the other one
+    other = EscalationLadder().decide(_caused(_window(10, (0.020, 0.010)), ("", "cgroup CPU limit 0.50 cores")))
+    assert other.rung == "ignore" and "no sign of interference on replica 0" in other.reason
+
+
+def test_a_probe_needs_a_visible_cause_on_the_slow_replica() -> None:
+    w = _probe_window(10, ReplicaSplit((0.75, 0.25)), step_s=0.060)  # replica 1 3x slower per sample
+    assert EscalationLadder(probe=0.05).decide(_caused(w, ("", ""))).rung == "keep"
+    probed = EscalationLadder(probe=0.05).decide(_caused(w, ("", "other processes busy on its cores (0.90 cores)")))
+    assert probed.rung == "resplit" and "probe" in probed.reason
+
+
+def _summary(**readings: Any) -> StageSummary:
+    return StageSummary.of([StageSample(step_s=0.05, forward_s=0.01, **readings)] * 5)
+
+
+def test_interference_signs_are_what_one_replica_shows_beyond_the_others() -> None:
+    quiet = _summary(cpu_share=0.95, other_cpu_load=0.05, run_queue_wait_share=0.05)
+    quota = _summary(cpu_share=0.5, cpu_limit=0.5, run_queue_wait_share=0.48, steal_share=0.3)
+    assert interference_excess([quiet, quota]) == [
+        "",
+        "cgroup CPU limit 0.50 cores, waiting for a core 48% of the time",
+    ]
+    hog = _summary(cpu_share=0.6, other_cpu_load=0.8)
+    assert interference_excess([hog, quiet]) == ["other processes busy on its cores (0.80 cores)", ""]
+    # what every replica shows says nothing about which one is slow: two ranks of one job sharing the cores,
+    # a pinned process's own threads delaying its main thread, a limit on the whole job, stolen CPU
+    shared = [_summary(cpu_share=0.9, other_cpu_load=0.9, run_queue_wait_share=0.2, cpu_limit=0.8, steal_share=0.2)]
+    assert interference_excess(shared * 2) == ["", ""]
+    startup = _summary(cpu_share=0.9, run_queue_wait_share=0.25)  # seen on a clean run's first window
+    assert interference_excess([startup, _summary(cpu_share=0.9, run_queue_wait_share=0.05)]) == ["", ""]
+    gpu = _summary(cpu_share=1.0, gpu_throttled=1.0)
+    assert interference_excess([gpu, _summary(cpu_share=1.0, gpu_throttled=0.0)]) == ["GPU clock throttled", ""]
+    assert interference_excess([quiet, StageSummary.of([StageSample(step_s=0.05)] * 5)]) is None  # no readings
+
+
+def test_replica_window_joins_each_replicas_signs() -> None:
+    compute = [(0, 0, 0.01), (0, 1, 0.01), (1, 0, 0.02), (1, 1, 0.02)]
+    causes = [(0, 0, ""), (0, 1, ""), (1, 1, "GPU clock throttled"), (1, 0, "cgroup CPU limit 0.50 cores")]
+    w = replica_window(5, (16, 16), compute, EVEN, 2, causes_by_rank=causes)
+    assert w.causes == ("", "stage 0: cgroup CPU limit 0.50 cores; stage 1: GPU clock throttled")
+    assert replica_window(5, (16, 16), compute, EVEN, 2).causes == ()
+
+
 def test_small_differences_keep_the_split() -> None:
     ladder = EscalationLadder(min_gain=0.05, patience=1)
     assert ladder.decide(_window(10, (0.010, 0.0104))).rung == "keep"  # 2% gain: noise
@@ -216,8 +285,10 @@ def test_stage_count_rung_says_what_to_do() -> None:
 
 
 def test_ladder_and_window_refuse_bad_inputs() -> None:
-    with pytest.raises(ConfigurationError, match="patience >= 1"):
-        EscalationLadder(patience=0)
+    with pytest.raises(ConfigurationError, match="unexplained_patience >= 1.*unexplained_patience=0"):
+        EscalationLadder(unexplained_patience=0)
+    with pytest.raises(ConfigurationError, match="causes for 2 replicas; got 1"):
+        ReplicaWindow(1, (16.0, 16.0), ((0.01,), (0.01,)), EVEN, causes=("",))
     with pytest.raises(ConfigurationError, match="rollback_tolerance=1.5"):
         EscalationLadder(rollback_tolerance=1.5)
     with pytest.raises(ConfigurationError, match="probe_growth >= 1; got probe_growth=0.5"):
@@ -281,6 +352,55 @@ def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
     wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
     assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
     assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
+
+
+def _read_snapshot(compute: tuple[float, float], limits: tuple[float | None, float | None]) -> Any:
+    """As :func:`_snapshot`, with system readings: replica d runs under a CPU limit of limits[d] cores (None: none)."""
+    slowest = max(compute)
+    reports = [
+        StageReport(
+            d,
+            0,
+            StageSummary.of(
+                [
+                    StageSample(
+                        step_s=0.05,
+                        forward_s=c / 3,
+                        backward_s=2 * c / 3,
+                        optimizer_s=slowest - c + 0.001,
+                        cpu_share=limit or 0.95,
+                        cpu_limit=limit,
+                    )
+                ]
+                * 6
+            ),
+        )
+        for d, (c, limit) in enumerate(zip(compute, limits))
+    ]
+    return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
+
+
+def test_the_wiring_weighs_the_patience_by_the_signs_of_interference_it_reads() -> None:
+    split = [EVEN]
+    queued: list[ReplicaSplit] = []
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(replica_split="speed", adaptive=False),
+        partition=lambda: Partition((5,)),
+        pending=lambda: False,
+        repartition=lambda p: None,
+        past_pauses=lambda: [],
+        replica_split=lambda: split[0],
+        replica_samples=lambda: split[0].shares(32, 4),
+        resplit=queued.append,
+    )
+    wiring.ladder = EscalationLadder()
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    for _ in range(3):  # replica 1 slower with nothing in its readings: taken to be short
+        wiring.on_snapshot(_read_snapshot((0.010, 0.020), (None, None)), trainer)  # type: ignore[arg-type]
+    assert queued == [] and "no sign of interference on replica 1" in wiring.ladder_decisions[-1].reason
+    wiring.ladder = EscalationLadder()
+    wiring.on_snapshot(_read_snapshot((0.010, 0.020), (None, 0.5)), trainer)  # type: ignore[arg-type]
+    assert len(queued) == 1 and "replica 1: cgroup CPU limit 0.50 cores" in wiring.ladder_decisions[-1].reason
 
 
 def test_the_controller_reports_a_better_number_of_stages_every_n_checks() -> None:
