@@ -313,50 +313,14 @@ def test_a_replicas_slack_is_its_smallest_wait_over_its_stages() -> None:
 # ---------------------------------------------------------------------------------------------- the wiring
 
 
-def _snapshot(compute: tuple[float, float]) -> Any:
+def _snapshot(compute: tuple[float, float], limits: tuple[float | None, float | None] | None = None) -> Any:
     """Replica d computes for compute[d] s per step; the fast one then waits in the update's all-reduce for the slow
-    one, so the update (optimizer_s) evens out their compute_s: the ladder must not look at it."""
+    one, so the update (optimizer_s) evens out their compute_s: the ladder must not look at it. ``limits``: system
+    readings too, replica d under a CPU limit of limits[d] cores (None: no limit); without it, no readings."""
     slowest = max(compute)
-    reports = [
-        StageReport(
-            d,
-            0,
-            StageSummary.of(
-                [StageSample(step_s=0.05, forward_s=c / 3, backward_s=2 * c / 3, optimizer_s=slowest - c + 0.001)] * 6
-            ),
-        )
-        for d, c in enumerate(compute)
+    readings = [
+        {} if limits is None else {"cpu_share": limit or 0.95, "cpu_limit": limit} for limit in limits or (0, 0)
     ]
-    assert reports[0].summary.compute_s == pytest.approx(reports[1].summary.compute_s)
-    return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
-
-
-def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
-    split = [EVEN]
-    queued: list[ReplicaSplit] = []
-    wiring = AdaptationWiring(
-        DynPipeConfig.from_arguments(replica_split="speed", adaptive=False),
-        partition=lambda: Partition((5,)),
-        pending=lambda: False,
-        repartition=lambda p: None,
-        past_pauses=lambda: [],
-        replica_split=lambda: split[0],
-        replica_samples=lambda: split[0].shares(32, 4),
-        resplit=queued.append,
-    )
-    wiring.ladder = EscalationLadder(patience=2)
-    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
-    assert MIN_SAMPLES <= 6
-    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
-    assert queued == []
-    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
-    assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
-    assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
-
-
-def _read_snapshot(compute: tuple[float, float], limits: tuple[float | None, float | None]) -> Any:
-    """As :func:`_snapshot`, with system readings: replica d runs under a CPU limit of limits[d] cores (None: none)."""
-    slowest = max(compute)
     reports = [
         StageReport(
             d,
@@ -368,38 +332,55 @@ def _read_snapshot(compute: tuple[float, float], limits: tuple[float | None, flo
                         forward_s=c / 3,
                         backward_s=2 * c / 3,
                         optimizer_s=slowest - c + 0.001,
-                        cpu_share=limit or 0.95,
-                        cpu_limit=limit,
+                        **readings[d],
                     )
                 ]
                 * 6
             ),
         )
-        for d, (c, limit) in enumerate(zip(compute, limits))
+        for d, c in enumerate(compute)
     ]
+    assert reports[0].summary.compute_s == pytest.approx(reports[1].summary.compute_s)
     return SimpleNamespace(stages=[StageSummary.combine([r.summary for r in reports])], replicas=reports)
 
 
-def test_the_wiring_weighs_the_patience_by_the_signs_of_interference_it_reads() -> None:
-    split = [EVEN]
-    queued: list[ReplicaSplit] = []
+def _speed_wiring(queued: list[ReplicaSplit], ladder: EscalationLadder) -> AdaptationWiring:
+    """The adaptive loop of a 1-stage x 2-replica fit with replica_split='speed', queuing its re-splits."""
     wiring = AdaptationWiring(
         DynPipeConfig.from_arguments(replica_split="speed", adaptive=False),
         partition=lambda: Partition((5,)),
         pending=lambda: False,
         repartition=lambda p: None,
         past_pauses=lambda: [],
-        replica_split=lambda: split[0],
-        replica_samples=lambda: split[0].shares(32, 4),
+        replica_split=lambda: EVEN,
+        replica_samples=lambda: EVEN.shares(32, 4),
         resplit=queued.append,
     )
-    wiring.ladder = EscalationLadder()
+    wiring.ladder = ladder
+    return wiring
+
+
+def test_the_wiring_resplits_through_the_strategy_after_the_patience() -> None:
+    queued: list[ReplicaSplit] = []
+    wiring = _speed_wiring(queued, EscalationLadder(patience=2))
+    trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
+    assert MIN_SAMPLES <= 6
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert queued == []
+    wiring.on_snapshot(_snapshot((0.010, 0.020)), trainer)  # type: ignore[arg-type]
+    assert len(queued) == 1 and queued[0].weights == pytest.approx((2 / 3, 1 / 3))
+    assert [d.rung for d in wiring.ladder_decisions] == ["ignore", "resplit"]
+
+
+def test_the_wiring_weighs_the_patience_by_the_signs_of_interference_it_reads() -> None:
+    queued: list[ReplicaSplit] = []
+    wiring = _speed_wiring(queued, EscalationLadder())
     trainer = SimpleNamespace(global_step=40, estimated_stepping_batches=100)
     for _ in range(3):  # replica 1 slower with nothing in its readings: taken to be short
-        wiring.on_snapshot(_read_snapshot((0.010, 0.020), (None, None)), trainer)  # type: ignore[arg-type]
+        wiring.on_snapshot(_snapshot((0.010, 0.020), (None, None)), trainer)  # type: ignore[arg-type]
     assert queued == [] and "no sign of interference on replica 1" in wiring.ladder_decisions[-1].reason
     wiring.ladder = EscalationLadder()
-    wiring.on_snapshot(_read_snapshot((0.010, 0.020), (None, 0.5)), trainer)  # type: ignore[arg-type]
+    wiring.on_snapshot(_snapshot((0.010, 0.020), (None, 0.5)), trainer)  # type: ignore[arg-type]
     assert len(queued) == 1 and "replica 1: cgroup CPU limit 0.50 cores" in wiring.ladder_decisions[-1].reason
 
 

@@ -198,3 +198,30 @@ def token_loader(n: int = 48, batch_size: int = 8, seed: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (n, BLOCK), generator=g)
     return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=batch_size, shuffle=False)
+
+
+def restarting_trainer(
+    num_stages: int | None, root: str, max_steps: int, callbacks: list[Any], start_method: str = "popen"
+) -> L.Trainer:
+    """2 processes, TinyNet's async pipeline of 2 stages (``num_stages`` after a restart), whose planner, with a
+    strong staleness penalty, prefers 2 replicas of 1 stage: ``change_stages="restart"`` ends the fit at the
+    adaptive loop's first check (every 3 steps, on 5 steps or more) to continue under 1 stage."""
+    from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.plan.convergence import ConvergenceModel
+
+    strategy = DynPipeStrategy(
+        num_stages=num_stages or 2,
+        num_microbatches=4,
+        start_method=start_method,  # type: ignore[arg-type]
+        replica_split="even",
+        change_stages="restart",
+        convergence=ConvergenceModel(beta=20.0),
+        monitor_every_n_steps=3,
+    )
+    return L.Trainer(
+        devices=2,
+        strategy=strategy,
+        max_steps=max_steps,
+        default_root_dir=root,
+        **trainer_kwargs(callbacks=callbacks),
+    )

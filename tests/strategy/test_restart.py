@@ -20,10 +20,9 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-from pipeline_models import TinyNet, loader, trainer_kwargs
+from pipeline_models import TinyNet, loader, restarting_trainer
 
-from lightning_dynpipe import ConfigurationError, DynPipeStrategy, RestartPlan, fit_with_restarts
-from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe import ConfigurationError, RestartPlan, fit_with_restarts
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 
@@ -95,23 +94,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "restart_popen.py"
 
 def _make_trainer(root: Path) -> Any:
     def make(num_stages: int | None) -> L.Trainer:
-        strategy = DynPipeStrategy(
-            num_stages=num_stages or 2,
-            num_microbatches=4,
-            start_method="fork",
-            replica_split="even",
-            change_stages="restart",
-            # a strong staleness penalty: the planner prefers 2 replicas of 1 stage to a 2-stage async pipeline
-            convergence=ConvergenceModel(beta=20.0),
-            monitor_every_n_steps=3,
-        )
-        return L.Trainer(
-            devices=2,
-            strategy=strategy,
-            max_steps=MAX_STEPS,
-            default_root_dir=str(root),
-            **trainer_kwargs(callbacks=[_EndStep(root / "steps.txt")]),
-        )
+        steps = _EndStep(root / "steps.txt")
+        return restarting_trainer(num_stages, str(root), MAX_STEPS, [steps], start_method="fork")
 
     return make
 

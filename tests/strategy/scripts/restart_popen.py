@@ -17,10 +17,9 @@ import lightning.pytorch as L
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline_models import TinyNet, loader, trainer_kwargs  # noqa: E402
+from pipeline_models import TinyNet, loader, restarting_trainer  # noqa: E402
 
-from lightning_dynpipe import DynPipeStrategy, fit_with_restarts  # noqa: E402
-from lightning_dynpipe.plan.convergence import ConvergenceModel  # noqa: E402
+from lightning_dynpipe import fit_with_restarts  # noqa: E402
 
 MAX_STEPS = 16
 
@@ -42,23 +41,7 @@ def main(root: str) -> None:
     trainers: list[L.Trainer] = []
 
     def make_trainer(num_stages: int | None) -> L.Trainer:
-        strategy = DynPipeStrategy(
-            num_stages=num_stages or 2,
-            num_microbatches=4,
-            replica_split="even",
-            change_stages="restart",
-            convergence=ConvergenceModel(beta=20.0),
-            monitor_every_n_steps=3,
-        )
-        trainers.append(
-            L.Trainer(
-                devices=2,
-                strategy=strategy,
-                max_steps=MAX_STEPS,
-                default_root_dir=root,
-                **trainer_kwargs(callbacks=[steps]),
-            )
-        )
+        trainers.append(restarting_trainer(num_stages, root, MAX_STEPS, [steps]))
         return trainers[-1]
 
     last = fit_with_restarts(make_trainer, TinyNet(), loader(batch_size=16))
