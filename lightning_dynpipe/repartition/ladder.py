@@ -4,10 +4,10 @@ At every monitor check the ladder looks at each replica's measured speed and cli
 
 1. **ignore**: an imbalance seen in fewer than ``patience`` consecutive checks is taken to be short (a
    spike) and left alone. Persistence is the prediction of how long interference lasts, weighed by its visible
-   cause on the replica that would give up samples: a CPU limit, another process on its cores, a wait for a
-   core or CPU stolen by the hypervisor last, so the ladder acts after ``explained_patience`` checks; with none
-   of them (a noisy neighbour outside this machine's view, a passing hiccup) the imbalance must persist for
-   ``unexplained_patience`` checks;
+   cause on the replica that would give up samples, beyond what the other replicas show: a CPU limit, another
+   process on its cores, waits for a core, a throttled GPU last, so the ladder acts after
+   ``explained_patience`` checks; with none of them (a noisy neighbour outside this machine's view, a passing
+   hiccup) the imbalance must persist for ``unexplained_patience`` checks;
 2. **resplit**: one replica is slower than the others (interference on its devices): split each global batch
    across the replicas in proportion to their speeds. No drain, no transfer: it takes effect at the next step;
 3. **move_layers**: the replicas are balanced but a stage of every replica is slow: that is inter-stage
@@ -61,9 +61,9 @@ class ReplicaWindow:
             so a replica that reached it early waits there longer: the difference to the stage's shortest update
             is that replica's slack, and it includes everything a replica does in a step, not only the compute
             the split moves.
-        causes: per replica, the visible signs of interference on its processes
-            (:meth:`~lightning_dynpipe.monitor.stats.StageSummary.interference_signs`; ``""``: none seen). Empty:
-            not reported, and every imbalance counts as explained.
+        causes: per replica, the visible signs of interference on its processes beyond the other replicas'
+            (:func:`~lightning_dynpipe.monitor.stats.interference_excess`; ``""``: none seen). Empty: not
+            reported (no system readings), and the ladder waits ``patience`` checks.
     """
 
     step: int
@@ -464,7 +464,7 @@ def replica_window(
     D = split.num_replicas
     causes: tuple[str, ...] = ()
     if causes_by_rank:
-        per = [[] for _ in range(D)]  # type: list[list[str]]
+        per: list[list[str]] = [[] for _ in range(D)]
         for d, k, sign in sorted(causes_by_rank):
             if sign:
                 per[d].append(f"stage {k}: {sign}" if num_stages > 1 else sign)

@@ -650,6 +650,8 @@ class DynPipeStrategy(DDPStrategy):
             self.model_to_device()
         self._full_keys = list(self._lm.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.restart_plan = None  # a plan describes the fit that set it
         if fitting and not meta:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
