@@ -2,9 +2,9 @@
 
 Both sides hold the layer's module structure: the sender the live layer, the receiver a ``meta`` skeleton
 with the same parameter and buffer shapes, so the weights travel as bare tensors in ``state_dict`` order.
-The optimizer state of each parameter travels as one message of the engine's wire format: a uint8 tensor
-with the state's key names, then one tensor per key (Python numbers as 0-d float64 tensors, keys marked
-``#``).
+The optimizer state of each parameter travels as the checkpoints move it (:mod:`~lightning_dynpipe.engine.
+optstate`): every value comes back with its type (tensors with their dtype and device placement, Python ints,
+floats and bools as such, ``None``), and "no state" stays distinct from an empty one.
 """
 
 from __future__ import annotations
@@ -13,86 +13,46 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
-from lightning_dynpipe.engine.p2p import decode_text, encode_text
+from lightning_dynpipe.engine.collectives import Collectives, DistCollectives
+from lightning_dynpipe.engine.optstate import recv_state, send_state
 from lightning_dynpipe.engine.shard import StageShard, layer_tensors
-from lightning_dynpipe.engine.wire import HEADER_LEN, MessageKind, decode, encode
 from lightning_dynpipe.plan.moves import LayerMove
 
 __all__ = ["send_layer", "recv_layer", "move_layers"]
 
 
-def _send_tensors(tensors: list[Tensor], dst: int, group: Any) -> int:
-    header = encode(MessageKind.ACTIVATION, -1, tensors)
-    dist.send(header, dst=dst, group=group)
-    sent = 0
-    for t in tensors:
-        dist.send(t.contiguous(), dst=dst, group=group)
-        sent += t.numel() * t.element_size()
-    return sent
+def send_layer(layer: nn.Module, optimizer: Optimizer | None, dst: int, coll: Collectives, device: torch.device) -> int:
+    """Sends ``layer``'s state and its parameters' optimizer state to ``dst``; returns the bytes sent.
 
-
-def _recv_tensors(src: int, group: Any, device: torch.device) -> list[Tensor]:
-    header_t = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.recv(header_t, src=src, group=group)
-    out = []
-    for spec in decode(header_t).specs:
-        assert spec is not None
-        t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-        dist.recv(t, src=src, group=group)
-        out.append(t)
-    return out
-
-
-def send_layer(layer: nn.Module, optimizer: Optimizer | None, dst: int, group: Any) -> int:
-    """Sends ``layer``'s state and its parameters' optimizer state to ``dst``; returns the bytes sent."""
+    ``device``: where the stage computes (the optimizer state's tensors travel from there).
+    """
     sent = 0
     for t in layer_tensors(layer).values():  # non-persistent buffers too: the layer must compute on arrival
-        dist.send(t.detach().contiguous(), dst=dst, group=group)
+        coll.send(t.detach().contiguous(), dst)
         sent += t.numel() * t.element_size()
     if optimizer is None:
         return sent
-    for p in layer.parameters():
-        state = optimizer.state.get(p, {})
-        names, values = [], []
-        for key, value in state.items():
-            if isinstance(value, Tensor):
-                names.append(str(key))
-                values.append(value)
-            else:
-                names.append("#" + str(key))
-                values.append(torch.tensor(float(value), dtype=torch.float64))
-        sent += _send_tensors([encode_text("\n".join(names)), *values], dst, group)
+    for i, p in enumerate(layer.parameters()):  # i: the receiver checks it walks the same parameters
+        sent += send_state(coll, optimizer.state.get(p), i, dst, device)
     return sent
 
 
-def recv_layer(skeleton: nn.Module, optimizer: Optimizer | None, src: int, group: Any, device: torch.device) -> None:
+def recv_layer(
+    skeleton: nn.Module, optimizer: Optimizer | None, src: int, coll: Collectives, device: torch.device
+) -> None:
     """Materialises ``skeleton`` on ``device`` with the state ``src`` sends, and its optimizer state."""
     skeleton.to_empty(device=device)
     for t in layer_tensors(skeleton).values():
-        dist.recv(t, src=src, group=group)  # these tensors share storage with the module's
+        coll.recv(t, src)  # these tensors share storage with the module's
     if optimizer is None:
         return
-    for p in skeleton.parameters():
-        names_t, *values = _recv_tensors(src, group, device)
-        text = decode_text(names_t).strip()
-        state: dict[str, Any] = {}
-        for name, value in zip(text.split("\n") if text else [], values):
-            if name.startswith("#"):
-                state[name[1:]] = value.item()
-            elif name == "step" and value.dim() == 0:
-                state[name] = value.cpu() if value.device.type != "cpu" and not _capturable(optimizer) else value
-            else:
-                state[name] = value
-        if state:
+    for i, p in enumerate(skeleton.parameters()):
+        state = recv_state(coll, i, src, device)
+        if state is not None:
             optimizer.state[p] = state
-
-
-def _capturable(optimizer: Optimizer) -> bool:
-    return any(bool(g.get("capturable", False)) or bool(g.get("fused", False)) for g in optimizer.param_groups)
 
 
 def move_layers(
@@ -112,13 +72,14 @@ def move_layers(
     its skeleton. The caller then records the new partition on the shard and refilters the optimizer
     (:meth:`~lightning_dynpipe.engine.stage.PipelineStage.migrate` does all of it).
     """
+    coll = DistCollectives(group, rank)
     sent = 0
     for move in moves:
         src, dst = rank_of_stage(move.src), rank_of_stage(move.dst)
         if rank == src:
-            sent += send_layer(shard.pipeline[move.layer_idx], optimizer, dst, group)
+            sent += send_layer(shard.pipeline[move.layer_idx], optimizer, dst, coll, device)
             shard.offload(move.layer_idx, move.dst)
         elif rank == dst:
-            recv_layer(shard.skeleton(move.layer_idx), optimizer, src, group, device)
+            recv_layer(shard.skeleton(move.layer_idx), optimizer, src, coll, device)
             shard.adopt(move.layer_idx)
     return sent

@@ -1,0 +1,56 @@
+"""Live migration moves a layer's optimizer state exactly: every value with its type, "no state" apart from an
+empty one (the same wire format as checkpoints, engine/optstate.py). Two threads stand for the two ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dynpipe.engine.loopback import LoopbackCollectives, LoopbackGroup, run_stages
+from lightning_dynpipe.engine.transfer import recv_layer, send_layer
+
+CPU = torch.device("cpu")
+
+
+def _layer() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    layer.register_buffer("mask", torch.tril(torch.ones(2, 2)), persistent=False)
+    return layer
+
+
+def test_a_moved_layer_keeps_every_optimizer_state_value_with_its_type() -> None:
+    sender = _layer()
+    w, b, ln_w, ln_b = sender.parameters()
+    opt = torch.optim.SGD(sender.parameters(), lr=0.1)
+    opt.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.randn(4, 3), "count": 3, "flag": True, "buf": None}
+    opt.state[b] = {}  # an empty state is not "no state"
+    opt.state[ln_b] = {"momentum_buffer": torch.randn(4, dtype=torch.float64), "scale": 0.1 + 1e-17}
+    receiver = _layer().to("meta")
+    recv_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    group = LoopbackGroup([0, 1])
+
+    def rank(k: int) -> int:
+        coll = LoopbackCollectives(group, k)
+        if k == 0:
+            return send_layer(sender, opt, 1, coll, CPU)
+        recv_layer(receiver, recv_opt, 0, coll, CPU)
+        return 0
+
+    sent, _ = run_stages(rank, 2)
+    assert sent > 0
+    assert torch.equal(receiver.get_buffer("mask"), sender.get_buffer("mask"))  # non-persistent buffers travel
+    for (name, a), b_ in zip(sender.state_dict().items(), receiver.state_dict().values()):
+        assert torch.equal(a, b_), name
+    rw, rb, rln_w, rln_b = receiver.parameters()
+    got = recv_opt.state[rw]
+    assert list(got) == ["step", "exp_avg", "count", "flag", "buf"]
+    assert torch.equal(got["step"], torch.tensor(7.0)) and torch.equal(got["exp_avg"], opt.state[w]["exp_avg"])
+    assert type(got["count"]) is int and got["count"] == 3 and got["flag"] is True and got["buf"] is None
+    assert rb in recv_opt.state and recv_opt.state[rb] == {}
+    assert rln_w not in recv_opt.state  # no state stays no state
+    moved = recv_opt.state[rln_b]
+    assert moved["momentum_buffer"].dtype == torch.float64 and torch.equal(
+        moved["momentum_buffer"], opt.state[ln_b]["momentum_buffer"]
+    )
+    assert type(moved["scale"]) is float and moved["scale"] == 0.1 + 1e-17
