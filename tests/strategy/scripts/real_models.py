@@ -108,4 +108,7 @@ if __name__ == "__main__":
         )
     trainer.save_checkpoint(path)  # collective, like every Lightning checkpoint: called on every rank
     result["optimizer_entries"] = len(trainer.optimizers[0].state)
-    print("REAL_MODELS_OK " + json.dumps(result), flush=True)
+    # one write of the whole line: both ranks print to the same pipe, and under PYTHONUNBUFFERED print()'s separate
+    # writes of the text and the newline interleaved the two ranks' lines (seen: two JSON objects on one line)
+    sys.stdout.write("REAL_MODELS_OK " + json.dumps(result) + "\n")
+    sys.stdout.flush()

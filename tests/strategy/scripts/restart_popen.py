@@ -49,7 +49,8 @@ def main(root: str) -> None:
     assert plan is not None and plan.num_stages == 1 and os.path.exists(plan.checkpoint), plan
     assert steps.fits == [(0, plan.step, 2, 1), (plan.step, MAX_STEPS, 1, 2)], steps.fits
     assert last is trainers[1] and last.global_step == MAX_STEPS
-    print(f"RESTART_OK rank {dist.get_rank()}", flush=True)
+    sys.stdout.write(f"RESTART_OK rank {dist.get_rank()}\n")  # one write: both ranks share the pipe
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
