@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -225,3 +229,14 @@ def restarting_trainer(
         default_root_dir=root,
         **trainer_kwargs(callbacks=callbacks),
     )
+
+
+def run_popen_script(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` as a user would (``python script.py ...``: Lightning's popen launcher starts the other ranks
+    from it), without this process's rank variables; asserts it exited 0, with its output's tail if not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc

@@ -8,16 +8,13 @@ gradients accumulated over micro-batches in another order)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import pytest
 import torch
-from pipeline_models import TinyGPT, token_loader, trainer_kwargs
+from pipeline_models import TinyGPT, run_popen_script, token_loader, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy
 
@@ -26,11 +23,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "real_models.py"
 
 
 def _run(mode: str, ckpt: Path) -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(ckpt)], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    proc = run_popen_script(SCRIPT, mode, str(ckpt), timeout=240)
     lines = [line.split(" ", 1)[1] for line in (proc.stdout + proc.stderr).splitlines() if "REAL_MODELS_OK " in line]
     results = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-3000:]

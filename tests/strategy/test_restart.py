@@ -10,9 +10,6 @@ under the popen launcher (``scripts/restart_popen.py``), where every process run
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +17,7 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-from pipeline_models import TinyNet, loader, restarting_trainer
+from pipeline_models import TinyNet, loader, restarting_trainer, run_popen_script
 
 from lightning_dynpipe import ConfigurationError, RestartPlan, fit_with_restarts
 from lightning_dynpipe.strategy.config import DynPipeConfig
@@ -149,9 +146,5 @@ def test_a_fit_continues_under_the_number_of_stages_the_loop_predicts_better(tmp
 @pytest.mark.multiprocess
 def test_every_process_restarts_in_step_under_the_popen_launcher(tmp_path: Path) -> None:
     """The default launcher: every process runs the script, so every process calls fit_with_restarts."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_popen_script(SCRIPT, str(tmp_path))
     assert proc.stdout.count("RESTART_OK") == 2  # both ranks
