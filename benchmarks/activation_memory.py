@@ -54,6 +54,7 @@ from benchmarks._common import (  # noqa: E402
     free_port,
     machine_info,
     median,
+    workers_done,
 )
 from lightning_dynpipe.demos import CharGPT  # noqa: E402
 from lightning_dynpipe.engine.executor import StageExecutor  # noqa: E402
@@ -207,6 +208,7 @@ def _worker(rank: int, cfg: Config, settings: tuple[bool, ...], port: int, resul
                 rss = {str(stage): peak for stage, peak in peaks}
                 path = Path(result_dir) / f"run-{checkpoint}.json"
                 path.write_text(json.dumps({"checkpoint": checkpoint, "step_s": steps, "rss": rss}))
+        workers_done()
     finally:
         dist.destroy_process_group()
 

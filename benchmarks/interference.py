@@ -103,6 +103,7 @@ from benchmarks._common import (  # noqa: E402
     median,
     quartiles,
     rotated,
+    workers_done,
 )
 from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
 
@@ -490,6 +491,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         Path(result_path).write_text(json.dumps({"runs": runs, "layer_costs": costs}), encoding="utf-8")
         if rank == 0:
             Path(result_path).write_text(json.dumps({"runs": runs, "layer_costs": costs}), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 

@@ -70,6 +70,7 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     median,
     rotated,
+    workers_done,
 )
 
 WORLD_SIZE = 2
@@ -288,6 +289,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         print(f"  seed {seed} {scenario:<8} {system:<10} TTA {tta}; re-splits {r['resplits']}",
                               flush=True)  # fmt: skip
                         Path(result_path).write_text(json.dumps({"runs": runs}), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 

@@ -68,6 +68,7 @@ from benchmarks._common import (  # noqa: E402
     median,
     quartiles,
     rotated,
+    workers_done,
 )
 
 SYSTEMS: tuple[str, ...] = ("off", "on", "every-step", "off-again")
@@ -300,6 +301,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     )
         if rank == 0:
             Path(result_path).write_text(json.dumps(runs), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 

@@ -69,6 +69,7 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     median,
     rotated,
+    workers_done,
 )
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
@@ -496,6 +497,7 @@ def _worker(rank: int, opts: Options, port: int, result_path: str) -> None:
                     print(f"  rep {rep + 1}/{opts.repeats}  {system:<11} main-thread CPU ms/step {cpu}", flush=True)
         if rank == 0:
             Path(result_path).write_text(json.dumps(runs), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 

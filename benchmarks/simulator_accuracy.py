@@ -69,6 +69,7 @@ from benchmarks._common import (  # noqa: E402
     median,
     quartiles,
     rotated,
+    workers_done,
 )
 from benchmarks.throughput import _costs_from_runs, _per_step, _quiet, _step_timer  # noqa: E402
 
@@ -336,6 +337,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     )
         if rank == 0:
             Path(result_path).write_text(json.dumps({"runs": runs, "calibration": calibration}), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 

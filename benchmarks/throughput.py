@@ -70,6 +70,7 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     median,
     quartiles,
+    workers_done,
 )
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
@@ -474,6 +475,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     )
         if rank == 0:
             Path(result_path).write_text(json.dumps({"runs": runs, "calibration": calibration}), encoding="utf-8")
+        workers_done()
     finally:
         dist.destroy_process_group()
 
