@@ -205,7 +205,12 @@ def token_loader(n: int = 48, batch_size: int = 8, seed: int = 2) -> DataLoader:
 
 
 def restarting_trainer(
-    num_stages: int | None, root: str, max_steps: int, callbacks: list[Any], start_method: str = "popen"
+    num_stages: int | None,
+    root: str,
+    max_steps: int,
+    callbacks: list[Any],
+    start_method: str = "popen",
+    checkpoint: str = "full",
 ) -> L.Trainer:
     """2 processes, TinyNet's async pipeline of 2 stages (``num_stages`` after a restart), whose planner, with a
     strong staleness penalty, prefers 2 replicas of 1 stage: ``change_stages="restart"`` ends the fit at the
@@ -221,6 +226,7 @@ def restarting_trainer(
         change_stages="restart",
         convergence=ConvergenceModel(beta=20.0),
         monitor_every_n_steps=3,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
     )
     return L.Trainer(
         devices=2,

@@ -89,10 +89,10 @@ MAX_STEPS = 16
 SCRIPT = Path(__file__).parent / "scripts" / "restart_popen.py"
 
 
-def _make_trainer(root: Path) -> Any:
+def _make_trainer(root: Path, checkpoint: str = "full") -> Any:
     def make(num_stages: int | None) -> L.Trainer:
         steps = _EndStep(root / "steps.txt")
-        return restarting_trainer(num_stages, str(root), MAX_STEPS, [steps], start_method="fork")
+        return restarting_trainer(num_stages, str(root), MAX_STEPS, [steps], start_method="fork", checkpoint=checkpoint)
 
     return make
 
@@ -139,6 +139,24 @@ def test_a_fit_continues_under_the_number_of_stages_the_loop_predicts_better(tmp
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in first_fit.items())
     assert saved["optimizer_states"][0]["state"]  # SGD's momentum buffers travel with it
     # the second fit started from it, with 1 stage (2 replicas), and ran to the end
+    fits = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    assert fits == [["0", str(plan.step), "2"], [str(plan.step), str(MAX_STEPS), "1"]]
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_run_restarts_from_its_sharded_checkpoint(tmp_path: Path) -> None:
+    trainers: list[L.Trainer] = []
+    make = _make_trainer(tmp_path, checkpoint="sharded")
+
+    def recorded(num_stages: int | None) -> L.Trainer:
+        trainers.append(make(num_stages))
+        return trainers[-1]
+
+    fit_with_restarts(recorded, TinyNet(), loader(batch_size=16))
+    plan = trainers[0].strategy.restart_plan  # type: ignore[attr-defined]
+    assert plan is not None and plan.num_stages == 1
+    assert Path(plan.checkpoint) == tmp_path / "dynpipe-restart" / f"step{plan.step}-stages2-to-1"
+    assert (Path(plan.checkpoint) / ".metadata").is_file()  # a torch.distributed.checkpoint directory
     fits = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
     assert fits == [["0", str(plan.step), "2"], [str(plan.step), str(MAX_STEPS), "1"]]
 
