@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -52,25 +52,15 @@ class RestartPlan:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (for the spawn/fork launchers, which send it from rank 0 to the launching process)."""
-        return {
-            "num_stages": self.num_stages,
-            "checkpoint": self.checkpoint,
-            "step": self.step,
-            "old_num_stages": self.old_num_stages,
-            "reason": self.reason,
-        }
+        """Plain data, for the spawn/fork launchers: they send rank 0's results to the launching process through
+        Lightning's ``apply_to_collection``, which rebuilds dataclasses field by field and so cannot pass a frozen
+        one."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RestartPlan:
         """Inverse of :meth:`to_dict`."""
-        return cls(
-            num_stages=int(data["num_stages"]),
-            checkpoint=str(data["checkpoint"]),
-            step=int(data["step"]),
-            old_num_stages=int(data["old_num_stages"]),
-            reason=str(data["reason"]),
-        )
+        return cls(**data)
 
 
 def fit_with_restarts(
