@@ -70,13 +70,19 @@ class StageChannels:
                 ch.flush()
 
     def close(self) -> None:
-        """Stops the peers' receiver threads and joins ours."""
-        for ch in (self.send_activation, self.send_grad):
-            if ch is not None:
-                ch.close()
+        """Tells the peers that nothing more will come, reads what they still send until they say so, then flushes.
+
+        Every close is queued before any end waits: a peer may have sent messages this stage will never use
+        (the last step of ``async`` leaves some in flight), and its sends complete only as this end receives.
+        """
+        senders = [ch for ch in (self.send_activation, self.send_grad) if ch is not None]
+        for ch in senders:
+            ch.close(wait=False)
         for rc in (self.recv_activation, self.recv_grad):
             if rc is not None:
                 rc.join()
+        for ch in senders:
+            ch.flush()
 
 
 @dataclass

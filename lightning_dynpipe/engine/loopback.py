@@ -83,7 +83,8 @@ class LoopbackSender:
     def flush(self) -> None:
         """Sends complete at once."""
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Tells the peer that nothing more will come (delivered at once)."""
         self.peer.queue.put(None)
 
 

@@ -1,20 +1,28 @@
 """Point-to-point channels between adjacent stages, on the pipeline's own process groups.
 
 Each direction of each stage boundary is a separate two-rank process group, so that activations going
-downstream and gradients going upstream never share a queue. A :class:`RecvChannel` runs a daemon thread that
-receives in the background, so transfers overlap the stage's compute; a :class:`SendChannel` uses non-blocking
-sends and only waits for them when asked to (:meth:`SendChannel.flush`) or when too many are outstanding.
+downstream and gradients going upstream never share a queue. A :class:`SendChannel` uses non-blocking sends and
+only waits for them when asked to (:meth:`SendChannel.flush`) or when too many are outstanding.
 
 On CPU (gloo) every message is one packed buffer (:func:`~lightning_dynpipe.engine.wire.pack`) and the
-receiver keeps :data:`PREPOSTED` receives posted ahead, so that a message always lands in a posted buffer. A
-message that arrives before its receive is posted makes gloo's loop thread poll until it is. With a
-header-then-payload protocol the payload's receive could only be posted once the header was decoded, by a thread
-that must first get the GIL back from the busy main thread; packing took gloo's loop thread from 6.2 to 2.6 ms of
-CPU per step on stage 0 of ``benchmarks/profile_step.py`` (benchmarks/results/2026-12-01-performance.md).
-Receives must be posted with the right size, so both ends track the size of the next message: a
-sender whose message has another size first sends :data:`PREPOSTED` ``RESIZE`` messages of the old size
-(one per receive already posted), then the message. ``CLOSE`` and ``ABORT`` are followed by pads that complete
-the receives still posted, so that no receive is left pending when the process groups are destroyed.
+:class:`RecvChannel` keeps :data:`PREPOSTED` receives posted ahead, so that a message lands in a posted buffer
+while the stage computes (one that arrives before its receive is posted makes gloo's loop thread poll until it
+is). The stage's own thread waits on the oldest receive when it needs the message, and posts the next one:
+no receiver thread, so no hand-over between threads and no competition for the GIL or the core. A receiver
+thread per channel that waited, decoded and queued each message cost 4.2 / 3.5 ms of CPU per step in the
+threads other than the main one on ``benchmarks/profile_step.py``'s two stages, against 1.5 / 1.3 ms without
+(torch's own schedule: 1.5 / 1.6), and the layers' own arithmetic ran slower beside it
+(benchmarks/results/2026-12-02-receive.md). Receives must be posted with the right size, so both ends track
+the size of the next message: a sender whose message has another size first sends :data:`PREPOSTED`
+``RESIZE`` messages of the old size (one per receive already posted), then the message. ``CLOSE`` and
+``ABORT`` are followed by pads that complete the receives still posted, so that no receive is left pending
+when the process groups are destroyed.
+
+On CUDA the header and each tensor are separate messages, received by a background thread per channel.
+
+Failures: a peer's ``ABORT``, or a connection lost because the peer process died, is seen by the next receive
+on that channel, which tells ``on_failure`` (the :class:`FailureHandler`) and raises
+:class:`~lightning_dynpipe.errors.PeerFailure`.
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ _RECEIVERS: weakref.WeakSet[RecvChannel] = weakref.WeakSet()  # channels whose t
 
 
 def wait_for_receivers(timeout_s: float) -> int:
-    """Waits up to ``timeout_s`` in all for every receiver thread of this process to end; returns how many still run.
+    """Waits up to ``timeout_s`` in all for every receiver thread (CUDA channels) to end; returns how many still run.
 
     A receiver thread blocked in a receive inside the communication library must not outlive the process
     groups: destroying them under it (at exit) ends the process with SIGABRT ("terminate called without an
@@ -82,9 +90,10 @@ def wait_for_receivers(timeout_s: float) -> int:
     receives; this waits for that.
     """
     deadline = time.monotonic() + timeout_s
-    for ch in list(_RECEIVERS):
-        ch._thread.join(max(0.0, deadline - time.monotonic()))
-    return sum(1 for ch in list(_RECEIVERS) if ch._thread.is_alive())
+    threads = [ch._thread for ch in list(_RECEIVERS) if ch._thread is not None]
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return sum(1 for t in threads if t.is_alive())
 
 
 @dataclass
@@ -160,8 +169,8 @@ class Sender(Protocol):
         """Waits until every queued send has completed."""
         ...
 
-    def close(self) -> None:
-        """Tells the peer that nothing more will come."""
+    def close(self, wait: bool = True) -> None:
+        """Tells the peer that nothing more will come; waits for delivery unless ``wait=False``."""
         ...
 
 
@@ -196,7 +205,7 @@ class SendChannel:
         self.packed = device is None or device.type == "cpu"
         self._next_size = MIN_MESSAGE  # what the receiver has posted for the next packed message
         self._pending: deque[tuple[Any, list[Tensor]]] = deque()
-        self._lock = threading.Lock()  # the failure path sends from a receiver thread
+        self._lock = threading.Lock()  # the failure path may send from a CUDA receiver thread
         self.bytes_sent = 0
 
     def send(
@@ -281,17 +290,23 @@ class SendChannel:
         except Exception as exc:  # the peer may be gone already; nothing more to do
             log.debug("abort on %s not delivered: %r", self.name, exc)
 
-    def close(self) -> None:
-        """Tells the peer's receiver thread to stop, then flushes."""
+    def close(self, wait: bool = True) -> None:
+        """Tells the peer that nothing more will come; with ``wait=False`` only queues that (see :meth:`flush`)."""
         if self.packed:
             self._send_packed(encode(MessageKind.CLOSE, -1, []), [], pads=PREPOSTED - 1)
         else:
             self.send(MessageKind.CLOSE, -1, [])
-        self.flush()
+        if wait:
+            self.flush()
 
 
 class RecvChannel:
-    """Receives messages from one peer stage on a background thread.
+    """Receives messages from one peer stage.
+
+    On CPU (packed messages) the stage's own thread receives: :data:`PREPOSTED` receives are always posted, so
+    gloo's loop thread lands each message while the stage computes, and :meth:`get` waits on the oldest receive,
+    decodes it and posts the next one. On CUDA a background thread receives each header and then its tensors, and
+    :meth:`get` takes the messages from its queue.
 
     Args:
         group: the two-rank process group of this direction of the boundary.
@@ -299,6 +314,8 @@ class RecvChannel:
         device: where received tensors are placed.
         timeout: seconds :meth:`get` waits for a message before raising :class:`PipelineTimeoutError`.
         name: for messages and logs, e.g. ``"gradients 1->0"``.
+        peer_stage: the peer's stage index, for messages.
+        on_failure: told when the peer failed (its ``ABORT``, or the connection lost), before :meth:`get` raises.
     """
 
     def __init__(
@@ -318,19 +335,148 @@ class RecvChannel:
         self.timeout = timeout
         self.name = name
         self.on_failure = on_failure
-        self._queue: queue.Queue[Message | BaseException | None] = queue.Queue()
+        self.packed = device.type == "cpu"
+        self._failure: PeerFailure | None = None
         self._closed = False
+        self._size = MIN_MESSAGE  # packed: the size of the receives posted next
+        self._posted: deque[tuple[Any, Tensor]] = deque()  # packed: receives posted, oldest first
+        self._queue: queue.Queue[Message | BaseException | None] = queue.Queue()  # CUDA: the thread's messages
+        self._thread: threading.Thread | None = None
+        if self.packed:
+            for _ in range(PREPOSTED):
+                self._post()
+            return
         self._thread = threading.Thread(target=self._run, name=f"dynpipe-recv[{name}]", daemon=True)
         self._thread.start()
         _RECEIVERS.add(self)
 
-    def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+    def get(self, kind: MessageKind, mb_idx: int) -> Message:
+        """Returns the next message, which must be ``kind`` for ``mb_idx``; waits at most ``timeout`` s.
+
+        Raises:
+            PeerFailure: the peer failed (now or before).
+            PipelineTimeoutError: nothing arrived within ``timeout``.
+            CommunicationError: the peer closed the channel, or sent another message than the schedule expects.
+        """
+        if self.packed:
+            return expect(self._get_packed(kind, mb_idx), kind, mb_idx, self.name)
         try:
-            if self.device.type == "cpu":
-                self._run_packed()
-                return
+            item = self._queue.get(timeout=self.timeout)
+        except queue.Empty:
+            raise self._timeout_error(kind, mb_idx) from None
+        if isinstance(item, BaseException):
+            self._queue.put(item)  # every later get fails the same way
+            raise item
+        if item is None:
+            self._closed = True
+            raise self._closed_error()
+        return expect(item, kind, mb_idx, self.name)
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Stops receiving after the peer sent ``CLOSE``, dropping anything unread; waits at most ``timeout`` s."""
+        if self.packed:
+            self._drain(timeout)
+            return
+        self._closed = True
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("Receiver thread of channel %s did not stop within %.0f s.", self.name, timeout)
+
+    def _timeout_error(self, kind: MessageKind, mb_idx: int) -> PipelineTimeoutError:
+        return PipelineTimeoutError(
+            f"Waited {self.timeout:.0f} s for {kind.name.lower()} of micro-batch {mb_idx} on channel "
+            f"{self.name} (peer rank {self.peer}). Another stage probably failed first: check all ranks' "
+            "logs. If a stage is just slow, raise DynPipeStrategy(timeout=...)."
+        )
+
+    def _closed_error(self) -> CommunicationError:
+        return CommunicationError(f"Channel {self.name} was closed by rank {self.peer} while a message was expected.")
+
+    # ----- CPU: packed messages, received by the caller's thread
+
+    def _post(self) -> None:
+        buf = torch.empty(self._size, dtype=torch.uint8)
+        self._posted.append((dist.irecv(buf, src=self.peer, group=self.group), buf))
+
+    def _get_packed(self, kind: MessageKind, mb_idx: int) -> Message:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise self._closed_error()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            work, buf = self._posted[0]
+            try:
+                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower():
+                    raise self._timeout_error(kind, mb_idx) from None
+                self._posted.clear()  # the connection is gone, and every receive with it
+                self._lost(exc)
+                assert self._failure is not None
+                raise self._failure from exc
+            self._posted.popleft()
+            now, wall = time.perf_counter(), time.time()
+            raw = buf[:HEADER_BYTES].view(torch.int64)
+            header = decode(raw)
+            if header.kind == MessageKind.RESIZE:
+                self._size = int(header.aux)
+                self._post()
+                continue
+            if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
+                self._finish(deadline)
+                if header.kind == MessageKind.CLOSE:
+                    raise self._closed_error()
+                text = unpack(buf, header)[0]
+                assert text is not None
+                self._fail(
+                    PeerFailure(
+                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text)}",
+                        header.mb_idx,
+                        int(header.aux),
+                    )
+                )
+                assert self._failure is not None
+                raise self._failure
+            self._post()
+            transfer_s = max(0.0, wall - sent_at(raw))  # one host's clock; across hosts, as synchronised
+            return Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s)
+
+    def _finish(self, deadline: float) -> None:
+        """After ``CLOSE`` or ``ABORT``: completes the receives still posted (the sender pads them)."""
+        try:
+            for w, _ in self._posted:
+                w.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as exc:
+            log.debug("channel %s: a padding message did not arrive: %r", self.name, exc)
+        self._posted.clear()
+        self._closed = True
+
+    def _drain(self, timeout: float) -> None:
+        """Reads (and drops) what the peer still sends, up to its ``CLOSE``; no receive stays posted."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._posted:
+                work, buf = self._posted.popleft()
+                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                header = decode(buf[:HEADER_BYTES].view(torch.int64))
+                if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
+                    self._finish(deadline)
+                    return
+                if header.kind == MessageKind.RESIZE:
+                    self._size = int(header.aux)
+                self._post()
+        except Exception as exc:  # the peer is gone or never closed: nothing more to read either way
+            log.warning("Channel %s did not close cleanly within %.0f s: %r", self.name, timeout, exc)
+            self._posted.clear()
+        self._closed = True
+
+    # ----- CUDA: header, then tensors, received by a background thread
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        try:
             while True:
                 header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 dist.recv(header_t, src=self.peer, group=self.group)
@@ -360,56 +506,13 @@ class RecvChannel:
                     t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                     dist.recv(t, src=self.peer, group=self.group)
                     tensors.append(t)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
+                torch.cuda.current_stream(self.device).synchronize()
                 now = time.perf_counter()
                 self._queue.put(Message(header, tensors, arrived_at=now, transfer_s=now - t_header))
         except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)
             if self._closed:
                 return
             self._lost(exc)
-
-    def _run_packed(self) -> None:
-        """Receives packed messages, keeping :data:`PREPOSTED` receives posted ahead of the one handled."""
-        size = MIN_MESSAGE
-        posted: deque[tuple[Any, Tensor]] = deque()
-
-        def post() -> None:
-            buf = torch.empty(size, dtype=torch.uint8)
-            posted.append((dist.irecv(buf, src=self.peer, group=self.group), buf))
-
-        for _ in range(PREPOSTED):
-            post()
-        while True:
-            work, buf = posted.popleft()
-            work.wait()
-            now, wall = time.perf_counter(), time.time()
-            raw = buf[:HEADER_BYTES].view(torch.int64)
-            header = decode(raw)
-            if header.kind == MessageKind.RESIZE:
-                size = int(header.aux)
-                post()
-                continue
-            if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
-                for w, _ in posted:  # the sender pads them: nothing is left pending
-                    w.wait(timeout=timedelta(seconds=5))
-                posted.clear()
-                if header.kind == MessageKind.CLOSE:
-                    self._queue.put(None)
-                    return
-                text = unpack(buf, header)[0]
-                assert text is not None
-                self._fail(
-                    PeerFailure(
-                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text)}",
-                        header.mb_idx,
-                        int(header.aux),
-                    )
-                )
-                return
-            post()
-            transfer_s = max(0.0, wall - sent_at(raw))  # one host's clock; across hosts, as synchronised
-            self._queue.put(Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s))
 
     def _lost(self, exc: BaseException) -> None:
         self._fail(
@@ -422,36 +525,10 @@ class RecvChannel:
         )
 
     def _fail(self, failure: PeerFailure) -> None:
+        self._failure = failure
         self._queue.put(failure)
         if self.on_failure is not None:
             self.on_failure(failure)
-
-    def get(self, kind: MessageKind, mb_idx: int) -> Message:
-        """Returns the next message, which must be ``kind`` for ``mb_idx``; waits at most ``timeout`` s."""
-        try:
-            item = self._queue.get(timeout=self.timeout)
-        except queue.Empty:
-            raise PipelineTimeoutError(
-                f"Waited {self.timeout:.0f} s for {kind.name.lower()} of micro-batch {mb_idx} on channel "
-                f"{self.name} (peer rank {self.peer}). Another stage probably failed first: check all ranks' "
-                "logs. If a stage is just slow, raise DynPipeStrategy(timeout=...)."
-            ) from None
-        if isinstance(item, BaseException):
-            self._queue.put(item)  # every later get fails the same way
-            raise item
-        if item is None:
-            self._closed = True
-            raise CommunicationError(
-                f"Channel {self.name} was closed by rank {self.peer} while a message was expected."
-            )
-        return expect(item, kind, mb_idx, self.name)
-
-    def join(self, timeout: float = 5.0) -> None:
-        """Waits for the receiver thread to finish after the peer sent CLOSE; drops anything unread."""
-        self._closed = True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("Receiver thread of channel %s did not stop within %.0f s.", self.name, timeout)
 
 
 def encode_text(text: str, limit: int = 4000) -> Tensor:
@@ -468,7 +545,7 @@ def decode_text(t: Tensor) -> str:
 class FailureHandler:
     """Spreads a stage failure along the pipeline and makes sure this process does not outlive it for long.
 
-    When a receiver thread learns that a peer failed (an ABORT message, or a lost connection), the handler
+    When a receive learns that a peer failed (an ABORT message, or a lost connection), the handler
     logs it, forwards the ABORT to the other neighbours (so a failure travels the whole pipeline), and arms a
     watchdog: the main thread normally raises :class:`~lightning_dynpipe.errors.PeerFailure` from its next
     receive and exits through Lightning's error path; if it is stuck in a collective instead, the watchdog ends
@@ -484,7 +561,7 @@ class FailureHandler:
         self._lock = threading.Lock()
 
     def peer_failed(self, failure: PeerFailure, source: SendChannel | None = None) -> None:
-        """Called from a receiver thread."""
+        """Called by the receive that learnt of the failure (the stage's thread; a receiver thread on CUDA)."""
         with self._lock:
             if self.failure is not None:
                 return

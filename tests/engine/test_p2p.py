@@ -1,5 +1,6 @@
 """The packed point-to-point protocol between two real gloo processes (no Lightning): messages of changing
-sizes arrive intact and in order, a peer's failure description arrives, and no receive is left posted."""
+sizes arrive intact and in order, a peer's failure description arrives, both ends close with messages still
+unread, and no receive is left posted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_dynpipe.engine.executor import StageChannels
 from lightning_dynpipe.engine.p2p import PREPOSTED, RecvChannel, SendChannel
 from lightning_dynpipe.engine.wire import MIN_MESSAGE, MessageKind, decode, encode, message_size, pack, unpack
 from lightning_dynpipe.errors import PeerFailure
@@ -47,7 +49,7 @@ def _messages_mode(rank: int, group: Any) -> str:
             assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
         assert m.transfer_s >= 0.0
     rc.join()
-    assert not rc._thread.is_alive(), "the receiver thread must end after CLOSE"
+    assert not rc._posted, "no receive may stay posted after CLOSE"
     return "ok"
 
 
@@ -70,11 +72,32 @@ def _abort_mode(rank: int, group: Any) -> str:
     return "no failure raised"
 
 
+def _unread_mode(rank: int, group: Any) -> str:
+    """Both ends send more than the other has posted and read none of it, then close: used to deadlock."""
+    down, up = dist.new_group([0, 1]), dist.new_group([0, 1])
+    peer = 1 - rank
+    channels = StageChannels()
+    if rank == 0:
+        channels.send_activation = SendChannel(down, peer, "activations 0->1")
+        channels.recv_grad = RecvChannel(up, peer, torch.device("cpu"), 30.0, "gradients 1->0", peer_stage=1)
+        sender = channels.send_activation
+    else:
+        channels.recv_activation = RecvChannel(down, peer, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+        channels.send_grad = SendChannel(up, peer, "gradients 1->0")
+        sender = channels.send_grad
+    for mb in range(PREPOSTED + 3):
+        sender.send(MessageKind.ACTIVATION if rank == 0 else MessageKind.GRADIENT, mb, [torch.randn(64, 64)])
+    channels.close()
+    receiver = channels.recv_grad if rank == 0 else channels.recv_activation
+    assert isinstance(receiver, RecvChannel) and not receiver._posted, "no receive may stay posted after close"
+    return "ok"
+
+
 def _worker(rank: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        for mode, run in (("messages", _messages_mode), ("abort", _abort_mode)):
+        for mode, run in (("messages", _messages_mode), ("abort", _abort_mode), ("unread", _unread_mode)):
             try:
                 out.put((mode, rank, run(rank, dist.new_group([0, 1]))))
             except BaseException as exc:  # reported to the test, not swallowed
@@ -90,7 +113,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_messages_and_abort() -> None:
+def test_two_processes_messages_abort_and_close_with_unread_messages() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -99,10 +122,11 @@ def test_two_processes_messages_and_abort() -> None:
         p.start()
     for p in procs:
         p.join(60)
-    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(4))}
+    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(6))}
     assert all(p.exitcode == 0 for p in procs), results
     assert results[("messages", 0)] == results[("messages", 1)] == "ok", results
     assert results[("abort", 0)] == "ok", results
+    assert results[("unread", 0)] == results[("unread", 1)] == "ok", results
     assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[("abort", 1)], results
 
 
