@@ -44,9 +44,12 @@ class StageTimes:
         gpu_sm_clock_mhz: the SM clock;
         gpu_throttled: 1 when the clocks are throttled (not idle), else 0;
         gpu_other_mem_bytes: device memory used by other processes.
+        mean_step_s: the mean step time over the window without its slowest step (the stage's throughput,
+            which the median ``step_s`` misjudges when step times are bimodal, as under a CPU quota); 0 when
+            not measured, and ``step_s`` stands in.
 
-    The fields after ``cpu_limit`` describe the stage's environment; they are the forest's features
-    (:mod:`lightning_dynpipe.predictor.features`) and default to "nothing measured".
+    The fields from ``cpu_limit`` to ``gpu_other_mem_bytes`` describe the stage's environment; they are the
+    forest's features (:mod:`lightning_dynpipe.predictor.features`) and default to "nothing measured".
     """
 
     compute_s: float
@@ -65,6 +68,12 @@ class StageTimes:
     gpu_sm_clock_mhz: float | None = None
     gpu_throttled: float | None = None
     gpu_other_mem_bytes: float | None = None
+    mean_step_s: float = 0.0
+
+    @property
+    def throughput_step_s(self) -> float:
+        """``mean_step_s`` where measured (> 0), else ``step_s``."""
+        return self.mean_step_s if self.mean_step_s > 0 else self.step_s
 
     @classmethod
     def from_summary(cls, summary: StageSummary) -> StageTimes:
@@ -86,6 +95,7 @@ class StageTimes:
             gpu_sm_clock_mhz=summary.gpu_sm_clock_mhz,
             gpu_throttled=summary.gpu_throttled,
             gpu_other_mem_bytes=summary.gpu_other_mem_bytes,
+            mean_step_s=summary.mean_step_s,
         )
 
 
@@ -122,8 +132,17 @@ class PipelineWindow:
 
     @property
     def step_s(self) -> float:
-        """The measured step time of the pipeline: its slowest stage's."""
+        """The measured step time of the pipeline: its slowest stage's (medians)."""
         return max(t.step_s for t in self.stages)
+
+    @property
+    def mean_step_s(self) -> float:
+        """The pipeline's measured throughput as a step time: its slowest stage's mean (:attr:`StageTimes.mean_step_s`).
+
+        What a move's outcome is judged by: under a CPU quota the medians can say a move made the pipeline slower
+        when it made it faster.
+        """
+        return max(t.throughput_step_s for t in self.stages)
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ class AdaptiveController:
             candidate=best.partition,
             current_step_s=current.value.time_to_accuracy_s * M,
             candidate_step_s=best.value.time_to_accuracy_s * M,
-            measured_step_s=window.step_s,
+            measured_step_s=window.mean_step_s,
             migration_cost_s=self._migration_cost(window, best.partition, comm, past_pauses_s),
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
@@ -360,7 +360,7 @@ class AdaptiveController:
         self._moved = None
         if window.partition != target:
             return
-        outcome = Outcome(step, target, predicted, high, window.step_s)
+        outcome = Outcome(step, target, predicted, high, window.mean_step_s)
         self.outcomes.append(outcome)
         log.info(
             "DynPipe adaptation: the move to %s measured %.1f ms/step, predicted %.1f ms (up to %.1f ms)",

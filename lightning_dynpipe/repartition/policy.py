@@ -29,7 +29,8 @@ class PolicyInputs:
         candidate: the best partition the planner found under the measured slowdowns.
         current_step_s: predicted seconds per step with ``current`` under the measured slowdowns.
         candidate_step_s: predicted seconds per step with ``candidate``.
-        measured_step_s: measured seconds per step (median of the monitor's window).
+        measured_step_s: measured seconds per step: the slowest stage's mean over the monitor's window without its
+            slowest step (:attr:`~lightning_dynpipe.predictor.PipelineWindow.mean_step_s`).
         migration_cost_s: measured (or estimated) pause of one migration.
         remaining_steps: steps left in the run (``None`` if unknown).
         slowdowns: per-stage slowdown factors the prediction used.
@@ -160,7 +161,8 @@ class GainOverCostPolicy:
     **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
     partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
     in its quota and look fast, so the planner wants the layers back, and the pipeline oscillates. So the
-    first check after a move compares the measured step time with the one measured just before it. If the
+    first check after a move compares the measured step time with the one measured just before it (means, not
+    medians: under a CPU quota step times are bimodal and the median can rank two partitions the wrong way). If the
     move made the pipeline slower, the policy moves straight back (``rollback``; no cool-down or patience,
     when the measured loss over the horizon pays the migration by ``margin``), and for ``memory_steps`` steps
     it refuses that partition, and, from the partition it came back to, any candidate that shifts the same

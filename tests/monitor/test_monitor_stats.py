@@ -175,6 +175,26 @@ def test_a_spike_does_not_move_the_median() -> None:
     assert acc.summary().step_s == pytest.approx(0.1)
 
 
+def test_the_mean_step_follows_bimodal_steps_and_ignores_one_spike() -> None:
+    acc = StageStatsAccumulator(window=20)
+    for i in range(20):  # a CPU quota: 8 steps in 20 wait out the rest of a period
+        acc.add(_sample(step_s=0.125 if i % 5 in (1, 3) else 0.05))
+    s = acc.summary()
+    assert s.step_s == pytest.approx(0.05)  # the median follows the majority...
+    assert s.mean_step_s == pytest.approx((12 * 0.05 + 7 * 0.125) / 19)  # ...the mean the throughput
+    acc.reset()
+    for i in range(9):
+        acc.add(_sample(step_s=5.0 if i == 4 else 0.1))  # the step after a validation drain
+    assert acc.summary().mean_step_s == pytest.approx(0.1)
+    assert math.isnan(StageStatsAccumulator(3).summary().mean_step_s)
+    few = StageStatsAccumulator(3)
+    for v in (0.1, 0.2, 0.6):
+        few.add(_sample(step_s=v))
+    assert few.summary().mean_step_s == pytest.approx(0.3)  # fewer than four: nothing left out
+    both = StageSummary.combine([s, acc.summary()])  # replicas: the slowest one's
+    assert both.mean_step_s == pytest.approx(max(s.mean_step_s, acc.summary().mean_step_s))
+
+
 def test_reset_forgets_everything() -> None:
     acc = StageStatsAccumulator(window=3)
     acc.add(_sample())
