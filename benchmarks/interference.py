@@ -20,16 +20,17 @@ default the parameter-balanced split, given to all), the same initial weights an
 
 Scenarios (``--scenarios``; interference through :class:`~lightning_dynpipe.interference.InterferenceCallback`):
 
-=============  ==================================================================================================
-``none``       no interference
-``hog``        a CPU hog on stage 0's core from a quarter of the run on (a quarter of the seed's ``none``/static
-               steps to target; ``--max-steps // 4`` if that is unknown)
-``quota50``    a CPU quota of 50% of one core on stage 1's process, the whole run (cgroup, else SIGSTOP throttle)
-``quota25``    the same with 25%
-``cycles``     the hog on stage 0 switched on and off every ``--cycle-steps`` steps
-``delay``      5 ms +- 2 ms delay on every send across the stage boundary
-``mix``        the hog on stage 0 from the onset, and the delay on the boundary from the start
-=============  ==================================================================================================
+==================  ==================================================================================================
+``none``            no interference
+``hog``             a CPU hog on stage 0's core from a quarter of the run on (a quarter of the seed's ``none``/static
+                    steps to target; ``--max-steps // 4`` if that is unknown)
+``quota50``         a CPU quota of 50% of one core on stage 1's process, the whole run (cgroup, else SIGSTOP throttle)
+``quota25``         the same with 25%
+``quota25-late``   the 25% quota from the onset (the hog's) on, as when another job's quota arrives mid-run
+``cycles``          the hog on stage 0 switched on and off every ``--cycle-steps`` steps
+``delay``           5 ms +- 2 ms delay on every send across the stage boundary
+``mix``             the hog on stage 0 from the onset, and the delay on the boundary from the start
+==================  ==================================================================================================
 
 Each stage process is pinned to its own core (:func:`~lightning_dynpipe.interference.pin_current_process`) and
 uses one torch thread, so a hog on "stage 0's core" competes with stage 0 only. Every ``--eval-every`` steps
@@ -107,10 +108,10 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
 
-SCENARIOS: tuple[str, ...] = ("none", "hog", "quota50", "quota25", "cycles", "delay", "mix")
+SCENARIOS: tuple[str, ...] = ("none", "hog", "quota50", "quota25", "quota25-late", "cycles", "delay", "mix")
 ALL_SYSTEMS: tuple[str, ...] = ("forest", "measured", "varuna", "dynpipe-2x", "static")
 SYSTEMS: tuple[str, ...] = ("forest", "measured", "static")
-SUSTAINED = ("hog", "quota50", "quota25", "delay", "mix")
+SUSTAINED = ("hog", "quota50", "quota25", "quota25-late", "delay", "mix")
 MODELS: tuple[str, ...] = ("mlp", "cnn")
 NUM_STAGES = WORLD_SIZE = 2
 
@@ -166,6 +167,8 @@ def schedule_for(scenario: str, cfg: Config, onset: int) -> list[dict[str, Any]]
         return [{"kind": "cpu_hog", "stage": 0, "start_step": onset}]
     if scenario in ("quota50", "quota25"):
         return [{"kind": "cpu_quota", "stage": 1, "start_step": 0, "fraction": 0.5 if scenario == "quota50" else 0.25}]
+    if scenario == "quota25-late":
+        return [{"kind": "cpu_quota", "stage": 1, "start_step": onset, "fraction": 0.25}]
     if scenario == "cycles":
         c = cfg.cycle_steps
         return [
