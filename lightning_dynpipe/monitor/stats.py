@@ -284,9 +284,9 @@ class StageSummary:
     saw it.
 
     ``mean_step_s`` is the mean step time without the window's slowest step (:func:`mean_step_time`; 0 in a
-    summary built without it): the stage's throughput. The median is not when step times are bimodal, as under a CPU quota, which stops a
-    process for the rest of its period once it used its share: some steps fit in the share and some wait a
-    period, and the median follows the majority however long the others wait.
+    summary built without it): the stage's throughput. The median is not when step times are bimodal, as under
+    a CPU quota, which stops a process for the rest of its period once it used its share: some steps fit in the
+    share and some wait a period, and the median follows the majority however long the others wait.
     """
 
     count: int
