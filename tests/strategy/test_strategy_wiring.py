@@ -62,3 +62,42 @@ def test_adaptation_needs_the_monitor() -> None:
     assert DynPipeStrategy(monitor_every_n_steps=None, adaptive=False).monitor_every_n_steps is None
     with pytest.raises(ConfigurationError, match="num_stages='auto' lets the planner choose"):
         DynPipeStrategy(num_stages="auto", balance=[2, 3])
+
+
+def test_the_hooks_before_each_update_run_only_when_something_observes_them() -> None:
+    """``async`` updates M times per step; Lightning's on_before_optimizer_step/clipping dispatch is skipped only when
+    no callback, module hook, clipping setting or precision plugin would see it (the counts themselves are checked
+    by the multi-process ``_PipelineInvariants`` in test_numerics.py)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_dynpipe.strategy.dynpipe import _update_hooks_observed
+
+    class Plain(L.LightningModule):
+        pass
+
+    class Watching(L.LightningModule):
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            pass
+
+    class Clipping(L.LightningModule):
+        def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, **kwargs: object) -> None:
+            pass
+
+    class Counting(L.Callback):
+        def on_before_optimizer_step(self, *args: object) -> None:
+            pass
+
+    class OwnPrecision(Precision):
+        def _after_closure(self, model: L.LightningModule, optimizer: object) -> None:  # type: ignore[override]
+            pass
+
+    def observed(module: L.LightningModule, precision: Precision | None = None, **trainer_kw: object) -> bool:
+        module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **trainer_kw)  # type: ignore[arg-type]
+        return _update_hooks_observed(module, precision or Precision())
+
+    assert not observed(Plain())
+    assert observed(Watching())
+    assert observed(Clipping())
+    assert observed(Plain(), callbacks=[Counting()])
+    assert observed(Plain(), gradient_clip_val=1.0)
+    assert observed(Plain(), precision=OwnPrecision())
