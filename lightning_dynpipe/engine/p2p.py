@@ -18,6 +18,10 @@ the size of the next message: a sender whose message has another size first send
 ``ABORT`` are followed by pads that complete the receives still posted, so that no receive is left pending
 when the process groups are destroyed.
 
+A message's link time (:attr:`Message.transfer_s`) is its arrival on the receiver's clock minus the sender's clock
+at the send. Without a receiver thread an arrival is seen only when the stage asks for the message, so that is exact
+for a message the stage waited for, and :class:`LinkTimes` estimates it for one that was already there.
+
 On CUDA the header and each tensor are separate messages, received by a background thread per channel.
 
 Failures: a peer's ``ABORT``, or a connection lost because the peer process died, is seen by the next receive
@@ -67,6 +71,7 @@ __all__ = [
     "SendChannel",
     "RecvChannel",
     "Message",
+    "LinkTimes",
     "SendDelay",
     "FailureHandler",
     "encode_text",
@@ -300,6 +305,50 @@ class SendChannel:
             self.flush()
 
 
+_ARRIVED_DURING_WAIT_S = 500e-6
+"""A receive whose wait took longer than this was still in flight when asked for (an arrived one returns within
+about 5-60 us; the margin covers a thread descheduled on its way out of the wait)."""
+
+
+class LinkTimes:
+    """A channel's transfer time per message, when the receiving thread cannot see every arrival.
+
+    Without a receiver thread the stage learns that a message arrived only when it asks for it (gloo completes a
+    receive inside ``wait``). For a message it waited for, the end of the wait is the arrival, and the transfer time
+    (arrival minus the sender's clock at the send) is exact. A message that was already there arrived at some time
+    between its send and the ask: its transfer time is at most ``ask - send``, and the estimate is the mean of the
+    last :attr:`window` exact times, capped by that bound (the bound itself while no exact time is known).
+
+    Example::
+
+        >>> link = LinkTimes()
+        >>> link.was_there(0.010)            # nothing measured yet: the bound
+        0.01
+        >>> link.waited(0.002), link.waited(0.004)
+        (0.002, 0.004)
+        >>> link.was_there(0.010)            # the recent exact times' mean
+        0.003
+        >>> link.was_there(0.001)            # never more than the bound
+        0.001
+    """
+
+    window: int = 8
+
+    def __init__(self) -> None:
+        self._exact: deque[float] = deque(maxlen=self.window)
+
+    def waited(self, transfer_s: float) -> float:
+        """Records (and returns) the exact transfer time of a message the stage waited for."""
+        self._exact.append(transfer_s)
+        return transfer_s
+
+    def was_there(self, bound_s: float) -> float:
+        """The estimate for a message that had arrived before the stage asked ``bound_s`` after its send."""
+        if not self._exact:
+            return bound_s
+        return min(bound_s, sum(self._exact) / len(self._exact))
+
+
 class RecvChannel:
     """Receives messages from one peer stage.
 
@@ -340,6 +389,7 @@ class RecvChannel:
         self._closed = False
         self._size = MIN_MESSAGE  # packed: the size of the receives posted next
         self._posted: deque[tuple[Any, Tensor]] = deque()  # packed: receives posted, oldest first
+        self._link = LinkTimes()  # packed: the link's time per message, from the messages waited for
         self._queue: queue.Queue[Message | BaseException | None] = queue.Queue()  # CUDA: the thread's messages
         self._thread: threading.Thread | None = None
         if self.packed:
@@ -405,6 +455,7 @@ class RecvChannel:
         if self._closed:
             raise self._closed_error()
         deadline = time.monotonic() + self.timeout
+        asked, asked_wall = time.perf_counter(), time.time()
         while True:
             work, buf = self._posted[0]
             try:
@@ -440,8 +491,12 @@ class RecvChannel:
                 assert self._failure is not None
                 raise self._failure
             self._post()
-            transfer_s = max(0.0, wall - sent_at(raw))  # one host's clock; across hosts, as synchronised
-            return Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s)
+            sent = sent_at(raw)  # the sender's clock: one host's clock; across hosts, as synchronised
+            if now - asked > _ARRIVED_DURING_WAIT_S:  # it arrived while this thread waited: `now` is its arrival
+                transfer_s = self._link.waited(max(0.0, wall - sent))
+                return Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s)
+            transfer_s = self._link.was_there(max(0.0, asked_wall - sent))
+            return Message(header, unpack(buf, header), arrived_at=asked, transfer_s=transfer_s)
 
     def _finish(self, deadline: float) -> None:
         """After ``CLOSE`` or ``ABORT``: completes the receives still posted (the sender pads them)."""

@@ -1,11 +1,13 @@
 """The packed point-to-point protocol between two real gloo processes (no Lightning): messages of changing
 sizes arrive intact and in order, a peer's failure description arrives, both ends close with messages still
-unread, and no receive is left posted."""
+unread, a message read long after it arrived is not charged its time in the buffer, and no receive is left
+posted."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -93,11 +95,36 @@ def _unread_mode(rank: int, group: Any) -> str:
     return "ok"
 
 
+def _late_mode(rank: int, group: Any) -> str:
+    """A message read long after it arrived is not charged the time it sat in its buffer as link time."""
+    dist.barrier(group=group)  # both here: the receiver waits for the first message
+    if rank == 0:
+        ch = SendChannel(group, 1, "activations 0->1")
+        time.sleep(0.3)  # the receiver waits for the first message: an exact transfer time
+        for mb in range(3):
+            ch.send(MessageKind.ACTIVATION, mb, [torch.randn(32, 32)])
+        ch.close()
+        return "ok"
+    rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+    first = rc.get(MessageKind.ACTIVATION, 0)
+    time.sleep(0.3)  # the next two arrive meanwhile
+    later = [rc.get(MessageKind.ACTIVATION, mb) for mb in (1, 2)]
+    rc.join()
+    if not first.transfer_s < 0.1 or not all(m.transfer_s <= first.transfer_s + 1e-9 for m in later):
+        return f"transfer times {first.transfer_s}, {[m.transfer_s for m in later]}"
+    return "ok"
+
+
 def _worker(rank: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        for mode, run in (("messages", _messages_mode), ("abort", _abort_mode), ("unread", _unread_mode)):
+        for mode, run in (
+            ("messages", _messages_mode),
+            ("abort", _abort_mode),
+            ("unread", _unread_mode),
+            ("late", _late_mode),
+        ):
             try:
                 out.put((mode, rank, run(rank, dist.new_group([0, 1]))))
             except BaseException as exc:  # reported to the test, not swallowed
@@ -122,11 +149,12 @@ def test_two_processes_messages_abort_and_close_with_unread_messages() -> None:
         p.start()
     for p in procs:
         p.join(60)
-    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(6))}
+    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(8))}
     assert all(p.exitcode == 0 for p in procs), results
     assert results[("messages", 0)] == results[("messages", 1)] == "ok", results
     assert results[("abort", 0)] == "ok", results
     assert results[("unread", 0)] == results[("unread", 1)] == "ok", results
+    assert results[("late", 0)] == results[("late", 1)] == "ok", results
     assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[("abort", 1)], results
 
 
