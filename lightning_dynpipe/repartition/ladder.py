@@ -64,6 +64,9 @@ class ReplicaWindow:
         causes: per replica, the visible signs of interference on its processes beyond the other replicas'
             (:func:`~lightning_dynpipe.monitor.stats.interference_excess`; ``""``: none seen). Empty: not
             reported (no system readings), and the ladder waits ``patience`` checks.
+        mean_step_s: the slowest replica's mean step time over the window without its slowest step (NaN: not
+            measured). The outcome check compares it (:attr:`judged_step_s`): under a CPU quota step times are
+            bimodal, and a median follows whichever kind of step is the majority.
     """
 
     step: int
@@ -73,6 +76,12 @@ class ReplicaWindow:
     step_s: float = math.nan
     update_s: tuple[tuple[float, ...], ...] = ()
     causes: tuple[str, ...] = ()
+    mean_step_s: float = math.nan
+
+    @property
+    def judged_step_s(self) -> float:
+        """The step time a re-split's outcome is judged by: :attr:`mean_step_s` where measured, else ``step_s``."""
+        return self.mean_step_s if self.mean_step_s > 0 else self.step_s
 
     def __post_init__(self) -> None:
         D = len(self.samples)
@@ -233,11 +242,12 @@ class EscalationLadder:
                 LadderDecision(window.step, "keep", f"no usable measurement yet (compute seconds {list(replica_s)})")
             )
         last, self._last = self._last, None
-        if last is not None and window.split == last[1] and math.isfinite(window.step_s):
+        judged_s = window.judged_step_s
+        if last is not None and window.split == last[1] and math.isfinite(judged_s):
             old, new, before_s, probed = last
             # a move towards the target is kept unless it cost; a probe only if it paid
             limit_s = before_s if probed else before_s * (1.0 + self.rollback_tolerance)
-            if window.step_s > limit_s:  # back, and no further that way
+            if judged_s > limit_s:  # back, and no further that way
                 self._hold = (old, tuple(b - a for a, b in zip(old.weights, new.weights)))
                 self._probe_size = 0.0
                 self._held_for = 0
@@ -246,7 +256,7 @@ class EscalationLadder:
                     LadderDecision(
                         window.step,
                         "resplit",
-                        f"roll back: {'probe ' if probed else ''}split {new} measured {window.step_s * 1e3:.1f} "
+                        f"roll back: {'probe ' if probed else ''}split {new} measured {judged_s * 1e3:.1f} "
                         f"ms/step, {'not faster' if probed else 'slower'} than {before_s * 1e3:.1f} ms/step under "
                         f"{old}; no further re-split that way from {old}",
                         split=old,
@@ -279,13 +289,13 @@ class EscalationLadder:
             self._streak = 0
             probe = self._probe(window, per_sample) if slack is not None else None
             if probe is not None:
-                self._last = (window.split, probe, window.step_s, True)
+                self._last = (window.split, probe, judged_s, True)
                 return self.record(
                     LadderDecision(
                         window.step,
                         "resplit",
                         f"probe: the replicas reach the all-reduce together at {window.split}; trying {probe}, kept "
-                        f"if the step measures shorter than {window.step_s * 1e3:.1f} ms: {numbers}",
+                        f"if the step measures shorter than {judged_s * 1e3:.1f} ms: {numbers}",
                         split=probe,
                     )
                 )
@@ -338,8 +348,8 @@ class EscalationLadder:
                     f"{numbers}{cause}",
                 )
             )
-        if math.isfinite(window.step_s):
-            self._last = (window.split, target, window.step_s, False)
+        if math.isfinite(judged_s):
+            self._last = (window.split, target, judged_s, False)
         return self.record(
             LadderDecision(
                 window.step, "resplit", f"one replica is slower than the others: {numbers}{cause}", split=target
@@ -457,6 +467,7 @@ def replica_window(
     step_s: float = math.nan,
     update_s_by_rank: Sequence[tuple[int, int, float]] = (),
     causes_by_rank: Sequence[tuple[int, int, str]] = (),
+    mean_step_s: float = math.nan,
 ) -> ReplicaWindow:
     """A :class:`ReplicaWindow` from ``(dp_rank, stage_idx, seconds)`` triples (one per process): the compute
     times and, optionally, the update times (the gradient all-reduce included) and each process's signs of
@@ -478,5 +489,5 @@ def replica_window(
 
     updates = table(update_s_by_rank) if update_s_by_rank else ()
     return ReplicaWindow(
-        step, tuple(float(n) for n in samples), table(compute_s_by_rank), split, step_s, updates, causes
+        step, tuple(float(n) for n in samples), table(compute_s_by_rank), split, step_s, updates, causes, mean_step_s
     )

@@ -193,6 +193,8 @@ class AdaptationWiring:
             update_s_by_rank=[(r.dp_rank, r.stage_idx, r.summary.optimizer_s) for r in snapshot.replicas],
             # a slowdown with a visible cause is acted on sooner than one without (a passing hiccup)
             causes_by_rank=causes,
+            # what a re-split's outcome is judged by (medians of quota-throttled steps mislead)
+            mean_step_s=max((r.summary.mean_step_s for r in snapshot.replicas), default=math.nan),
         )
         decision = self.ladder.decide(window)
         log.info("DynPipe adaptation: %s", decision)

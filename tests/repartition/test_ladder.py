@@ -68,6 +68,21 @@ def test_a_resplit_that_does_not_shorten_the_step_is_rolled_back_and_held() -> N
     assert other.rung == "resplit" and other.split is not None and other.split.weights[1] > 0.5
 
 
+def test_a_resplit_is_judged_by_mean_step_times_where_measured() -> None:
+    """Under a quota the median can say slower (30 -> 33 ms) while the mean says faster (45 -> 36 ms): kept."""
+    ladder = EscalationLadder(patience=1)
+    w = _window(10, (0.010, 0.020))
+    first = ladder.decide(ReplicaWindow(w.step, w.samples, w.compute_s, w.split, step_s=0.030, mean_step_s=0.045))
+    assert first.rung == "resplit" and first.split is not None
+    shares = tuple(float(x) for x in first.split.shares(32, 4))
+    after = ReplicaWindow(20, shares, ((0.014,), (0.014,)), first.split, step_s=0.033, mean_step_s=0.036)
+    kept = ladder.decide(after)
+    assert kept.rung == "keep" and "roll back" not in kept.reason
+    assert (
+        after.judged_step_s == 0.036 and ReplicaWindow(20, shares, ((0.01,), (0.01,)), EVEN, 0.03).judged_step_s == 0.03
+    )
+
+
 def test_a_resplit_measured_within_the_noise_of_before_is_not_rolled_back() -> None:
     ladder = EscalationLadder(patience=1, rollback_tolerance=0.02)  # the test measures +1%
     w = _window(10, (0.010, 0.020))
