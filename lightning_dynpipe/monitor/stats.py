@@ -514,6 +514,7 @@ REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS) + 1
 # (metric name, StageSummary attribute or property, scale). Times in ms; bytes in MiB (2**20).
 _METRICS: tuple[tuple[str, str, float], ...] = (
     ("step_ms", "step_s", 1e3),
+    ("mean_step_ms", "mean_step_s", 1e3),
     ("compute_ms", "compute_s", 1e3),
     ("busy_ms", "busy_s", 1e3),
     ("forward_ms", "forward_s", 1e3),
@@ -553,7 +554,7 @@ def _summary_metrics(prefix: str, summary: StageSummary) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, attr, scale in _METRICS:
         value = getattr(summary, attr)
-        if value is None:
+        if value is None or (attr == "mean_step_s" and not value > 0):  # 0: a summary built without it
             continue
         out[f"{prefix}/{name}"] = float(value) * scale
     return out

@@ -383,6 +383,14 @@ def test_to_metrics_keys_units_and_optional_readings() -> None:
     assert all(isinstance(v, float) for v in m.values())
     names = {key.split("/")[-1] for key in m if key.startswith("dynpipe/stage")}
     assert names <= set(METRIC_NAMES)
+    assert "dynpipe/stage0/mean_step_ms" not in m  # built without a mean: not reported as 0 ms
+    acc = StageStatsAccumulator(window=4)
+    for v in (0.01, 0.01, 0.04, 0.01):
+        acc.add(_sample(step_s=v))
+    one = PipelineSnapshot.from_reports(0, [StageReport(0, 0, acc.summary())]).to_metrics()
+    assert one["dynpipe/stage0/step_ms"] == pytest.approx(10.0) and one["dynpipe/stage0/mean_step_ms"] == pytest.approx(
+        10.0
+    )
 
 
 def test_to_metrics_prefix_and_per_replica_keys() -> None:
