@@ -449,6 +449,24 @@ class RecvChannel:
         buf = torch.empty(self._size, dtype=torch.uint8)
         self._posted.append((dist.irecv(buf, src=self.peer, group=self.group), buf))
 
+    def _next_packed(self, deadline: float) -> tuple[Tensor, Header, float, float]:
+        """Waits for the oldest posted receive that is not a ``RESIZE``: its buffer and header, and when it was in.
+
+        Raises gloo's ``RuntimeError`` on a timeout or a lost connection (the callers tell them apart).
+        """
+        while True:
+            work, buf = self._posted[0]
+            work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            self._posted.popleft()
+            now, wall = time.perf_counter(), time.time()
+            header = decode(buf[:HEADER_BYTES].view(torch.int64))
+            if header.kind == MessageKind.RESIZE:
+                self._size = int(header.aux)
+            if header.kind not in (MessageKind.CLOSE, MessageKind.ABORT):
+                self._post()  # the one this message used; after CLOSE and ABORT nothing more comes
+            if header.kind != MessageKind.RESIZE:
+                return buf, header, now, wall
+
     def _get_packed(self, kind: MessageKind, mb_idx: int) -> Message:
         if self._failure is not None:
             raise self._failure
@@ -456,47 +474,31 @@ class RecvChannel:
             raise self._closed_error()
         deadline = time.monotonic() + self.timeout
         asked, asked_wall = time.perf_counter(), time.time()
-        while True:
-            work, buf = self._posted[0]
-            try:
-                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError as exc:
-                if "timed out" in str(exc).lower():
-                    raise self._timeout_error(kind, mb_idx) from None
-                self._posted.clear()  # the connection is gone, and every receive with it
-                self._lost(exc)
-                assert self._failure is not None
-                raise self._failure from exc
-            self._posted.popleft()
-            now, wall = time.perf_counter(), time.time()
-            raw = buf[:HEADER_BYTES].view(torch.int64)
-            header = decode(raw)
-            if header.kind == MessageKind.RESIZE:
-                self._size = int(header.aux)
-                self._post()
-                continue
-            if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
-                self._finish(deadline)
-                if header.kind == MessageKind.CLOSE:
-                    raise self._closed_error()
-                text = unpack(buf, header)[0]
-                assert text is not None
-                self._fail(
-                    PeerFailure(
-                        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text)}",
-                        header.mb_idx,
-                        int(header.aux),
-                    )
-                )
-                assert self._failure is not None
-                raise self._failure
-            self._post()
-            sent = sent_at(raw)  # the sender's clock: one host's clock; across hosts, as synchronised
-            if now - asked > _ARRIVED_DURING_WAIT_S:  # it arrived while this thread waited: `now` is its arrival
-                transfer_s = self._link.waited(max(0.0, wall - sent))
-                return Message(header, unpack(buf, header), arrived_at=now, transfer_s=transfer_s)
-            transfer_s = self._link.was_there(max(0.0, asked_wall - sent))
-            return Message(header, unpack(buf, header), arrived_at=asked, transfer_s=transfer_s)
+        try:
+            buf, header, now, wall = self._next_packed(deadline)
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                raise self._timeout_error(kind, mb_idx) from None
+            self._posted.clear()  # the connection is gone, and every receive with it
+            self._lost(exc)
+            assert self._failure is not None
+            raise self._failure from exc
+        if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
+            self._finish(deadline)
+            if header.kind == MessageKind.CLOSE:
+                raise self._closed_error()
+            text = unpack(buf, header)[0]
+            assert text is not None
+            self._fail(_peer_abort(header, decode_text(text)))
+            assert self._failure is not None
+            raise self._failure
+        sent = sent_at(buf[:HEADER_BYTES].view(torch.int64))  # the sender's clock: across hosts, as synchronised
+        if now - asked > _ARRIVED_DURING_WAIT_S:  # it arrived while this thread waited: `now` is its arrival
+            return Message(
+                header, unpack(buf, header), arrived_at=now, transfer_s=self._link.waited(max(0.0, wall - sent))
+            )
+        transfer_s = self._link.was_there(max(0.0, asked_wall - sent))
+        return Message(header, unpack(buf, header), arrived_at=asked, transfer_s=transfer_s)
 
     def _finish(self, deadline: float) -> None:
         """After ``CLOSE`` or ``ABORT``: completes the receives still posted (the sender pads them)."""
@@ -513,15 +515,9 @@ class RecvChannel:
         deadline = time.monotonic() + timeout
         try:
             while self._posted:
-                work, buf = self._posted.popleft()
-                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                header = decode(buf[:HEADER_BYTES].view(torch.int64))
-                if header.kind in (MessageKind.CLOSE, MessageKind.ABORT):
+                if self._next_packed(deadline)[1].kind in (MessageKind.CLOSE, MessageKind.ABORT):
                     self._finish(deadline)
                     return
-                if header.kind == MessageKind.RESIZE:
-                    self._size = int(header.aux)
-                self._post()
         except Exception as exc:  # the peer is gone or never closed: nothing more to read either way
             log.warning("Channel %s did not close cleanly within %.0f s: %r", self.name, timeout, exc)
             self._posted.clear()
@@ -544,13 +540,7 @@ class RecvChannel:
                     assert spec is not None
                     text_t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                     dist.recv(text_t, src=self.peer, group=self.group)
-                    self._fail(
-                        PeerFailure(
-                            f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {decode_text(text_t)}",
-                            header.mb_idx,
-                            int(header.aux),
-                        )
-                    )
+                    self._fail(_peer_abort(header, decode_text(text_t)))
                     return
                 tensors: list[Tensor | None] = []
                 t_header = time.perf_counter()
@@ -584,6 +574,13 @@ class RecvChannel:
         self._queue.put(failure)
         if self.on_failure is not None:
             self.on_failure(failure)
+
+
+def _peer_abort(header: Header, text: str) -> PeerFailure:
+    """The failure a peer's ``ABORT`` message describes (``mb_idx``: the failed stage, ``aux``: its rank)."""
+    return PeerFailure(
+        f"Stage {header.mb_idx} (rank {int(header.aux)}) failed first: {text}", header.mb_idx, int(header.aux)
+    )
 
 
 def encode_text(text: str, limit: int = 4000) -> Tensor:
