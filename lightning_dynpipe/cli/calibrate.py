@@ -16,8 +16,8 @@ The sweep, in one worker process pinned to one core with one torch thread (what 
    stage, with the stage monitor's sampler reading CPU share, run-queue wait, context switches, other load;
 3. under each scenario (``--scenarios``) of the injection toolkit, applied to one stage: a CPU hog on the
    worker's core at a duty cycle, a CPU limit on the worker (cgroup quota where allowed, else the SIGSTOP
-   throttle), or a delay with jitter before each message across the boundaries (measured over a local socket
-   pair carrying the boundary's activation bytes);
+   throttle), or an emulated slower link across the boundaries: a delay with jitter, and a bandwidth, per message
+   (measured over a local socket pair carrying the boundary's activation bytes);
 4. pairs every two partitions measured under the same scenario (the environment seen under one, the times
    measured under the other: what pricing a partition that has not run needs), fits the
    :class:`~lightning_dynpipe.predictor.ForestPredictor` and saves it (rows, schema, versions; no pickle).
@@ -59,10 +59,11 @@ class Scenario:
     Attributes:
         name: its name on the command line.
         kind: ``"none"``, ``"hog"`` (duty cycle ``value``), ``"limit"`` (``value`` cores) or ``"delay"``
-            (``value`` seconds per message, ``jitter_s`` either way).
+            (``value`` seconds per message, ``jitter_s`` either way, ``bandwidth_Bps`` for its bytes).
         value: see ``kind``.
         stage: the stage it applies to (-1: the last).
         jitter_s: for ``"delay"``.
+        bandwidth_Bps: for ``"delay"``: the emulated link's bandwidth (``math.inf``: unlimited).
     """
 
     name: str
@@ -70,6 +71,7 @@ class Scenario:
     value: float = 0.0
     stage: int = -1
     jitter_s: float = 0.0
+    bandwidth_Bps: float = math.inf
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -83,6 +85,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("quota75", "limit", 0.75, -1),
         Scenario("delay", "delay", 5e-3, 0, 2e-3),
         Scenario("delay1", "delay", 1e-3, 0, 0.5e-3),
+        Scenario("slowlink", "delay", 1e-3, 0, 0.5e-3, 20e6),
     )
 }
 """The scenarios ``--scenarios`` can name."""
@@ -224,7 +227,7 @@ class _SocketLink:
         self._go.set()
         t0 = time.perf_counter()
         if delay is not None:
-            time.sleep(delay.sample())
+            time.sleep(delay.sample(nbytes))
         self.a.sendall(payload)
         if not self._got.wait(10.0):
             raise ConfigurationError("A calibration message over the local socket pair did not arrive in 10 s.")
@@ -341,7 +344,7 @@ def run_sweep(
                 finally:
                     source.stop()
             step = max(t.step_s for t in stages)
-            delay = DelayInjector(sc.value, sc.jitter_s, seed=len(runs)) if sc.kind == "delay" else None
+            delay = DelayInjector(sc.value, sc.jitter_s, len(runs), sc.bandwidth_Bps) if sc.kind == "delay" else None
             per_boundary = []
             for b in range(S - 1):
                 nbytes = cost.layers[p.stage_layers(b)[-1]].activation_bytes

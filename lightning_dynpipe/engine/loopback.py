@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from torch import Tensor
 
 from lightning_dynpipe.engine.executor import StageChannels
-from lightning_dynpipe.engine.p2p import Message, SendDelay, expect, hold_back
+from lightning_dynpipe.engine.p2p import Message, SendDelay, expect, hold_until, stamp
 from lightning_dynpipe.engine.wire import MessageKind, decode, encode
 from lightning_dynpipe.errors import CommunicationError, PipelineTimeoutError
 
@@ -38,7 +38,7 @@ class LoopbackReceiver:
     def __init__(self, name: str, timeout: float) -> None:
         self.name = name
         self.timeout = timeout
-        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.queue: queue.Queue[tuple[Message, float] | None] = queue.Queue()  # with its delivery time (0: at once)
 
     def get(self, kind: MessageKind, mb_idx: int) -> Message:
         """The next message, which must be ``kind`` for ``mb_idx``."""
@@ -51,7 +51,9 @@ class LoopbackReceiver:
             ) from None
         if item is None:
             raise CommunicationError(f"Loopback channel {self.name} was closed while a message was expected.")
-        return expect(item, kind, mb_idx, self.name)
+        message, due = item
+        hold_until(due)
+        return expect(message, kind, mb_idx, self.name)
 
     def join(self, timeout: float = 5.0) -> None:
         """Nothing to stop: there is no receiver thread."""
@@ -74,11 +76,11 @@ class LoopbackSender:
         aux: float = float("nan"),
         is_tuple: bool = False,
     ) -> None:
-        hold_back(self.delay)
         header = decode(encode(kind, mb_idx, tensors, aux, is_tuple))
         copies = [None if t is None else t.detach().clone() for t in tensors]
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in copies if t is not None)
-        self.peer.queue.put(Message(header, copies))
+        present = [t for t in copies if t is not None]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in present)
+        self.peer.queue.put((Message(header, copies), stamp(self.delay, present)))
 
     def flush(self) -> None:
         """Sends complete at once."""

@@ -57,14 +57,17 @@ from lightning_dynpipe.engine.wire import (
     decode,
     encode,
     message_size,
+    not_before,
     pack,
     sent_at,
+    stamp_not_before,
     unpack,
 )
 from lightning_dynpipe.errors import CommunicationError, PeerFailure, PipelineTimeoutError
 
 __all__ = [
-    "hold_back",
+    "hold_until",
+    "stamp",
     "expect",
     "Sender",
     "Receiver",
@@ -120,22 +123,33 @@ class Message:
 
 
 class SendDelay(Protocol):
-    """Something that decides how long to hold each send back (network interference in our own P2P layer).
+    """An emulated link on one channel: when each message may be delivered (network interference in our P2P layer).
 
-    :class:`lightning_dynpipe.interference.LinkDelay` installs one on the channels of a boundary.
+    The sender asks it for every message and stamps the answer into the message's header; it does not wait
+    itself. The receiver holds the message until then, so a slow link delays delivery, as a real one does, without
+    costing the sender any time. :class:`lightning_dynpipe.interference.LinkDelay` installs one on the send channels
+    of a boundary.
     """
 
-    def sample(self) -> float:
-        """Seconds to wait before the next send."""
+    def deliver_at(self, sent_s: float, nbytes: int) -> float:
+        """The ``time.time()`` at which a message of ``nbytes`` sent at ``sent_s`` is delivered."""
         ...
 
 
-def hold_back(delay: SendDelay | None) -> None:
-    """Waits as long as ``delay`` says before a send (no wait without one)."""
-    if delay is not None:
-        wait = delay.sample()
-        if wait > 0:
-            time.sleep(wait)
+def stamp(delay: SendDelay | None, payload: Sequence[Tensor]) -> float:
+    """When the message carrying ``payload`` may be delivered under ``delay`` (0: at once, without one)."""
+    if delay is None:
+        return 0.0
+    return delay.deliver_at(time.time(), sum(t.numel() * t.element_size() for t in payload))
+
+
+def hold_until(when: float) -> bool:
+    """Sleeps until ``time.time() >= when`` (an emulated link's delivery); whether it had to wait."""
+    wait = when - time.time()
+    if wait <= 0:
+        return False
+    time.sleep(wait)
+    return True
 
 
 def expect(item: Message, kind: MessageKind, mb_idx: int, channel: str) -> Message:
@@ -222,12 +236,14 @@ class SendChannel:
         is_tuple: bool = False,
     ) -> None:
         """Queues ``tensors`` for the peer; returns as soon as the transfers are started."""
-        hold_back(self.delay)
         header = encode(kind, mb_idx, tensors, aux, is_tuple)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
+        due = stamp(self.delay, payload)
         if self.packed:
-            self._send_packed(header, payload)
+            self._send_packed(header, payload, not_before=due)
             return
+        if due:
+            stamp_not_before(header, due)
         device = payload[0].device if payload else torch.device("cpu")
         header = header.to(device)
         with self._lock:
@@ -240,7 +256,7 @@ class SendChannel:
             while len(self._pending) > _MAX_OUTSTANDING:
                 self._wait_one()
 
-    def _send_packed(self, header: Tensor, payload: list[Tensor], pads: int = 0) -> None:
+    def _send_packed(self, header: Tensor, payload: list[Tensor], pads: int = 0, not_before: float = 0.0) -> None:
         """One packed message (then ``pads`` padding messages), resizing the receiver's buffers first if needed."""
         size = message_size(payload)
         with self._lock:
@@ -249,7 +265,7 @@ class SendChannel:
                 for _ in range(PREPOSTED):  # one per receive the peer has posted at the old size
                     self._isend(pack(resize, [], self._next_size, time.time()))
                 self._next_size = size
-            self._isend(pack(header, payload, size, time.time()))
+            self._isend(pack(header, payload, size, time.time(), not_before))
             self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
             if pads:
                 pad = encode(MessageKind.RESIZE, -1, [], aux=float(size))
@@ -492,8 +508,12 @@ class RecvChannel:
             self._fail(_peer_abort(header, decode_text(text)))
             assert self._failure is not None
             raise self._failure
-        sent = sent_at(buf[:HEADER_BYTES].view(torch.int64))  # the sender's clock: across hosts, as synchronised
-        if now - asked > _ARRIVED_DURING_WAIT_S:  # it arrived while this thread waited: `now` is its arrival
+        values = buf[:HEADER_BYTES].view(torch.int64)
+        sent = sent_at(values)  # the sender's clock: across hosts, as synchronised
+        due = not_before(values)  # an emulated link's delivery time (0: none)
+        if hold_until(due):
+            now, wall = time.perf_counter(), time.time()
+        if now - asked > _ARRIVED_DURING_WAIT_S or due > asked_wall:  # arrived while this thread waited: at `now`
             return Message(
                 header, unpack(buf, header), arrived_at=now, transfer_s=self._link.waited(max(0.0, wall - sent))
             )
@@ -531,7 +551,8 @@ class RecvChannel:
             while True:
                 header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 dist.recv(header_t, src=self.peer, group=self.group)
-                header = decode(header_t.cpu())
+                values = header_t.cpu()
+                header = decode(values)
                 if header.kind == MessageKind.CLOSE:
                     self._queue.put(None)
                     return
@@ -552,6 +573,7 @@ class RecvChannel:
                     dist.recv(t, src=self.peer, group=self.group)
                     tensors.append(t)
                 torch.cuda.current_stream(self.device).synchronize()
+                hold_until(not_before(values))
                 now = time.perf_counter()
                 self._queue.put(Message(header, tensors, arrived_at=now, transfer_s=now - t_header))
         except BaseException as exc:  # the peer's process is gone (or the group was torn down under us)

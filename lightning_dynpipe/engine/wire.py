@@ -8,7 +8,8 @@ Header layout (``HEADER_LEN`` int64 values)::
 
     [0] MAGIC   [1] kind   [2] mb_idx   [3] num_tensors   [4] aux (float64 bits)   [5] is_tuple
     [6] the sender's clock when it sent the message (float64 bits of ``time.time()``; packed messages)
-    [7] reserved
+    [7] when the message may be delivered (float64 bits of ``time.time()``; 0: at once), set by an emulated link
+        (:class:`~lightning_dynpipe.interference.LinkDelay`) and honoured by the receiver
     then per tensor, SLOT values: [dtype_code, requires_grad, ndim, dim_0 .. dim_{MAX_DIMS-1}]
 
 On CPU (gloo) a message travels **packed**: one ``uint8`` buffer holding the header's bytes and then each
@@ -45,6 +46,8 @@ __all__ = [
     "pack",
     "unpack",
     "sent_at",
+    "not_before",
+    "stamp_not_before",
 ]
 
 MAGIC = 0x44594E50  # "DYNP"
@@ -120,8 +123,9 @@ def message_size(tensors: Sequence[Tensor]) -> int:
     return max(MIN_MESSAGE, HEADER_BYTES + sum(_aligned(t.numel() * t.element_size()) for t in tensors))
 
 
-def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float) -> Tensor:
-    """One ``uint8`` buffer of ``size`` bytes: ``header`` (with ``sent_at`` written in) and ``tensors``' bytes.
+def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float, not_before: float = 0.0) -> Tensor:
+    """One ``uint8`` buffer of ``size`` bytes: ``header`` (with ``sent_at`` and ``not_before`` written in) and
+    ``tensors``' bytes.
 
     ``tensors`` are the present ones, contiguous, on one device; ``size`` is at least their
     :func:`message_size` (a larger buffer is padded, which is how control messages keep the receiver's size).
@@ -129,7 +133,8 @@ def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float) -
     device = tensors[0].device if tensors else torch.device("cpu")
     buf = torch.empty(size, dtype=torch.uint8, device=device)
     buf[:HEADER_BYTES].copy_(header.view(torch.uint8))
-    buf[:HEADER_BYTES].view(torch.int64)[6] = struct.unpack("=q", struct.pack("=d", float(sent_at)))[0]
+    buf[:HEADER_BYTES].view(torch.int64)[6] = _bits(sent_at)
+    buf[:HEADER_BYTES].view(torch.int64)[7] = _bits(not_before)
     offset = HEADER_BYTES
     for t in tensors:
         n = t.numel() * t.element_size()
@@ -141,9 +146,37 @@ def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float) -
     return buf
 
 
+def _bits(value: float) -> int:
+    return int(struct.unpack("=q", struct.pack("=d", float(value)))[0])
+
+
+def _float(bits: int) -> float:
+    return float(struct.unpack("=d", struct.pack("=q", int(bits)))[0])
+
+
 def sent_at(header: Tensor) -> float:
     """The sender's clock in a packed message's header (value [6])."""
-    return float(struct.unpack("=d", struct.pack("=q", int(header[6])))[0])
+    return _float(int(header[6]))
+
+
+def not_before(header: Tensor) -> float:
+    """When the message may be delivered (value [7], the sender's ``time.time()``); 0: at once.
+
+    Example::
+
+        >>> h = encode(MessageKind.ACTIVATION, 0, [])
+        >>> not_before(h)
+        0.0
+        >>> stamp_not_before(h, 12.5)
+        >>> not_before(h)
+        12.5
+    """
+    return _float(int(header[7]))
+
+
+def stamp_not_before(header: Tensor, when: float) -> None:
+    """Writes :func:`not_before` into an encoded header (int64 values, on the CPU)."""
+    header[7] = _bits(when)
 
 
 def unpack(buf: Tensor, header: Header) -> list[Tensor | None]:

@@ -10,6 +10,7 @@ YAML form (a list, or a mapping with an ``interference`` list)::
       - {kind: cpu_hog, stage: 0, start_step: 100, duty_cycle: 1.0}         # until the end of training
       - {kind: cpu_quota, stage: 1, start_step: 0, stop_step: 200, fraction: 0.25}
       - {kind: link_delay, stage: 0, start_step: 50, delay_s: 0.005, jitter_s: 0.002}   # boundary 0 -> 1
+      - {kind: link_delay, stage: 1, delay_s: 0.001, bandwidth_Bps: 5.0e+7}             # boundary 1 -> 2 at 50 MB/s
       - {kind: gpu, stage: 1, start_step: 10, stop_step: 20, duty_cycle: 0.5}
 
 Steps are ``trainer.global_step`` values; an entry is active for ``start_step <= step < stop_step``.
@@ -18,6 +19,7 @@ Steps are ``trainer.global_step`` values; an entry is active for ``start_step <=
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -35,7 +37,7 @@ KINDS: tuple[str, ...] = get_args(InterferenceKind)
 _PARAMS: dict[str, frozenset[str]] = {
     "cpu_hog": frozenset({"duty_cycle", "cores", "period_s"}),
     "cpu_quota": frozenset({"fraction", "period_s"}),
-    "link_delay": frozenset({"delay_s", "jitter_s", "seed"}),
+    "link_delay": frozenset({"delay_s", "jitter_s", "seed", "bandwidth_Bps"}),
     "gpu": frozenset({"duty_cycle", "period_s"}),
 }
 _REQUIRED: dict[str, frozenset[str]] = {"cpu_quota": frozenset({"fraction"}), "link_delay": frozenset({"delay_s"})}
@@ -59,6 +61,7 @@ class InterferenceSpec:
         InterferenceSpec("cpu_hog", stage=0, start_step=100, duty_cycle=0.5)
         InterferenceSpec("cpu_quota", stage=1, fraction=0.25, stop_step=500)
         InterferenceSpec("link_delay", stage=0, delay_s=0.005, jitter_s=0.001)   # boundary 0 -> 1
+        InterferenceSpec("link_delay", stage=0, delay_s=0.002, bandwidth_Bps=50e6)   # and 50 MB/s
 
     Attributes:
         kind: ``"cpu_hog"`` (:class:`~lightning_dynpipe.interference.cpu.CpuHog`), ``"cpu_quota"``
@@ -71,9 +74,10 @@ class InterferenceSpec:
         stop_step: first step with it off again; ``None``: until training ends.
         duty_cycle: ``cpu_hog``, ``gpu``: share of each period busy, in (0, 1]; default 1.
         fraction: ``cpu_quota`` (required): share of one CPU the stage's process may use.
-        delay_s: ``link_delay`` (required): mean delay added to each send, seconds.
+        delay_s: ``link_delay`` (required): mean delay added to each message's delivery, seconds.
         jitter_s: ``link_delay``: half-width of uniform jitter, seconds; default 0.
         seed: ``link_delay``: seed of the jitter; default 0.
+        bandwidth_Bps: ``link_delay``: the emulated link's bandwidth, bytes per second; default unlimited.
         cores: ``cpu_hog``: cores to burn; default: every core the stage's process may run on (pin stages to
             their own cores, as the benchmarks do, to hit only one stage).
         period_s: ``cpu_hog`` (default 0.05), ``gpu`` (0.05), ``cpu_quota`` (0.1 cgroup, 0.02 throttle).
@@ -90,6 +94,7 @@ class InterferenceSpec:
     seed: int | None = None
     cores: tuple[int, ...] | None = None
     period_s: float | None = None
+    bandwidth_Bps: float | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, fix: str = "") -> InterferenceConfigError:
@@ -128,8 +133,14 @@ class InterferenceSpec:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v >= 0):
                 raise bad(name, "must be a number of seconds >= 0")
-        if self.kind == "link_delay" and not (self.delay_s or self.jitter_s):
-            raise bad("delay_s", "and jitter_s are both 0, which would do nothing", "Set e.g. delay_s: 0.005.")
+        if self.bandwidth_Bps is not None and not (_is_number(self.bandwidth_Bps) and self.bandwidth_Bps > 0):
+            raise bad("bandwidth_Bps", "must be a number of bytes per second > 0", "E.g. 50e6 for 50 MB/s.")
+        if self.kind == "link_delay" and not (self.delay_s or self.jitter_s or self.bandwidth_Bps):
+            raise bad(
+                "delay_s",
+                "and jitter_s are both 0 with no bandwidth_Bps, which would do nothing",
+                "Set e.g. delay_s: 0.005.",
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
         if self.period_s is not None and not (_is_number(self.period_s) and 0 < self.period_s <= 60):
@@ -146,7 +157,7 @@ class InterferenceSpec:
             ):
                 raise bad("cores", f"must be a non-empty list of distinct core ids >= 0 (this machine has {cpus})")
         # Numbers from YAML may be ints; store floats so equal specs compare equal.
-        for name in ("duty_cycle", "fraction", "delay_s", "jitter_s", "period_s"):
+        for name in ("duty_cycle", "fraction", "delay_s", "jitter_s", "period_s", "bandwidth_Bps"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, float(v))
@@ -329,8 +340,8 @@ def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
     """The (unstarted) source for ``spec`` on the rank whose strategy is ``host``.
 
     ``cpu_hog`` burns ``spec.cores`` (default: the cores this process may use); ``cpu_quota`` limits this
-    process with :class:`~lightning_dynpipe.interference.quota.CpuLimit`; ``link_delay`` delays this rank's
-    sends across boundary ``spec.stage``; ``gpu`` loads ``host.root_device``.
+    process with :class:`~lightning_dynpipe.interference.quota.CpuLimit`; ``link_delay`` emulates a slower link
+    for this rank's sends across boundary ``spec.stage``; ``gpu`` loads ``host.root_device``.
     """
     if spec.kind == "cpu_hog":
         from lightning_dynpipe.interference.cpu import CpuHog, allowed_cores
@@ -349,7 +360,7 @@ def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
         from lightning_dynpipe.interference.link import LinkDelay
 
         assert spec.delay_s is not None
-        link = LinkDelay(spec.delay_s, spec.jitter_s or 0.0, spec.seed or 0)
+        link = LinkDelay(spec.delay_s, spec.jitter_s or 0.0, spec.seed or 0, float(spec.bandwidth_Bps or math.inf))
         return link.bound(host, spec.stage)
     if spec.kind == "gpu":
         from lightning_dynpipe.interference.gpu import GpuContention

@@ -1,7 +1,7 @@
 """The packed point-to-point protocol between two real gloo processes (no Lightning): messages of changing
 sizes arrive intact and in order, a peer's failure description arrives, both ends close with messages still
-unread, a message read long after it arrived is not charged its time in the buffer, and no receive is left
-posted."""
+unread, a message read long after it arrived is not charged its time in the buffer, an emulated slow link delays
+delivery but not the sender, and no receive is left posted."""
 
 from __future__ import annotations
 
@@ -115,6 +115,38 @@ def _late_mode(rank: int, group: Any) -> str:
     return "ok"
 
 
+def _link_mode(rank: int, group: Any) -> str:
+    """An emulated link (10 ms + 100 KB at 10 MB/s per message) holds each message at the receiver, not the sender."""
+    from lightning_dynpipe.interference.link import DelayInjector
+
+    dist.barrier(group=group)
+    start = torch.tensor([time.time()], dtype=torch.float64)
+    dist.broadcast(start, src=0, group=group)  # both ranks measure from the sender's start
+    t0 = float(start)
+    if rank == 0:
+        ch = SendChannel(group, 1, "activations 0->1")
+        ch.delay = DelayInjector(delay_s=0.010, bandwidth_Bps=10e6)
+        for mb in range(3):
+            ch.send(MessageKind.ACTIVATION, mb, [torch.zeros(25_000)])  # 100 KB
+        sent_in = time.time() - t0
+        ch.close()
+        # held back by the link, the sends would take >= 30 ms (three messages' delay, or their bytes' time)
+        return "ok" if sent_in < 0.025 else f"the sender was held back: 3 sends took {sent_in * 1e3:.1f} ms"
+    rc = RecvChannel(group, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+    got = []
+    for mb in range(3):
+        m = rc.get(MessageKind.ACTIVATION, mb)
+        got.append((time.time() - t0, m.transfer_s))
+    rc.join()
+    # message i leaves the link at (i + 1) * 10 ms (they queue) and arrives 10 ms later; its transfer time, from its
+    # own send, is at least its bytes' time plus the delay
+    for i, (at, transfer) in enumerate(got):
+        due = 0.010 * (i + 2)
+        if not (due - 1e-3 <= at < due + 0.015 and 0.020 - 1e-3 <= transfer <= at + 1e-3):
+            return f"message {i}: delivered at {at * 1e3:.1f} ms, transfer {transfer * 1e3:.1f} ms, due {due * 1e3:.0f}"
+    return "ok"
+
+
 def _worker(rank: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -124,6 +156,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
             ("abort", _abort_mode),
             ("unread", _unread_mode),
             ("late", _late_mode),
+            ("link", _link_mode),
         ):
             try:
                 out.put((mode, rank, run(rank, dist.new_group([0, 1]))))
@@ -149,12 +182,13 @@ def test_two_processes_messages_abort_and_close_with_unread_messages() -> None:
         p.start()
     for p in procs:
         p.join(60)
-    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(8))}
+    results = {(mode, rank): text for mode, rank, text in (out.get(timeout=5) for _ in range(10))}
     assert all(p.exitcode == 0 for p in procs), results
     assert results[("messages", 0)] == results[("messages", 1)] == "ok", results
     assert results[("abort", 0)] == "ok", results
     assert results[("unread", 0)] == results[("unread", 1)] == "ok", results
     assert results[("late", 0)] == results[("late", 1)] == "ok", results
+    assert results[("link", 0)] == results[("link", 1)] == "ok", results
     assert "Stage 0 (rank 0) failed first: boom: a RuntimeError on stage 0" in results[("abort", 1)], results
 
 

@@ -1,9 +1,10 @@
-"""LinkDelay puts a DelayInjector on the send channels of one boundary, on the ranks that own them."""
+"""LinkDelay puts an emulated link (DelayInjector) on the send channels of one boundary, on the ranks that own them;
+the sender stamps each message with its delivery time and does not wait."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch
 from lightning_dynpipe.engine import p2p
 from lightning_dynpipe.engine.executor import StageChannels
 from lightning_dynpipe.engine.p2p import SendChannel
-from lightning_dynpipe.engine.wire import MessageKind
-from lightning_dynpipe.interference.base import InterferenceConfigError, InterferenceError
+from lightning_dynpipe.engine.wire import HEADER_BYTES, MessageKind, decode, not_before
+from lightning_dynpipe.interference.base import InterferenceConfigError
 from lightning_dynpipe.interference.link import DelayInjector, LinkDelay
 
 
@@ -62,36 +63,40 @@ def test_remove_restores_an_earlier_injector_and_keeps_a_later_one() -> None:
     assert ch.delay is later
 
 
-def test_a_delayed_send_waits_before_it_is_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str, Any]] = []
+def test_a_delayed_send_is_stamped_with_its_delivery_and_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[torch.Tensor] = []
 
     class _Work:
         def wait(self) -> None:
             pass
 
-    monkeypatch.setattr(p2p.time, "sleep", lambda s: calls.append(("sleep", s)))
-    monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: calls.append(("isend", dst)) or _Work())
+    monkeypatch.setattr(p2p.time, "sleep", lambda s: pytest.fail(f"the sender slept {s} s"))
+    monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: sent.append(t.clone()) or _Work())
     s = _strategy(0)
-    link = LinkDelay(0.25)
+    link = LinkDelay(0.25, bandwidth_Bps=800.0)  # 8 bytes of payload take 10 ms
     with link.bound(s, 0):
+        before = time.time()
         s.executor.channels.send_activation.send(MessageKind.ACTIVATION, 0, [torch.zeros(2)])
     s.executor.channels.send_activation.send(MessageKind.ACTIVATION, 1, [torch.zeros(2)])
-    assert calls[0] == ("sleep", 0.25) and calls[1][0] == "isend"
-    assert [c for c in calls if c[0] == "sleep"] == [("sleep", 0.25)]  # none once removed
+    data = [t[:HEADER_BYTES].view(torch.int64) for t in sent if decode(t[:HEADER_BYTES].view(torch.int64)).mb_idx >= 0]
+    assert [decode(h).mb_idx for h in data] == [0, 1]
+    assert before + 0.26 <= not_before(data[0]) <= time.time() + 0.26
+    assert not_before(data[1]) == 0.0  # none once removed
 
 
-def test_wrong_use_is_refused_with_the_fix() -> None:
-    with pytest.raises(InterferenceConfigError, match=r"valid boundaries for 3 stage\(s\) are 0..1; got 2"):
-        LinkDelay(0.01).apply(_strategy(0), boundary=2)
-    with pytest.raises(InterferenceConfigError, match="a 1-stage pipeline has no boundary"):
-        LinkDelay(0.01).apply(_strategy(0, num_stages=1), boundary=0)
-    with pytest.raises(InterferenceError, match=r"strategy.executor is None.*on_train_batch_start"):
-        LinkDelay(0.01).apply(SimpleNamespace(stage_idx=0, num_stages=2, executor=None), boundary=0)
-    link = LinkDelay(0.01)
-    link.apply(_strategy(0), 0)
-    with pytest.raises(InterferenceError, match="already applied"):
-        link.apply(_strategy(0), 0)
+def test_the_emulated_link_queues_messages_and_delivers_them_in_order() -> None:
+    link = DelayInjector(delay_s=0.010, jitter_s=0.009, seed=1, bandwidth_Bps=1000.0)
+    due = [link.deliver_at(100.0 + 0.001 * i, 5) for i in range(50)]  # 5 ms of bytes each, sent 1 ms apart
+    assert due == sorted(due)  # jitter never reorders
+    assert due[0] >= 100.0 + 0.005 + 0.001 and due[-1] >= 100.0 + 50 * 0.005 + 0.001
+    idle = DelayInjector(delay_s=0.002, bandwidth_Bps=1e6)
+    assert idle.deliver_at(5.0, 1000) == pytest.approx(5.003)
+    assert idle.deliver_at(6.0, 1000) == pytest.approx(6.003)  # the link was idle again
+
+
+def test_link_delay_refuses_what_would_do_nothing_or_is_not_a_bandwidth() -> None:
     with pytest.raises(InterferenceConfigError, match="would do nothing"):
         LinkDelay(0.0)
-    with pytest.raises(InterferenceConfigError, match=r"delay_s must be in \[0, 3600\]; got -1"):
-        LinkDelay(-1)
+    with pytest.raises(InterferenceConfigError, match="bandwidth_Bps"):
+        LinkDelay(0.001, bandwidth_Bps=0.0)
+    assert "bandwidth_Bps=5e+07" in repr(LinkDelay(0.0, bandwidth_Bps=50e6))
