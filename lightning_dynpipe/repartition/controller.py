@@ -34,6 +34,7 @@ from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.solver import Plan, evaluate
 from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPrediction, PipelineWindow, StageTimes
+from lightning_dynpipe.predictor.link import LinkEstimate
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
 from lightning_dynpipe.schedule import Schedule, get_schedule
@@ -181,6 +182,9 @@ class AdaptiveController:
         self.policy = policy
         self.model_cost = model_cost
         self.comm = comm
+        self.link = LinkEstimate(comm)
+        """The link as the windows measure it (:class:`~lightning_dynpipe.predictor.link.LinkEstimate`): candidates
+        are priced with ``self.link.model()``, which is ``comm`` until the link is measured slower."""
         self.schedule = get_schedule(schedule)
         self.num_microbatches = num_microbatches
         self.replicas = replicas
@@ -222,17 +226,16 @@ class AdaptiveController:
             return None
         cost, M, dp = self.model_cost, self.num_microbatches, self.replicas
         window = PipelineWindow(Partition(partition.balance), tuple(times), M)
+        link = self.link.observe(cost, window).model()
         observe = getattr(self.predictor, "observe", None)
         if callable(observe):  # the window is a sample (after a migration: the move's measured outcome)
             if agreed_refit is None:
-                observe(cost, self.comm, window)
+                observe(cost, link, window)
             else:
-                observe(cost, self.comm, window, agreed_refit=agreed_refit)
+                observe(cost, link, window, agreed_refit=agreed_refit)
         self._record_outcome(step, window)
-        comm = CommModel(
-            latency_s=self.comm.latency_s, bandwidth_Bps=self.comm.bandwidth_Bps, overlap=window.comm_overlap
-        )
-        current_prediction = self.predictor.predict(cost, self.comm, window, window.partition)
+        comm = CommModel(latency_s=link.latency_s, bandwidth_Bps=link.bandwidth_Bps, overlap=window.comm_overlap)
+        current_prediction = self.predictor.predict(cost, link, window, window.partition)
         slowdowns = current_prediction.slowdowns
         device_slowdowns = [slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)]
         planned = best_plan(
@@ -253,9 +256,9 @@ class AdaptiveController:
         unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]
         many = getattr(self.predictor, "predict_many", None)
         if callable(many):
-            predictions = [current_prediction, *many(cost, self.comm, window, unique)]
+            predictions = [current_prediction, *many(cost, link, window, unique)]
         else:
-            predictions = [current_prediction, *(self.predictor.predict(cost, self.comm, window, p) for p in unique)]
+            predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
         current, best = priced[0], min(priced, key=lambda c: c.value.time_to_accuracy_s)  # ties: current, planner
         inputs = PolicyInputs(
@@ -344,6 +347,9 @@ class AdaptiveController:
         text = f"candidate stage ms/micro-batch {fmt(pred.stage_compute_s)}"
         if pred.boundary_s:
             text += f", boundary ms/message {fmt(pred.boundary_s)}"
+        link = self.link.model()
+        if link != self.comm:
+            text += f"; link as measured: {link.latency_s * 1e3:.2f} ms + {link.bandwidth_Bps / 1e6:.3g} MB/s"
         top = getattr(self.predictor, "top_features", None)
         if callable(top):
             k = max(range(len(pred.slowdowns)), key=lambda s: pred.slowdowns[s])

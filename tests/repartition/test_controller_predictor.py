@@ -138,3 +138,50 @@ def test_without_a_mean_the_median_stands_in() -> None:
     window = PipelineWindow(PART, (StageTimes(0.01, 0.05), StageTimes(0.01, 0.07, mean_step_s=0.06)), M)
     assert window.mean_step_s == pytest.approx(0.06) and window.step_s == pytest.approx(0.07)
     assert PipelineWindow(PART, (StageTimes(0.01, 0.05), StageTimes(0.01, 0.04)), M).mean_step_s == pytest.approx(0.05)
+
+
+# A model whose activations shrink along its depth (as a CNN's): the cut after layer 2 sends 800 KB a message, the
+# cut after layer 3 100 KB, after layer 4 10 KB. Compute is the same per layer: (3, 3) balances it.
+SHRINKING = ModelCost.from_arrays(
+    [0.001] * 6, [0.002] * 6, param_bytes=[1000] * 6, activation_bytes=[800_000] * 3 + [100_000, 10_000, 10_000]
+)
+QUIET_LINK = CommModel(latency_s=1e-4, bandwidth_Bps=1e9)  # the set-up probe: 0.9 ms for 800 KB
+
+
+def _link_controller() -> AdaptiveController:
+    return AdaptiveController(
+        GainOverCostPolicy(patience=1, horizon_steps=500),
+        model_cost=SHRINKING,
+        comm=QUIET_LINK,
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )
+
+
+def _link_times(message_s: float) -> list[StageTimes]:
+    comm = M * message_s  # each stage receives M messages a step across the one boundary, none hidden
+    step = 3 * 0.003 * M + 2 * comm
+    return [StageTimes(3 * 0.003 * M, step, comm_s=comm, exposed_comm_s=comm) for _ in range(2)]
+
+
+def test_a_slow_link_moves_the_boundary_to_a_smaller_activation_and_a_quiet_one_does_not() -> None:
+    quiet = _link_controller().check(10, _link_times(0.0009), Partition((3, 3)), remaining_steps=2000)
+    assert quiet is not None and not quiet.repartition
+    controller = _link_controller()
+    slow = controller.check(10, _link_times(0.040), Partition((3, 3)), remaining_steps=2000)  # 800 KB at 20 MB/s
+    assert slow is not None and slow.repartition, slow
+    last = slow.partition.stage_layers(0)[-1]
+    assert SHRINKING.layers[last].activation_bytes <= 100_000, slow.partition
+    assert "link as measured: 4.44 ms + 22.5 MB/s" in str(slow)  # the probe's link, 44x: one size measured
+
+
+def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> None:
+    from lightning_dynpipe.predictor.link import LinkEstimate
+
+    link = LinkEstimate(QUIET_LINK)
+    assert link.add([(800_000, 0.0015), (800_000, 0.0009)]).model() == QUIET_LINK  # 0.6 ms over: noise
+    slowest = link.add([(800_000, 0.0015), (100_000, 0.020)]).model()  # boundary 1: 100 x its model
+    assert float(slowest.transfer_time(100_000)) == pytest.approx(0.020)
+    assert link.add([(800_000, 0.0009)]).model() == QUIET_LINK  # a pipeline with one boundary now: history reset
