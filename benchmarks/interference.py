@@ -14,6 +14,9 @@ default the parameter-balanced split, given to all), the same initial weights an
 * ``varuna``, ``dynpipe-2x``: the rules of :mod:`lightning_dynpipe.repartition.rules` as the policy, with the
   measured predictor and with the forest (which scored the cuts in the original DynPipe), opt-in through
   ``--systems``;
+* ``measured-probe``: ``measured`` with the link held at the set-up probe's model (the controller's
+  :class:`~lightning_dynpipe.predictor.link.LinkEstimate` patched to answer its base in the workers): what the
+  re-fitted link is worth; opt-in through ``--systems``;
 * ``static``: ``DynPipeStrategy(balance=B, adaptive=False)``.
 
 ``--predictor forest`` (or ``measured``) is short for ``--systems forest,static``.
@@ -28,8 +31,10 @@ Scenarios (``--scenarios``; interference through :class:`~lightning_dynpipe.inte
 ``quota25``         the same with 25%
 ``quota25-late``   the 25% quota from the onset (the hog's) on, as when another job's quota arrives mid-run
 ``cycles``          the hog on stage 0 switched on and off every ``--cycle-steps`` steps
-``delay``           5 ms +- 2 ms delay on every send across the stage boundary
-``mix``             the hog on stage 0 from the onset, and the delay on the boundary from the start
+``delay``           an emulated slower link across the stage boundary from the start: each message is delivered
+                    5 ms +- 2 ms after the link carried its bytes at 50 MB/s (``--delay-ms``, ``--jitter-ms``,
+                    ``--bandwidth-mbps``; :class:`~lightning_dynpipe.interference.LinkDelay`)
+``mix``             the hog on stage 0 from the onset, and the slower link on the boundary from the start
 ==================  ==================================================================================================
 
 Each stage process is pinned to its own core (:func:`~lightning_dynpipe.interference.pin_current_process`) and
@@ -52,8 +57,11 @@ run. The planner's cost model (:func:`lightning_dynpipe.plan.evaluate` with the 
 the step time of every 2-stage split under those slowdowns; ``limit_on`` is static split / best split. Over the run
 (interference may be on for only part of it) the oracle time is the static run's own per-step times, with the
 steps under interference divided by ``limit_on``; the run's limit is static time / oracle time. This is a
-*prediction* (the oracle partition is not measured), so it is only as good as the cost model; it prices compute
-only (the planner's default link), so for ``delay`` it is about 1.0x and says nothing about a better boundary.
+*prediction* (the oracle partition is not measured), so it is only as good as the cost model, and it prices
+compute only. For ``delay`` the limit is **measured** instead: after the systems, every 2-stage cut runs fixed under
+the scenario for ``--cut-steps`` steps (pseudo-systems ``cut1,4`` ..., recorded in the JSON, not in the tables'
+systems), and the limit is the configured cut's median time per step over the fastest cut's. ``mix`` keeps the
+predicted, compute-only limit.
 
 Usage (from the repository root)::
 
@@ -76,12 +84,13 @@ every run with its per-step records, evaluations, migrations, decisions and inte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,9 +118,12 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
 
 SCENARIOS: tuple[str, ...] = ("none", "hog", "quota50", "quota25", "quota25-late", "cycles", "delay", "mix")
-ALL_SYSTEMS: tuple[str, ...] = ("forest", "measured", "varuna", "dynpipe-2x", "static")
+ALL_SYSTEMS: tuple[str, ...] = ("forest", "measured", "measured-probe", "varuna", "dynpipe-2x", "static")
 SYSTEMS: tuple[str, ...] = ("forest", "measured", "static")
 SUSTAINED = ("hog", "quota50", "quota25", "quota25-late", "delay", "mix")
+CUT_SCENARIOS = ("delay",)
+"""Scenarios whose rebalancing limit is measured: every cut run fixed for ``cut_steps`` steps (the planner's cost
+model does not know how much of an emulated link's time the schedule hides)."""
 MODELS: tuple[str, ...] = ("mlp", "cnn")
 NUM_STAGES = WORLD_SIZE = 2
 
@@ -152,6 +164,8 @@ class Config:
     cycle_steps: int = 60
     delay_s: float = 0.005
     jitter_s: float = 0.002
+    bandwidth_Bps: float = 50e6
+    cut_steps: int = 60
     timeout_s: float = 600.0
     model: str = "mlp"
     channels: int = 16
@@ -174,7 +188,14 @@ def schedule_for(scenario: str, cfg: Config, onset: int) -> list[dict[str, Any]]
         return [
             {"kind": "cpu_hog", "stage": 0, "start_step": s, "stop_step": s + c} for s in range(c, cfg.max_steps, 2 * c)
         ]
-    delay = {"kind": "link_delay", "stage": 0, "start_step": 0, "delay_s": cfg.delay_s, "jitter_s": cfg.jitter_s}
+    delay = {
+        "kind": "link_delay",
+        "stage": 0,
+        "start_step": 0,
+        "delay_s": cfg.delay_s,
+        "jitter_s": cfg.jitter_s,
+        "bandwidth_Bps": cfg.bandwidth_Bps,
+    }
     if scenario == "delay":
         return [delay]
     if scenario == "mix":
@@ -321,11 +342,11 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     from lightning_dynpipe.predictor import ForestPredictor
     from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
 
-    if system == "static":
+    if system == "static" or system.startswith("cut"):
         return False, "measured"
     if system == "forest":
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
-    if system == "measured":
+    if system in ("measured", "measured-probe"):
         return True, "measured"
     if system == "varuna":
         return VarunaRule(), "measured"
@@ -334,20 +355,34 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     raise ValueError(f"unknown system {system!r}; valid: {list(ALL_SYSTEMS)}")
 
 
-def _run(
+@contextlib.contextmanager
+def _probe_link_only(active: bool) -> Iterator[None]:
+    """While active, the controller prices every boundary with the set-up probe's link (``measured-probe``)."""
+    from lightning_dynpipe.predictor.link import LinkEstimate
+
+    if not active:
+        yield
+        return
+    original = LinkEstimate.model
+    LinkEstimate.model = lambda self: self.base  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LinkEstimate.model = original  # type: ignore[method-assign]
+
+
+def _fit(
     system: str,
-    scenario: str,
-    schedule: list[dict[str, Any]],
     cfg: Config,
     seed: int,
     batches: list[Any],
     val: list[Any],
-) -> dict[str, Any]:
+    rec: Any,
+    interference: Any,
+    eval_every: int,
+) -> tuple[dict[str, Any], Any]:
     from lightning_dynpipe import DynPipeStrategy
-    from lightning_dynpipe.interference import InterferenceCallback
 
-    rec = _recorder(cfg.target_acc)
-    interference = InterferenceCallback(schedule) if schedule else None
     adaptive, predictor = system_config(system, cfg)
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
@@ -367,8 +402,31 @@ def _run(
         world_size=WORLD_SIZE,
         callbacks=[interference] if interference else [],
         val_batches=val,
-        val_every_n_steps=cfg.eval_every,
+        val_every_n_steps=eval_every,
     )
+    return res, strategy
+
+
+def _run(
+    system: str,
+    scenario: str,
+    schedule: list[dict[str, Any]],
+    cfg: Config,
+    seed: int,
+    batches: list[Any],
+    val: list[Any],
+) -> dict[str, Any]:
+    from lightning_dynpipe.interference import InterferenceCallback
+
+    if system.startswith("cut"):  # a fixed cut, measured for cfg.cut_steps steps without evaluations
+        cfg = replace(cfg, balance=tuple(int(x) for x in system[3:].split(",")), target_acc=2.0)
+        batches, eval_every = batches[: cfg.cut_steps], cfg.cut_steps + 1
+    else:
+        eval_every = cfg.eval_every
+    rec = _recorder(cfg.target_acc)
+    interference = InterferenceCallback(schedule) if schedule else None
+    with _probe_link_only(system == "measured-probe"):
+        res, strategy = _fit(system, cfg, seed, batches, val, rec, interference, eval_every)
     mine = {
         "stage": rec.stage_idx,
         "evals": rec.evals,
@@ -436,6 +494,12 @@ def _run(
     }
 
 
+def cut_systems(cfg: Config) -> list[str]:
+    """The pseudo-systems that run each 2-stage cut fixed, for a measured rebalancing limit."""
+    n = 5 if cfg.model == "cnn" else cfg.depth + 1
+    return [f"cut{c},{n - c}" for c in range(1, n)]
+
+
 def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
     from lightning_dynpipe.interference import pin_current_process
 
@@ -462,7 +526,8 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             batches, val = _data(cfg, seed)
             onset = cfg.max_steps // 4
             for si, scenario in enumerate(scenarios):
-                for position, system in enumerate(rotated(list(cfg.systems), seed + si)):
+                cuts = cut_systems(cfg) if scenario in CUT_SCENARIOS else []
+                for position, system in enumerate(rotated(list(cfg.systems), seed + si) + cuts):
                     schedule = schedule_for(scenario, cfg, onset)
                     load = os.getloadavg()[0]
                     dist.barrier()
@@ -471,7 +536,9 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     runs.append(r)
                     if scenario == "none" and system == "static" and r["steps_to_acc"]:
                         onset = max(1, round(0.25 * r["steps_to_acc"]))
-                    if rank == 0:
+                    if rank == 0 and system.startswith("cut"):
+                        print(f"  seed {seed} {scenario:<8} {system:<8} fixed: {_ms_per_step(r):.1f} ms/step")
+                    elif rank == 0:
                         tta = (
                             f"{r['time_to_acc_s']:7.1f} s at step {r['steps_to_acc']}"
                             if r["reached"]
@@ -527,10 +594,39 @@ def predicted_step_times(costs: dict[str, list[float]], slowdowns: Sequence[floa
     return out
 
 
+def _ms_per_step(run: dict[str, Any]) -> float:
+    """Median wall time per step on rank 0's clock, after the first 5 steps."""
+    steps = run["steps"][-1]
+    return median([(b["t"] - a["t"]) * 1e3 for a, b in zip(steps, steps[1:]) if a["step"] >= 5])
+
+
+def measured_limit(cuts: dict[str, dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """The limit from every cut run fixed under the scenario: the configured cut's ms/step over the fastest's."""
+    ms = {name[3:]: _ms_per_step(r) for name, r in cuts.items()}
+    key = ",".join(str(b) for b in cfg.balance)
+    best = min(ms, key=lambda k: ms[k])
+    limit = ms[key] / ms[best]
+    return {
+        "slowdowns": [1.0] * NUM_STAGES,
+        "measured_ms_per_step": ms,
+        "best": best,
+        "limit_on": limit,
+        "limit_run": limit,
+        "measured": True,
+    }
+
+
 def rebalancing_limit(
-    static: dict[str, Any], ref: dict[str, Any] | None, costs: dict[str, list[float]] | None, cfg: Config
+    static: dict[str, Any],
+    ref: dict[str, Any] | None,
+    costs: dict[str, list[float]] | None,
+    cfg: Config,
+    cuts: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
-    """Measured slowdowns of the static run (vs ``ref``, the seed's none/static run) and the oracle's speed-up."""
+    """Measured slowdowns of the static run (vs ``ref``, the seed's none/static run) and the oracle's speed-up; with
+    ``cuts`` (every cut's fixed run under the scenario, by pseudo-system name), the measured limit instead."""
+    if cuts:
+        return measured_limit(cuts, cfg)
     if ref is None or costs is None:
         return None
     sched = static["schedule"]
@@ -606,7 +702,8 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
         limits = []
         for (sy, seed), r in sorted(by.items()):
             if sy == "static" and scenario != "none":
-                lim = rebalancing_limit(r, ref.get(seed), costs, cfg)
+                cuts = {x: q for (x, sd), q in by.items() if sd == seed and x.startswith("cut")}
+                lim = rebalancing_limit(r, ref.get(seed), costs, cfg, cuts)
                 if lim is not None:
                     limits.append(lim | {"seed": seed})
         if limits:
@@ -616,6 +713,7 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "limit_on": median([x["limit_on"] for x in limits]),
                 "slowdowns": [median([x["slowdowns"][k] for x in limits]) for k in range(NUM_STAGES)],
                 "best": [x["best"] for x in limits],
+                "measured": any(x.get("measured", False) for x in limits),
             }
         out[scenario] = row
     return out
@@ -666,7 +764,9 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                     ",".join(str(m) for m in a.get("migrations", [])) or "-",
                     ",".join("-" if x is None else str(x) for x in firsts) or "-",
                     (f"{median(pauses):.0f}" if pauses else "-"),
-                    "-" if lim is None else "/".join(f"{x:.2f}" for x in lim["slowdowns"]),
+                    "-"
+                    if lim is None
+                    else ("cuts run" if lim.get("measured") else "/".join(f"{x:.2f}" for x in lim["slowdowns"])),
                     "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
                     "-" if lim is None else f"{lim['limit_run']:.2f}x",
                     "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
@@ -771,7 +871,7 @@ def plot(
 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
-        for r in (r for r in runs if r["scenario"] == scenario):
+        for r in (r for r in runs if r["scenario"] == scenario and r["system"] in colors):
             ev = r["evals"]
             ax.plot(
                 [e["t"] for e in ev],
@@ -890,6 +990,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument(
         "--cycle-steps", type=int, default=None, help=f"on/off half-period of 'cycles' (default {d.cycle_steps})"
     )
+    p.add_argument("--delay-ms", type=float, default=None, help=f"'delay': ms per message ({d.delay_s * 1e3:g})")
+    p.add_argument("--jitter-ms", type=float, default=None, help=f"'delay': jitter +- ms ({d.jitter_s * 1e3:g})")
+    p.add_argument("--bandwidth-mbps", type=float, default=None, help=f"'delay': link MB/s ({d.bandwidth_Bps / 1e6:g})")
+    p.add_argument(
+        "--cut-steps", type=int, default=None, help=f"'delay': steps each fixed cut runs, for the limit ({d.cut_steps})"
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -951,6 +1057,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "momentum": a.momentum,
         "schedule": a.schedule,
         "cycle_steps": a.cycle_steps,
+        "delay_s": None if a.delay_ms is None else a.delay_ms / 1e3,
+        "jitter_s": None if a.jitter_ms is None else a.jitter_ms / 1e3,
+        "bandwidth_Bps": None if a.bandwidth_mbps is None else a.bandwidth_mbps * 1e6,
+        "cut_steps": a.cut_steps,
         "model": a.model,
         "channels": a.channels,
         "forest_file": a.forest,
@@ -1079,7 +1189,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "static/system: median of per-seed ratios; ms/step: TTA / steps, system/static; migrations: per seed; "
         "onset->move: steps from the interference onset to the first migration, per seed; "
         "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
-        "slowdowns (not measured):"
+        f"slowdowns (not measured), except for {', '.join(CUT_SCENARIOS)} ('cuts run'): every cut run fixed under "
+        f"the scenario for {cfg.cut_steps} steps, the configured cut's median ms/step over the fastest cut's:"
     )
     print(render_table(summary, cfg))
     print()
