@@ -19,8 +19,10 @@ give the same forest on every rank, so every rank prices candidates the same.
 
 **Online refits.** :meth:`ForestPredictor.observe` turns each window into labelled samples (its environment
 paired with the next window's times, under the same partition or, after a migration, under the new one) in a
-bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits in a background thread
-(the lowest CPU priority, nice 19; scikit-learn's tree builder releases the GIL). The observations are the monitor's
+bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits in a child process at the
+lowest CPU priority (nice 19; :mod:`~lightning_dynpipe.predictor.refit`: a refit thread would share the training
+thread's GIL, and stalled the pipeline on a contended core; a thread is the fallback where no process can be
+started). The observations are the monitor's
 snapshots, identical and in the same order on every rank, so every rank starts refit number ``n`` at the same
 check, from the same rows, with the same seed, and fits the same forest. The ranks then switch to it at the same
 check without waiting for it:
@@ -29,8 +31,8 @@ check without waiting for it:
   its monitor report (``StageReport.token``, part of the all-gather the monitor does anyway); every rank sees
   every rank's number, and all switch at the first snapshot whose smallest number reaches ``n``
   (``observe(..., agreed_refit=snapshot.agreed_token)``). A slow refit delays the switch; it never stalls a step;
-* used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, joining the
-  thread there if it is still running (logged).
+* used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, waiting for
+  the refit there if it is still running (logged).
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -73,6 +75,7 @@ from lightning_dynpipe.predictor.features import (
     stage_priors,
     stage_rows,
 )
+from lightning_dynpipe.predictor.refit import RefitProcess
 
 __all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT"]
 
@@ -219,13 +222,18 @@ class QuantileForest:
         return value, np.minimum(lo, value), np.maximum(hi, value)
 
 
+_Pair = tuple["QuantileForest | None", "QuantileForest | None"]
+
+
 @dataclass
 class _Refit:
-    thread: threading.Thread
+    """A refit in flight: in the refit process (``thread`` is ``None``), or in a thread where no process starts."""
+
     adopt_at: int
     started: int
     number: int
-    result: tuple[QuantileForest | None, QuantileForest | None] | None = None
+    thread: threading.Thread | None = None
+    result: _Pair | None = None
     done: bool = False
 
 
@@ -286,6 +294,9 @@ class ForestPredictor:
         self._observed = 0
         self._since_refit = 0
         self._refit: _Refit | None = None
+        self._worker: RefitProcess | None = None
+        self.refit_in_process = True
+        """Refit in a child process (:mod:`~lightning_dynpipe.predictor.refit`); ``False``: in a thread."""
         self._refits_started = 0
         self.refits = 0
         """Refits adopted so far."""
@@ -299,7 +310,9 @@ class ForestPredictor:
             random_state=self.random_state,
         )
 
-    def _fit_pair(self, samples: LabelledSamples) -> tuple[QuantileForest | None, QuantileForest | None]:
+    def fit_pair(self, samples: LabelledSamples) -> _Pair:
+        """The stage and boundary forests fitted on ``samples`` (``None`` for one with too few rows); what a refit
+        computes (in the refit process)."""
         stage = boundary = None
         if len(samples) >= self.min_samples:
             layer_set = samples.stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6)
@@ -318,7 +331,7 @@ class ForestPredictor:
         """
         _check_columns(samples)
         self._base = samples
-        self._stage, self._boundary = self._fit_pair(self.samples)
+        self._stage, self._boundary = self.fit_pair(self.samples)
         return self
 
     @property
@@ -345,15 +358,22 @@ class ForestPredictor:
                 switch ``adopt_after`` observations after a refit started.
         """
         self._observed += 1
+        if self.refit_in_process and self._worker is None:
+            try:
+                self._worker = RefitProcess()
+                self._worker.start()
+            except OSError as exc:
+                log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
+                self._worker, self.refit_in_process = None, False
         pending = self._refit
         if pending is not None:
             if agreed_refit is not None:
                 if agreed_refit >= pending.number:  # finished on every rank: no wait
                     self._adopt(pending)
             elif self._observed >= pending.adopt_at:
-                if pending.thread.is_alive():
+                if not self._finished(pending):
                     t0 = time.perf_counter()
-                    pending.thread.join()
+                    self._adopt(pending)
                     log.warning(
                         "DynPipe forest: the refit started at window %d was not done %d windows later; waited "
                         "%.3f s for it (use a larger adopt_after or a smaller forest).",
@@ -361,15 +381,34 @@ class ForestPredictor:
                         self.adopt_after,
                         time.perf_counter() - t0,
                     )
-                self._adopt(pending)
+                else:
+                    self._adopt(pending)
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
             self._add(samples_from_windows(model_cost, comm, previous, window))
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
             self._start_refit()
 
+    def _finished(self, pending: _Refit) -> bool:
+        if pending.thread is not None:
+            return pending.done
+        if not pending.done and self._worker is not None:
+            try:
+                pending.done = self._worker.done()
+            except RuntimeError:  # the process is gone: adopting reports it and keeps the current forest
+                pending.done = True
+        return pending.done
+
     def _adopt(self, pending: _Refit) -> None:
-        pending.thread.join()  # finished: returns at once
+        """Switches to the refit's forests (waiting for it if it is still running)."""
+        if pending.thread is not None:
+            pending.thread.join()
+        elif self._worker is not None:
+            try:
+                pending.result = self._worker.result()
+            except RuntimeError as exc:  # keep the current forest; the next refit tries again
+                log.error("DynPipe forest: a refit failed; the current forest stays in use: %s", exc)
+                self._worker.close()
         if pending.result is not None:
             self._stage, self._boundary = pending.result
             self.refits += 1
@@ -380,7 +419,7 @@ class ForestPredictor:
         pending = self._refit
         if pending is None:
             return self._refits_started
-        return pending.number if pending.done else pending.number - 1
+        return pending.number if self._finished(pending) else pending.number - 1
 
     def _add(self, samples: LabelledSamples) -> None:
         if not len(samples) and not len(samples.boundary_y):
@@ -395,38 +434,45 @@ class ForestPredictor:
         rows = self.samples  # a copy: later windows do not change what this refit sees
         self._since_refit = 0
         self._refits_started += 1
-        refit = _Refit(
-            threading.Thread(),
-            adopt_at=self._observed + self.adopt_after,
-            started=self._observed,
-            number=self._refits_started,
-        )
+        refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
+        self._refit = refit
+        if self.refit_in_process:
+            try:
+                if self._worker is None:
+                    self._worker = RefitProcess()
+                self._worker.submit(self._params(), rows)
+                return
+            except OSError as exc:
+                log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
+                self.refit_in_process = False
 
         def run() -> None:
-            # The lowest priority: a background fit must not take the core from the pipeline. At nice 5 a refit
-            # loop on the training thread's core slowed an MLP step by 30-60%; at nice 19 it ran in what the step
-            # left idle (the scheduler weighs nice 19 at 15 against 1024 for nice 0, also inside a CPU quota's cgroup).
+            # The lowest priority: a background fit must not take the core from the pipeline. In a thread it shares
+            # the GIL with the training thread, which can stall behind it on a contended core (see
+            # lightning_dynpipe.predictor.refit): the fallback when no process can be started.
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (AttributeError, OSError):
                 pass
             try:
-                refit.result = self._fit_pair(rows)
+                refit.result = self.fit_pair(rows)
             except Exception:  # keep the current forest; the next refit tries again
                 log.exception("DynPipe forest: a background refit failed; the current forest stays in use.")
             finally:
                 refit.done = True
 
         refit.thread = threading.Thread(target=run, name="dynpipe-forest-refit", daemon=True)
-        self._refit = refit
         refit.thread.start()
 
     def close(self) -> None:
         """Ends a fit: waits for a running refit (its result is dropped) and forgets the last window (the next
         fit's first window is not paired with it). The samples and the forest stay."""
-        if self._refit is not None:
+        if self._refit is not None and self._refit.thread is not None:
             self._refit.thread.join()
-            self._refit = None
+        self._refit = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         self._last = None
 
     # ------------------------------------------------------------------ prediction

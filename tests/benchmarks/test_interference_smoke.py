@@ -36,3 +36,24 @@ def test_quick_run_prints_scenario_table(
     }
     assert payload["machine"]["torch"] and payload["command"]
     assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
+
+
+def test_the_delay_limit_is_measured_from_every_cut_run_fixed() -> None:
+    """``delay``'s limit: the configured cut's median ms/step over the fastest cut's, from the cut runs' own steps."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, cut_systems, rebalancing_limit
+
+    cfg = Config(model="cnn", balance=(2, 3))
+    assert cut_systems(cfg) == ["cut1,4", "cut2,3", "cut3,2", "cut4,1"]
+
+    def fixed(ms: float) -> dict[str, Any]:  # rank 0's clock of a run whose steps take `ms`, a slow first step
+        times = [0.5] + [0.5 + (i + 1) * ms / 1e3 for i in range(60)]
+        return {"steps": [[], [{"step": i, "t": t} for i, t in enumerate(times)]]}
+
+    cuts = {"cut1,4": fixed(120.0), "cut2,3": fixed(90.0), "cut3,2": fixed(60.0), "cut4,1": fixed(50.0)}
+    lim = rebalancing_limit({"schedule": []}, None, None, cfg, cuts)
+    assert lim is not None and lim["measured"] and lim["best"] == "4,1"
+    assert lim["limit_on"] == pytest.approx(90.0 / 50.0) and lim["limit_run"] == lim["limit_on"]

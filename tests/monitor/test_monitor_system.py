@@ -273,3 +273,23 @@ def test_refresh_rereads_the_cpu_limit_at_once(monkeypatch: pytest.MonkeyPatch) 
     assert sampler.sample().cpu_limit is None
     sampler.refresh()
     assert sampler.sample().cpu_limit == 0.25  # not 60 s later
+
+
+def test_a_registered_helper_process_counts_as_own_cpu_not_other_load() -> None:
+    """The forest's refit process works for this process: its CPU is counted with this process's, not as other
+    processes' load on the stage's cores."""
+    import subprocess
+
+    from lightning_dynpipe.monitor.system import helpers_cpu_s, register_helper, unregister_helper
+
+    assert helpers_cpu_s() == 0.0
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        register_helper(spin.pid)
+        time.sleep(0.5)
+        assert helpers_cpu_s() > 0.05
+    finally:
+        unregister_helper(spin.pid)
+        spin.kill()
+        spin.wait()
+    assert helpers_cpu_s() == 0.0

@@ -210,17 +210,18 @@ def test_constructor_arguments_are_checked() -> None:
 
 def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_but_never_blocks() -> None:
     ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40) for _ in range(2)]
-    slow_fit = ranks[1]._fit_pair
+    slow_fit = ranks[1].fit_pair
 
     def slow(rows: LabelledSamples) -> Any:
         time.sleep(0.3)  # this rank's core is busy: its refit takes longer
         return slow_fit(rows)
 
-    ranks[1]._fit_pair = slow  # type: ignore[method-assign]
+    ranks[1].refit_in_process = False  # rank 0 refits in its child process, rank 1 in a slowed thread
+    ranks[1].fit_pair = slow  # type: ignore[method-assign]
     rng = np.random.default_rng(8)
     env = sim.Env(quota=(0.5, None))
     longest, history = 0.0, []
-    for p in [PARTS[3]] * 6 + [PARTS[5]] * 10:
+    for p in [PARTS[3]] * 6 + [PARTS[5]] * 30:
         window = sim.window(COST, p, env, M, rng)
         agreed = min(f.ready_refit() for f in ranks)  # what the monitor's all-gather of the tokens gives everyone
         for f in ranks:
@@ -236,3 +237,33 @@ def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_bu
     assert longest < 0.25, f"an observe waited {longest:.3f} s for a refit"
     for f in ranks:
         f.close()
+
+
+def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends() -> None:
+    """A refit thread shares the training thread's GIL (and stalled it on a contended core): refits run in a child
+    process, which fits the same forest as this process would, and close() ends it and removes its files."""
+    import os
+
+    from lightning_dynpipe.predictor.refit import RefitProcess
+
+    f = ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=1)
+    rng = np.random.default_rng(3)
+    env = sim.Env(quota=(0.5, None))
+    for p in [PARTS[3]] * 5 + [PARTS[5]] * 4:
+        f.observe(COST, sim.LINK, sim.window(COST, p, env, M, rng))
+    worker = f._worker
+    assert worker is not None and worker._proc is not None and worker._proc.pid != os.getpid()
+    assert f.refits >= 1
+    proc, files = worker._proc, worker._dir
+    f.close()
+    assert proc.poll() is not None and files is not None and not files.exists()
+
+    child = RefitProcess()
+    child.submit(f._params(), f.samples)
+    stage, boundary = child.result()
+    child.close()
+    here_stage, here_boundary = f.fit_pair(f.samples)
+    assert stage is not None and here_stage is not None and boundary is not None and here_boundary is not None
+    x = f.samples.stage_x
+    for a, b in zip(stage.predict(x), here_stage.predict(x)):
+        assert np.array_equal(a, b)

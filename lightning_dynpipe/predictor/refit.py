@@ -1,0 +1,179 @@
+"""Forest refits in a child process, so that a refit never holds the training process's GIL.
+
+A refit in a background thread of the training process, even at the lowest CPU priority, stalls the pipeline
+when its core is contended: the refit thread holds the GIL through scikit-learn's and numpy's Python code, the
+OS scheduler gives a nice-19 thread about 1.5% of a core shared with a nice-0 process (another job's busy loop),
+and the training thread, woken by a message, waits for the GIL until the refit thread is scheduled again. A
+forest refitting every 50 steps on a stage with a CPU hog on its core made steps of 50 ms take 200-480 ms; a
+thread doing forest fits beside a loop of convolution steps with a hog on the same core cut the steps done in
+12 s from 383 to 159, with stalls up to 1.5 s. A child process has its own GIL.
+
+:class:`RefitProcess` runs ``python -m lightning_dynpipe.predictor.refit`` once (it imports numpy, scikit-learn
+and this package's pure predictor modules, not torch), at nice 19, with one thread;
+:meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` starts it at the first window,
+so that it has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
+settings and a line on the child's stdin naming it; the child fits, writes the pickled forests to a result file and
+answers with one line on its stdout. The parent reads that line without blocking (:meth:`RefitProcess.done`) and
+loads the result file when it adopts the refit. The files live in a private temporary directory and are written
+only by this process and its child: nothing is loaded from anywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RefitProcess", "main"]
+
+
+class RefitProcess:
+    """One child process that fits forests on request, one request at a time.
+
+    Example::
+
+        worker = RefitProcess()
+        worker.submit({"n_estimators": 32, ...}, samples)   # returns at once
+        ...
+        if worker.done():
+            stage, boundary = worker.result()
+        worker.close()
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+        self._pending: Path | None = None
+        self._answered = False
+        self._count = 0
+
+    def start(self) -> None:
+        """Starts the child now (it takes about a second to import scikit-learn), if it is not running."""
+        self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._dir = Path(tempfile.mkdtemp(prefix="dynpipe-refit-"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_dynpipe.predictor.refit"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        from lightning_dynpipe.monitor.system import register_helper  # here: the child must not import torch
+
+        register_helper(self._proc.pid)  # the monitor counts its CPU as this process's, not as other load
+        return self._proc
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request was submitted and its result not taken yet."""
+        return self._pending is not None
+
+    def submit(self, params: dict[str, Any], samples: Any) -> None:
+        """Asks the child to fit ``ForestPredictor(**params)``'s two forests on ``samples``; returns at once."""
+        if self._pending is not None:
+            raise RuntimeError("RefitProcess.submit: the previous request's result was not taken yet.")
+        proc = self._start()
+        assert self._dir is not None and proc.stdin is not None
+        self._count += 1
+        request = self._dir / f"request-{self._count}.pkl"
+        request.write_bytes(pickle.dumps((params, samples), protocol=pickle.HIGHEST_PROTOCOL))
+        proc.stdin.write(f"{request}\n".encode())
+        proc.stdin.flush()
+        self._pending, self._answered = request, False
+
+    def done(self) -> bool:
+        """Whether the child has answered the pending request (never blocks)."""
+        if self._pending is None:
+            return False
+        if not self._answered:
+            assert self._proc is not None and self._proc.stdout is not None
+            readable, _, _ = select.select([self._proc.stdout], [], [], 0)
+            if readable:
+                self._read_answer()
+        return self._answered
+
+    def _read_answer(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # one short line, written at once
+        if not line:
+            raise RuntimeError(f"The forest refit process ended (exit code {self._proc.wait()}); see its stderr.")
+        self._answered = True
+
+    def result(self) -> Any:
+        """The pending request's result, waiting for it if needed.
+
+        Raises:
+            RuntimeError: the child failed (its error is in the message) or ended.
+        """
+        if self._pending is None:
+            raise RuntimeError("RefitProcess.result: nothing was submitted.")
+        request, self._pending = self._pending, None
+        if not self._answered:
+            self._read_answer()
+        answer = request.with_suffix(".out")
+        try:
+            ok, value = pickle.loads(answer.read_bytes())
+        finally:
+            request.unlink(missing_ok=True)
+            answer.unlink(missing_ok=True)
+        if not ok:
+            raise RuntimeError(f"The forest refit failed in its process: {value}")
+        return value
+
+    def close(self) -> None:
+        """Ends the child and removes its files; a later :meth:`submit` starts a new one."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            from lightning_dynpipe.monitor.system import unregister_helper
+
+            unregister_helper(proc.pid)
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.wait(timeout=5)
+            except Exception:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        self._pending, self._answered = None, False
+
+
+def main() -> None:
+    """The child: one request path per stdin line; writes ``(ok, forests or error)`` next to it, answers a line."""
+    answers = os.fdopen(os.dup(1), "wb")  # the answers' own descriptor: a stray print goes to stderr instead
+    os.dup2(2, 1)
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    from lightning_dynpipe.predictor.forest import ForestPredictor, _sklearn_forest
+
+    _sklearn_forest()  # imported before the first request arrives
+    for line in sys.stdin.buffer:
+        request = Path(line.decode().strip())
+        try:
+            params, samples = pickle.loads(request.read_bytes())
+            value: Any = (True, ForestPredictor(**params).fit_pair(samples))
+        except Exception as exc:  # reported to the parent, which keeps its current forest
+            value = (False, f"{type(exc).__name__}: {exc}")
+        request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        answers.write(b"done\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
