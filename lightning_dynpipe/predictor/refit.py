@@ -8,7 +8,7 @@ forest refitting every 50 steps on a stage with a CPU hog on its core made steps
 thread doing forest fits beside a loop of convolution steps with a hog on the same core cut the steps done in
 12 s from 383 to 159, with stalls up to 1.5 s. A child process has its own GIL.
 
-:class:`RefitProcess` runs ``python -m lightning_dynpipe.predictor.refit`` once (it imports numpy, scikit-learn
+:class:`RefitProcess` runs :func:`main` in a new Python process once (it imports numpy, scikit-learn
 and this package's pure predictor modules, not torch), at nice 19, with one thread;
 :meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` starts it at the first window,
 so that it has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
@@ -63,7 +63,7 @@ class RefitProcess:
         self._dir = Path(tempfile.mkdtemp(prefix="dynpipe-refit-"))
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_dynpipe.predictor.refit"],
+            [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -173,7 +173,3 @@ def main() -> None:
         request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         answers.write(b"done\n")
         answers.flush()
-
-
-if __name__ == "__main__":
-    main()
