@@ -39,7 +39,7 @@ def test_quick_run_prints_scenario_table(
 
 
 def test_the_delay_limit_is_measured_from_every_cut_run_fixed() -> None:
-    """``delay``'s limit: the configured cut's median ms/step over the fastest cut's, from the cut runs' own steps."""
+    """``delay``'s limit: the configured cut's mean ms/step over the fastest cut's, from the cut runs' own steps."""
     import sys
 
     root = Path(__file__).resolve().parents[2]
