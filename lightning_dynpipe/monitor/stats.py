@@ -25,6 +25,7 @@ Counts per step: ``num_forward`` / ``num_backward`` micro-batches the stage ran 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,9 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 __all__ = [
+    "register_helper",
+    "unregister_helper",
+    "helpers_cpu_s",
     "INTERFERENCE_SIGNS",
     "interference_excess",
     "METRIC_NAMES",
@@ -740,3 +744,34 @@ class PipelineSnapshot:
         where = f"step {self.step}" + (f", balance {list(self.balance)}" if self.balance is not None else "")
         legend = "medians per step: ms, F/B/U = forwards/backwards/updates; * = bottleneck"
         return f"DynPipe stages at {where} ({legend})\n" + "\n".join(lines)
+
+
+# ---- this process's helpers: their CPU is this process's own, not other processes' load
+_HELPERS: set[int] = set()
+
+
+def register_helper(pid: int) -> None:
+    """Counts process ``pid`` (a child this process started to work for it, e.g. the forest's refit process) as
+    this process's own CPU use, not as other processes' load on its cores."""
+    _HELPERS.add(pid)
+
+
+def unregister_helper(pid: int) -> None:
+    """Undoes :func:`register_helper` (when the helper ends)."""
+    _HELPERS.discard(pid)
+
+
+def helpers_cpu_s() -> float:
+    """CPU seconds (user + system) the registered helpers have used; 0 where ``/proc`` is not available."""
+    if not _HELPERS:
+        return 0.0
+    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    total = 0.0
+    for pid in list(_HELPERS):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards
+            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total

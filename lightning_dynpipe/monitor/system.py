@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import cpu_limit_cores
-from lightning_dynpipe.monitor.stats import SystemReading
+from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s
 
 __all__ = ["ProcessSampler", "load_pynvml"]
 
@@ -61,36 +61,6 @@ def load_pynvml() -> Any | None:
         log.info("NVML could not be initialised (%s); the monitor reports gpu_util and gpu_mem_used as None.", exc)
         return None
     return pynvml
-
-
-_HELPERS: set[int] = set()
-
-
-def register_helper(pid: int) -> None:
-    """Counts process ``pid`` (a child this process started to work for it, e.g. the forest's refit process) as
-    this process's own CPU use, not as other processes' load on its cores."""
-    _HELPERS.add(pid)
-
-
-def unregister_helper(pid: int) -> None:
-    """Undoes :func:`register_helper` (when the helper ends)."""
-    _HELPERS.discard(pid)
-
-
-def helpers_cpu_s() -> float:
-    """CPU seconds (user + system) the registered helpers have used; 0 where ``/proc`` is not available."""
-    if not _HELPERS:
-        return 0.0
-    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-    total = 0.0
-    for pid in list(_HELPERS):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards
-            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14 and 15)
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
 
 
 class _ProcFile:

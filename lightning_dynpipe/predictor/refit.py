@@ -68,7 +68,7 @@ class RefitProcess:
             stdout=subprocess.PIPE,
             env=env,
         )
-        from lightning_dynpipe.monitor.system import register_helper  # here: the child must not import torch
+        from lightning_dynpipe.monitor.stats import register_helper  # pure: the child imports no torch
 
         register_helper(self._proc.pid)  # the monitor counts its CPU as this process's, not as other load
         return self._proc
@@ -134,7 +134,7 @@ class RefitProcess:
         """Ends the child and removes its files; a later :meth:`submit` starts a new one."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            from lightning_dynpipe.monitor.system import unregister_helper
+            from lightning_dynpipe.monitor.stats import unregister_helper
 
             unregister_helper(proc.pid)
             try:

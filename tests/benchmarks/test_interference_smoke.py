@@ -33,7 +33,7 @@ def test_quick_run_prints_scenario_table(
     payload = json.loads(raw.read_text())
     assert {(r["scenario"], r["system"]) for r in payload["runs"]} == {
         (s, y) for s in ("none", "quota25") for y in ("forest", "static")
-    }
+    } | {("quota25", f"cut{c},{4 - c}") for c in (1, 2, 3)}  # quota25's limit: every cut of the MLP 3x64 fixed
     assert payload["machine"]["torch"] and payload["command"]
     assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
 

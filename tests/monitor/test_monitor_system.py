@@ -280,7 +280,7 @@ def test_a_registered_helper_process_counts_as_own_cpu_not_other_load() -> None:
     processes' load on the stage's cores."""
     import subprocess
 
-    from lightning_dynpipe.monitor.system import helpers_cpu_s, register_helper, unregister_helper
+    from lightning_dynpipe.monitor.stats import helpers_cpu_s, register_helper, unregister_helper
 
     assert helpers_cpu_s() == 0.0
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
