@@ -145,6 +145,8 @@ def stamp(delay: SendDelay | None, payload: Sequence[Tensor]) -> float:
 
 def hold_until(when: float) -> bool:
     """Sleeps until ``time.time() >= when`` (an emulated link's delivery); whether it had to wait."""
+    if when <= 0.0:  # no emulated link: nothing to read the clock for
+        return False
     wait = when - time.time()
     if wait <= 0:
         return False
