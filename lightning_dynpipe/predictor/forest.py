@@ -358,22 +358,16 @@ class ForestPredictor:
                 switch ``adopt_after`` observations after a refit started.
         """
         self._observed += 1
-        if self.refit_in_process and self._worker is None:
-            try:
-                self._worker = RefitProcess()
-                self._worker.start()
-            except OSError as exc:
-                log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
-                self._worker, self.refit_in_process = None, False
+        self._ensure_worker()  # started early: it imports scikit-learn before the first refit is due
         pending = self._refit
         if pending is not None:
             if agreed_refit is not None:
                 if agreed_refit >= pending.number:  # finished on every rank: no wait
                     self._adopt(pending)
             elif self._observed >= pending.adopt_at:
-                if not self._finished(pending):
-                    t0 = time.perf_counter()
-                    self._adopt(pending)
+                late, t0 = not self._finished(pending), time.perf_counter()
+                self._adopt(pending)
+                if late:
                     log.warning(
                         "DynPipe forest: the refit started at window %d was not done %d windows later; waited "
                         "%.3f s for it (use a larger adopt_after or a smaller forest).",
@@ -381,13 +375,27 @@ class ForestPredictor:
                         self.adopt_after,
                         time.perf_counter() - t0,
                     )
-                else:
-                    self._adopt(pending)
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
             self._add(samples_from_windows(model_cost, comm, previous, window))
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
             self._start_refit()
+
+    def _ensure_worker(self) -> RefitProcess | None:
+        """The refit process (started if needed), or ``None`` when refits run in a thread."""
+        if self.refit_in_process and self._worker is None:
+            try:
+                self._worker = RefitProcess()
+                self._worker.start()
+            except OSError as exc:
+                self._no_worker(exc)
+        return self._worker
+
+    def _no_worker(self, exc: OSError) -> None:
+        log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
+        if self._worker is not None:
+            self._worker.close()
+        self._worker, self.refit_in_process = None, False
 
     def _finished(self, pending: _Refit) -> bool:
         if pending.thread is not None:
@@ -436,15 +444,13 @@ class ForestPredictor:
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
         self._refit = refit
-        if self.refit_in_process:
+        worker = self._ensure_worker()
+        if worker is not None:
             try:
-                if self._worker is None:
-                    self._worker = RefitProcess()
-                self._worker.submit(self._params(), rows)
+                worker.submit(self._params(), rows)
                 return
             except OSError as exc:
-                log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
-                self.refit_in_process = False
+                self._no_worker(exc)
 
         def run() -> None:
             # The lowest priority: a background fit must not take the core from the pipeline. In a thread it shares

@@ -60,6 +60,7 @@ class RefitProcess:
     def _start(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        self.close()  # a child that ended: its pipes and files go before a new one starts
         self._dir = Path(tempfile.mkdtemp(prefix="dynpipe-refit-"))
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._proc = subprocess.Popen(
