@@ -75,10 +75,12 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 """Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
-EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-bare")
+EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-bare", "async-copy")
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
-the adaptive loop on, still starting from the same balance), and ``async`` with both off. ``async`` itself has
-the monitor on and the adaptive loop off (it compares schedules on one fixed partition)."""
+the adaptive loop on, still starting from the same balance), ``async`` with both off, and ``async`` whose weight
+stash copies the live weights before each update instead of letting SGD write fresh storage
+(:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
+loop off (it compares schedules on one fixed partition)."""
 ALL_SYSTEMS = SYSTEMS + EXTRA_SYSTEMS
 
 LABELS = {
@@ -89,6 +91,7 @@ LABELS = {
     "torch-gpipe": "torch ScheduleGPipe",
     "async-defaults": "DynPipe async, defaults",
     "async-bare": "DynPipe async, bare",
+    "async-copy": "DynPipe async, stash copies",
 }
 NUM_STAGES = 2
 WORLD_SIZE = NUM_STAGES
@@ -238,18 +241,22 @@ def _stage_module(cfg: Config, stage_idx: int) -> Any:
     return pipeline[:cut] if stage_idx == 0 else pipeline[cut:]
 
 
-def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]:
+def _calibrate(cfg: Config, stage_idx: int, iters: int = 16) -> dict[str, float]:
     """CPU seconds of one micro-batch's forward, backward and one SGD update of ``stage_idx``, alone.
 
     No pipeline, no communication, no Lightning: the cost of the arithmetic itself. It is measured in the
     calling thread's CPU time (``time.thread_time``), not wall time, so that time this process spends
     descheduled by other load on a shared machine does not count; the simulator fed with these costs predicts
     what each schedule would reach with a dedicated core per stage and zero framework overhead. The last
-    stage's forward includes the loss, as DynPipe's (which runs ``training_step``) does. ``stash`` is the
-    cost of one detached copy of the stage's parameters: what DynPipe's ``WeightStash.acquire`` does for
-    every new weight version, i.e. once per micro-batch on a stage with staleness > 0 under ``async``.
+    stage's forward includes the loss, as DynPipe's (which runs ``training_step``) does. ``stash`` is what a
+    stashed weight version adds to one update under ``async`` (on a stage with staleness > 0, every update): SGD
+    then writes the new weights to fresh storage (:mod:`lightning_dynpipe.engine.outofplace`), so it is that
+    update's time over the in-place one's (every other update is timed each way). ``copy`` is one detached copy
+    of the stage's parameters, what the stash costs with an optimizer that updates in place (``async-copy``).
     """
     import statistics
+
+    from lightning_dynpipe.engine.outofplace import out_of_place_step
 
     stage = _stage_module(cfg, stage_idx)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
@@ -269,7 +276,13 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
         y = torch.randint(0, 10, (mb,), generator=g)
     loss_fn = _loss_fn(cfg)
     clock = time.thread_time
-    fwd, bwd, upd, stash = [], [], [], []
+    fresh = out_of_place_step(opt)
+    assert fresh is not None, "SGD on CPU writes fresh storage (lightning_dynpipe.engine.outofplace)"
+    fwd: list[float] = []
+    bwd: list[float] = []
+    upd: list[float] = []
+    upd_fresh: list[float] = []
+    copy: list[float] = []
     for i in range(iters + 2):
         t0 = clock()
         out = stage(x)
@@ -281,7 +294,10 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
         else:
             out.backward(torch.ones_like(out))
         t2 = clock()
-        opt.step()
+        if i % 2:  # every other update writes fresh storage, as async's updates do while a version is stashed
+            fresh()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = clock()
         snapshot = {n: p.detach().clone() for n, p in stage.named_parameters()}
@@ -290,13 +306,16 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 12) -> dict[str, float]
         if i >= 2:  # the first iterations allocate
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-            upd.append(t3 - t2)
-            stash.append(t4 - t3)
+            (upd_fresh if i % 2 else upd).append(t3 - t2)
+            copy.append(t4 - t3)
+    # what one stashed version costs async's update: the fresh-storage update's extra time over the in-place one
+    stash = max(statistics.median(upd_fresh) - statistics.median(upd), 0.0)
     return {
         "forward": statistics.median(fwd),
         "backward": statistics.median(bwd),
         "update": statistics.median(upd),
-        "stash": statistics.median(stash),
+        "stash": stash,
+        "copy": statistics.median(copy),
     }
 
 
@@ -401,7 +420,15 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         **options,
     )
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
-    return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
+    from lightning_dynpipe.engine.outofplace import OUT_OF_PLACE_STEPS
+
+    saved = dict(OUT_OF_PLACE_STEPS)
+    if system == "async-copy":
+        OUT_OF_PLACE_STEPS.clear()  # every optimizer copies before its update, as the stash did before
+    try:
+        return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
+    finally:
+        OUT_OF_PLACE_STEPS.update(saved)
 
 
 def _quiet() -> None:
@@ -546,7 +573,7 @@ def _costs_from_calibration(calibration: list[dict[str, Any]]) -> dict[str, list
     """Median over repeats of each stage's isolated seconds per forward, backward and update."""
     if not calibration:
         return None
-    kinds = [w for w in ("forward", "backward", "update", "stash") if w in calibration[0]["stages"][0]]
+    kinds = [w for w in ("forward", "backward", "update", "stash", "copy") if w in calibration[0]["stages"][0]]
     return {what: [median([c["stages"][k][what] for c in calibration]) for k in range(NUM_STAGES)] for what in kinds}
 
 
@@ -578,6 +605,7 @@ _SIM_MODEL = {
     "torch-gpipe": ("gpipe", "none"),
     "async-defaults": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
+    "async-copy": ("async", "last_stage_broadcast"),
 }
 
 
@@ -589,8 +617,9 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
-        for ref in ("sync", "torch-1f1b", "async-bare"):
-            if ref in by and not (ref == "async-bare" and s != "async-defaults"):
+        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy"):
+            only = {"async-bare": "async-defaults", "async-copy": "async"}.get(ref)  # extra references' one user
+            if ref in by and ref != s and (only is None or s == only):
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
                 ratios = [
                     by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]
@@ -663,7 +692,8 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         pred["async_vs_torch_1f1b"] = step["torch-1f1b"] / step["async"]
         predictions[name] = pred
         if "stash" in costs:
-            # async's own bookkeeping: one weight snapshot per micro-batch on every stage with staleness > 0.
+            # async's own bookkeeping on every stage with staleness > 0, once per micro-batch: the stashed
+            # version's cost (a fresh-storage update; in records before it, a weight copy).
             from lightning_dynpipe.schedule import staleness
 
             fwd = [
@@ -875,7 +905,9 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
         lines.append(
             f"isolated per-micro-batch CPU costs, stage 0/1 (ms): forward {ms(c['forward'])}, backward "
             f"{ms(c['backward'])}, update {ms(c['update'])}"
-            + (f", weight snapshot {ms(c['stash'])}" if "stash" in c else "")
+            + (f", stashed version (fresh-storage update's extra) {ms(c['stash'])}" if "copy" in c else "")
+            + (f", weight copy {ms(c['copy'])}" if "copy" in c else "")
+            + (f", weight snapshot {ms(c['stash'])}" if "stash" in c and "copy" not in c else "")  # older records
         )
         rows = []
         for s, row in t.items():
@@ -938,7 +970,7 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
     measured_vs_torch = t.get("async", {}).get("vs_torch-1f1b", {}).get("median")
     for name, label in (
         ("isolated", "simulator, isolated costs"),
-        ("isolated_with_stash", "simulator, isolated costs + async weight snapshots"),
+        ("isolated_with_stash", "simulator, isolated costs + async weight stashing"),
         ("inside_sync", "simulator, costs inside DynPipe sync"),
         ("own_costs", "simulator, each schedule's own costs"),
         ("cpu_work", "CPU work per step (bottleneck stage), if CPU-starved"),
@@ -977,6 +1009,12 @@ def render_targets(summary: dict[str, Any]) -> str:
         out.append(
             f"target the simulator fed with the framework's costs predicts each DynPipe system within 15%: worst "
             f"{worst:.1%} ({each}) -> {verdict}"
+        )
+    c = a.get("vs_async-copy")
+    if c is not None:
+        out.append(
+            f"async with SGD writing fresh storage against the stash copying first: {c['median']:.3f}x "
+            f"[{c['q1']:.3f}-{c['q3']:.3f}]"
         )
     d = t.get("async-defaults", {}).get("vs_async-bare")
     if d is not None:

@@ -168,6 +168,12 @@ class StageExecutor:
             it runs, :attr:`update_samples` holds the number of samples whose gradient the update applies (the
             micro-batch's under async, the step's under sync/gpipe): the weight of this replica's gradient in an
             uneven replica split.
+        fresh_storage_updates: whether ``optimizer_step`` takes care of the weight stash itself. When ``False``
+            (the default) the executor copies the live weights before every update that a micro-batch in flight
+            still needs. When ``True``, :attr:`update_stash` is set instead while ``optimizer_step`` runs, and the
+            callback must either call its ``before_update()`` before anything writes the weights in place, or
+            write the new weights to fresh storage and call its ``updated_out_of_place()``
+            (:mod:`~lightning_dynpipe.engine.outofplace`).
         checkpoint: per layer of ``stage_module``, whether its activations are recomputed in the backward
             instead of kept (activation checkpointing); default none.
     """
@@ -185,6 +191,7 @@ class StageExecutor:
         last_stage_loss: Callable[[Any, int], Tensor] | None,
         optimizer_step: Callable[[], None],
         checkpoint: Sequence[bool] = (),
+        fresh_storage_updates: bool = False,
     ) -> None:
         self.stage_module = stage_module
         num_layers = len(list(stage_module.children()))
@@ -230,6 +237,8 @@ class StageExecutor:
         self._step_sizes: list[int] = []
         self._mb_samples: dict[int, int] = {}  # samples of every micro-batch not yet applied by an update
         self.update_samples = 0
+        self._fresh_storage_updates = fresh_storage_updates
+        self.update_stash: WeightStash | None = None  # see fresh_storage_updates
         self._step_base = 0
         self._step_losses: list[float] = []
         self._eval_counter = 0
@@ -600,14 +609,20 @@ class StageExecutor:
 
     def _update(self, instr: OptimizerStep) -> None:
         t0 = time.perf_counter()
-        if self.stash is not None:
-            self.stash.before_update()
+        if self.stash is not None and self.stash.shares_live:
+            if self._fresh_storage_updates:
+                self.update_stash = self.stash
+            else:
+                self.stash.before_update()
         if instr.mb_idx is not None:  # async: the update applies one micro-batch's gradient
             self.update_samples = self._mb_samples.pop(instr.mb_idx)
         else:  # one update for the step's accumulated micro-batches
             self.update_samples = sum(self._mb_samples.values())
             self._mb_samples.clear()
-        self._optimizer_step()
+        try:
+            self._optimizer_step()
+        finally:
+            self.update_stash = None
         if self.stash is not None:
             self.stash.bump()
         self.stats.optimizer_s += time.perf_counter() - t0

@@ -32,6 +32,7 @@ from lightning_dynpipe.engine import checkpoint
 from lightning_dynpipe.engine.collectives import DistCollectives
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import PipelineGroups, build_channels, build_groups
+from lightning_dynpipe.engine.outofplace import stash_aware_step
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.replica import average_replica_gradients
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
@@ -83,6 +84,7 @@ class PipelineStage:
         lr_scale: float = 1.0,
         ties: Sequence[SharedParameter] = (),
         checkpoint_layers: Collection[int] = (),
+        before_update_may_write: Callable[[], bool] | None = None,
     ) -> None:
         self.shard = shard
         self.checkpoint_layers = frozenset(checkpoint_layers)
@@ -102,6 +104,7 @@ class PipelineStage:
         self._first_stage_input = first_stage_input
         self._last_stage_loss = last_stage_loss
         self._before_update = before_update
+        self._before_update_may_write = before_update_may_write or (lambda: True)
         self.failure = FailureHandler(self.stage_idx, rank)
         self.executor = self._executor(build_channels(groups, device, timeout_s, self.failure))
 
@@ -125,6 +128,7 @@ class PipelineStage:
         lr_scale: float = 1.0,
         ties: Sequence[SharedParameter] = (),
         checkpoint_layers: Collection[int] = (),
+        before_update_may_write: Callable[[], bool] | None = None,
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
@@ -134,7 +138,11 @@ class PipelineStage:
         parameters shared by several layers (:func:`~lightning_dynpipe.engine.ties.shared_parameters` of the
         whole model); those split across stages have their gradients summed before every update.
         ``checkpoint_layers``: the pipeline's layer indices whose activations are recomputed in the backward
-        (wherever those layers are, after migrations too).
+        (wherever those layers are, after migrations too). ``before_update_may_write``: whether ``before_update``
+        may run code that writes the weights in place (user hooks); ``None`` assumes it may. Where it may not,
+        an update that a stashed weight version still shares the storage of writes the new weights to fresh
+        storage instead of copying the old ones first, for the optimizers that
+        :mod:`~lightning_dynpipe.engine.outofplace` reproduces exactly.
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -160,6 +168,7 @@ class PipelineStage:
             lr_scale=lr_scale,
             ties=ties,
             checkpoint_layers=checkpoint_layers,
+            before_update_may_write=before_update_may_write,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -198,6 +207,7 @@ class PipelineStage:
             last_stage_loss=self._last_stage_loss,
             optimizer_step=self._optimizer_step,
             checkpoint=[i in self.checkpoint_layers for i in self.shard.owned],
+            fresh_storage_updates=True,
         )
         # The user's self.pipeline(x) call is this stage's part of the pipeline.
         self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]
@@ -207,6 +217,8 @@ class PipelineStage:
         if not self.optimizers:
             return
         opt = self.optimizers[0]
+        stash = self.executor.update_stash  # set when a micro-batch in flight uses the live weights' storage
+        step = stash_aware_step(opt, stash, user_code_first=stash is not None and self._before_update_may_write())
         if self.topology.dp_size > 1:
             params = [p for g in opt.param_groups for p in g["params"]]
             # an uneven replica split weighs each replica's gradient by its samples; an even one by 1/D
@@ -223,7 +235,7 @@ class PipelineStage:
             sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self._pipeline_collectives())
         self._before_update(opt)
         with scaled_lr(opt, self.lr_scale):
-            opt.step()
+            step()
         opt.zero_grad(set_to_none=True)
 
     def migrate(self, new: Partition) -> tuple[tuple[LayerMove, ...], int]:

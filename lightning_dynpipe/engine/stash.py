@@ -16,6 +16,8 @@ class WeightStash:
     the live parameters' storage (``p.data``: same memory, own autograd version counter), so stashing costs
     nothing until an update: :meth:`before_update` then moves the live parameters to fresh storage if a
     micro-batch in flight still uses the current version, and the alias keeps the values its forward saw.
+    An update that writes the new weights to fresh storage (:mod:`~lightning_dynpipe.engine.outofplace`) needs
+    no copy at all: the caller checks :attr:`shares_live` and records it with :meth:`updated_out_of_place`.
     A stage therefore holds exactly as many copies of its weights as it has versions in use (at most ``S-k``),
     the live weights included; :meth:`release` frees a version when its last micro-batch was back-propagated.
 
@@ -38,7 +40,8 @@ class WeightStash:
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._refs: dict[int, int] = {}
         self.max_depth = 0
-        self.copies_made = 0
+        self.copies_made = 0  # updates before which the live weights were copied
+        self.copies_avoided = 0  # updates that wrote the new weights to fresh storage instead
 
     def acquire(self) -> int:
         """Binds one micro-batch to the current version and returns that version."""
@@ -54,12 +57,23 @@ class WeightStash:
         """The tensors of ``version`` (name -> leaf tensor), as ``functional_call`` takes them."""
         return self._versions[version]
 
+    @property
+    def shares_live(self) -> bool:
+        """Whether a micro-batch in flight uses the current version, i.e. the live weights' own storage: an
+        update must then leave that storage alone (copy first with :meth:`before_update`, or write the new
+        weights to fresh storage, :mod:`~lightning_dynpipe.engine.outofplace`)."""
+        return self.version in self._versions
+
     def before_update(self) -> None:
         """Must run right before the live weights are updated in place (the optimizer step)."""
         if self.version in self._versions:
             for p in self._live:
                 p.data = p.data.clone()  # the stashed alias keeps the old storage
             self.copies_made += 1
+
+    def updated_out_of_place(self) -> None:
+        """Records that the update about to be counted by :meth:`bump` gave the live weights fresh storage."""
+        self.copies_avoided += 1
 
     def release(self, version: int) -> None:
         """Ends one micro-batch's use of ``version``; frees it when nobody uses it any more."""

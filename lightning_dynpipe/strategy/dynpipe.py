@@ -375,6 +375,7 @@ class DynPipeStrategy(DDPStrategy):
         self._loaded_sharded = False  # the checkpoint being restored was read stage by stage
         self._batch_idx = 0
         self._update_hooks: bool | None = None  # whether anything observes the hooks before each update (per fit)
+        self._update_writers: bool | None = None  # whether user code runs before each update (per fit)
         self.restart_plan: RestartPlan | None = None  # set when the fit ended to continue under another S
         self.restart_allowed = True  # fit_with_restarts clears it for its last fit
 
@@ -641,7 +642,7 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self._update_hooks = None
+        self._update_hooks = self._update_writers = None
         pipeline = self._pipeline()  # the refusals ran in setup_environment, before the process group
         self._refuse_if_left_sharded("run again")
         meta = is_on_meta(pipeline)
@@ -705,6 +706,7 @@ class DynPipeStrategy(DDPStrategy):
             first_stage_input=lambda batch: first_stage_input(module, batch),
             last_stage_loss=self._last_stage_loss,
             before_update=self._before_update,
+            before_update_may_write=self._before_update_may_write,
             lr_scale=self.config.lr_scale if fitting else 1.0,
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
@@ -878,6 +880,13 @@ class DynPipeStrategy(DDPStrategy):
                 "already working on it."
             )
         return loss
+
+    def _before_update_may_write(self) -> bool:
+        # user code that runs before each update could write the weights in place; Lightning's own clipping only
+        # scales gradients
+        if self._update_writers is None:
+            self._update_writers = _user_code_before_update(self._lm, self.precision_plugin)
+        return self._update_writers
 
     def _before_update(self, optimizer: Optimizer) -> None:
         # on_before_optimizer_step hooks and gradient clipping, on this stage's parameters only.
@@ -1256,6 +1265,21 @@ class _ReplicaShares:
         return split.shares(batch_size, s.num_microbatches), split
 
 
+def _user_code_before_update(module: LightningModule, precision: Precision) -> bool:
+    """Whether code other than Lightning's own runs before each optimizer update: an overridden
+    ``on_before_optimizer_step`` (module or callback) or ``configure_gradient_clipping``, or a precision plugin's
+    own ``_after_closure``. Such code could write the weights in place, so the weight stash copies them before it
+    runs instead of letting the update write fresh storage (:mod:`~lightning_dynpipe.engine.outofplace`).
+    """
+    trainer = module.trainer
+    return (
+        type(precision)._after_closure is not Precision._after_closure
+        or is_overridden("configure_gradient_clipping", module, LightningModule)
+        or is_overridden("on_before_optimizer_step", module, LightningModule)
+        or any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in getattr(trainer, "callbacks", []))
+    )
+
+
 def _update_hooks_observed(module: LightningModule, precision: Precision) -> bool:
     """Whether anything observes what Lightning runs before each optimizer update (so it must run every time).
 
@@ -1264,11 +1288,4 @@ def _update_hooks_observed(module: LightningModule, precision: Precision) -> boo
     per step, and dispatching those hooks when nothing overrides them cost about 0.1 ms per update
     (``benchmarks/profile_step.py``).
     """
-    trainer = module.trainer
-    return (
-        type(precision)._after_closure is not Precision._after_closure
-        or trainer.gradient_clip_val is not None
-        or is_overridden("configure_gradient_clipping", module, LightningModule)
-        or is_overridden("on_before_optimizer_step", module, LightningModule)
-        or any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in getattr(trainer, "callbacks", []))
-    )
+    return module.trainer.gradient_clip_val is not None or _user_code_before_update(module, precision)

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.loopback import LoopbackGroup, loopback_channels, run_stages
+from lightning_dynpipe.engine.outofplace import stash_aware_step
 from lightning_dynpipe.engine.shard import StageShard
 from lightning_dynpipe.engine.ties import shared_parameters, split_ties, sum_shared_gradients
 from lightning_dynpipe.plan.partition import Partition
@@ -48,13 +49,16 @@ def build(
     loss_fn: Callable[[Any, Any], Tensor],
     input_fn: Callable[[Any], Any] = lambda batch: batch[0],
     checkpoint: bool = False,
+    fresh_storage: bool = False,
 ) -> InProcessPipeline:
     """One executor per stage of a ``balance`` split of ``pipeline``.
 
     With one ``nn.Sequential`` the stages share its layers (no copies). With one copy of the model per stage (as
     separate processes hold), each copy is partitioned like a process's module (the layers of other stages become
     placeholders), and parameters shared by layers on different stages have their gradients summed between the
-    stages before each update, as the strategy does.
+    stages before each update, as the strategy does. ``fresh_storage``: the updates that a stashed version
+    shares the weights of write fresh storage where the optimizer allows it, as the strategy's do
+    (:func:`~lightning_dynpipe.engine.outofplace.stash_aware_step`), instead of the executor copying first.
     """
     copies = list(pipeline) if not isinstance(pipeline, nn.Sequential) else None
     first = copies[0] if copies is not None else pipeline
@@ -77,13 +81,16 @@ def build(
         params = list(stage.parameters())
         opt = make_optimizer(params) if params else None
 
-        def step(opt: Optimizer | None = opt, shard: StageShard = shard, k: int = k) -> None:
-            sum_shared_gradients(shard.pipeline, ties, shard.owned, group.member(k))
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
         holder: list[StageExecutor] = []
+
+        def step(opt: Optimizer | None = opt, shard: StageShard = shard, k: int = k, holder: list = holder) -> None:
+            run = None
+            if opt is not None:
+                run = stash_aware_step(opt, holder[0].update_stash, user_code_first=False)
+            sum_shared_gradients(shard.pipeline, ties, shard.owned, group.member(k))
+            if opt is not None and run is not None:
+                run()
+                opt.zero_grad(set_to_none=True)
 
         def last_loss(mb: Any, slot: int, holder: list[StageExecutor] = holder) -> Tensor:
             return loss_fn(holder[0].local_forward(input_fn(mb) if S == 1 else None), mb)
@@ -99,6 +106,7 @@ def build(
             last_stage_loss=last_loss if k == S - 1 else None,
             optimizer_step=step,
             checkpoint=[checkpoint] * len(stage),
+            fresh_storage_updates=fresh_storage,
         )
         holder.append(executor)
         executors.append(executor)

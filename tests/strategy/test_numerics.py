@@ -33,15 +33,14 @@ def _assert_close(model: L.LightningModule, ref: L.LightningModule, atol: float)
 
 
 class _PipelineInvariants(L.Callback):
-    """Asserted on every rank, inside the workers: stash bound and hook counts."""
+    """Asserted on every rank, inside the workers: stash bound, batch-end counts, and how the stash kept its
+    versions: with no user code before the updates, SGD's updates write fresh storage and nothing is copied."""
 
     def __init__(self, num_microbatches: int) -> None:
         self.M = num_microbatches
-        self.updates = 0
         self.batch_ends = 0
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.updates += 1
+        self.copies_expected = False
+        self.stash_counts: tuple[int, int] | None = None  # (copies made, copies avoided) by the stash
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.batch_ends += 1
@@ -52,10 +51,31 @@ class _PipelineInvariants(L.Callback):
         assert depth <= bound, f"stage {s.stage_idx} stashed {depth} versions > S-k = {bound}"
         if s.schedule == "async" and not s.is_last_stage and trainer.global_step >= s.num_stages:
             assert depth == bound, f"stage {s.stage_idx} should keep exactly {bound} versions, kept {depth}"
+        if s.executor.stash is not None:
+            self.stash_counts = (s.executor.stash.copies_made, s.executor.stash.copies_avoided)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         steps = trainer.global_step
         assert self.batch_ends == steps
+        if self.stash_counts is not None:  # async, not the last stage
+            copied, fresh = self.stash_counts
+            assert (copied > 0, fresh > 0) == (self.copies_expected, not self.copies_expected), (copied, fresh)
+
+
+class _CountingInvariants(_PipelineInvariants):
+    """Also counts ``on_before_optimizer_step``: user code before every update, so the stash copies first."""
+
+    def __init__(self, num_microbatches: int) -> None:
+        super().__init__(num_microbatches)
+        self.updates = 0
+        self.copies_expected = True
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.updates += 1
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_end(trainer, pl_module)
+        steps = trainer.global_step
         expected = steps * self.M if trainer.strategy.schedule == "async" else steps  # type: ignore[attr-defined]
         assert self.updates == expected, f"{self.updates} optimizer-step hooks, expected {expected}"
 
@@ -68,8 +88,10 @@ def _fit(
     epochs: int = 2,
     optimizer: str = "sgd",
     start_method: str = "fork",
+    count_updates: bool = True,
 ) -> None:
     balance = {1: [5], 2: [2, 3], 3: [2, 2, 1]}[devices]  # the replay must use the same partition
+    invariants = (_CountingInvariants if count_updates else _PipelineInvariants)(M)
     strategy = DynPipeStrategy(
         num_microbatches=M,
         schedule=schedule,
@@ -78,7 +100,7 @@ def _fit(
         adaptive=False,
     )  # the reference keeps the partition
     trainer = L.Trainer(
-        devices=devices, max_epochs=epochs, strategy=strategy, callbacks=[_PipelineInvariants(M)], **trainer_kwargs()
+        devices=devices, max_epochs=epochs, strategy=strategy, callbacks=[invariants], **trainer_kwargs()
     )
     trainer.fit(model, loader())
 
@@ -104,9 +126,11 @@ def test_flush_schedules_equal_plain_training(schedule: str, num_stages: int) ->
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_async_equals_pipedream_replay(num_stages: int) -> None:
+    """With 2 stages nothing runs before the updates (SGD's updates write fresh storage instead of a copy); with
+    3 a callback's ``on_before_optimizer_step`` does (the stash copies first). Both bit for bit."""
     model = TinyNet()
     ref = copy.deepcopy(model)
-    _fit(model, devices=num_stages, schedule="async")
+    _fit(model, devices=num_stages, schedule="async", count_updates=num_stages == 3)
     balance = {2: [2, 3], 3: [2, 2, 1]}[num_stages]  # as in _fit
     replay_async(
         ref.pipeline,

@@ -1,0 +1,139 @@
+"""Out-of-place optimizer updates: bit for bit ``optimizer.step()``, and ``None`` wherever that is not certain."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from lightning_dynpipe.engine.outofplace import out_of_place_step, stash_aware_step
+from lightning_dynpipe.engine.stash import WeightStash
+
+_SGD_CONFIGS = [
+    dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
+    for m, d, n, wd, mx in itertools.product([0.0, 0.9], [0.0, 0.3], [False, True], [0.0, 0.01], [False, True])
+    if not (n and (m == 0 or d != 0))  # torch refuses Nesterov without momentum or with dampening
+]
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3), nn.Linear(3, 3, bias=False)).to(dtype)
+
+
+def _set_grads(model: nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    for i, p in enumerate(model.parameters()):
+        # the last layer gets no gradient every other step: SGD then skips it
+        p.grad = None if (i == 4 and step % 2) else torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", _SGD_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_sgd_out_of_place_equals_step_bit_for_bit(config: dict, dtype: torch.dtype) -> None:
+    ours, theirs = _model(dtype), _model(dtype)
+    layers = list(ours.children()), list(theirs.children())
+    opts = [
+        torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 0.05}], lr=0.1, **config)
+        for m in layers
+    ]  # two groups, two learning rates
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+    for o in opts:  # the third layer's parameters in a group of their own
+        o.add_param_group({"params": list(layers[opts.index(o)][3].parameters()), "lr": 0.2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the scheduler would warn if it thought step() had not run
+        for step in range(6):
+            _set_grads(ours, step)
+            _set_grads(theirs, step)
+            old = [p.data for p in ours.parameters()]
+            old_values = [t.clone() for t in old]
+            fresh = out_of_place_step(opts[0])
+            assert fresh is not None
+            fresh()
+            opts[1].step()
+            for s in scheds:
+                s.step()
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                assert torch.equal(p, q)
+            for p, o, v in zip(ours.parameters(), old, old_values):
+                assert torch.equal(o, v)  # the old storage was not written
+                if p.grad is not None:
+                    assert p.data_ptr() != o.data_ptr()
+    for o_ours, o_theirs in zip(opts[0].state.values(), opts[1].state.values()):
+        for key in o_theirs:
+            assert torch.equal(o_ours[key], o_theirs[key])
+
+
+def test_unsupported_optimizers_get_none() -> None:
+    model = _model(torch.float32)
+    params = list(model.parameters())
+    _set_grads(model, 0)
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    refused = [
+        torch.optim.Adam(params),  # not reproduced here
+        MySGD(params, lr=0.1),  # a subclass may change step
+        torch.optim.SGD(params, lr=0.1, foreach=True),  # another implementation
+        torch.optim.SGD(params, lr=torch.tensor(0.1)),  # tensor hyper-parameters
+        torch.optim.SGD(params, lr=0.1, differentiable=True),
+    ]
+    for opt in refused:
+        assert out_of_place_step(opt) is None, opt
+
+    hooked = torch.optim.SGD(params, lr=0.1)
+    handle = hooked.register_step_pre_hook(lambda *a: None)
+    assert out_of_place_step(hooked) is None
+    handle.remove()
+    assert out_of_place_step(hooked) is not None
+
+    handle = register_optimizer_step_post_hook(lambda *a: None)
+    try:
+        assert out_of_place_step(hooked) is None  # a global hook sees every optimizer
+    finally:
+        handle.remove()
+
+    patched = torch.optim.SGD(params, lr=0.1)
+    patched.step = lambda closure=None: None  # type: ignore[method-assign]
+    assert out_of_place_step(patched) is None
+
+    emb = nn.Embedding(5, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert out_of_place_step(torch.optim.SGD(emb.parameters(), lr=0.1)) is None
+
+
+def test_stash_aware_step_copies_or_writes_fresh_storage() -> None:
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    v = stash.acquire()  # a micro-batch in flight uses the live weights
+    before = copy.deepcopy(stash.params(v))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    assert stash_aware_step(opt, None, user_code_first=False) == opt.step  # nothing stashed: plain step
+
+    layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.ones(2)
+    step = stash_aware_step(opt, stash, user_code_first=True)  # user code may write the weights: copy first
+    assert stash.copies_made == 1 and step == opt.step
+    step()
+    stash.bump()
+    assert all(torch.equal(stash.params(v)[k], before[k]) for k in before)
+
+    v1 = stash.acquire()
+    before1 = {k: t.clone() for k, t in stash.params(v1).items()}
+    step = stash_aware_step(opt, stash, user_code_first=False)
+    assert stash.copies_made == 1  # no copy: the update writes fresh storage
+    step()
+    stash.bump()
+    assert stash.copies_avoided == 1
+    assert all(torch.equal(stash.params(v1)[k], before1[k]) for k in before1)
+    assert torch.equal(layer.weight, before1["weight"] - 0.1)
+
+    adam = torch.optim.Adam(layer.parameters())
+    stash.acquire()
+    assert stash_aware_step(adam, stash, user_code_first=False) == adam.step and stash.copies_made == 2
