@@ -8,13 +8,17 @@ old weights and writes the new ones to fresh storage leaves the old storage to t
 arithmetic, the copy gone.
 
 :func:`out_of_place_step` returns such an update for the optimizers whose step this module reproduces exactly,
-and ``None`` for everything else (the caller then copies and runs the optimizer's own ``step``). Today that is
-``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, ``maximize``) on CPU tensors, in its default
-per-tensor implementation: every tensor operation of ``torch.optim.sgd._single_tensor_sgd`` is kept, in order,
-and only its last one, ``param.add_(grad, alpha=-lr)``, writes to a new tensor instead of ``param``. An
-optimizer with step hooks, a subclass, a patched ``step`` (other than an LR scheduler's call counter), a tensor
-learning rate, ``foreach=True``, ``fused=True``, ``differentiable=True``, sparse gradients or non-CPU parameters
-gets ``None``. ``tests/engine/test_outofplace.py`` checks bit-for-bit equality with ``optimizer.step()``.
+and ``None`` for everything else (the caller then copies and runs the optimizer's own ``step``). Today those are
+``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, ``maximize``), ``torch.optim.Adam`` and
+``torch.optim.AdamW`` (weight decay, AMSGrad, ``maximize``) on real CPU tensors, in their default per-tensor
+implementations: every tensor operation of ``torch.optim.sgd._single_tensor_sgd`` and
+``torch.optim.adam._single_tensor_adam`` is kept, in order, and only those that write the parameter
+(``param.add_``; ``param.mul_`` and ``param.addcdiv_``) write a new tensor instead. An optimizer with step hooks,
+a subclass, a patched ``step`` (other than an LR scheduler's call counter), tensor hyper-parameters,
+``foreach=True``, ``fused=True``, ``capturable=True``, ``differentiable=True``, sparse gradients, complex or
+non-CPU parameters gets ``None``, and so does every optimizer under a torch version the reproduction was not
+checked against (:data:`VERIFIED_TORCH`). ``tests/engine/test_outofplace.py`` checks bit-for-bit equality with
+``optimizer.step()``.
 
 Example::
 
@@ -30,12 +34,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Optimizer
+from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim import optimizer as _torch_optimizer
+from torch.optim.optimizer import _get_value
 
 from lightning_dynpipe.engine.stash import WeightStash
 
-__all__ = ["OUT_OF_PLACE_STEPS", "out_of_place_step", "stash_aware_step"]
+__all__ = ["OUT_OF_PLACE_STEPS", "VERIFIED_TORCH", "out_of_place_step", "stash_aware_step"]
+
+_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 
 def _hooks_free(optimizer: Optimizer) -> bool:
@@ -91,12 +98,85 @@ def _sgd_step(optimizer: Optimizer) -> None:
                 new = torch.empty_like(param.data)
                 torch.add(param.data, grad, alpha=-lr, out=new)
                 param.data = new
-    if "step" in optimizer.__dict__:  # what the LR scheduler's wrapper of step records
+    _record_step_called(optimizer)
+
+
+def _record_step_called(optimizer: Optimizer) -> None:
+    if "step" in optimizer.__dict__:  # what an LR scheduler's wrapper of step records
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
+def _adam_supported(optimizer: Optimizer) -> bool:
+    for group in optimizer.param_groups:
+        if group.get("foreach") or group.get("fused") or group["capturable"] or group["differentiable"]:
+            return False
+        scalars = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
+        if any(isinstance(v, Tensor) for v in scalars):
+            return False
+        for p in group["params"]:
+            if p.device.type != "cpu" or torch.is_complex(p):
+                return False
+            if p.grad is not None and (p.grad.is_sparse or p.grad.device != p.device):
+                return False
+    return True
+
+
+def _adam_step(optimizer: Optimizer) -> None:
+    """``Adam.step()`` / ``AdamW.step()`` with the per-tensor implementation's arithmetic (real parameters, not
+    capturable, not differentiable); the new weights go to fresh storage."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            exp_avgs: list[Tensor] = []
+            exp_avg_sqs: list[Tensor] = []
+            max_exp_avg_sqs: list[Tensor] = []
+            steps: list[Tensor] = []
+            # torch's own lazy state initialisation, so that the state is what Adam.step would have created
+            optimizer._init_group(  # type: ignore[attr-defined]
+                group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+            )
+            beta1, beta2 = group["betas"]
+            lr, weight_decay, eps, amsgrad = group["lr"], group["weight_decay"], group["eps"], group["amsgrad"]
+            for i, param in enumerate(params):
+                grad = grads[i] if not group["maximize"] else -grads[i]
+                exp_avg, exp_avg_sq, step_t = exp_avgs[i], exp_avg_sqs[i], steps[i]
+                step_t += 1
+                new = None
+                if weight_decay != 0:
+                    if group["decoupled_weight_decay"]:
+                        new = torch.mul(param.data, 1 - lr * weight_decay)  # param.mul_(...), out of place
+                    else:
+                        grad = grad.add(param, alpha=weight_decay)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step = _get_value(step_t)
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
+                step_size = lr / bias_correction1
+                bias_correction2_sqrt = bias_correction2**0.5
+                if amsgrad:
+                    torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+                    denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)
+                else:
+                    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                if new is None:
+                    new = torch.empty_like(param.data)
+                    torch.addcdiv(param.data, exp_avg, denom, value=-step_size, out=new)
+                else:
+                    new.addcdiv_(exp_avg, denom, value=-step_size)
+                param.data = new
+    _record_step_called(optimizer)
+
+
+VERIFIED_TORCH: tuple[tuple[int, int], ...] = ((2, 13),)
+"""The torch versions (major, minor) whose optimizers' per-tensor steps the functions here were checked against
+(``tests/engine/test_outofplace.py``); under any other version :func:`out_of_place_step` answers ``None``."""
+
 OUT_OF_PLACE_STEPS: dict[type[Optimizer], tuple[Callable[[Optimizer], bool], Callable[[Optimizer], None]]] = {
     SGD: (_sgd_supported, _sgd_step),
+    Adam: (_adam_supported, _adam_step),
+    AdamW: (_adam_supported, _adam_step),
 }
 """Per optimizer class (exact type, not subclasses): whether an instance's configuration is supported, and the
 out-of-place step. Remove an entry to make that optimizer copy and run its own ``step`` again."""
@@ -105,7 +185,7 @@ out-of-place step. Remove an entry to make that optimizer copy and run its own `
 def out_of_place_step(optimizer: Any) -> Callable[[], None] | None:
     """An exact out-of-place update for ``optimizer`` as configured now, or ``None`` where there is none."""
     entry = OUT_OF_PLACE_STEPS.get(type(optimizer))
-    if entry is None or not _hooks_free(optimizer):
+    if entry is None or _TORCH not in VERIFIED_TORCH or not _hooks_free(optimizer):
         return None
     supported, step = entry
     if not supported(optimizer):

@@ -8,6 +8,7 @@ Lightning and gloo; these run in milliseconds.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,12 +44,19 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adamw], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("fresh_storage", [False, True], ids=["copy", "fresh-storage"])
 @pytest.mark.parametrize("balance", [[2, 2], [1, 2, 1], [1, 1, 1, 1]])
-def test_async_equals_the_pipedream_replay_bit_for_bit(balance: list[int], fresh_storage: bool) -> None:
+def test_async_equals_the_pipedream_replay_bit_for_bit(
+    balance: list[int], fresh_storage: bool, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> None:
     model, reference = _model(), _model()
     pipe = build(
-        model, balance, schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
+        model, balance, schedule="async", num_microbatches=M, make_optimizer=make_optimizer, loss_fn=_loss,
         fresh_storage=fresh_storage,
     )  # fmt: skip
     losses = pipe.train(_batches())
@@ -56,8 +64,8 @@ def test_async_equals_the_pipedream_replay_bit_for_bit(balance: list[int], fresh
     assert stash is not None  # the first stage keeps S versions: every update but the last few needs the old ones
     counts = (stash.copies_avoided, stash.copies_made)
     used, unused = counts if fresh_storage else counts[::-1]
-    assert used > 0 and unused == 0  # SGD with momentum on CPU writes fresh storage instead of a copy
-    ref_losses = replay_async(reference, balance, _sgd, _batches(), M, _loss)
+    assert used > 0 and unused == 0  # SGD and AdamW on CPU write fresh storage instead of a copy
+    ref_losses = replay_async(reference, balance, make_optimizer, _batches(), M, _loss)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
     step_means = [sum(ref_losses[i : i + M]) / M for i in range(0, len(ref_losses), M)]
