@@ -323,6 +323,8 @@ class StageExecutor:
         )
         self._run(program)
         self.channels.flush()
+        if self.stash is not None:
+            self.stash.drop_spares()  # no update before the next step: do not hold a released version
         if self._mbs:
             raise ScheduleError(
                 f"Stage {self.stage_idx} still has micro-batches {sorted(self._mbs)} in flight after a drain; the "

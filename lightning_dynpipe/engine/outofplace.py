@@ -44,6 +44,10 @@ __all__ = ["OUT_OF_PLACE_STEPS", "VERIFIED_TORCH", "out_of_place_step", "stash_a
 
 _TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
+Spare = Callable[[Tensor], "Tensor | None"] | None
+"""Where an out-of-place step may find a tensor to write a parameter's new value into (see
+:func:`out_of_place_step`)."""
+
 
 def _hooks_free(optimizer: Optimizer) -> bool:
     """No step hooks anywhere, and ``step`` is the class's own (an LR scheduler's call counter aside)."""
@@ -74,7 +78,13 @@ def _sgd_supported(optimizer: Optimizer) -> bool:
     return True
 
 
-def _sgd_step(optimizer: Optimizer) -> None:
+def _fresh(param: Tensor, spare: Spare) -> Tensor:
+    """Where ``param``'s new value goes: a released weight version's tensor, or new memory."""
+    out = spare(param) if spare is not None else None
+    return out if out is not None else torch.empty_like(param.data)
+
+
+def _sgd_step(optimizer: Optimizer, spare: Spare) -> None:
     """``SGD.step()`` with the per-tensor implementation's arithmetic; the new weights go to fresh storage."""
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -95,7 +105,7 @@ def _sgd_step(optimizer: Optimizer) -> None:
                         buf.mul_(momentum).add_(grad, alpha=1 - dampening)
                     state["momentum_buffer"] = buf
                     grad = grad.add(buf, alpha=momentum) if nesterov else buf
-                new = torch.empty_like(param.data)
+                new = _fresh(param, spare)
                 torch.add(param.data, grad, alpha=-lr, out=new)
                 param.data = new
     _record_step_called(optimizer)
@@ -121,7 +131,7 @@ def _adam_supported(optimizer: Optimizer) -> bool:
     return True
 
 
-def _adam_step(optimizer: Optimizer) -> None:
+def _adam_step(optimizer: Optimizer, spare: Spare) -> None:
     """``Adam.step()`` / ``AdamW.step()`` with the per-tensor implementation's arithmetic (real parameters, not
     capturable, not differentiable); the new weights go to fresh storage."""
     with torch.no_grad():
@@ -145,7 +155,7 @@ def _adam_step(optimizer: Optimizer) -> None:
                 new = None
                 if weight_decay != 0:
                     if group["decoupled_weight_decay"]:
-                        new = torch.mul(param.data, 1 - lr * weight_decay)  # param.mul_(...), out of place
+                        new = torch.mul(param.data, 1 - lr * weight_decay, out=_fresh(param, spare))  # param.mul_
                     else:
                         grad = grad.add(param, alpha=weight_decay)
                 exp_avg.lerp_(grad, 1 - beta1)
@@ -161,7 +171,7 @@ def _adam_step(optimizer: Optimizer) -> None:
                 else:
                     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
                 if new is None:
-                    new = torch.empty_like(param.data)
+                    new = _fresh(param, spare)
                     torch.addcdiv(param.data, exp_avg, denom, value=-step_size, out=new)
                 else:
                     new.addcdiv_(exp_avg, denom, value=-step_size)
@@ -173,24 +183,29 @@ VERIFIED_TORCH: tuple[tuple[int, int], ...] = ((2, 13),)
 """The torch versions (major, minor) whose optimizers' per-tensor steps the functions here were checked against
 (``tests/engine/test_outofplace.py``); under any other version :func:`out_of_place_step` answers ``None``."""
 
-OUT_OF_PLACE_STEPS: dict[type[Optimizer], tuple[Callable[[Optimizer], bool], Callable[[Optimizer], None]]] = {
+OUT_OF_PLACE_STEPS: dict[type[Optimizer], tuple[Callable[[Optimizer], bool], Callable[[Optimizer, Spare], None]]] = {
     SGD: (_sgd_supported, _sgd_step),
     Adam: (_adam_supported, _adam_step),
     AdamW: (_adam_supported, _adam_step),
 }
 """Per optimizer class (exact type, not subclasses): whether an instance's configuration is supported, and the
-out-of-place step. Remove an entry to make that optimizer copy and run its own ``step`` again."""
+out-of-place step (given where to find a reusable tensor for a parameter's new value, or ``None``). Remove an
+entry to make that optimizer copy and run its own ``step`` again."""
 
 
-def out_of_place_step(optimizer: Any) -> Callable[[], None] | None:
-    """An exact out-of-place update for ``optimizer`` as configured now, or ``None`` where there is none."""
+def out_of_place_step(optimizer: Any, spare: Spare = None) -> Callable[[], None] | None:
+    """An exact out-of-place update for ``optimizer`` as configured now, or ``None`` where there is none.
+
+    ``spare(param)``, when given, may return a tensor like ``param`` whose memory the update may write the new
+    value into (a released weight version's, :meth:`WeightStash.spare`); otherwise new memory is allocated.
+    """
     entry = OUT_OF_PLACE_STEPS.get(type(optimizer))
     if entry is None or _TORCH not in VERIFIED_TORCH or not _hooks_free(optimizer):
         return None
     supported, step = entry
     if not supported(optimizer):
         return None
-    return lambda: step(optimizer)
+    return lambda: step(optimizer, spare)
 
 
 def stash_aware_step(optimizer: Optimizer, stash: WeightStash | None, *, user_code_first: bool) -> Callable[[], Any]:
@@ -204,7 +219,7 @@ def stash_aware_step(optimizer: Optimizer, stash: WeightStash | None, *, user_co
     """
     if stash is None:
         return optimizer.step
-    fresh = None if user_code_first else out_of_place_step(optimizer)
+    fresh = None if user_code_first else out_of_place_step(optimizer, stash.spare)
     if fresh is None:
         stash.before_update()
         return optimizer.step

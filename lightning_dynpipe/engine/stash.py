@@ -42,12 +42,16 @@ class WeightStash:
         self.max_depth = 0
         self.copies_made = 0  # updates before which the live weights were copied
         self.copies_avoided = 0  # updates that wrote the new weights to fresh storage instead
+        self.spares_reused = 0  # tensors of released versions that an update wrote the new weights into
+        self._ptrs: dict[int, frozenset[int]] = {}  # per version in use, the addresses of its tensors
+        self._spare: dict[int, Tensor] = {}  # id(live parameter) -> a released version's tensor for it
 
     def acquire(self) -> int:
         """Binds one micro-batch to the current version and returns that version."""
         v = self.version
         if v not in self._versions:
             self._versions[v] = {name: p.data.requires_grad_(p.requires_grad) for name, p in self._named}
+            self._ptrs[v] = frozenset(t.data_ptr() for t in self._versions[v].values())
             self._refs[v] = 0
         self._refs[v] += 1
         self.max_depth = max(self.max_depth, len(self._versions))
@@ -67,8 +71,12 @@ class WeightStash:
     def before_update(self) -> None:
         """Must run right before the live weights are updated in place (the optimizer step)."""
         if self.version in self._versions:
-            for p in self._live:
-                p.data = p.data.clone()  # the stashed alias keeps the old storage
+            for p in self._live:  # the stashed alias keeps the old storage
+                spare = self.spare(p)
+                if spare is None:
+                    p.data = p.data.clone()
+                else:
+                    p.data = spare.copy_(p.data)
             self.copies_made += 1
 
     def updated_out_of_place(self) -> None:
@@ -79,8 +87,34 @@ class WeightStash:
         """Ends one micro-batch's use of ``version``; frees it when nobody uses it any more."""
         self._refs[version] -= 1
         if self._refs[version] == 0:
-            del self._refs[version]
-            del self._versions[version]
+            del self._refs[version], self._ptrs[version]
+            self._recycle(self._versions.pop(version))
+
+    def _recycle(self, tensors: dict[str, Tensor]) -> None:
+        """Keeps a released version's tensors for the next update to write into (no allocation, no page faults),
+        those whose memory nothing else uses: not the live weights (a parameter the updates skipped still shares
+        it), not a version still in use. Plain training would overwrite this memory in place at the next
+        update; writing it bumps the tensor's autograd version counter, as an in-place update does."""
+        in_use = {p.data_ptr() for p in self._live}.union(*self._ptrs.values())
+        self._spare = {id(p): t.detach() for name, p in self._named if (t := tensors[name]).data_ptr() not in in_use}
+
+    def spare(self, param: Tensor) -> Tensor | None:
+        """A released version's tensor to write ``param``'s next value into (same shape, strides, dtype and
+        device), or ``None``. Each one is handed out once."""
+        t = self._spare.pop(id(param), None)
+        if t is None or (t.shape, t.stride(), t.dtype, t.device) != (
+            param.shape,
+            param.stride(),
+            param.dtype,
+            param.device,
+        ):
+            return None
+        self.spares_reused += 1
+        return t
+
+    def drop_spares(self) -> None:
+        """Frees the kept tensors of released versions (outside training: after a drain)."""
+        self._spare = {}
 
     def bump(self) -> None:
         """Records one optimizer update of the live weights."""
@@ -91,6 +125,7 @@ class WeightStash:
         if self._versions:
             raise RuntimeError(f"WeightStash.reset with {len(self._versions)} versions still in use")
         self.version = 0
+        self._spare = {}
 
     @property
     def depth(self) -> int:

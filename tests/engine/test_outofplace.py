@@ -186,3 +186,65 @@ def test_stash_aware_step_copies_or_writes_fresh_storage() -> None:
     rmsprop = torch.optim.RMSprop(layer.parameters())  # not reproduced: copy, then its own step
     stash.acquire()
     assert stash_aware_step(rmsprop, stash, user_code_first=False) == rmsprop.step and stash.copies_made == 2
+
+
+def _grads(layer: nn.Module, skip: frozenset[str] = frozenset()) -> None:
+    for name, p in layer.named_parameters():
+        p.grad = None if name in skip else torch.ones_like(p)
+
+
+def test_released_versions_are_written_again_instead_of_new_memory() -> None:
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    v0 = stash.acquire()
+    _grads(layer)
+    stash_aware_step(opt, stash, user_code_first=False)()
+    stash.bump()
+    v0_ptrs = {n: t.data_ptr() for n, t in stash.params(v0).items()}
+    v1 = stash.acquire()
+    stash.release(v0)  # v0's memory is neither live nor used by v1: the next update writes into it
+    expected = layer.weight.detach() - 0.1
+    _grads(layer)
+    stash_aware_step(opt, stash, user_code_first=False)()
+    stash.bump()
+    assert stash.spares_reused == 2 and layer.weight.data_ptr() == v0_ptrs["weight"]
+    assert torch.equal(layer.weight, expected)
+    assert stash.params(v1)["weight"].data_ptr() not in v0_ptrs.values()  # v1 kept its own memory
+
+    stash.acquire()
+    stash.release(v1)
+    _grads(layer)
+    stash.before_update()  # the copy path writes into the released version's memory too
+    assert stash.spares_reused == 4 and layer.weight.data_ptr() != layer.bias.data_ptr()
+    stash.drop_spares()
+    assert stash.spare(layer.weight) is None
+
+
+def test_memory_a_version_still_uses_is_never_recycled() -> None:
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    v0 = stash.acquire()
+    _grads(layer, skip=frozenset({"bias"}))  # the update skips the bias: v0's bias is still the live bias
+    stash_aware_step(opt, stash, user_code_first=False)()
+    stash.bump()
+    v1 = stash.acquire()  # v1's bias: the same memory as v0's
+    _grads(layer)
+    stash_aware_step(opt, stash, user_code_first=False)()  # now the bias moves to new memory
+    stash.bump()
+    bias_v1 = stash.params(v1)["bias"].clone()
+    stash.release(v0)  # v0's weight memory is free, its bias memory is still v1's
+    assert stash.spare(layer.bias) is None
+    v2 = stash.acquire()
+    _grads(layer)
+    stash_aware_step(opt, stash, user_code_first=False)()  # takes v0's weight memory, new memory for the bias
+    stash.bump()
+    assert stash.spares_reused == 1
+    assert torch.equal(stash.params(v1)["bias"], bias_v1)  # v1 still has the bias its forward saw
+    for v in (v1, v2):
+        stash.release(v)
+
+    fresh = WeightStash(nn.Linear(3, 2))
+    fresh.release(fresh.acquire())  # the current version is the live weights: releasing it recycles nothing
+    assert all(fresh.spare(p) is None for p in fresh._live)
