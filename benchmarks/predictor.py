@@ -19,6 +19,10 @@ A third, **detection**, is answered by replaying the adaptive loop on a syntheti
 rules (:mod:`lightning_dynpipe.repartition.rules`), the steps from an interference onset to the first repartition
 decision, and the migrations on runs with noise only (``--no-detection`` skips it).
 
+A fourth, **repeatability**, bounds what the first two can show: a second sweep right after the first measures the
+clean windows again (its own layer profile too), and the stage times of the same layer sets are compared between
+the two sweeps. On a shared machine that spread is the truth's own, and no predictor's error below it means much.
+
 Reported: the median absolute percentage error of the stage times (all stages, and the stages the interference
 was on), the same for boundary message times, the share of measured values inside the forest's interval
 (nominal 90%), and the forest's cost per check (pricing every candidate of a check in one call).
@@ -27,6 +31,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/predictor.py                          # sweep the MLP of width 384, 2 stages
     .venv/bin/python benchmarks/predictor.py --from-json runs.json    # a sweep saved by calibrate --runs-out
+    .venv/bin/python benchmarks/predictor.py --from-json runs.json --repeat-json repeat.json  # with a second sweep
     .venv/bin/python benchmarks/predictor.py --quick --out-dir /tmp   # smoke run: tiny model, 3 scenarios
     .venv/bin/python benchmarks/predictor.py --from-json runs.json --detection-seeds 5   # more replay seeds
 
@@ -74,6 +79,40 @@ def _sweep(args: argparse.Namespace, out_dir: Path) -> Path:
     print("sweep:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=_ROOT)
     return runs
+
+
+def _repeat_sweep(args: argparse.Namespace, out_dir: Path) -> Path:
+    """The clean windows once more, in a second sweep right after the first (its own layer profile too)."""
+    runs = out_dir / "predictor-repeat-runs.json"
+    cmd = [
+        sys.executable, "-m", "lightning_dynpipe", "calibrate", "--model", args.model, "--init-args", args.init_args,
+        "--batch-size", str(args.batch_size), "--num-stages", "2", "--scenarios", "none",
+        "--partitions", str(args.partitions), "--steps", str(args.steps), "--out", str(out_dir / "forest-repeat.npz"),
+        "--runs-out", str(runs),
+    ]  # fmt: skip
+    print("repeat:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=_ROOT, stdout=subprocess.DEVNULL)
+    return runs
+
+
+def repeatability(first: Sequence[CalibrationRun], second: Sequence[CalibrationRun]) -> dict[str, float]:
+    """How far two measurements of the same clean layer set apart: per stage of every partition both sweeps ran
+    without interference, ``|second / first - 1|`` of the compute per micro-batch; median, maximum and count.
+
+    No predictor's error can be judged below this: it is the truth's own spread on this machine at this time.
+    """
+
+    def clean(runs: Sequence[CalibrationRun]) -> dict[tuple[tuple[int, ...], int], float]:
+        return {
+            (r.window.partition.balance, k): effective_compute_s(t) / r.window.num_microbatches
+            for r in runs
+            if r.scenario == "none"
+            for k, t in enumerate(r.window.stages)
+        }
+
+    a, b = clean(first), clean(second)
+    errs = [abs(b[key] / a[key] - 1) for key in a if key in b and a[key] > 0]
+    return {"mdape": _med(errs), "max": max(errs, default=float("nan")), "n": float(len(errs))}
 
 
 def _load(path: Path) -> tuple[ModelCost, CommModel, list[CalibrationRun]]:
@@ -224,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--partitions", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--from-json", type=Path, default=None, help="a sweep saved by `calibrate --runs-out`")
+    p.add_argument(
+        "--repeat-json", type=Path, default=None,
+        help="with --from-json: a second clean sweep (`calibrate --scenarios none --runs-out`) for the repeatability",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny model, three scenarios, three partitions")
     p.add_argument("--out-dir", type=Path, default=None, help="where --quick writes (default: a temporary folder)")
     p.add_argument("--no-detection", action="store_true", help="skip the detection replay")
@@ -236,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     print(describe_machine(machine))
     runs_path = args.from_json or _sweep(args, out_dir)
+    repeat_path = args.repeat_json if args.from_json else _repeat_sweep(args, out_dir)
     cost, comm, runs = _load(runs_path)
+    repeat = repeatability(runs, _load(repeat_path)[2]) if repeat_path is not None else None
     result = evaluate(cost, comm, runs)
     costs = _cost_per_check(cost, comm, runs)
     headers, rows = _tables(result)
@@ -256,6 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cost: {costs['per_check_s'] * 1e3:.2f} ms per check ({costs['candidates']:.0f} candidates in one call); a "
         f"refit on {costs['rows']:.0f} rows {costs['fit_s'] * 1e3:.0f} ms",
     ]
+    if repeat is not None:
+        verdict.append(
+            f"repeatability: the same clean layer sets measured again in a second sweep right after differ by MdAPE "
+            f"{_pct(repeat['mdape'])} (max {_pct(repeat['max'])}, {repeat['n']:.0f} stages): no prediction error "
+            "below that can be measured on this machine at this time"
+        )
     det_rows: list[list[str]] = []
     det: dict[str, Any] = {}
     if not args.no_detection:
@@ -266,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(verdict))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     record = {"machine": machine, "command": command_line(), "args": {k: str(v) for k, v in vars(args).items()},
-              "runs": str(runs_path), "result": result, "cost": costs, "verdict": verdict,
+              "runs": str(runs_path), "repeat_runs": str(repeat_path), "repeatability": repeat,
+              "result": result, "cost": costs, "verdict": verdict,
               "detection": det}  # fmt: skip
     (out_dir / f"predictor-{stamp}.json").write_text(json.dumps(record, indent=1))
     results_dir = out_dir if args.quick else _ROOT / "benchmarks" / "results"
@@ -293,8 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"From the repository root: `{command_line()}`"
         + (f" (the sweep's windows: `{runs_path}`)" if args.from_json else "; it runs the calibration sweep first")
         + ". To re-analyse without measuring: `.venv/bin/python benchmarks/predictor.py --from-json "
-        + f"{runs_path}` (raw record: `{out_dir / f'predictor-{stamp}.json'}`). No plot: the script writes tables "
-        + "only.\n"
+        + f"{runs_path}"
+        + (f" --repeat-json {repeat_path}" if repeat_path is not None else "")
+        + f"` (raw record: `{out_dir / f'predictor-{stamp}.json'}`). No plot: the script writes tables only.\n"
     )
     print(f"\nreport written to {report}")
     return 0
