@@ -49,7 +49,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -440,13 +441,21 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         **options,
     )
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
+    with stash_updates(system):
+        return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
+
+
+@contextmanager
+def stash_updates(system: str) -> Iterator[None]:
+    """For ``async-copy``, no optimizer writes fresh storage in the block: the weight stash copies the live weights
+    before each update it shares them with, as it did before (:mod:`lightning_dynpipe.engine.outofplace`)."""
     from lightning_dynpipe.engine.outofplace import OUT_OF_PLACE_STEPS
 
     saved = dict(OUT_OF_PLACE_STEPS)
     if system == "async-copy":
-        OUT_OF_PLACE_STEPS.clear()  # every optimizer copies before its update, as the stash did before
+        OUT_OF_PLACE_STEPS.clear()
     try:
-        return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
+        yield
     finally:
         OUT_OF_PLACE_STEPS.update(saved)
 

@@ -79,3 +79,25 @@ def test_framework_costs_feed_the_simulator_per_stage_and_message() -> None:
     assert _simulate("async", costs, cfg, "last_stage_broadcast") >= _simulate(
         "async", bare, cfg, "last_stage_broadcast"
     ) + max(costs["step_overhead"])
+
+
+def test_async_copy_switches_the_fresh_storage_updates_off_for_its_fit_only() -> None:
+    """``async-copy`` runs with the stash copying first; ``async`` is compared with it, nothing else is."""
+    import torch
+
+    from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets, stash_updates
+    from lightning_dynpipe.engine.outofplace import out_of_place_step
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with stash_updates("async"):
+        assert out_of_place_step(opt) is not None
+    with stash_updates("async-copy"):
+        assert out_of_place_step(opt) is None
+    assert out_of_place_step(opt) is not None  # restored after the fit
+
+    sps = {"async": [1100.0, 1000.0, 990.0], "async-copy": [1000.0, 1000.0, 1000.0], "sync": [900.0] * 3}
+    runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
+    table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
+    assert table["async"]["vs_async-copy"]["per_rep"] == pytest.approx([1.1, 1.0, 0.99])
+    assert "vs_async-copy" not in table["sync"] and "vs_async-copy" not in table["async-copy"]
+    assert "against the stash copying first: 1.000x" in render_targets({"table": table})
