@@ -19,7 +19,10 @@ class WeightStash:
     An update that writes the new weights to fresh storage (:mod:`~lightning_dynpipe.engine.outofplace`) needs
     no copy at all: the caller checks :attr:`shares_live` and records it with :meth:`updated_out_of_place`.
     A stage therefore holds exactly as many copies of its weights as it has versions in use (at most ``S-k``),
-    the live weights included; :meth:`release` frees a version when its last micro-batch was back-propagated.
+    the live weights included; :meth:`release` ends a version when its last micro-batch was back-propagated, and
+    keeps its memory (where nothing else uses it) for the next update to write the new weights into
+    (:meth:`spare`) instead of new memory: the released copy stands in for the one that update would allocate,
+    so the total stays within ``S-k``; :meth:`drop_spares` frees it outside training.
 
     Example::
 
