@@ -101,3 +101,12 @@ def test_async_copy_switches_the_fresh_storage_updates_off_for_its_fit_only() ->
     assert table["async"]["vs_async-copy"]["per_rep"] == pytest.approx([1.1, 1.0, 0.99])
     assert "vs_async-copy" not in table["sync"] and "vs_async-copy" not in table["async-copy"]
     assert "against the stash copying first: 1.000x" in render_targets({"table": table})
+
+
+def test_steal_share_is_the_hypervisors_part_of_the_machines_cpu_time_between_two_readings() -> None:
+    from benchmarks.throughput import _machine_steal, _steal_share
+
+    assert _steal_share((10.0, 1000.0), (30.0, 2000.0)) == pytest.approx(0.02)
+    assert _steal_share(None, (1.0, 2.0)) is None and _steal_share((1.0, 5.0), (1.0, 5.0)) is None
+    reading = _machine_steal()  # Linux: (steal, total) ticks of the whole machine
+    assert reading is None or (0 <= reading[0] <= reading[1] and reading[1] > 0)
