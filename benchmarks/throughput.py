@@ -355,19 +355,6 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _machine_steal() -> tuple[float, float] | None:
-    """(steal, total) CPU ticks of the whole machine from ``/proc/stat``; ``None`` where it is not readable."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    vals = [float(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    return vals[7], sum(vals)
-
-
 def _steal_share(start: tuple[float, float] | None, end: tuple[float, float] | None) -> float | None:
     """The share of the machine's CPU time the hypervisor gave to other guests between two readings."""
     if start is None or end is None or end[1] <= start[1]:
@@ -473,6 +460,8 @@ def _quiet() -> None:
 
 
 def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    from lightning_dynpipe.monitor.system import machine_steal_counters
+
     os.environ.update(
         {
             "LOCAL_RANK": str(rank),
@@ -500,13 +489,13 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             for position, system in enumerate(order):
                 load = os.getloadavg()[0]
                 dist.barrier()
-                steal_start = _machine_steal()
+                steal_start = machine_steal_counters()
                 rss_start = _start_peak_rss()
                 if system.startswith("torch-"):
                     res = _run_torch(system, cfg, rank, batches)
                 else:
                     res = _run_dynpipe(system, cfg, batches)
-                steal = _steal_share(steal_start, _machine_steal())
+                steal = _steal_share(steal_start, machine_steal_counters())
                 memory: list[Any] = [None] * WORLD_SIZE
                 dist.all_gather_object(memory, {"rank": rank, "rss_start": rss_start, "rss_peak": _peak_rss()})
                 samples = cfg.steps * cfg.batch_size

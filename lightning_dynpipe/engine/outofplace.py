@@ -64,18 +64,25 @@ def _hooks_free(optimizer: Optimizer) -> bool:
     )
 
 
-def _sgd_supported(optimizer: Optimizer) -> bool:
-    if optimizer.defaults.get("differentiable", False):
+def _plain_group(group: dict[str, Any], scalars: tuple[Any, ...]) -> bool:
+    """The per-tensor implementation on real, dense CPU tensors with float hyper-parameters: what the steps
+    here reproduce (``foreach``, ``fused``, ``capturable`` and ``differentiable`` run other code)."""
+    if any(group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")):
         return False
-    for group in optimizer.param_groups:
-        if group.get("foreach") or group.get("fused"):
+    if any(isinstance(v, Tensor) for v in scalars):
+        return False
+    for p in group["params"]:
+        if p.device.type != "cpu" or torch.is_complex(p):
             return False
-        if any(isinstance(group[k], Tensor) for k in ("lr", "weight_decay", "momentum", "dampening")):
+        if p.grad is not None and (p.grad.is_sparse or p.grad.device != p.device):
             return False
-        for p in group["params"]:
-            if p.device.type != "cpu" or (p.grad is not None and (p.grad.is_sparse or p.grad.device != p.device)):
-                return False
     return True
+
+
+def _sgd_supported(optimizer: Optimizer) -> bool:
+    return all(
+        _plain_group(g, (g["lr"], g["weight_decay"], g["momentum"], g["dampening"])) for g in optimizer.param_groups
+    )
 
 
 def _fresh(param: Tensor, spare: Spare) -> Tensor:
@@ -117,18 +124,7 @@ def _record_step_called(optimizer: Optimizer) -> None:
 
 
 def _adam_supported(optimizer: Optimizer) -> bool:
-    for group in optimizer.param_groups:
-        if group.get("foreach") or group.get("fused") or group["capturable"] or group["differentiable"]:
-            return False
-        scalars = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
-        if any(isinstance(v, Tensor) for v in scalars):
-            return False
-        for p in group["params"]:
-            if p.device.type != "cpu" or torch.is_complex(p):
-                return False
-            if p.grad is not None and (p.grad.is_sparse or p.grad.device != p.device):
-                return False
-    return True
+    return all(_plain_group(g, (g["lr"], *g["betas"], g["weight_decay"], g["eps"])) for g in optimizer.param_groups)
 
 
 def _adam_step(optimizer: Optimizer, spare: Spare) -> None:

@@ -34,7 +34,7 @@ import torch
 from lightning_dynpipe.monitor.cgroups import cpu_limit_cores
 from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s
 
-__all__ = ["ProcessSampler", "load_pynvml"]
+__all__ = ["ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,36 @@ def load_pynvml() -> Any | None:
         log.info("NVML could not be initialised (%s); the monitor reports gpu_util and gpu_mem_used as None.", exc)
         return None
     return pynvml
+
+
+def machine_steal_counters(proc_stat: bytes | None = None) -> tuple[float, float]:
+    """(steal, total) CPU time of the whole machine, in any unit; (0, 0) where not reported.
+
+    ``proc_stat``: the start of ``/proc/stat`` if the caller read it already (else it is read here); where it
+    cannot be read, psutil's counters. Two readings give the hypervisor's share of the machine between them:
+    ``(steal1 - steal0) / (total1 - total0)``.
+    """
+    if proc_stat is None:
+        try:
+            with open("/proc/stat", "rb") as f:
+                proc_stat = f.read(512)
+        except OSError:
+            proc_stat = None
+    if proc_stat:
+        first = proc_stat.split(b"\n", 1)[0].split()
+        if first and first[0] == b"cpu" and len(first) >= 5:
+            # user nice system idle iowait irq softirq steal [guest guest_nice]; guest time is already
+            # counted in user/nice, so the total stops at steal.
+            vals = [float(v) for v in first[1:9]]
+            steal = vals[7] if len(vals) > 7 else 0.0
+            return steal, sum(vals)
+    try:
+        t = psutil.cpu_times()
+    except Exception:  # pragma: no cover - psutil always has cpu_times, but never fail a training step
+        return 0.0, 0.0
+    steal = float(getattr(t, "steal", 0.0))
+    total = sum(float(getattr(t, f)) for f in t._fields if f not in ("guest", "guest_nice"))
+    return steal, total
 
 
 class _ProcFile:
@@ -284,23 +314,7 @@ class ProcessSampler:
         self._busy_ref, self._busy_cpu_ref = busy, cpu
 
     def _steal_counters(self) -> tuple[float, float]:
-        """(steal, total) CPU time of the whole machine, in any unit; (0, 0) where not reported."""
-        raw = self._stat.read(512)
-        if raw:
-            first = raw.split(b"\n", 1)[0].split()
-            if first and first[0] == b"cpu" and len(first) >= 5:
-                # user nice system idle iowait irq softirq steal [guest guest_nice]; guest time is already
-                # counted in user/nice, so the total stops at steal.
-                vals = [float(v) for v in first[1:9]]
-                steal = vals[7] if len(vals) > 7 else 0.0
-                return steal, sum(vals)
-        try:
-            t = psutil.cpu_times()
-        except Exception:  # pragma: no cover - psutil always has cpu_times, but never fail a training step
-            return 0.0, 0.0
-        steal = float(getattr(t, "steal", 0.0))
-        total = sum(float(getattr(t, f)) for f in t._fields if f not in ("guest", "guest_nice"))
-        return steal, total
+        return machine_steal_counters(self._stat.read(512))
 
     def _update_steal(self, now: float) -> None:
         steal, total = self._steal_counters()

@@ -104,9 +104,11 @@ def test_async_copy_switches_the_fresh_storage_updates_off_for_its_fit_only() ->
 
 
 def test_steal_share_is_the_hypervisors_part_of_the_machines_cpu_time_between_two_readings() -> None:
-    from benchmarks.throughput import _machine_steal, _steal_share
+    from benchmarks.throughput import _steal_share
+    from lightning_dynpipe.monitor.system import machine_steal_counters
 
     assert _steal_share((10.0, 1000.0), (30.0, 2000.0)) == pytest.approx(0.02)
     assert _steal_share(None, (1.0, 2.0)) is None and _steal_share((1.0, 5.0), (1.0, 5.0)) is None
-    reading = _machine_steal()  # Linux: (steal, total) ticks of the whole machine
-    assert reading is None or (0 <= reading[0] <= reading[1] and reading[1] > 0)
+    steal, total = machine_steal_counters()  # (steal, total) ticks of the whole machine
+    assert 0 <= steal <= total and total > 0
+    assert machine_steal_counters(b"cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 1 2 3\n") == (35.0, 1000.0)
