@@ -20,8 +20,9 @@ rules (:mod:`lightning_dynpipe.repartition.rules`), the steps from an interferen
 decision, and the migrations on runs with noise only (``--no-detection`` skips it).
 
 A fourth, **repeatability**, bounds what the first two can show: a second sweep right after the first measures the
-clean windows again (its own layer profile too), and the stage times of the same layer sets are compared between
-the two sweeps. On a shared machine that spread is the truth's own, and no predictor's error below it means much.
+clean windows of the same partitions again (with its own layer profile), and the stage times of the same layer
+sets are compared between the two sweeps. On a shared machine that spread is the truth's own, and no predictor's
+error below it means much.
 
 Reported: the median absolute percentage error of the stage times (all stages, and the stages the interference
 was on), the same for boundary message times, the share of measured values inside the forest's interval
@@ -81,13 +82,15 @@ def _sweep(args: argparse.Namespace, out_dir: Path) -> Path:
     return runs
 
 
-def _repeat_sweep(args: argparse.Namespace, out_dir: Path) -> Path:
-    """The clean windows once more, in a second sweep right after the first (its own layer profile too)."""
+def _repeat_sweep(args: argparse.Namespace, out_dir: Path, first: Sequence[CalibrationRun]) -> Path:
+    """The first sweep's clean windows once more, in a second sweep right after it (the same partitions; its own
+    layer profile, which would otherwise choose them)."""
     runs = out_dir / "predictor-repeat-runs.json"
+    balances = ";".join(",".join(map(str, r.window.partition.balance)) for r in first if r.scenario == "none")
     cmd = [
         sys.executable, "-m", "lightning_dynpipe", "calibrate", "--model", args.model, "--init-args", args.init_args,
         "--batch-size", str(args.batch_size), "--num-stages", "2", "--scenarios", "none",
-        "--partitions", str(args.partitions), "--steps", str(args.steps), "--out", str(out_dir / "forest-repeat.npz"),
+        "--balances", balances, "--steps", str(args.steps), "--out", str(out_dir / "forest-repeat.npz"),
         "--runs-out", str(runs),
     ]  # fmt: skip
     print("repeat:", " ".join(cmd[1:]), flush=True)
@@ -279,8 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     print(describe_machine(machine))
     runs_path = args.from_json or _sweep(args, out_dir)
-    repeat_path = args.repeat_json if args.from_json else _repeat_sweep(args, out_dir)
     cost, comm, runs = _load(runs_path)
+    repeat_path = args.repeat_json if args.from_json else _repeat_sweep(args, out_dir, runs)
     repeat = repeatability(runs, _load(repeat_path)[2]) if repeat_path is not None else None
     result = evaluate(cost, comm, runs)
     costs = _cost_per_check(cost, comm, runs)

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, help="per-sample input shape, e.g. '784'")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {list(SCENARIOS)}")
     p.add_argument("--partitions", type=int, default=5, help="candidate partitions per scenario")
+    p.add_argument(
+        "--balances", default=None,
+        help="the partitions to measure instead, layers per stage, e.g. '2,7;3,6;4,5' (overrides --partitions)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=6, help="steps per measured window")
     p.add_argument("--core", type=int, default=None, help="the core the worker runs on (default: the last allowed)")
     p.add_argument("--out", default="dynpipe-forest.npz", help="where to save the forest")
@@ -273,6 +277,23 @@ class CalibrationRun:
         )
 
 
+def _parse_balances(text: str, num_stages: int, num_layers: int) -> list[Partition]:
+    """``'2,7;3,6'`` -> partitions; each must have ``num_stages`` stages over ``num_layers`` layers."""
+    out = []
+    for item in text.split(";"):
+        try:
+            balance = tuple(int(x) for x in item.split(","))
+        except ValueError as exc:
+            raise ConfigurationError(f"--balances takes 'a,b;c,d' (layers per stage); got {text!r}.") from exc
+        if len(balance) != num_stages or sum(balance) != num_layers or min(balance) < 1:
+            raise ConfigurationError(
+                f"--balances: {item!r} is not a split of {num_layers} layers into {num_stages} stages of at least "
+                "one layer each."
+            )
+        out.append(Partition(balance))
+    return out
+
+
 def candidate_partitions(cost: ModelCost, num_stages: int, count: int) -> list[Partition]:
     """``count`` partitions around the compute-balanced one: each boundary moved together by a few layers."""
     from lightning_dynpipe.plan.auto import best_plan
@@ -415,7 +436,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = profile_layers(
         pipeline, _sample(module, a.input_shape, micro_batch), optimizer_state_bytes_per_param_byte=factor
     ).to_model_cost()
-    partitions = candidate_partitions(cost, a.num_stages, a.partitions)
+    partitions = (
+        _parse_balances(a.balances, a.num_stages, cost.num_layers)
+        if a.balances
+        else candidate_partitions(cost, a.num_stages, a.partitions)
+    )
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(

@@ -32,3 +32,13 @@ def test_candidate_partitions_spread_around_the_balanced_split() -> None:
     assert parts[0] == Partition((4, 4))
     assert set(parts) == {Partition(b) for b in ((4, 4), (5, 3), (3, 5), (6, 2), (2, 6))}
     assert {"none", "hog100", "quota25", "delay"} <= set(SCENARIOS)
+
+
+def test_balances_name_the_partitions_to_measure() -> None:
+    from lightning_dynpipe.cli.calibrate import _parse_balances
+
+    assert _parse_balances("2,7;3,6", 2, 9) == [Partition((2, 7)), Partition((3, 6))]
+    with pytest.raises(ConfigurationError, match=r"'2,6' is not a split of 9 layers into 2 stages"):
+        _parse_balances("2,7;2,6", 2, 9)
+    with pytest.raises(ConfigurationError, match=r"--balances takes 'a,b;c,d'"):
+        _parse_balances("2,x", 2, 9)
