@@ -136,11 +136,16 @@ class SendDelay(Protocol):
         ...
 
 
-def stamp(delay: SendDelay | None, payload: Sequence[Tensor]) -> float:
-    """When the message carrying ``payload`` may be delivered under ``delay`` (0: at once, without one)."""
+def stamp(delay: SendDelay | None, payload: Sequence[Tensor], sent_s: float | None = None) -> float:
+    """When the message carrying ``payload``, sent at ``sent_s`` (default: now), may be delivered under ``delay``.
+
+    0 without one: at once. The sender stamps the same ``sent_s`` into the header as its send time, so the link time
+    the receiver measures starts where the emulated link's does.
+    """
     if delay is None:
         return 0.0
-    return delay.deliver_at(time.time(), sum(t.numel() * t.element_size() for t in payload))
+    when = time.time() if sent_s is None else sent_s
+    return delay.deliver_at(when, sum(t.numel() * t.element_size() for t in payload))
 
 
 def hold_until(when: float) -> bool:
@@ -240,9 +245,10 @@ class SendChannel:
         """Queues ``tensors`` for the peer; returns as soon as the transfers are started."""
         header = encode(kind, mb_idx, tensors, aux, is_tuple)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
-        due = stamp(self.delay, payload)
+        sent = time.time()
+        due = stamp(self.delay, payload, sent)
         if self.packed:
-            self._send_packed(header, payload, not_before=due)
+            self._send_packed(header, payload, not_before=due, sent=sent)
             return
         if due:
             stamp_not_before(header, due)
@@ -258,8 +264,14 @@ class SendChannel:
             while len(self._pending) > _MAX_OUTSTANDING:
                 self._wait_one()
 
-    def _send_packed(self, header: Tensor, payload: list[Tensor], pads: int = 0, not_before: float = 0.0) -> None:
-        """One packed message (then ``pads`` padding messages), resizing the receiver's buffers first if needed."""
+    def _send_packed(
+        self, header: Tensor, payload: list[Tensor], pads: int = 0, not_before: float = 0.0, sent: float | None = None
+    ) -> None:
+        """One packed message (then ``pads`` padding messages), resizing the receiver's buffers first if needed.
+
+        ``sent`` is the send time stamped into the header (default: when it is packed); :meth:`send` passes the
+        time it gave the emulated link, so resizing first is not taken off the message's link time.
+        """
         size = message_size(payload)
         with self._lock:
             if size != self._next_size:
@@ -267,7 +279,7 @@ class SendChannel:
                 for _ in range(PREPOSTED):  # one per receive the peer has posted at the old size
                     self._isend(pack(resize, [], self._next_size, time.time()))
                 self._next_size = size
-            self._isend(pack(header, payload, size, time.time(), not_before))
+            self._isend(pack(header, payload, size, time.time() if sent is None else sent, not_before))
             self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
             if pads:
                 pad = encode(MessageKind.RESIZE, -1, [], aux=float(size))

@@ -205,3 +205,21 @@ def test_packing_roundtrip_and_sizes() -> None:
     assert got[0].requires_grad_().is_leaf  # received activations become the stage's leaf inputs
     assert message_size([torch.zeros(1000)]) == MIN_MESSAGE - 1024 + 4000
     assert PREPOSTED >= 2
+
+
+def test_the_header_carries_the_send_time_the_emulated_link_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first message of a new size is sent after the resize messages: its link time still starts at the send."""
+    from lightning_dynpipe.engine import wire
+    from lightning_dynpipe.interference.link import DelayInjector
+
+    clock = iter(float(t) for t in range(100, 200))
+    monkeypatch.setattr(time, "time", lambda: next(clock))  # every reading of the clock is one second later
+    ch = SendChannel(None, 1, "activations 0->1")
+    ch.delay = DelayInjector(delay_s=0.5)
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(ch, "_isend", sent.append)
+    ch.send(MessageKind.ACTIVATION, 0, [torch.zeros(25_000)])  # larger than the posted size: resizes first
+    assert len(sent) == PREPOSTED + 1
+    header = sent[-1][: wire.HEADER_BYTES].view(torch.int64)
+    assert wire.sent_at(header) == 100.0  # the clock's first reading, the one the link was given
+    assert wire.not_before(header) == 100.5
