@@ -1,7 +1,7 @@
 """Prediction error of the interference predictors: the forest against the measured-slowdown baseline.
 
 The data are real measurements on this machine: the calibration sweep of ``python -m lightning_dynpipe calibrate``
-(:mod:`lightning_dynpipe.cli.calibrate`): the model's own layer sets, each stage's layer set run as a stage runs
+(:mod:`lightning_dynpipe.sweep`): the model's own layer sets, each stage's layer set run as a stage runs
 it (``M`` forward+backward per step, each followed by the wait for the slowest other stage) in a worker pinned to
 one core, under interference scenarios applied to one stage (CPU hogs, CPU limits, link delay with jitter), for
 several partitions. A "window" is one partition measured under one scenario.
@@ -61,10 +61,10 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
 
 from benchmarks import detection as _detection  # noqa: E402
 from benchmarks._common import command_line, describe_machine, format_table, machine_info  # noqa: E402
-from lightning_dynpipe.cli.calibrate import SCENARIOS, CalibrationRun, calibration_samples  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, ModelCost  # noqa: E402
 from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor  # noqa: E402
 from lightning_dynpipe.predictor.features import effective_compute_s  # noqa: E402
+from lightning_dynpipe.sweep import SCENARIOS, CalibrationRun, calibration_samples  # noqa: E402
 
 _PROBLEM = "lightning_dynpipe.demos:MLP"
 

@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "calibration": {"errors", "plan", "engine.microbatch", "engine.updates"},
     "repartition": {"errors", "plan", "schedule", "predictor"},
     "interference": {"errors", "monitor"},
+    "sweep": {"errors", "plan", "predictor", "interference", "monitor"},
     "demos": {"errors"},
     "strategy": {
         "errors",
@@ -41,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
         "predictor",
         "repartition",
         "interference",
+        "sweep",
     },
     "cli": {
         "errors",
@@ -51,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
         "predictor",
         "interference",
         "monitor",
+        "sweep",
         "__init__",
     },
     "__init__": {"errors", "plan", "strategy"},
@@ -62,7 +65,7 @@ LIGHTNING = {"lightning", "pytorch_lightning", "torchmetrics"}
 
 # package (or module) -> third-party tops it must not import at module level / at all
 PURE = {"schedule", "plan", "predictor", "repartition", "monitor.stats"}
-NO_LIGHTNING = {"engine", "profiling", "repartition", "calibration", "interference", "monitor", "predictor"}
+NO_LIGHTNING = {"engine", "profiling", "repartition", "calibration", "interference", "monitor", "predictor", "sweep"}
 LIGHTNING_CALLBACKS = {"monitor/callback.py", "interference/callback.py"}  # thin Lightning callbacks
 
 

@@ -43,9 +43,9 @@ def test_predictor_quick_calibrates_and_reports(
 
 def test_repeatability_compares_the_same_clean_layer_sets() -> None:
     from benchmarks.predictor import repeatability
-    from lightning_dynpipe.cli.calibrate import CalibrationRun
     from lightning_dynpipe.plan.partition import Partition
     from lightning_dynpipe.predictor import PipelineWindow, StageTimes
+    from lightning_dynpipe.sweep import CalibrationRun
 
     def run(scenario: str, balance: tuple[int, int], computes: tuple[float, float]) -> CalibrationRun:
         stages = tuple(StageTimes(compute_s=c, step_s=0.1) for c in computes)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_dynpipe.cli import dispatch
-from lightning_dynpipe.cli.calibrate import SCENARIOS, candidate_partitions
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.sweep import SCENARIOS, candidate_partitions
 
 BASE = ["calibrate", "--model", "nowhere:Model", "--batch-size", "8"]
 

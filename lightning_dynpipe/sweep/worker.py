@@ -1,0 +1,146 @@
+"""The calibration sweep's worker process: runs layer sets of the user's pipeline as a stage would.
+
+It receives the pipeline and one micro-batch pickled (a spawned process: nothing of the parent's threads or
+process groups), pins itself to one core with one torch thread, and answers each command ``(first, stop, M,
+steps, other_per_mb)`` with the :class:`~lightning_dynpipe.predictor.StageTimes` of that window, measured with the
+stage monitor's sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from lightning_dynpipe.monitor.stats import StageSample, StageSummary
+from lightning_dynpipe.predictor import StageTimes
+
+__all__ = ["run_worker"]
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """The tensors in ``x`` (a tensor, or a tuple/list/dict of them, nested)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _leaves(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _leaves(item)
+
+
+def _stage_input(x: Any) -> Any:
+    """``x`` as a stage receives it: detached leaves, floating ones requiring gradients."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
+    if isinstance(x, (tuple, list)):
+        return type(x)(_stage_input(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _stage_input(v) for k, v in x.items()}
+    return x
+
+
+def _backward(out: Any) -> None:
+    """A backward from every output that requires gradients (ones as their gradient)."""
+    import torch
+
+    outputs = [t for t in _leaves(out) if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step's times in the shape :meth:`StageSample.from_step` reads (no updates, no messages)."""
+
+    forward_s: float
+    backward_s: float
+    step_s: float
+    m: int
+    optimizer_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    in_flight: int = 0
+    stash_depth: int = 0
+
+    @property
+    def num_forward(self) -> int:
+        return self.m
+
+    @property
+    def num_backward(self) -> int:
+        return self.m
+
+    @property
+    def num_updates(self) -> int:
+        return 0
+
+
+def run_worker(conn: Connection, pipeline: Any, sample: Any, core: int, autocast_dtype: Any = None) -> None:
+    """The worker's main loop (the target of a spawned process); ``None`` on ``conn`` ends it.
+
+    Args:
+        conn: the parent's end of the pipe: commands in, "ready" and then one ``StageTimes`` per window out.
+        pipeline: the ``nn.Sequential`` (on the CPU).
+        sample: one micro-batch of what ``pipeline[0]`` takes.
+        core: the core to pin to.
+        autocast_dtype: run the forwards under CPU autocast to this dtype (a mixed-precision run), or ``None``.
+    """
+    import torch
+
+    from lightning_dynpipe.interference import pin_current_process
+    from lightning_dynpipe.monitor.system import ProcessSampler
+
+    pin_current_process([core])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    pipeline.train()
+
+    def autocast() -> Any:
+        return torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+
+    inputs = [sample]
+    with torch.no_grad(), autocast():
+        for layer in pipeline:
+            inputs.append(layer(inputs[-1]))
+    sampler = ProcessSampler(steal_interval_s=0.2)
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        first, stop, M, steps, other_per_mb = cmd
+        sampler.refresh()  # the interference may have changed since the last window
+        samples = []
+        for _ in range(steps + 1):  # the first step warms up and is dropped
+            sampler.mark()
+            t_step = time.perf_counter()
+            fwd = bwd = 0.0
+            for _ in range(M):
+                t0 = time.perf_counter()
+                h = _stage_input(inputs[first])
+                with autocast():
+                    for i in range(first, stop):
+                        h = pipeline[i](h)
+                t1 = time.perf_counter()
+                _backward(h)
+                t2 = time.perf_counter()
+                fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
+                wait = other_per_mb - (t2 - t0)
+                if wait > 0:
+                    time.sleep(wait)
+            step_s = time.perf_counter() - t_step
+            samples.append(StageSample.from_step(_Step(fwd, bwd, step_s, M), sampler.sample()))
+        pipeline.zero_grad(set_to_none=True)
+        conn.send(StageTimes.from_summary(StageSummary.of(samples[1:])))
+    sampler.close()
