@@ -25,6 +25,7 @@ from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
 from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
+from lightning_dynpipe.sweep import SweepSettings
 
 __all__ = [
     "DynPipeConfig",
@@ -81,6 +82,7 @@ class DynPipeConfig:
         microbatch_logging: ``"step"``: ``self.log`` calls in ``training_step`` are reduced over the step's
             micro-batches and reach Lightning once per step; ``"each"``: once per micro-batch.
         predictor: what prices candidate partitions for the adaptive loop (a name resolved to an object).
+        calibrate: the calibration sweep run at set-up to train a learning predictor (``None``: none).
         checkpoint: ``"full"`` (gather the whole model into one ``torch.save`` file on rank 0) or ``"sharded"``
             (every stage writes its own layers and optimizer state into a ``torch.distributed.checkpoint``
             directory).
@@ -114,6 +116,7 @@ class DynPipeConfig:
     activation_checkpointing: bool | tuple[int, ...] = False
     microbatch_logging: MicroBatchLogging = "step"
     predictor: InterferencePredictor | None = None
+    calibrate: SweepSettings | None = None
     checkpoint: CheckpointMode = "full"
     gather_after_fit: bool = True
     replica_split_mode: ReplicaSplitMode = "off"
@@ -139,6 +142,7 @@ class DynPipeConfig:
         activation_checkpointing: bool | Sequence[int] = False,
         microbatch_logging: MicroBatchLogging = "step",
         predictor: str | InterferencePredictor = "measured",
+        calibrate: bool | SweepSettings = False,
         checkpoint: str = "full",
         gather_after_fit: bool = True,
         start_method: str = "popen",
@@ -230,6 +234,8 @@ class DynPipeConfig:
         mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         split_mode, weights, ladder = _replica_split(replica_split, monitor_every_n_steps)
         _check_change_stages(change_stages, policy, split_mode)
+        resolved_predictor = get_predictor(predictor)
+        sweep = _calibration(calibrate, policy, resolved_predictor)
         return cls(
             num_stages=num_stages if isinstance(num_stages, int) else (len(fixed) if fixed is not None else None),
             stages_auto=num_stages == "auto",
@@ -247,7 +253,8 @@ class DynPipeConfig:
             lr_scale_requested=lr_scale,
             activation_checkpointing=ckpt,
             microbatch_logging=microbatch_logging,
-            predictor=get_predictor(predictor),
+            predictor=resolved_predictor,
+            calibrate=sweep,
             checkpoint=mode_checkpoint,
             gather_after_fit=gather_after_fit,
             replica_split_mode=split_mode,
@@ -360,3 +367,26 @@ def _check_change_stages(value: str, policy: RepartitionPolicy | None, split_mod
             "with the replicas (and fixed weights name one weight per replica). Use replica_split='even' or 'speed': "
             "every replica then reads the same global batch (the dataloader's batch_size) whatever their number."
         )
+
+
+def _calibration(
+    calibrate: bool | SweepSettings, policy: RepartitionPolicy | None, predictor: InterferencePredictor
+) -> SweepSettings | None:
+    """The sweep to run at set-up (``None``: none); refuses one that nothing would learn from."""
+    if calibrate is False:
+        return None
+    if calibrate is not True and not isinstance(calibrate, SweepSettings):
+        raise ConfigurationError(
+            f"calibrate must be True, False or a lightning_dynpipe.sweep.SweepSettings; got {calibrate!r}."
+        )
+    if policy is None:
+        raise ConfigurationError(
+            "calibrate runs a sweep at set-up to train the predictor the adaptive loop prices partitions with, but "
+            "adaptive=False turns that loop off. Keep adaptive on, or drop calibrate."
+        )
+    if not callable(getattr(predictor, "fit", None)):
+        raise ConfigurationError(
+            f"calibrate trains a learning predictor on the sweep's rows, but {type(predictor).__name__} has no "
+            "fit(samples) method. Use predictor='forest' (or a ForestPredictor) with calibrate."
+        )
+    return calibrate if isinstance(calibrate, SweepSettings) else SweepSettings()

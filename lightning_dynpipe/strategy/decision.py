@@ -6,6 +6,11 @@ plans (for ``"auto"``), and one broadcast gives every rank the same decision, pe
 A failed profile or plan is not fatal: the run falls back to the given balance (or the parameter count) and
 says why.
 
+With ``calibrate``, rank 0 then runs the calibration sweep (:mod:`lightning_dynpipe.sweep`) on the profiled
+micro-batch, and the same broadcast carries its rows: every rank fits its predictor on the same rows, so every rank
+prices candidate partitions alike. A failed sweep is not fatal either: the predictor learns from the run's own
+windows only, and every rank says why.
+
 A pipeline built on ``meta`` (``trainer.init_module(empty_init=True)``) is profiled on materialised copies of its
 layers, one at a time (``layer_copies``), before any stage materialises its own layers: the profiling rank holds
 one layer at a time, and the times and sizes are those of the real layers.
@@ -31,6 +36,7 @@ from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
 from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.predictor import LabelledSamples
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 __all__ = ["SetupDecision", "decide", "probe_link", "first_stage_input"]
@@ -164,6 +170,7 @@ def decide(
                 with forward_context():
                     cost = _profile(pipeline, sample, device, opt, copies)
                 del opt, copies
+                autocast = _autocast_dtype(device, forward_context)
                 balance, table = config.balance, None
                 if config.balance_mode == "auto":
                     plan = best_plan(
@@ -177,12 +184,16 @@ def decide(
                     )
                     balance, table = plan.partition.balance, plan.table()
                 link = (comm.latency_s, comm.bandwidth_Bps)
-                decision[0] = (balance, table, cost.to_arrays(), link, None)
+                stages = len(balance) if balance is not None else num_stages
+                sweep = _calibrate(config, pipeline, sample, cost, stages, autocast) if config.calibrate else None
+                decision[0] = (balance, table, cost.to_arrays(), link, None, sweep)
             except Exception as exc:  # the run must not die because a heuristic failed; say why
-                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}")
+                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None)
         if world_size > 1:
             dist.broadcast_object_list(decision, src=0)
-        balance, table, arrays, link, error = decision[0]
+        balance, table, arrays, link, error, sweep = decision[0]
+        if sweep is not None:
+            _fit_predictor(config, *sweep)
         cost_all = ModelCost.from_arrays(**arrays) if arrays is not None else None
         comm_all = CommModel(latency_s=link[0], bandwidth_Bps=link[1]) if link is not None else CommModel()
         if error is not None:
@@ -199,6 +210,54 @@ def decide(
     if config.balance is not None:
         return SetupDecision(Partition.from_balance(config.balance, len(pipeline)))
     return SetupDecision(_by_parameters(pipeline, num_stages))
+
+
+def _autocast_dtype(device: torch.device, forward_context: Callable[[], AbstractContextManager[Any]]) -> Any:
+    """The CPU autocast dtype the precision plugin's forward context turns on (``None``: none)."""
+    if device.type != "cpu":
+        return None
+    with forward_context():
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _calibrate(
+    config: DynPipeConfig, pipeline: nn.Sequential, sample: Any, cost: ModelCost, num_stages: int, autocast: Any
+) -> tuple[dict[str, Any] | None, str]:
+    """Rank 0's sweep: (the rows as arrays, a line for the logs), or (``None``, why it did not run)."""
+    from lightning_dynpipe.sweep import calibrate_pipeline
+
+    assert config.calibrate is not None
+    try:
+        result = calibrate_pipeline(
+            pipeline,
+            sample,
+            cost,
+            num_stages=num_stages,
+            num_microbatches=config.num_microbatches,
+            settings=config.calibrate,
+            autocast_dtype=autocast,
+        )
+    except Exception as exc:  # the run goes on; the predictor learns from the run's windows only
+        return None, f"{type(exc).__name__}: {exc}"
+    rows = result.samples
+    arrays = {k: getattr(rows, k) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y")}
+    return arrays, result.summary()
+
+
+def _fit_predictor(config: DynPipeConfig, arrays: dict[str, Any] | None, text: str) -> None:
+    """Every rank: fits the predictor on the sweep's rows (plus any it already had), or says why it cannot."""
+    if arrays is None:
+        rank_zero_warn(
+            f"DynPipe's calibration sweep did not run ({text}); the predictor learns from this run's windows only."
+        )
+        return
+    predictor: Any = config.predictor
+    rows = LabelledSamples(**arrays)
+    before = getattr(predictor, "samples", None)
+    if isinstance(before, LabelledSamples) and (len(before) or len(before.boundary_y)):
+        rows = LabelledSamples.concat([before, rows])  # a loaded forest keeps its own rows
+    predictor.fit(rows)
+    rank_zero_info(f"DynPipe calibration sweep: {text}; predictor fitted on {len(rows)} stage rows.")
 
 
 def _by_parameters(pipeline: nn.Sequential, num_stages: int) -> Partition:

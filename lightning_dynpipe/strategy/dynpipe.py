@@ -82,6 +82,7 @@ from lightning_dynpipe.strategy.contract import (
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 from lightning_dynpipe.strategy.logs import StepLogs
 from lightning_dynpipe.strategy.restart import RestartPlan
+from lightning_dynpipe.sweep import SweepSettings
 
 __all__ = ["DynPipeStrategy", "MigrationRecord"]
 
@@ -225,6 +226,13 @@ class DynPipeStrategy(DDPStrategy):
             :class:`~lightning_dynpipe.predictor.InterferencePredictor` object, e.g.
             ``ForestPredictor.load("dynpipe-forest.npz")`` for a forest from ``python -m lightning_dynpipe
             calibrate``.
+        calibrate: train the predictor on this machine before the first step (opt-in; CPU pipelines): ``True``
+            runs :class:`~lightning_dynpipe.sweep.SweepSettings`'s default sweep, a ``SweepSettings`` names the
+            scenarios, partitions and steps. Global rank 0 runs the model's own layer sets in a worker process
+            pinned to one core under injected interference (a CPU hog, a CPU limit, a link delay), for a few
+            candidate partitions; every rank then fits its predictor on the same rows (a forest then refits on
+            those rows plus the run's own windows). Needs adaptation on and a predictor with ``fit`` (``"forest"``);
+            takes tens of seconds for a small model, while the other ranks wait.
         monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
             ``dynpipe/stage{k}/...``; ``None``: no stage monitor (and so no adaptation).
         interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
@@ -294,6 +302,7 @@ class DynPipeStrategy(DDPStrategy):
         convergence: ConvergenceModel | None = None,
         adaptive: bool | RepartitionPolicy = True,
         predictor: str | InterferencePredictor = "measured",
+        calibrate: bool | SweepSettings = False,
         monitor_every_n_steps: int | None = 10,
         interference: list[dict[str, Any]] | str | None = None,
         pipeline_attr: str = "pipeline",
@@ -319,6 +328,7 @@ class DynPipeStrategy(DDPStrategy):
             convergence=convergence,
             adaptive=adaptive,
             predictor=predictor,
+            calibrate=calibrate,
             monitor_every_n_steps=monitor_every_n_steps,
             interference=interference,
             pipeline_attr=pipeline_attr,
@@ -639,6 +649,21 @@ class DynPipeStrategy(DDPStrategy):
         optimizers, _ = _init_optimizers_and_lr_schedulers(self._lm)
         return optimizers[0] if optimizers else None
 
+    def _check_calibration(self, meta: bool) -> None:
+        """``calibrate`` runs the pipeline on the CPU in another process: refused where it cannot measure the run."""
+        if self.root_device.type != "cpu":
+            raise ConfigurationError(
+                f"calibrate runs the calibration sweep on the CPU (CPU hogs, CPU limits, a link delay), which does not "
+                f"measure this run's {self.root_device.type} stages. Drop calibrate, or train the predictor from the "
+                "run's own windows (predictor='forest' without calibrate)."
+            )
+        if meta:
+            raise ConfigurationError(
+                "calibrate needs the whole model's weights in one process for its sweep, but this pipeline was built "
+                "on the meta device. Calibrate once with `python -m lightning_dynpipe calibrate` and pass "
+                "predictor=ForestPredictor.load(...), or build the model on the CPU."
+            )
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -661,6 +686,8 @@ class DynPipeStrategy(DDPStrategy):
             check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
         self.ties = shared_parameters(pipeline)  # on the whole model, before any layer is offloaded
+        if fitting and self.config.calibrate is not None:
+            self._check_calibration(meta)
         decision = decide(
             self.config,
             pipeline=pipeline,

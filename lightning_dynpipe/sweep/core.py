@@ -22,10 +22,13 @@ Each run is a few steps: the whole sweep takes tens of seconds for a small model
 
 from __future__ import annotations
 
+import io
 import math
-import multiprocessing as mp
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -40,7 +43,6 @@ from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import LabelledSamples, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.features import samples_from_windows
-from lightning_dynpipe.sweep.worker import run_worker
 
 __all__ = [
     "Scenario",
@@ -395,21 +397,16 @@ def calibrate_pipeline(
     else:
         partitions = candidate_partitions(cost, num_stages, s.partitions)
     core = s.core if s.core is not None else allowed_cores()[-1]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_worker, args=(child, pipeline, sample, core, autocast_dtype), daemon=True)
     t0 = time.perf_counter()
-    proc.start()
-    child.close()
+    conn, proc = _start_worker(pipeline, sample, core, autocast_dtype)
     link = _SocketLink()
     try:
-        if not parent.poll(300.0) or parent.recv() != "ready":
-            raise ConfigurationError("The calibration worker did not start within 300 s.")
+        _wait_ready(conn, proc)
         comm = link.comm_model()
         runs = run_sweep(
             cost,
-            parent,
-            proc.pid or 0,
+            conn,
+            proc.pid,
             core,
             scenarios=[SCENARIOS[n] for n in s.scenarios],
             partitions=partitions,
@@ -417,20 +414,72 @@ def calibrate_pipeline(
             steps=s.steps,
             link=link,
         )
-    except EOFError as exc:
-        raise ConfigurationError(f"The calibration worker ended early (exit code {proc.exitcode}).") from exc
+    except (EOFError, ConnectionError) as exc:
+        raise ConfigurationError(f"The calibration worker ended early (exit code {proc.poll()}).") from exc
     finally:
         try:
-            parent.send(None)
+            conn.send(None)
         except OSError:
             pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         link.close()
-        parent.close()
+        conn.close()
     samples = calibration_samples(cost, comm, runs)
     return SweepResult(runs, comm, samples, time.perf_counter() - t0, core, partitions)
+
+
+def _start_worker(
+    pipeline: Any, sample: Any, core: int, autocast_dtype: Any
+) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """Starts :mod:`~lightning_dynpipe.sweep.worker` in a fresh interpreter and sends it the pipeline.
+
+    A fresh interpreter, not a ``multiprocessing`` spawn: spawn would import the user's script again in the worker
+    (and a script without a ``__main__`` guard would start training there). So the pipeline's classes must be
+    importable from a module; the worker gets this process's ``sys.path``.
+
+    Raises:
+        ConfigurationError: a layer whose class is defined in the script itself.
+    """
+    import torch
+
+    in_script = sorted({type(m).__name__ for m in pipeline.modules() if type(m).__module__ == "__main__"})
+    if in_script:
+        raise ConfigurationError(
+            f"The calibration sweep runs the pipeline in a fresh process, which cannot import classes defined in the "
+            f"script being run (__main__): {in_script}. Move them into a module the script imports, or calibrate "
+            "with `python -m lightning_dynpipe calibrate --model package.module:Class` and pass the saved forest."
+        )
+    payload = io.BytesIO()
+    torch.save((pipeline, sample, core, autocast_dtype), payload)
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_dynpipe.sweep.worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
+    finally:
+        theirs.close()
+    conn = Connection(ours.detach())
+    conn.send_bytes(payload.getbuffer())
+    return conn, proc
+
+
+def _wait_ready(conn: Connection, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    """Waits for the worker's "ready" (it imports torch and runs the pipeline once first)."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if proc.poll() is not None:
+            raise ConfigurationError(f"The calibration worker exited with code {proc.returncode} before it was ready.")
+        if time.monotonic() > deadline:
+            raise ConfigurationError(f"The calibration worker was not ready within {timeout_s:.0f} s.")
+    if conn.recv() != "ready":
+        raise ConfigurationError("The calibration worker did not start.")
 
 
 def _gbps(bps: float) -> str:

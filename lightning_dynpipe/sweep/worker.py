@@ -1,13 +1,16 @@
 """The calibration sweep's worker process: runs layer sets of the user's pipeline as a stage would.
 
-It receives the pipeline and one micro-batch pickled (a spawned process: nothing of the parent's threads or
-process groups), pins itself to one core with one torch thread, and answers each command ``(first, stop, M,
-steps, other_per_mb)`` with the :class:`~lightning_dynpipe.predictor.StageTimes` of that window, measured with the
-stage monitor's sampler.
+Started as ``python -m lightning_dynpipe.sweep.worker FD`` (a fresh interpreter: nothing of the parent's threads or
+process groups, and the user's script is not imported again) with one end of a private socket pair as ``FD``. It
+receives the pipeline and one micro-batch (``torch.save`` bytes, written by the parent that started it), pins itself
+to one core with one torch thread, and answers each command ``(first, stop, M, steps, other_per_mb)`` with the
+:class:`~lightning_dynpipe.predictor.StageTimes` of that window, measured with the stage monitor's sampler.
 """
 
 from __future__ import annotations
 
+import io
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -144,3 +147,17 @@ def run_worker(conn: Connection, pipeline: Any, sample: Any, core: int, autocast
         pipeline.zero_grad(set_to_none=True)
         conn.send(StageTimes.from_summary(StageSummary.of(samples[1:])))
     sampler.close()
+
+
+def main(argv: list[str]) -> int:
+    """The worker process's entry point: ``argv`` is ``[FD]``, the worker's end of the socket pair."""
+    import torch
+
+    conn = Connection(int(argv[0]))
+    pipeline, sample, core, autocast_dtype = torch.load(io.BytesIO(conn.recv_bytes()), weights_only=False)
+    run_worker(conn, pipeline, sample, core, autocast_dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""popen launcher, 2 processes: the opt-in calibration sweep at set-up (``calibrate=...``) on a transformer.
+
+TinyGPT with tied embeddings (a tuple with an int64 tensor crosses every boundary, non-persistent buffers in every
+block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``calibrate=SweepSettings(...)``:
+
+1. every rank's forest is fitted before the first step, on the same rows (the sweep runs on rank 0 and its rows
+   travel with the set-up decision), as many as the sweep measures: every ordered pair of partitions under each
+   scenario, per stage;
+2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
+   weights equal plain single-process training with Adam to 1e-6, and the tie holds.
+
+Usage: python calibrate_fit.py
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import sys
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipeline_models import TinyGPT, gpt_loss, token_loader, trainer_kwargs  # noqa: E402
+
+from lightning_dynpipe import DynPipeStrategy  # noqa: E402
+from lightning_dynpipe.predictor import ForestPredictor  # noqa: E402
+from lightning_dynpipe.sweep import SweepSettings  # noqa: E402
+
+SETTINGS = SweepSettings(scenarios=("none", "delay1"), partitions=3, steps=2)
+
+
+def digest(forest: ForestPredictor) -> str:
+    rows = forest.samples
+    h = hashlib.sha256()
+    for a in (rows.stage_x, rows.stage_y, rows.boundary_x, rows.boundary_y):
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+if __name__ == "__main__":
+    model = TinyGPT(tie=True)
+    ref = copy.deepcopy(model)
+    forest = ForestPredictor(n_estimators=8)
+    fitted_at_start: list[bool] = []
+
+    class FittedAtStart(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            fitted_at_start.append(forest.fitted)
+
+    strategy = DynPipeStrategy(
+        num_stages=2,
+        schedule="sync",
+        num_microbatches=2,
+        predictor=forest,
+        calibrate=SETTINGS,
+        monitor_every_n_steps=3,
+    )
+    trainer = L.Trainer(devices=2, strategy=strategy, max_epochs=1, **trainer_kwargs(callbacks=[FittedAtStart()]))  # type: ignore[arg-type]
+    trainer.fit(model, token_loader())
+
+    # 1. fitted before the first step, on the same rows everywhere, as many as the sweep measures
+    assert fitted_at_start == [True], fitted_at_start
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest(forest))
+    assert len(set(digests)) == 1, digests
+    pairs = len(SETTINGS.scenarios) * SETTINGS.partitions**2
+    assert len(forest.samples) >= pairs * 2, len(forest.samples)  # 2 stages per window (then the run's own)
+    # 2. the model is what plain training gives
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for x, y in token_loader():
+        opt.zero_grad()
+        gpt_loss(ref.pipeline(x), (x, y)).backward()
+        opt.step()
+    assert model.pipeline[-1].out.weight is model.pipeline[0].tok.weight
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), (
+            f"{k}: {(model.state_dict()[k] - v).abs().max():.3g}"
+        )
+    if dist.get_rank() == 0:
+        print(f"rows: {len(forest.samples)}", flush=True)
+        print("CALIBRATE_FIT_OK", flush=True)

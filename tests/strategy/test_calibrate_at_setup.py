@@ -1,0 +1,60 @@
+"""The opt-in calibration sweep at set-up: its refusals (unit tests), and one fit on a transformer through Lightning
+(the popen launcher runs ``scripts/calibrate_fit.py``; its docstring lists what it checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pipeline_models import run_popen_script
+
+from lightning_dynpipe import DynPipeStrategy
+from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.strategy.config import DynPipeConfig
+from lightning_dynpipe.sweep import DEFAULT_SCENARIOS, SweepSettings
+
+SCRIPT = Path(__file__).parent / "scripts" / "calibrate_fit.py"
+
+
+def test_calibrate_resolves_to_sweep_settings_and_is_off_by_default() -> None:
+    assert DynPipeConfig.from_arguments().calibrate is None
+    cfg = DynPipeConfig.from_arguments(predictor="forest", calibrate=True)
+    assert cfg.calibrate == SweepSettings() and cfg.calibrate.scenarios == DEFAULT_SCENARIOS
+    mine = SweepSettings(scenarios=("none", "quota50"), partitions=4, steps=2)
+    assert DynPipeConfig.from_arguments(predictor="forest", calibrate=mine).calibrate is mine
+
+
+def test_calibrate_is_refused_where_nothing_would_learn_from_it() -> None:
+    with pytest.raises(ConfigurationError, match=r"MeasuredSlowdownPredictor has no fit\(samples\) method"):
+        DynPipeConfig.from_arguments(calibrate=True)  # the default predictor does not learn
+    with pytest.raises(ConfigurationError, match="adaptive=False turns that loop off"):
+        DynPipeConfig.from_arguments(predictor="forest", calibrate=True, adaptive=False)
+    with pytest.raises(ConfigurationError, match="calibrate must be True, False or a lightning_dynpipe.sweep"):
+        DynPipeConfig.from_arguments(predictor="forest", calibrate="yes")  # type: ignore[arg-type]
+
+
+def test_sweep_settings_state_the_rule() -> None:
+    with pytest.raises(ConfigurationError, match=r"unknown: \['bogus'\]"):
+        SweepSettings(scenarios=("none", "bogus"))
+    with pytest.raises(ConfigurationError, match=r"partitions >= 2 and steps >= 2 \(.*\); got partitions=1, steps=3"):
+        SweepSettings(partitions=1)
+    with pytest.raises(ConfigurationError, match="balances name at least 2 partitions"):
+        SweepSettings(balances=((2, 3),))
+
+
+def test_calibrate_is_refused_on_cuda_and_for_a_model_built_on_meta() -> None:
+    check = DynPipeStrategy._check_calibration
+    with pytest.raises(ConfigurationError, match="does not measure this run's cuda stages"):
+        check(SimpleNamespace(root_device=torch.device("cuda", 0)), False)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="built on the meta device"):
+        check(SimpleNamespace(root_device=torch.device("cpu")), True)  # type: ignore[arg-type]
+    check(SimpleNamespace(root_device=torch.device("cpu")), False)  # type: ignore[arg-type]
+
+
+@pytest.mark.multiprocess
+def test_the_sweep_at_setup_fits_every_ranks_forest_alike_and_leaves_the_model_alone() -> None:
+    proc = run_popen_script(SCRIPT)
+    assert "CALIBRATE_FIT_OK" in proc.stdout, proc.stdout[-2000:]
+    assert "DynPipe calibration sweep: calibrated on 6 windows (2 scenarios x 3 partitions" in proc.stdout + proc.stderr
