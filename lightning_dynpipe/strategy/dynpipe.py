@@ -1240,7 +1240,17 @@ class DynPipeStrategy(DDPStrategy):
         self._share_sampler = None
         self._planned_num_stages = None
         self._topology = None
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            super().teardown()
+            return
+        # A run refused or failed before a model built on meta was materialised: Lightning's teardown moves the
+        # module to the CPU, which raises for meta tensors and would hide the real error. Move what has memory.
+        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     @classmethod
     @override

@@ -159,3 +159,21 @@ def test_more_stages_than_layers_refused_on_every_rank() -> None:
         L.Trainer(devices=2, max_steps=1, strategy=DynPipeStrategy(start_method="fork"), **trainer_kwargs()).fit(
             OneLayer(), loader()
         )
+
+
+class _OutsideOnMeta(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(2))  # outside the pipeline: on meta it cannot start exactly
+
+
+def test_a_refused_model_built_on_meta_shows_the_refusal_not_a_teardown_error() -> None:
+    """Lightning's teardown moves the module to the CPU, which raises for meta tensors; the refusal must surface."""
+    trainer = L.Trainer(
+        devices=1, max_steps=2, strategy=DynPipeStrategy(balance=[5], adaptive=False), **trainer_kwargs()
+    )
+    with trainer.init_module(empty_init=True):
+        model = _OutsideOnMeta()
+    with pytest.raises(ConfigurationError, match=r"\['scale'\] outside `pipeline` are on the meta device"):
+        trainer.fit(model, loader())
+    assert model.scale.is_meta and model.pipeline[0].weight.is_meta
