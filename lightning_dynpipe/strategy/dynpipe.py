@@ -579,6 +579,8 @@ class DynPipeStrategy(DDPStrategy):
                 sync_batchnorm=self._layer_sync is not None,
                 num_stages=self.num_stages,
             )
+            if trainer.state.fn == TrainerFn.FITTING and self.config.calibrate is not None:
+                self._check_calibration(is_on_meta(self._pipeline()))
         super().setup_environment()
         self._topology = None
         self._planned_num_stages = None
@@ -686,8 +688,6 @@ class DynPipeStrategy(DDPStrategy):
             check_optimizers(self.optimizers)
         world = self.num_nodes * self.num_processes
         self.ties = shared_parameters(pipeline)  # on the whole model, before any layer is offloaded
-        if fitting and self.config.calibrate is not None:
-            self._check_calibration(meta)
         decision = decide(
             self.config,
             pipeline=pipeline,

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as L
 import pytest
 import torch
-from pipeline_models import run_popen_script
+import torch.distributed as dist
+from pipeline_models import TinyNet, loader, run_popen_script, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.errors import ConfigurationError
@@ -51,6 +53,17 @@ def test_calibrate_is_refused_on_cuda_and_for_a_model_built_on_meta() -> None:
     with pytest.raises(ConfigurationError, match="built on the meta device"):
         check(SimpleNamespace(root_device=torch.device("cpu")), True)  # type: ignore[arg-type]
     check(SimpleNamespace(root_device=torch.device("cpu")), False)  # type: ignore[arg-type]
+
+
+def test_a_fit_of_a_model_built_on_meta_is_refused_before_the_process_group() -> None:
+    trainer = L.Trainer(
+        devices=1, max_steps=2, strategy=DynPipeStrategy(predictor="forest", calibrate=True), **trainer_kwargs()
+    )
+    with trainer.init_module(empty_init=True):
+        model = TinyNet()
+    with pytest.raises(ConfigurationError, match="calibrate needs the whole model's weights in one process"):
+        trainer.fit(model, loader())
+    assert not dist.is_initialized()
 
 
 @pytest.mark.multiprocess
