@@ -52,6 +52,8 @@ class SetupDecision:
         comm: the measured link between stages (free when not probed).
         plan: the planner's full plan (global rank 0 only, with ``balance="auto"``).
         plan_table: the plan as a table (every rank), for logs.
+        calibration: the set-up calibration sweep's summary, or why it did not run (``None``: none asked for).
+        calibration_s: the sweep's wall time, the worker's start included (``None``: it did not run).
     """
 
     partition: Partition
@@ -59,6 +61,8 @@ class SetupDecision:
     comm: CommModel = CommModel()
     plan: Plan | None = None
     plan_table: str | None = None
+    calibration: str | None = None
+    calibration_s: float | None = None
 
 
 def first_stage_input(module: Any, batch: Any) -> Any:
@@ -192,8 +196,10 @@ def decide(
         if world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         balance, table, arrays, link, error, sweep = decision[0]
+        calibration = calibration_s = None
         if sweep is not None:
-            _fit_predictor(config, *sweep)
+            rows, calibration, calibration_s = sweep
+            _fit_predictor(config, rows, calibration)
         cost_all = ModelCost.from_arrays(**arrays) if arrays is not None else None
         comm_all = CommModel(latency_s=link[0], bandwidth_Bps=link[1]) if link is not None else CommModel()
         if error is not None:
@@ -204,9 +210,12 @@ def decide(
             )
         if table is not None:
             rank_zero_info(f"DynPipe plan (balance='auto'):\n{table}")
-        if balance is not None:
-            return SetupDecision(Partition.from_balance(balance, len(pipeline)), cost_all, comm_all, plan, table)
-        return SetupDecision(_by_parameters(pipeline, num_stages), cost_all, comm_all, plan, table)
+        partition = (
+            Partition.from_balance(balance, len(pipeline))
+            if balance is not None
+            else _by_parameters(pipeline, num_stages)
+        )
+        return SetupDecision(partition, cost_all, comm_all, plan, table, calibration, calibration_s)
     if config.balance is not None:
         return SetupDecision(Partition.from_balance(config.balance, len(pipeline)))
     return SetupDecision(_by_parameters(pipeline, num_stages))
@@ -222,8 +231,9 @@ def _autocast_dtype(device: torch.device, forward_context: Callable[[], Abstract
 
 def _calibrate(
     config: DynPipeConfig, pipeline: nn.Sequential, sample: Any, cost: ModelCost, num_stages: int, autocast: Any
-) -> tuple[dict[str, Any] | None, str]:
-    """Rank 0's sweep: (the rows as arrays, a line for the logs), or (``None``, why it did not run)."""
+) -> tuple[dict[str, Any] | None, str, float | None]:
+    """Rank 0's sweep: (the rows as arrays, a line for the logs, its seconds), or (``None``, why it did not run,
+    ``None``)."""
     from lightning_dynpipe.sweep import calibrate_pipeline
 
     assert config.calibrate is not None
@@ -238,10 +248,10 @@ def _calibrate(
             autocast_dtype=autocast,
         )
     except Exception as exc:  # the run goes on; the predictor learns from the run's windows only
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, f"{type(exc).__name__}: {exc}", None
     rows = result.samples
     arrays = {k: getattr(rows, k) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y")}
-    return arrays, result.summary()
+    return arrays, result.summary(), result.seconds
 
 
 def _fit_predictor(config: DynPipeConfig, arrays: dict[str, Any] | None, text: str) -> None:

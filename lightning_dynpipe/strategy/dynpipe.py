@@ -354,6 +354,8 @@ class DynPipeStrategy(DDPStrategy):
         self.comm: CommModel = CommModel()
         self.plan: Plan | None = None  # the planner's choice (rank 0 holds the full object)
         self.plan_table: str | None = None
+        self.calibration: str | None = None  # the set-up calibration sweep's summary, or why it did not run
+        self.calibration_s: float | None = None  # its wall time (None: no sweep ran)
         self.stage: PipelineStage | None = None  # this process's part of the running pipeline
         self.ties: list[SharedParameter] = []  # parameters shared by several layers of the pipeline
         self.migrations: list[MigrationRecord] = []
@@ -707,6 +709,7 @@ class DynPipeStrategy(DDPStrategy):
         if decision.model_cost is not None:
             self.model_cost, self.comm = decision.model_cost, decision.comm
         self.plan, self.plan_table = decision.plan, decision.plan_table
+        self.calibration, self.calibration_s = decision.calibration, decision.calibration_s
         partition = decision.partition
         self._planned_num_stages = partition.num_stages
         self._topology = PipelineTopology(partition.num_stages, world)

@@ -64,6 +64,8 @@ if __name__ == "__main__":
 
     # 1. fitted before the first step, on the same rows everywhere, as many as the sweep measures
     assert fitted_at_start == [True], fitted_at_start
+    assert strategy.calibration is not None and strategy.calibration.startswith("calibrated on 6 windows")
+    assert strategy.calibration_s is not None and strategy.calibration_s > 0
     digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest(forest))
     assert len(set(digests)) == 1, digests
@@ -81,5 +83,5 @@ if __name__ == "__main__":
             f"{k}: {(model.state_dict()[k] - v).abs().max():.3g}"
         )
     if dist.get_rank() == 0:
-        print(f"rows: {len(forest.samples)}", flush=True)
+        print(f"rows: {len(forest.samples)}; sweep {strategy.calibration_s:.1f} s", flush=True)
         print("CALIBRATE_FIT_OK", flush=True)
