@@ -19,10 +19,15 @@ give the same forest on every rank, so every rank prices candidates the same.
 
 **Online refits.** :meth:`ForestPredictor.observe` turns each window into labelled samples (its environment
 paired with the next window's times, under the same partition or, after a migration, under the new one) in a
-bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits in a child process at the
-lowest CPU priority (nice 19; :mod:`~lightning_dynpipe.predictor.refit`: a refit thread would share the training
-thread's GIL, and stalled the pipeline on a contended core; a thread is the fallback where no process can be
-started). The observations are the monitor's
+bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits, unless the forest already
+explains the new rows: with ``refit_on="miss"`` (the default) a fitted forest refits only when more of the rows
+observed since its last refit fell outside their intervals than its nominal miss rate (``1 - coverage``) gives with
+probability 5% (a binomial test). A refit costs CPU (about half a second on a 2 GHz core), and on a stage under a
+CPU limit the refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits
+run in a child process at the lowest CPU priority (nice 19; :mod:`~lightning_dynpipe.predictor.refit`: a refit
+thread would share the training thread's GIL, and stalled the pipeline on a contended core; a thread is the
+fallback where no process can be started), which the strategy starts at set-up (:meth:`ForestPredictor.prepare`).
+The observations are the monitor's
 snapshots, identical and in the same order on every rank, so every rank starts refit number ``n`` at the same
 check, from the same rows, with the same seed, and fits the same forest. The ranks then switch to it at the same
 check without waiting for it:
@@ -256,6 +261,9 @@ class ForestPredictor:
         buffer_size: online rows kept (oldest dropped first); calibration rows given to :meth:`fit` are kept.
         refit_every: observed windows between two refits.
         adopt_after: observed windows from a refit's start to the switch to its forest (>= 1).
+        refit_on: ``"miss"``: a fitted forest refits only when the rows observed since its last refit fall outside
+            their intervals more often than ``1 - coverage`` explains (a binomial test at 5%); ``"every"``: every
+            ``refit_every`` windows.
     """
 
     def __init__(
@@ -269,11 +277,17 @@ class ForestPredictor:
         buffer_size: int = 2048,
         refit_every: int = 5,
         adopt_after: int = 2,
+        refit_on: str = "miss",
     ) -> None:
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
                 f"ForestPredictor needs min_samples >= 2, buffer_size >= 1, refit_every >= 1 and adopt_after >= 1; "
                 f"got {min_samples}, {buffer_size}, {refit_every}, {adopt_after}."
+            )
+        if refit_on not in ("miss", "every"):
+            raise ConfigurationError(
+                f"ForestPredictor's refit_on must be 'miss' (refit when new rows fall outside their intervals more "
+                f"often than 1 - coverage) or 'every' (every refit_every windows); got {refit_on!r}."
             )
         QuantileForest(n_estimators=n_estimators, min_samples_leaf=min_samples_leaf, coverage=coverage)  # validates
         self.n_estimators = n_estimators
@@ -284,6 +298,7 @@ class ForestPredictor:
         self.buffer_size = buffer_size
         self.refit_every = refit_every
         self.adopt_after = adopt_after
+        self.refit_on = refit_on
         self.schema: FeatureSchema = FEATURE_SCHEMA
         self._base = LabelledSamples.empty()
         self._online: deque[LabelledSamples] = deque()
@@ -293,6 +308,10 @@ class ForestPredictor:
         self._last: PipelineWindow | None = None
         self._observed = 0
         self._since_refit = 0
+        self._rows_since_refit = 0  # stage and boundary rows observed since the last refit started
+        self._misses_since_refit = 0  # of those, outside the interval of the forest in use when observed
+        self.refits_skipped = 0
+        """Refits not started because the forest explained the new rows (``refit_on="miss"``)."""
         self._refit: _Refit | None = None
         self._worker: RefitProcess | None = None
         self.refit_in_process = True
@@ -377,9 +396,50 @@ class ForestPredictor:
                     )
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
-            self._add(samples_from_windows(model_cost, comm, previous, window))
+            new = samples_from_windows(model_cost, comm, previous, window)
+            self._count_misses(new)
+            self._add(new)
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
-            self._start_refit()
+            if self._explained():
+                self.refits_skipped += 1
+                self._since_refit = 0
+            else:
+                self._start_refit()
+
+    def _count_misses(self, new: LabelledSamples) -> None:
+        """Counts the new rows and those outside the current forests' intervals (an unfitted forest misses all)."""
+        for forest, x, y in ((self._stage, new.stage_x, new.stage_y), (self._boundary, new.boundary_x, new.boundary_y)):
+            if not len(y):
+                continue
+            self._rows_since_refit += len(y)
+            if forest is None:
+                self._misses_since_refit += len(y)
+                continue
+            _, lo, hi = forest.predict(x)
+            self._misses_since_refit += int(((y < lo) | (y > hi)).sum())
+
+    def _explained(self) -> bool:
+        """Whether the rows since the last refit are explained: ``refit_on="miss"``, a fitted stage forest, and no
+        more of them outside their intervals than the nominal miss rate gives with probability 5% or more.
+
+        A binomial test, because the counts are small (a few rows per window): with 90% intervals, 2 misses in 9
+        rows happen 23% of the time with a forest that is right, 4 only 0.8%.
+        """
+        n, k = self._rows_since_refit, self._misses_since_refit
+        if self.refit_on != "miss" or self._stage is None or not n:
+            return False
+        return _binomial_tail(n, k, 1.0 - self.coverage) >= 0.05
+
+    def prepare(self) -> None:
+        """Pays the start-up costs before training: imports scikit-learn here (predictions and adopted refits need
+        it) and starts the refit process (which imports it too).
+
+        The strategy calls it at set-up. Without it the first window and the first adopted refit pay them on the
+        training thread: about 1.5 s of CPU each on a 2 GHz core, which a stage under a CPU limit pays several
+        times over in wall time.
+        """
+        _sklearn_forest()
+        self._ensure_worker()
 
     def _ensure_worker(self) -> RefitProcess | None:
         """The refit process (started if needed), or ``None`` when refits run in a thread."""
@@ -440,7 +500,7 @@ class ForestPredictor:
 
     def _start_refit(self) -> None:
         rows = self.samples  # a copy: later windows do not change what this refit sees
-        self._since_refit = 0
+        self._since_refit = self._rows_since_refit = self._misses_since_refit = 0
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
         self._refit = refit
@@ -604,6 +664,7 @@ class ForestPredictor:
             "buffer_size": self.buffer_size,
             "refit_every": self.refit_every,
             "adopt_after": self.adopt_after,
+            "refit_on": self.refit_on,
         }
 
     def __repr__(self) -> str:
@@ -611,6 +672,11 @@ class ForestPredictor:
             f"ForestPredictor(n_estimators={self.n_estimators}, rows={len(self.samples)}, fitted={self.fitted}, "
             f"refits={self.refits})"
         )
+
+
+def _binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return 1.0 - sum(math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(min(k, n + 1)))
 
 
 def _residuals(forest: QuantileForest | None, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:

@@ -9,9 +9,10 @@ thread doing forest fits beside a loop of convolution steps with a hog on the sa
 12 s from 383 to 159, with stalls up to 1.5 s. A child process has its own GIL.
 
 :class:`RefitProcess` runs :func:`main` in a new Python process once (it imports numpy, scikit-learn
-and this package's pure predictor modules, not torch), at nice 19, with one thread;
-:meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` starts it at the first window,
-so that it has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
+and this package's pure predictor modules, not torch), at nice 19, with one thread; the strategy starts it at
+set-up (:meth:`ForestPredictor.prepare <lightning_dynpipe.predictor.ForestPredictor.prepare>`), else
+:meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` at the first window, so that it
+has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
 settings and a line on the child's stdin naming it; the child fits, writes the pickled forests to a result file and
 answers with one line on its stdout. The parent reads that line without blocking (:meth:`RefitProcess.done`) and
 loads the result file when it adopts the refit. The files live in a private temporary directory and are written

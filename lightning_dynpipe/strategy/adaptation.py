@@ -116,6 +116,9 @@ class AdaptationWiring:
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
+            prepare = getattr(self.config.predictor, "prepare", None)
+            if callable(prepare):  # a learning predictor's imports and helper process start before the first step
+                prepare()
         if self.controller is not None or self.ladder is not None:
             monitor.add_listener(self.on_snapshot)
 

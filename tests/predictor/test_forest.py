@@ -7,6 +7,7 @@ not measured under: error against the truth, against the baseline, interval cove
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -272,3 +273,39 @@ def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends(
     x = f.samples.stage_x
     for a, b in zip(stage.predict(x), here_stage.predict(x)):
         assert np.array_equal(a, b)
+
+
+def test_a_forest_that_explains_the_new_windows_skips_its_refit_and_refits_when_they_change() -> None:
+    """refit_on="miss": a refit costs CPU (on a stage under a CPU limit, out of that limit), so a fitted forest
+    refits only when the rows since its last refit fall outside their intervals more often than 1 - coverage."""
+    f = ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=1).fit(_training_samples())
+    f.refit_in_process = False  # a thread: this test is about when refits start, not where they run
+    rng = np.random.default_rng(11)
+    seen = sim.Env(quota=(None, 0.25))  # a scenario of the calibration rows
+    for _ in range(10):
+        f.observe(COST, sim.LINK, sim.window(COST, PARTS[4], seen, M, rng))
+    assert f.refits == 0 and f.refits_skipped >= 2, (f.refits, f.refits_skipped, f._misses_since_refit)
+    harsher = sim.Env(quota=(None, 0.1), hog=(1.0, 0.0))  # harsher, but what its features and priors explain
+    for _ in range(6):
+        f.observe(COST, sim.LINK, sim.window(COST, PARTS[4], harsher, M, rng))
+    assert f.refits == 0
+    for i in range(6):  # every other window twice as slow, nothing in the features saying why: the intervals miss
+        w, k = sim.window(COST, PARTS[4], seen, M, rng), 1 + i % 2
+        slow = tuple(dataclasses.replace(t, compute_s=k * t.compute_s, step_s=k * t.step_s) for t in w.stages)
+        f.observe(COST, sim.LINK, dataclasses.replace(w, stages=slow))
+    assert f.refits >= 1
+    f.close()
+    every = ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=1, refit_on="every")
+    every.fit(_training_samples())
+    every.refit_in_process = False
+    for _ in range(10):
+        every.observe(COST, sim.LINK, sim.window(COST, PARTS[4], seen, M, rng))
+    assert every.refits >= 2 and every.refits_skipped == 0
+    every.close()
+    with pytest.raises(ConfigurationError, match="refit_on must be 'miss'"):
+        ForestPredictor(refit_on="sometimes")
+    from lightning_dynpipe.predictor.forest import _binomial_tail
+
+    assert _binomial_tail(9, 2, 0.1) == pytest.approx(0.2252, abs=1e-4)  # what the docstring says: 23%, and 0.8%
+    assert _binomial_tail(9, 4, 0.1) == pytest.approx(0.0083, abs=1e-4)
+    assert _binomial_tail(9, 0, 0.1) == 1.0

@@ -124,3 +124,30 @@ def test_the_ranks_agreed_refit_reaches_the_controller_and_the_token_is_publishe
     assert seen == [3]
     wiring.detach(trainer)  # type: ignore[arg-type]
     assert monitor.report_token is None
+
+
+def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_before_the_first_step() -> None:
+    import sys
+
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.predictor import ForestPredictor
+
+    forest = ForestPredictor(n_estimators=8)
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(predictor=forest),
+        partition=lambda: Partition((2, 2)),
+        pending=lambda: False,
+        repartition=print,
+        past_pauses=lambda: [],
+    )
+    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    wiring.attach(
+        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+    )  # type: ignore[arg-type]
+    try:
+        assert forest._worker is not None and forest._worker._proc is not None  # started, not at the first window
+        assert "sklearn.ensemble" in sys.modules
+    finally:
+        wiring.detach(trainer)  # type: ignore[arg-type]
+    assert forest._worker is None  # the fit's end closes it
