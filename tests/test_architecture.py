@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "calibration": {"errors", "plan", "engine.microbatch", "engine.updates"},
     "repartition": {"errors", "plan", "schedule", "predictor"},
     "interference": {"errors", "monitor"},
-    "sweep": {"errors", "plan", "predictor", "interference", "monitor"},
+    "sweep": {"errors", "plan", "predictor", "interference", "monitor", "engine.microbatch"},
     "demos": {"errors"},
     "strategy": {
         "errors",

@@ -12,50 +12,28 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from lightning_dynpipe.engine.microbatch import iter_tensors, tree_map
 from lightning_dynpipe.monitor.stats import StageSample, StageSummary
 from lightning_dynpipe.predictor import StageTimes
 
 __all__ = ["run_worker"]
 
 
-def _leaves(x: Any) -> Iterator[Any]:
-    """The tensors in ``x`` (a tensor, or a tuple/list/dict of them, nested)."""
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for item in x:
-            yield from _leaves(item)
-    elif isinstance(x, dict):
-        for item in x.values():
-            yield from _leaves(item)
-
-
 def _stage_input(x: Any) -> Any:
-    """``x`` as a stage receives it: detached leaves, floating ones requiring gradients."""
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
-    if isinstance(x, (tuple, list)):
-        return type(x)(_stage_input(item) for item in x)
-    if isinstance(x, dict):
-        return {k: _stage_input(v) for k, v in x.items()}
-    return x
+    """``x`` as a stage receives it: detached tensors, floating ones requiring gradients."""
+    return tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()), x)
 
 
 def _backward(out: Any) -> None:
     """A backward from every output that requires gradients (ones as their gradient)."""
     import torch
 
-    outputs = [t for t in _leaves(out) if t.requires_grad]
+    outputs = [t for t in iter_tensors(out) if t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
