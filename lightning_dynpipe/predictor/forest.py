@@ -22,8 +22,8 @@ paired with the next window's times, under the same partition or, after a migrat
 bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits, unless the forest already
 explains the new rows: with ``refit_on="miss"`` (the default) a fitted forest refits only when more of the rows
 observed since its last refit fell outside their intervals than its nominal miss rate (``1 - coverage``) gives with
-probability 5% (a binomial test). A refit costs CPU (about half a second on a 2 GHz core), and on a stage under a
-CPU limit the refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits
+probability 5% (a binomial test). A refit costs CPU (several forest fits), and on a stage under a CPU limit the
+refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits
 run in a child process at the lowest CPU priority (nice 19; :mod:`~lightning_dynpipe.predictor.refit`: a refit
 thread would share the training thread's GIL, and stalled the pipeline on a contended core; a thread is the
 fallback where no process can be started), which the strategy starts at set-up (:meth:`ForestPredictor.prepare`).
@@ -434,9 +434,10 @@ class ForestPredictor:
         """Pays the start-up costs before training: imports scikit-learn here (predictions and adopted refits need
         it) and starts the refit process (which imports it too).
 
-        The strategy calls it at set-up. Without it the first window and the first adopted refit pay them on the
-        training thread: about 1.5 s of CPU each on a 2 GHz core, which a stage under a CPU limit pays several
-        times over in wall time.
+        The strategy calls it at set-up. Without it the first window and the first adopted refit pay them during
+        training, and a stage under a CPU limit pays them several times over in wall time (on the CNN under a 25%
+        quota the ten steps after the first window took twice as long: benchmarks/results/
+        2026-12-03-interference-calibrate.md).
         """
         _sklearn_forest()
         self._ensure_worker()

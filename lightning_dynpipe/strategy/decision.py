@@ -174,7 +174,6 @@ def decide(
                 with forward_context():
                     cost = _profile(pipeline, sample, device, opt, copies)
                 del opt, copies
-                autocast = _autocast_dtype(device, forward_context)
                 balance, table = config.balance, None
                 if config.balance_mode == "auto":
                     plan = best_plan(
@@ -189,7 +188,10 @@ def decide(
                     balance, table = plan.partition.balance, plan.table()
                 link = (comm.latency_s, comm.bandwidth_Bps)
                 stages = len(balance) if balance is not None else num_stages
-                sweep = _calibrate(config, pipeline, sample, cost, stages, autocast) if config.calibrate else None
+                sweep = None
+                if config.calibrate is not None:
+                    autocast = _autocast_dtype(device, forward_context)
+                    sweep = _calibrate(config, pipeline, sample, cost, stages, autocast)
                 decision[0] = (balance, table, cost.to_arrays(), link, None, sweep)
             except Exception as exc:  # the run must not die because a heuristic failed; say why
                 decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None)
