@@ -397,7 +397,8 @@ class ForestPredictor:
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
             new = samples_from_windows(model_cost, comm, previous, window)
-            self._count_misses(new)
+            if self.refit_on == "miss":  # a prediction per window, only where it decides something
+                self._count_misses(new)
             self._add(new)
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
             if self._explained():

@@ -232,7 +232,8 @@ class DynPipeStrategy(DDPStrategy):
             pinned to one core under injected interference (a CPU hog, a CPU limit, a link delay), for a few
             candidate partitions; every rank then fits its predictor on the same rows (a forest then refits on
             those rows plus the run's own windows). Needs adaptation on and a predictor with ``fit`` (``"forest"``);
-            takes tens of seconds for a small model, while the other ranks wait.
+            about 10 s for the demo CNN (benchmarks/results/2026-12-03-interference-calibrate.md), while the other
+            ranks wait.
         monitor_every_n_steps: how often stage statistics are gathered (one small collective) and logged as
             ``dynpipe/stage{k}/...``; ``None``: no stage monitor (and so no adaptation).
         interference: a declarative interference schedule for tests, benchmarks and what-if runs (a list of
@@ -1244,7 +1245,7 @@ class DynPipeStrategy(DDPStrategy):
         self._planned_num_stages = None
         self._topology = None
         module = self.lightning_module
-        if module is None or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        if module is None or not is_on_meta(module):
             super().teardown()
             return
         # A run refused or failed before a model built on meta was materialised: Lightning's teardown moves the
