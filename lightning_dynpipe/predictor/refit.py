@@ -16,7 +16,9 @@ has imported scikit-learn when the first refit is due. A request is a file of pi
 settings and a line on the child's stdin naming it; the child fits, writes the pickled forests to a result file and
 answers with one line on its stdout. The parent reads that line without blocking (:meth:`RefitProcess.done`) and
 loads the result file when it adopts the refit. The files live in a private temporary directory and are written
-only by this process and its child: nothing is loaded from anywhere else.
+only by this process and its child: nothing is loaded from anywhere else. Whichever ends first removes the
+directory: the parent in :meth:`RefitProcess.close`, the child when its input ends, which is also what happens when
+the parent is killed (a rank lost to a failure leaves no directory behind).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class RefitProcess:
         self._dir = Path(tempfile.mkdtemp(prefix="dynpipe-refit-"))
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()"],
+            [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()", str(self._dir)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -155,7 +157,11 @@ class RefitProcess:
 
 
 def main() -> None:
-    """The child: one request path per stdin line; writes ``(ok, forests or error)`` next to it, answers a line."""
+    """The child: one request path per stdin line; writes ``(ok, forests or error)`` next to it, answers a line.
+
+    Its argument is the parent's private directory, removed when stdin ends (the parent closed it, or died).
+    """
+    directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     answers = os.fdopen(os.dup(1), "wb")  # the answers' own descriptor: a stray print goes to stderr instead
     os.dup2(2, 1)
     try:
@@ -175,3 +181,5 @@ def main() -> None:
         request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         answers.write(b"done\n")
         answers.flush()
+    if directory is not None and directory.name.startswith("dynpipe-refit-"):
+        shutil.rmtree(directory, ignore_errors=True)

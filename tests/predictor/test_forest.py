@@ -275,6 +275,21 @@ def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends(
         assert np.array_equal(a, b)
 
 
+def test_the_refit_child_removes_its_directory_when_its_parent_is_gone() -> None:
+    """A rank killed by a failure never calls close(): the child, whose input then ends, removes the private
+    directory itself (before, each killed rank left a dynpipe-refit-* directory in the temporary folder)."""
+    from lightning_dynpipe.predictor.refit import RefitProcess
+
+    child = RefitProcess()
+    child.start()
+    proc, files = child._proc, child._dir
+    assert proc is not None and proc.stdin is not None and files is not None and files.is_dir()
+    proc.stdin.close()  # what the parent's death does to the pipe
+    assert proc.wait(timeout=60) == 0
+    assert not files.exists()
+    child.close()
+
+
 def test_a_forest_that_explains_the_new_windows_skips_its_refit_and_refits_when_they_change() -> None:
     """refit_on="miss": a refit costs CPU (on a stage under a CPU limit, out of that limit), so a fitted forest
     refits only when the rows since its last refit fall outside their intervals more often than 1 - coverage."""
