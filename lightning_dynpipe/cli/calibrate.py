@@ -97,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer = optimizer.get("optimizer")
     factor = optimizer_state_factor(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 2.0
     sample = _sample(module, a.input_shape, micro_batch)
-    cost = profile_layers(pipeline, sample, optimizer_state_bytes_per_param_byte=factor).to_model_cost()
+    timed = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    cost = profile_layers(
+        pipeline, sample, optimizer_state_bytes_per_param_byte=factor, optimizer=timed
+    ).to_model_cost()
     balances = (
         tuple(p.balance for p in _parse_balances(a.balances, a.num_stages, cost.num_layers)) if a.balances else None
     )

@@ -108,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer = optimizer.get("optimizer")
     factor = optimizer_state_factor(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 2.0
     profile = profile_layers(
-        pipeline, _sample(model, a.input_shape, micro_batch), optimizer_state_bytes_per_param_byte=factor
+        pipeline,
+        _sample(model, a.input_shape, micro_batch),
+        optimizer_state_bytes_per_param_byte=factor,
+        optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
     )
     print(f"Per-layer profile (micro-batch of {micro_batch}):")
     print(profile.table())

@@ -91,7 +91,7 @@ def simulate_plan(
     comm: CommModel | None = None,
     step_sync: StepSync = "last_stage_broadcast",
 ) -> SimResult:
-    """Simulates ``num_steps`` steps of ``plan`` with its per-stage compute and per-boundary transfer times.
+    """Simulates ``num_steps`` steps of ``plan`` with its per-stage compute, update and per-boundary transfer times.
 
     Each boundary's time is the transfer of the activation that crosses it (gradients have the same size)
     times the part that 1F1B does not hide (``1 - comm.overlap``).
@@ -101,6 +101,7 @@ def simulate_plan(
     S = plan.partition.num_stages
     fwd = [sum(model_cost.layers[i].forward_s for i in range(bounds[k], bounds[k + 1])) for k in range(S)]
     bwd = [sum(model_cost.layers[i].backward_s for i in range(bounds[k], bounds[k + 1])) for k in range(S)]
+    upd = [model_cost.update_s(bounds[k], bounds[k + 1]) for k in range(S)]
     overlap: list[float] = (
         [float(v) for v in comm.overlap_per_cut(model_cost.num_layers)] if model_cost.num_layers > 1 else []
     )
@@ -116,6 +117,7 @@ def simulate_plan(
         num_steps,
         forward_time=fwd,
         backward_time=bwd,
+        update_time=upd,
         comm_time=comm_time or 0.0,
         step_sync=step_sync,
     )

@@ -63,6 +63,9 @@ class LayerCost:
             (e.g. ``3 * param_bytes`` for Adam: gradient, ``exp_avg``, ``exp_avg_sq``).
         workspace_bytes: transient peak memory while the layer runs forward or backward, beyond what is
             stored above; freed afterwards, so a stage needs the largest of its layers', once.
+        update_s: time of one optimizer update of the layer's parameters, seconds (0: not measured). A schedule
+            without a flush updates after every micro-batch, so this is part of every micro-batch's cost there;
+            with a flush it is paid once per ``M`` micro-batches.
     """
 
     forward_s: float
@@ -71,12 +74,14 @@ class LayerCost:
     param_bytes: int = 0
     optimizer_state_bytes: int = 0
     workspace_bytes: int = 0
+    update_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_non_negative(
             "LayerCost",
             forward_s=self.forward_s,
             backward_s=self.backward_s,
+            update_s=self.update_s,
             activation_bytes=self.activation_bytes,
             param_bytes=self.param_bytes,
             optimizer_state_bytes=self.optimizer_state_bytes,
@@ -127,6 +132,7 @@ class ModelCost:
 
     layers: tuple[LayerCost, ...]
     _compute: FloatArray = field(init=False, repr=False, compare=False)
+    _update: FloatArray = field(init=False, repr=False, compare=False)
     _params: IntArray = field(init=False, repr=False, compare=False)
     _activations: IntArray = field(init=False, repr=False, compare=False)
     _optimizer: IntArray = field(init=False, repr=False, compare=False)
@@ -145,6 +151,7 @@ class ModelCost:
             )
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "_compute", _prefix_float([c.compute_s for c in layers]))
+        object.__setattr__(self, "_update", _prefix_float([c.update_s for c in layers]))
         object.__setattr__(self, "_params", _prefix_int([c.param_bytes for c in layers]))
         object.__setattr__(self, "_activations", _prefix_int([c.activation_bytes for c in layers]))
         object.__setattr__(self, "_optimizer", _prefix_int([c.optimizer_state_bytes for c in layers]))
@@ -184,6 +191,7 @@ class ModelCost:
             "param_bytes": [c.param_bytes for c in self.layers],
             "optimizer_state_bytes": [c.optimizer_state_bytes for c in self.layers],
             "workspace_bytes": [c.workspace_bytes for c in self.layers],
+            "update_s": [c.update_s for c in self.layers],
         }
 
     @classmethod
@@ -196,8 +204,9 @@ class ModelCost:
         param_bytes: Sequence[int] | int = 0,
         optimizer_state_bytes: Sequence[int] | int = 0,
         workspace_bytes: Sequence[int] | int = 0,
+        update_s: Sequence[float] | float = 0.0,
     ) -> ModelCost:
-        """Builds a model from per-layer columns; a scalar byte count applies to every layer."""
+        """Builds a model from per-layer columns; a scalar byte count or update time applies to every layer."""
         n = len(forward_s)
 
         def column(name: str, values: Sequence[int] | int) -> list[int]:
@@ -219,10 +228,18 @@ class ModelCost:
             column("optimizer_state_bytes", optimizer_state_bytes),
             column("workspace_bytes", workspace_bytes),
         )
+        if isinstance(update_s, (int, float, np.number)):
+            updates = [float(update_s)] * n
+        elif len(update_s) != n:
+            raise ConfigurationError(
+                f"update_s must have one entry per layer: len(forward_s) = {n}, len(update_s) = {len(update_s)}."
+            )
+        else:
+            updates = [float(u) for u in update_s]
         return cls(
             tuple(
-                LayerCost(float(f), float(b), a, p, o, w)
-                for f, b, a, p, o, w in zip(forward_s, backward_s, *cols, strict=True)
+                LayerCost(float(f), float(b), a, p, o, w, u)
+                for f, b, a, p, o, w, u in zip(forward_s, backward_s, *cols, updates, strict=True)
             )
         )
 
@@ -235,6 +252,11 @@ class ModelCost:
     def compute_prefix(self) -> FloatArray:
         """``compute_prefix[i]`` = forward + backward seconds of layers ``[0, i)`` (read-only, length n+1)."""
         return self._compute
+
+    @property
+    def update_prefix(self) -> FloatArray:
+        """``update_prefix[i]`` = seconds of one optimizer update of layers ``[0, i)`` (read-only, length n+1)."""
+        return self._update
 
     @property
     def param_prefix(self) -> IntArray:
@@ -259,6 +281,10 @@ class ModelCost:
     def compute_s(self, first: int, stop: int) -> float:
         """Forward + backward seconds of layers ``[first, stop)``."""
         return float(self._compute[stop] - self._compute[first])
+
+    def update_s(self, first: int, stop: int) -> float:
+        """Seconds of one optimizer update of layers ``[first, stop)``."""
+        return float(self._update[stop] - self._update[first])
 
     def param_bytes(self, first: int, stop: int) -> int:
         """Parameter bytes of layers ``[first, stop)``."""
@@ -448,11 +474,12 @@ class PrefixCostModel(Protocol):
 
 @dataclass(frozen=True)
 class DefaultCostModel:
-    """The planner's default stage time: slowed compute plus the communication 1F1B does not hide.
+    """The planner's default stage time: slowed compute and updates plus the communication 1F1B does not hide.
 
     For a stage owning layers ``[i, j)`` with ``r`` replicas on a device with slowdown ``s``::
 
         T = ( s * sum(forward + backward of layers i..j-1)
+              + s * sum(update of layers i..j-1) / microbatches_per_update
               + (1 - overlap[j-1]) * 2 * transfer(activation_bytes[j-1])    # activation out, gradient in
               + allreduce(param_bytes of the stage, r) / microbatches_per_update
             ) / r
@@ -491,7 +518,8 @@ class DefaultCostModel:
         per_byte /= microbatches_per_update
         fixed /= microbatches_per_update
         params = model.param_prefix.astype(np.float64)
-        q = (device.slowdown * model.compute_prefix + per_byte * params) / r
+        slowed = model.compute_prefix + model.update_prefix / microbatches_per_update
+        q = (device.slowdown * slowed + per_byte * params) / r
         rest = np.zeros(n + 1, dtype=np.float64)
         if n > 1:
             act = np.asarray([c.activation_bytes for c in model.layers[:-1]], dtype=np.float64)

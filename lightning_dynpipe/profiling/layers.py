@@ -20,6 +20,7 @@ with :func:`time.thread_time` (CPU time, robust to other processes on the core),
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import statistics
@@ -27,7 +28,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ class LayerStats:
             tensors, temporaries and gradients). On CPU, an estimate (there is no allocator counter): the
             saved tensors plus the output, ``saved_bytes + activation_bytes`` less what they share;
             temporaries and gradients are not included. :attr:`LayerProfile.peak_measured` says which.
+        update_s: what the layer's trainable parameters add to one optimizer update, seconds (median; 0 when no
+            optimizer was given, or the layer has none); see ``profile_layers(optimizer=...)``.
     """
 
     layer_idx: int
@@ -91,6 +94,7 @@ class LayerStats:
     buffer_bytes: int
     saved_bytes: int
     peak_bytes: int
+    update_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -114,6 +118,7 @@ class LayerStats:
             param_bytes=self.param_bytes,
             optimizer_state_bytes=self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes,
             workspace_bytes=self.workspace_bytes,
+            update_s=self.update_s,
         )
 
 
@@ -181,7 +186,7 @@ class LayerProfile:
 
     def table(self) -> str:
         """A fixed-width table of the measurements, one row per layer and a total row."""
-        head = ("idx", "layer", "fwd ms", "bwd ms", "output", "params", "optim", "peak", "output shape")
+        head = ("idx", "layer", "fwd ms", "bwd ms", "upd ms", "output", "params", "optim", "peak", "output shape")
         rows: list[tuple[str, ...]] = []
         for s in self.layers:
             shapes = ", ".join("x".join(map(str, sh)) or "scalar" for sh in s.output_shapes) or "-"
@@ -191,6 +196,7 @@ class LayerProfile:
                     _shorten(s.name, 40),
                     f"{s.forward_s * 1e3:.3f}",
                     f"{s.backward_s * 1e3:.3f}",
+                    f"{s.update_s * 1e3:.3f}",
                     _fmt_bytes(s.activation_bytes),
                     _fmt_bytes(s.param_bytes),
                     _fmt_bytes(s.optimizer_state_bytes),
@@ -204,6 +210,7 @@ class LayerProfile:
                 "total",
                 f"{sum(self.forward_s) * 1e3:.3f}",
                 f"{sum(self.backward_s) * 1e3:.3f}",
+                f"{sum(s.update_s for s in self.layers) * 1e3:.3f}",
                 _fmt_bytes(sum(s.activation_bytes for s in self.layers)),
                 _fmt_bytes(sum(s.param_bytes for s in self.layers)),
                 _fmt_bytes(sum(s.optimizer_state_bytes for s in self.layers)),
@@ -212,7 +219,7 @@ class LayerProfile:
             )
         )
         widths = [max(len(r[c]) for r in (head, *rows)) for c in range(len(head))]
-        left = {1, 8}
+        left = {1, 9}
 
         def line(r: Sequence[str]) -> str:
             return "  ".join(
@@ -441,6 +448,7 @@ def profile_layers(
     repeats: int = 5,
     optimizer_state_bytes_per_param_byte: float = 2.0,
     layer_copies: Iterable[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> LayerProfile:
     """Measures every layer of ``layers`` on one micro-batch, feeding each the previous layer's output.
 
@@ -485,6 +493,13 @@ def profile_layers(
         layer_copies: the layers to run, one private copy per layer of ``layers`` in order, instead of deep
             copies (needed when ``layers`` is on ``meta``). Each must be of the same kind as its layer; it is
             moved to ``device`` and run in training mode.
+        optimizer: the run's optimizer, to time what each layer adds to one update (``LayerStats.update_s``): a
+            new optimizer of its class with its ``defaults`` steps the copy's trainable parameters, gradients
+            set, at least once untimed (the first step creates its state) and ``repeats`` times timed, less the
+            median of the same on a one-element parameter (the step's fixed cost, which a stage pays once for
+            all its layers). The optimizer itself is not used or changed. ``None``: updates are not timed (0).
+            An optimizer whose class cannot be built that way (or steps only with a closure) is not timed
+            either, with a warning.
 
     Returns:
         The immutable :class:`LayerProfile`.
@@ -523,6 +538,7 @@ def profile_layers(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     timer = _Timer(device)
+    updater = _Updater(optimizer, warmup, repeats)
     rng_devices = [device.index] if device.type == "cuda" else []
     stats: list[LayerStats] = []
     x = _tree_map(lambda t: t.to(device), sample_input)
@@ -534,6 +550,7 @@ def profile_layers(
             layer_input = _prepare_input(x, requires_grad=idx > 0)
             try:
                 layer_stats, output = _profile_one(idx, layer, layer_input, timer, warmup, repeats, factor)
+                layer_stats = replace(layer_stats, update_s=updater.time(layer, timer))
             except Exception as exc:
                 shapes = [tuple(t.shape) for t in _tensors(layer_input)]
                 raise ConfigurationError(
@@ -590,6 +607,66 @@ def _warn_if_constant(sample_input: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's ``defaults`` its class's constructor accepts (AdamW's name one that only Adam takes)."""
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+class _Updater:
+    """Times what a layer copy's trainable parameters add to one optimizer update (``profile_layers(optimizer=...)``).
+
+    A stage runs one ``optimizer.step()`` for all of its layers, so the step's fixed cost (Python, dispatch), timed
+    once on a one-element parameter, is subtracted from each layer's time: what remains moves with the layer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, warmup: int, repeats: int) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+        self.optimizer = inner if isinstance(inner, torch.optim.Optimizer) else None
+        self.warmup, self.repeats = max(1, warmup), repeats
+        self.fixed_s: float | None = None
+
+    def _median_step(self, params: Sequence[Tensor], timer: _Timer) -> float:
+        assert self.optimizer is not None
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.full_like(p, 1e-6)
+        opt = type(self.optimizer)(params, **_constructor_defaults(self.optimizer))
+        times: list[float] = []
+        for _ in range(self.warmup + self.repeats):
+            with timer.measure(times):
+                opt.step()
+        return statistics.median(times[self.warmup :])
+
+    def time(self, layer: nn.Module, timer: _Timer) -> float:
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if self.optimizer is None or not params:
+            return 0.0
+        cls = type(self.optimizer)
+        try:
+            if self.fixed_s is None:
+                scalar = torch.zeros(1, device=params[0].device, dtype=params[0].dtype, requires_grad=True)
+                self.fixed_s = self._median_step([scalar], timer)
+            return max(0.0, self._median_step(params, timer) - self.fixed_s)
+        except Exception as exc:  # the cost model then counts updates as free, as without an optimizer
+            warnings.warn(
+                f"The layer profile does not time optimizer updates: a new {cls.__name__}(params, **defaults) "
+                f"could not step ({type(exc).__name__}: {exc}). The planner counts updates as free; with a schedule "
+                "that updates after every micro-batch (async) it then underestimates the stages' time.",
+                stacklevel=3,
+            )
+            self.optimizer = None
+            return 0.0
+        finally:
+            for p in params:
+                p.grad = None
 
 
 def _profile_one(

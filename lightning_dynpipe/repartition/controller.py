@@ -68,14 +68,17 @@ def neighbours(partition: Partition, max_shift: int = 2) -> list[Partition]:
 class _PredictedStages:
     """A :class:`~lightning_dynpipe.plan.costs.CostModel` that prices one candidate with a predictor's times.
 
-    Stage ``k`` per micro-batch: its predicted compute, plus ``(1 - overlap) * 2`` predicted messages across
-    its outgoing boundary (activation out, gradient back), plus the replicas' all-reduce, over the replicas:
-    the terms of :class:`~lightning_dynpipe.plan.costs.DefaultCostModel` with the predictor's numbers.
+    Stage ``k`` per micro-batch: its predicted compute, plus its layers' profiled updates slowed as its compute
+    is (``update``, per update, amortised over the micro-batches of one update), plus ``(1 - overlap) * 2``
+    predicted messages across its outgoing boundary (activation out, gradient back), plus the replicas'
+    all-reduce, over the replicas: the terms of :class:`~lightning_dynpipe.plan.costs.DefaultCostModel` with the
+    predictor's numbers.
     """
 
     compute: tuple[float, ...]
     boundary: tuple[float, ...]
     comm: CommModel
+    update: tuple[float, ...] = ()
 
     def stage_time(
         self,
@@ -91,6 +94,8 @@ class _PredictedStages:
     ) -> npt.NDArray[np.float64]:
         i, j = int(np.asarray(first).reshape(-1)[0]), int(np.asarray(stop).reshape(-1)[0])
         t = self.compute[stage_idx]
+        if self.update:
+            t += self.update[stage_idx] / microbatches_per_update
         if stage_idx < num_stages - 1:
             overlap = float(self.comm.overlap_per_cut(model.num_layers)[j - 1])
             t += (1.0 - overlap) * 2.0 * self.boundary[stage_idx]
@@ -315,11 +320,16 @@ class AdaptiveController:
     def _price(self, partition: Partition, prediction: PartitionPrediction, comm: CommModel) -> _Priced:
         """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals."""
         plans = []
+        ranges = [partition.stage_layers(k) for k in range(partition.num_stages)]
+        update = tuple(
+            prediction.slowdowns[k] * self.model_cost.update_s(r.start, r.stop) for k, r in enumerate(ranges)
+        )
         for pick in ("value", "high"):
             model = _PredictedStages(
                 tuple(getattr(i, pick) for i in prediction.stage_compute_s),
                 tuple(getattr(i, pick) for i in prediction.boundary_s),
                 comm,
+                update,
             )
             plans.append(
                 evaluate(

@@ -115,7 +115,12 @@ def _profile(
 
     factor = optimizer_state_factor(optimizer) if optimizer is not None else 0.0
     profile = profile_layers(
-        pipeline, sample, device=device, optimizer_state_bytes_per_param_byte=factor, layer_copies=layer_copies
+        pipeline,
+        sample,
+        device=device,
+        optimizer_state_bytes_per_param_byte=factor,
+        layer_copies=layer_copies,
+        optimizer=optimizer,
     )
     return profile.to_model_cost()
 

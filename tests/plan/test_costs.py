@@ -29,6 +29,7 @@ def _model(seed: int, n: int) -> ModelCost:
         param_bytes=[rng.randint(0, 99) for _ in range(n)],
         optimizer_state_bytes=[rng.randint(0, 99) for _ in range(n)],
         workspace_bytes=[rng.randint(0, 99) for _ in range(n)],
+        update_s=[rng.uniform(0, 1) for _ in range(n)],
     )
 
 
@@ -40,6 +41,7 @@ def test_range_queries_match_naive_sums(n: int) -> None:
         for j in range(i, n + 1):
             span = layers[i:j]
             assert model.compute_s(i, j) == pytest.approx(sum(c.forward_s + c.backward_s for c in span))
+            assert model.update_s(i, j) == pytest.approx(sum(c.update_s for c in span))
             assert model.param_bytes(i, j) == sum(c.param_bytes for c in span)
             assert model.activation_bytes(i, j) == sum(c.activation_bytes for c in span)
             assert model.optimizer_state_bytes(i, j) == sum(c.optimizer_state_bytes for c in span)
@@ -62,7 +64,14 @@ def test_prefix_arrays_are_read_only() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("forward_s", -1.0), ("backward_s", math.nan), ("param_bytes", -4), ("activation_bytes", 1.5)],
+    [
+        ("forward_s", -1.0),
+        ("backward_s", math.nan),
+        ("param_bytes", -4),
+        ("activation_bytes", 1.5),
+        ("update_s", -0.5),
+        ("update_s", math.inf),
+    ],
 )
 def test_layer_cost_rejects_bad_values(field: str, value: float) -> None:
     kwargs = {"forward_s": 1.0, "backward_s": 1.0, field: value}
@@ -73,6 +82,8 @@ def test_layer_cost_rejects_bad_values(field: str, value: float) -> None:
 def test_model_cost_rejects_mismatched_columns_and_empty_models() -> None:
     with pytest.raises(ConfigurationError, match="one entry per layer"):
         ModelCost.from_arrays([1.0, 1.0], [1.0, 1.0], param_bytes=[1, 2, 3])
+    with pytest.raises(ConfigurationError, match="update_s must have one entry per layer"):
+        ModelCost.from_arrays([1.0, 1.0], [1.0, 1.0], update_s=[0.1])
     with pytest.raises(ConfigurationError, match="at least one layer"):
         ModelCost(())
 
@@ -103,17 +114,31 @@ def test_device_spec_validation() -> None:
         DeviceSpec(memory_cap_bytes=0)
 
 
+def test_model_cost_columns_round_trip_and_older_columns_have_no_update_time() -> None:
+    """to_arrays/from_arrays carry the update times; columns written before they existed read as 0 (not timed)."""
+    model = _model(5, 6)
+    assert ModelCost.from_arrays(**model.to_arrays()) == model
+    older = {k: v for k, v in model.to_arrays().items() if k != "update_s"}
+    assert ModelCost.from_arrays(**older).update_prefix.tolist() == [0.0] * 7
+    assert ModelCost.from_arrays([1.0, 1.0], [1.0, 1.0], update_s=0.25).update_s(0, 2) == 0.5
+
+
 def test_default_cost_model_formula() -> None:
-    """T = (s * compute + (1 - overlap) * 2 * transfer(out) + allreduce / M) / r, by hand."""
+    """T = (s * (compute + update / M_u) + (1 - overlap) * 2 * transfer(out) + allreduce / M_u) / r, by hand
+    (``M_u``: micro-batches per update, 1 for async)."""
     model = ModelCost.from_arrays(
-        [1.0, 2.0, 3.0], [2.0, 4.0, 6.0], activation_bytes=[100, 200, 300], param_bytes=[10, 20, 30]
+        [1.0, 2.0, 3.0],
+        [2.0, 4.0, 6.0],
+        activation_bytes=[100, 200, 300],
+        param_bytes=[10, 20, 30],
+        update_s=[0.5, 0.0, 1.25],
     )
     comm = CommModel(latency_s=0.1, bandwidth_Bps=100.0, overlap=(0.5, 0.25))
     cost = DefaultCostModel(comm)
     device = DeviceSpec(slowdown=1.5)
 
     def by_hand(i: int, j: int, r: int, mpu: int) -> float:
-        compute = 1.5 * sum([3.0, 6.0, 9.0][i:j])
+        compute = 1.5 * (sum([3.0, 6.0, 9.0][i:j]) + sum([0.5, 0.0, 1.25][i:j]) / mpu)
         boundary = 0.0 if j == 3 else (1 - (0.5, 0.25)[j - 1]) * 2 * (0.1 + [100, 200, 300][j - 1] / 100.0)
         params = sum([10, 20, 30][i:j])
         allreduce = 0.0 if r == 1 else (2 * (r - 1) * 0.1 + 2 * (r - 1) / r * params / 100.0) / mpu

@@ -64,6 +64,8 @@ def random_model(rng: random.Random, n: int) -> ModelCost:
         param_bytes=[rng.choice([0, rng.randint(1, 60)]) for _ in range(n)],
         optimizer_state_bytes=[rng.randint(0, 60) for _ in range(n)],
         workspace_bytes=[rng.randint(0, 40) for _ in range(n)],
+        # optimizer updates: none for parameter-free layers, and up to a whole forward + backward
+        update_s=[rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(n)],
     )
 
 

@@ -93,6 +93,28 @@ def test_a_wide_interval_holds_a_move_whose_central_gain_would_pay() -> None:
     assert unsure.inputs.candidate_step_upper_s > unsure.inputs.candidate_step_s
 
 
+def test_candidates_are_priced_with_the_updates_of_their_layers() -> None:
+    """async updates after every micro-batch: an LM-head-like last layer whose update costs 4 layers' compute
+    makes [4, 4] unbalanced although the measured compute is even (slowdowns 1, 1); [6, 2] evens it out.
+    Without update times the same window leaves [4, 4] alone."""
+    heavy_head = ModelCost.from_arrays([0.001] * 8, [0.002] * 8, param_bytes=[1000] * 8, update_s=[0.0] * 7 + [0.012])
+    times = [StageTimes(0.048, 0.1), StageTimes(0.048, 0.1)]
+    cases = ((heavy_head, Partition((6, 2)), 0.024, 0.018), (COST, PART, 0.012, 0.012))
+    for cost, expected, current_s, candidate_s in cases:  # seconds per micro-batch of the slowest stage
+        controller = AdaptiveController(
+            GainOverCostPolicy(patience=1, horizon_steps=500),
+            model_cost=cost,
+            comm=CommModel(),
+            schedule="async",
+            num_microbatches=M,
+            convergence=ConvergenceModel(beta=0.0),
+        )
+        d = controller.check(10, times, PART, remaining_steps=1000)
+        assert d is not None and d.inputs.candidate == expected
+        assert d.inputs.current_step_s == pytest.approx(M * current_s)
+        assert d.inputs.candidate_step_s == pytest.approx(M * candidate_s)
+
+
 def test_a_decision_logs_intervals_and_features_and_the_outcome_is_recorded(caplog: pytest.LogCaptureFixture) -> None:
     pred = _Scripted((0.003, 0.009), spread=0.05)
     c = _controller(pred)
