@@ -63,7 +63,7 @@ class LayerCost:
             (e.g. ``3 * param_bytes`` for Adam: gradient, ``exp_avg``, ``exp_avg_sq``).
         workspace_bytes: transient peak memory while the layer runs forward or backward, beyond what is
             stored above; freed afterwards, so a stage needs the largest of its layers', once.
-        update_s: time of one optimizer update of the layer's parameters, seconds (0: not measured). A schedule
+        update_s: what the layer's parameters add to one optimizer update, seconds (0: not measured). A schedule
             without a flush updates after every micro-batch, so this is part of every micro-batch's cost there;
             with a flush it is paid once per ``M`` micro-batches.
     """
@@ -255,7 +255,7 @@ class ModelCost:
 
     @property
     def update_prefix(self) -> FloatArray:
-        """``update_prefix[i]`` = seconds of one optimizer update of layers ``[0, i)`` (read-only, length n+1)."""
+        """``update_prefix[i]`` = seconds layers ``[0, i)`` add to one optimizer update (read-only, length n+1)."""
         return self._update
 
     @property
@@ -283,7 +283,7 @@ class ModelCost:
         return float(self._compute[stop] - self._compute[first])
 
     def update_s(self, first: int, stop: int) -> float:
-        """Seconds of one optimizer update of layers ``[first, stop)``."""
+        """Seconds layers ``[first, stop)`` add to one optimizer update."""
         return float(self._update[stop] - self._update[first])
 
     def param_bytes(self, first: int, stop: int) -> int:
