@@ -209,9 +209,9 @@ class ModelCost:
         """Builds a model from per-layer columns; a scalar byte count or update time applies to every layer."""
         n = len(forward_s)
 
-        def column(name: str, values: Sequence[int] | int) -> list[int]:
-            if isinstance(values, (int, np.integer)):
-                return [int(values)] * n
+        def column(name: str, values: Sequence[Any] | float) -> list[Any]:
+            if isinstance(values, (int, float, np.number)):
+                return [values] * n
             if len(values) != n:
                 raise ConfigurationError(
                     f"{name} must have one entry per layer: len(forward_s) = {n}, len({name}) = {len(values)}."
@@ -228,14 +228,7 @@ class ModelCost:
             column("optimizer_state_bytes", optimizer_state_bytes),
             column("workspace_bytes", workspace_bytes),
         )
-        if isinstance(update_s, (int, float, np.number)):
-            updates = [float(update_s)] * n
-        elif len(update_s) != n:
-            raise ConfigurationError(
-                f"update_s must have one entry per layer: len(forward_s) = {n}, len(update_s) = {len(update_s)}."
-            )
-        else:
-            updates = [float(u) for u in update_s]
+        updates = [float(u) for u in column("update_s", update_s)]
         return cls(
             tuple(
                 LayerCost(float(f), float(b), a, p, o, w, u)
