@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -324,23 +324,24 @@ class AdaptiveController:
         update = tuple(
             prediction.slowdowns[k] * self.model_cost.update_s(r.start, r.stop) for k, r in enumerate(ranges)
         )
+        per_update = self.schedule.microbatches_per_update(self.num_microbatches)
         for pick in ("value", "high"):
-            model = _PredictedStages(
-                tuple(getattr(i, pick) for i in prediction.stage_compute_s),
-                tuple(getattr(i, pick) for i in prediction.boundary_s),
-                comm,
-                update,
+            compute = tuple(getattr(i, pick) for i in prediction.stage_compute_s)
+            messages = tuple(getattr(i, pick) for i in prediction.boundary_s)
+            plan = evaluate(
+                self.model_cost,
+                Partition(partition.balance, (self.replicas,) * partition.num_stages),
+                schedule=self.schedule,
+                convergence=self.convergence,
+                cost_model=_PredictedStages(compute, messages, comm, update),
+                num_microbatches=self.num_microbatches,
             )
-            plans.append(
-                evaluate(
-                    self.model_cost,
-                    Partition(partition.balance, (self.replicas,) * partition.num_stages),
-                    schedule=self.schedule,
-                    convergence=self.convergence,
-                    cost_model=model,
-                    num_microbatches=self.num_microbatches,
-                )
-            )
+            # the stages' own times miss the round trips through several stages that the micro-batches in
+            # flight allow: a slow link can bind there (each replica runs its own round trips)
+            trip = self.schedule.round_trip_time(compute, [u / per_update for u in update], messages) / self.replicas
+            if trip > plan.iteration_time_s:
+                plan = replace(plan, iteration_time_s=trip, time_to_accuracy_s=plan.iterations * trip)
+            plans.append(plan)
         return _Priced(partition, prediction, plans[0], plans[1])
 
     def _details(self, window: PipelineWindow, current: _Priced, best: _Priced) -> str:

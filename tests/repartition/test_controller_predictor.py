@@ -207,3 +207,71 @@ def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> N
     slowest = link.add([(800_000, 0.0015), (100_000, 0.020)]).model()  # boundary 1: 100 x its model
     assert float(slowest.transfer_time(100_000)) == pytest.approx(0.020)
     assert link.add([(800_000, 0.0009)]).model() == QUIET_LINK  # a pipeline with one boundary now: history reset
+
+
+# Five layers of 3 ms (forward 1, backward 2) whose activations shrink: 400 KB after layer 0, 100 KB after layers 1
+# and 2, 10 KB after layer 3. Over a 20 MB/s link with 1 ms latency a message takes 21, 6, 6 and 1.5 ms.
+NARROWING = ModelCost.from_arrays(
+    [0.001] * 5, [0.002] * 5, param_bytes=[1000] * 5, activation_bytes=[400_000, 100_000, 100_000, 10_000, 10_000]
+)
+SLOW_LINK = CommModel(latency_s=1e-3, bandwidth_Bps=20e6)
+
+
+def _hogged_window(link: CommModel, hog: float) -> list[StageTimes]:
+    """[2, 3] with stage 0 slowed ``hog`` times; every message hidden behind compute (overlap 1)."""
+    comm = M * float(link.transfer_time(100_000))
+    compute = (hog * 0.006, 0.009)
+    trip = (sum(compute) + 2 * comm / M) / 2  # the round trip binds: 1F1B keeps 2 micro-batches on stage 0
+    step = M * max(*compute, trip)
+    return [StageTimes(M * c, step, comm_s=comm, exposed_comm_s=0.0) for c in compute]
+
+
+def _simulated_step_s(balance: tuple[int, int], hog: float, link: CommModel) -> float:
+    """The event simulator's seconds per step of ``balance`` with the window's slowdowns (1F1B, no flush)."""
+    from lightning_dynpipe.schedule import simulate
+
+    slow = (hog, 1.0)
+    fwd = [0.001 * n * s for n, s in zip(balance, slow)]
+    msg = float(link.transfer_time(NARROWING.layers[balance[0] - 1].activation_bytes))
+    r = simulate("async", 2, M, 8, forward_time=fwd, backward_time=[2 * f for f in fwd], comm_time=[msg],
+                 step_sync="last_stage_broadcast")  # fmt: skip
+    return r.steady_state_step_time
+
+
+def test_a_slow_link_prices_the_round_trip_of_the_micro_batches_in_flight() -> None:
+    """A hog triples stage 0 of [2, 3] on a slow link. Priced stage by stage (messages hidden), [1, 4] would be
+    faster (12 ms against 18 ms of stage 0): but a micro-batch goes to stage 1 and back over the 21 ms messages
+    before stage 0 may forward the one after next, and [1, 4] runs at (9 + 12 + 2 x 21) / 2 = 31.5 ms a micro-batch
+    against 19.5 ms for [2, 3], as the event simulator says. The controller keeps [2, 3]; on a fast link the same
+    hog moves it to [1, 4]."""
+    controller = AdaptiveController(
+        GainOverCostPolicy(patience=1, horizon_steps=500),
+        model_cost=NARROWING,
+        comm=SLOW_LINK,
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )
+    d = controller.check(10, _hogged_window(SLOW_LINK, hog=3.0), Partition((2, 3)), remaining_steps=2000)
+    assert d is not None and not d.repartition and d.inputs.candidate == Partition((2, 3)), d
+    assert d.inputs.current_step_s == pytest.approx(_simulated_step_s((2, 3), 3.0, SLOW_LINK)) == M * 0.0195
+    assert _simulated_step_s((1, 4), 3.0, SLOW_LINK) == pytest.approx(M * 0.0315)
+    priced = controller._price(Partition((1, 4)), controller.predictor.predict(
+        NARROWING, SLOW_LINK, PipelineWindow(Partition((2, 3)), tuple(_hogged_window(SLOW_LINK, 3.0)), M),
+        Partition((1, 4))), CommModel(latency_s=1e-3, bandwidth_Bps=20e6, overlap=1.0))  # fmt: skip
+    assert priced.value.iteration_time_s == pytest.approx(0.0315)
+
+    fast = CommModel(latency_s=1e-5, bandwidth_Bps=10e9)
+    controller = AdaptiveController(
+        GainOverCostPolicy(patience=1, horizon_steps=500),
+        model_cost=NARROWING,
+        comm=fast,
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )
+    d = controller.check(10, _hogged_window(fast, hog=3.0), Partition((2, 3)), remaining_steps=2000)
+    assert d is not None and d.repartition and d.partition == Partition((1, 4)), d
+    assert d.inputs.candidate_step_s == pytest.approx(_simulated_step_s((1, 4), 3.0, fast), rel=0.01)
