@@ -109,6 +109,8 @@ class _Priced:
     prediction: PartitionPrediction
     value: Plan
     high: Plan
+    round_trip_bound: bool = False
+    """Whether a round trip through several stages, not a stage, sets the value's time per micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -320,12 +322,14 @@ class AdaptiveController:
     def _price(self, partition: Partition, prediction: PartitionPrediction, comm: CommModel) -> _Priced:
         """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals."""
         plans = []
+        bound = []
         ranges = [partition.stage_layers(k) for k in range(partition.num_stages)]
         update = tuple(
             prediction.slowdowns[k] * self.model_cost.update_s(r.start, r.stop) for k, r in enumerate(ranges)
         )
         per_update = self.schedule.microbatches_per_update(self.num_microbatches)
-        for pick in ("value", "high"):
+        points = all(i.high == i.value for i in (*prediction.stage_compute_s, *prediction.boundary_s))
+        for pick in ("value",) if points else ("value", "high"):
             compute = tuple(getattr(i, pick) for i in prediction.stage_compute_s)
             messages = tuple(getattr(i, pick) for i in prediction.boundary_s)
             plan = evaluate(
@@ -339,10 +343,12 @@ class AdaptiveController:
             # the stages' own times miss the round trips through several stages that the micro-batches in
             # flight allow: a slow link can bind there (each replica runs its own round trips)
             trip = self.schedule.round_trip_time(compute, [u / per_update for u in update], messages) / self.replicas
-            if trip > plan.iteration_time_s:
+            bound.append(trip > plan.iteration_time_s)
+            if bound[-1]:
                 plan = replace(plan, iteration_time_s=trip, time_to_accuracy_s=plan.iterations * trip)
             plans.append(plan)
-        return _Priced(partition, prediction, plans[0], plans[1])
+        # point predictions: the upper end is the value
+        return _Priced(partition, prediction, plans[0], plans[-1], bound[0])
 
     def _details(self, window: PipelineWindow, current: _Priced, best: _Priced) -> str:
         """Predicted stage and boundary times of the candidate (ms, with intervals) and the top features."""
@@ -358,6 +364,10 @@ class AdaptiveController:
         text = f"candidate stage ms/micro-batch {fmt(pred.stage_compute_s)}"
         if pred.boundary_s:
             text += f", boundary ms/message {fmt(pred.boundary_s)}"
+        bound = [p for p in ((current,) if best is current else (current, best)) if p.round_trip_bound]
+        if bound:
+            trips = ", ".join(f"{list(p.partition.balance)} {p.value.iteration_time_s * 1e3:.2f}" for p in bound)
+            text += f"; round trip through the stages binds (ms/micro-batch): {trips}"
         link = self.link.model()
         if link != self.comm:
             text += f"; link as measured: {link.latency_s * 1e3:.2f} ms + {link.bandwidth_Bps / 1e6:.3g} MB/s"

@@ -255,6 +255,7 @@ def test_a_slow_link_prices_the_round_trip_of_the_micro_batches_in_flight() -> N
     )
     d = controller.check(10, _hogged_window(SLOW_LINK, hog=3.0), Partition((2, 3)), remaining_steps=2000)
     assert d is not None and not d.repartition and d.inputs.candidate == Partition((2, 3)), d
+    assert "round trip through the stages binds (ms/micro-batch): [2, 3] 19.50" in str(d)
     assert d.inputs.current_step_s == pytest.approx(_simulated_step_s((2, 3), 3.0, SLOW_LINK)) == M * 0.0195
     assert _simulated_step_s((1, 4), 3.0, SLOW_LINK) == pytest.approx(M * 0.0315)
     priced = controller._price(Partition((1, 4)), controller.predictor.predict(
@@ -275,3 +276,25 @@ def test_a_slow_link_prices_the_round_trip_of_the_micro_batches_in_flight() -> N
     d = controller.check(10, _hogged_window(fast, hog=3.0), Partition((2, 3)), remaining_steps=2000)
     assert d is not None and d.repartition and d.partition == Partition((1, 4)), d
     assert d.inputs.candidate_step_s == pytest.approx(_simulated_step_s((1, 4), 3.0, fast), rel=0.01)
+
+
+def test_point_predictions_are_priced_once_and_intervals_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A predictor of points (the measured baseline's kind) has its upper end at its value: each candidate is
+    evaluated once, and the decision's upper end is its value."""
+    import lightning_dynpipe.repartition.controller as controller_module
+
+    calls: list[Partition] = []
+    real = controller_module.evaluate
+
+    def counting(model_cost: ModelCost, partition: Partition, **kwargs: object) -> object:
+        calls.append(partition)
+        return real(model_cost, partition, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(controller_module, "evaluate", counting)
+    for spread, per_candidate in ((0.0, 1), (0.1, 2)):
+        calls.clear()
+        pred = _Scripted((0.003, 0.009), spread=spread)
+        d = _controller(pred).check(10, _times(), PART, remaining_steps=1000)
+        assert d is not None and len(pred.asked) >= 5
+        assert len(calls) == per_candidate * len(pred.asked)
+        assert (d.inputs.candidate_step_high_s == d.inputs.candidate_step_s) is (spread == 0.0)
