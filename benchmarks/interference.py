@@ -61,10 +61,13 @@ the step time of every 2-stage split under those slowdowns; ``limit_on`` is stat
 (interference may be on for only part of it) the oracle time is the static run's own per-step times, with the
 steps under interference divided by ``limit_on``; the run's limit is static time / oracle time. This is a
 *prediction* (the oracle partition is not measured), so it is only as good as the cost model, and it prices
-compute only. For the scenarios on for the whole run (``quota50``, ``quota25``, ``delay``) the limit is **measured**
-instead: after the systems, every 2-stage cut runs fixed under the scenario for ``--cut-steps`` steps
-(pseudo-systems ``cut1,4`` ..., recorded in the JSON, not in the tables' systems), and the limit is the configured
-cut's mean time per step over the fastest cut's. The others keep the predicted, compute-only limit.
+compute only. For ``quota50``, ``quota25``, ``delay`` and ``mix`` the limit is **measured** instead: after the
+systems, every 2-stage cut runs fixed for ``--cut-steps`` steps with the scenario's interference on from its first
+step (pseudo-systems ``cut1,4`` ..., recorded in the JSON, not in the tables' systems), and the limit while on is the
+configured cut's mean time per step over the fastest cut's. ``mix`` has two phases (the link alone, then the link
+and the hog): its cuts also run under the link alone (``cut1,4@delay`` ...), and its limit over the run is the
+static run's own steps, each before the hog's onset sped up by the first phase's limit and each after it by the
+second's. The others keep the predicted, compute-only limit.
 
 Usage (from the repository root)::
 
@@ -132,10 +135,14 @@ ALL_SYSTEMS: tuple[str, ...] = (
 )
 SYSTEMS: tuple[str, ...] = ("forest", "measured", "static")
 SUSTAINED = ("hog", "quota50", "quota25", "quota25-late", "delay", "mix")
-CUT_SCENARIOS = ("quota50", "quota25", "delay")
-"""Scenarios on for the whole run whose rebalancing limit is measured: every cut run fixed for ``cut_steps`` steps
-(the planner's cost model does not know how much of an emulated link's time the schedule hides, and under a CPU
-quota the measured compute understates the slowdown: the throttling lands in the waits too)."""
+CUT_SCENARIOS = ("quota50", "quota25", "delay", "mix")
+"""Scenarios whose rebalancing limit is measured: every cut run fixed for ``cut_steps`` steps with all of the
+scenario's interference on from the first step (the planner's cost model does not know how much of an emulated
+link's time the schedule hides, nor the round trips a slow link binds, and under a CPU quota the measured compute
+understates the slowdown: the throttling lands in the waits too)."""
+EARLIER_PHASE = {"mix": "delay"}
+"""A measured scenario whose interference arrives in two phases: the scenario of its first phase (the link alone, in
+``mix``), whose cuts are run too (pseudo-systems ``cut{a},{b}@{scenario}``) for the oracle before the onset."""
 MODELS: tuple[str, ...] = ("mlp", "cnn")
 NUM_STAGES = WORLD_SIZE = 2
 
@@ -432,7 +439,7 @@ def _run(
     from lightning_dynpipe.interference import InterferenceCallback
 
     if system.startswith("cut"):  # a fixed cut, measured for cfg.cut_steps steps without evaluations
-        cfg = replace(cfg, balance=tuple(int(x) for x in system[3:].split(",")), target_acc=2.0)
+        cfg = replace(cfg, balance=tuple(int(x) for x in system[3:].partition("@")[0].split(",")), target_acc=2.0)
         batches, eval_every = batches[: cfg.cut_steps], cfg.cut_steps + 1
     else:
         eval_every = cfg.eval_every
@@ -466,6 +473,7 @@ def _run(
                 "candidate": list(d.inputs.candidate.balance),
                 "measured_step_s": d.inputs.measured_step_s,
                 "migration_cost_s": d.inputs.migration_cost_s,
+                "details": d.inputs.details,
             }
             for d in rec.decisions
         ],
@@ -542,8 +550,14 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             onset = cfg.max_steps // 4
             for si, scenario in enumerate(scenarios):
                 cuts = cut_systems(cfg) if scenario in CUT_SCENARIOS else []
+                if scenario in EARLIER_PHASE:
+                    cuts += [f"{c}@{EARLIER_PHASE[scenario]}" for c in cut_systems(cfg)]
                 for position, system in enumerate(rotated(list(cfg.systems), seed + si) + cuts):
-                    schedule = schedule_for(scenario, cfg, onset)
+                    if system.startswith("cut"):  # every cut with the (phase's) interference on from the start
+                        phase = system.partition("@")[2] or scenario
+                        schedule = schedule_for(phase, cfg, 0)
+                    else:
+                        schedule = schedule_for(scenario, cfg, onset)
                     load = os.getloadavg()[0]
                     dist.barrier()
                     r = _run(system, scenario, schedule, cfg, seed, batches, val)
@@ -618,20 +632,50 @@ def _ms_per_step(run: dict[str, Any]) -> float:
     return sum(gaps) / len(gaps)
 
 
-def measured_limit(cuts: dict[str, dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """The limit from every cut run fixed under the scenario: the configured cut's ms/step over the fastest's."""
-    ms = {name[3:]: _ms_per_step(r) for name, r in cuts.items()}
+def measured_limit(
+    cuts: dict[str, dict[str, Any]], cfg: Config, static: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The limit from every cut run fixed under the scenario: the configured cut's ms/step over the fastest's.
+
+    With cuts of an earlier phase too (``cut{a},{b}@{scenario}``, see :data:`EARLIER_PHASE`) and the ``static`` run,
+    the limit over the run is an oracle on the static run's own steps: each step before the last phase's onset sped
+    up by the earlier phase's limit, each after it by the last phase's.
+    """
     key = ",".join(str(b) for b in cfg.balance)
-    best = min(ms, key=lambda k: ms[k])
-    limit = ms[key] / ms[best]
-    return {
+
+    def limit(runs: dict[str, dict[str, Any]]) -> tuple[dict[str, float], str, float]:
+        ms = {name[3:].partition("@")[0]: _ms_per_step(r) for name, r in runs.items()}
+        best = min(ms, key=lambda k: ms[k])
+        return ms, best, ms[key] / ms[best]
+
+    ms, best, limit_on = limit({n: r for n, r in cuts.items() if "@" not in n})
+    out = {
         "slowdowns": [1.0] * NUM_STAGES,
         "measured_ms_per_step": ms,
         "best": best,
-        "limit_on": limit,
-        "limit_run": limit,
+        "limit_on": limit_on,
+        "limit_run": limit_on,
         "measured": True,
     }
+    earlier = {n: r for n, r in cuts.items() if "@" in n}
+    if earlier and static is not None:
+        ms_early, best_early, limit_early = limit(earlier)
+        onset = max(e["start_step"] for e in static["schedule"])
+        end = static["time_to_acc_s"] if static["reached"] else static["train_s"]
+        t_prev, total, oracle = 0.0, 0.0, 0.0
+        for s in static["steps"][-1]:
+            if s["t"] > end + 1e-9:
+                break
+            dt, t_prev = s["t"] - t_prev, s["t"]
+            total += dt
+            oracle += dt / (limit_on if s["step"] >= onset else limit_early)
+        out.update(
+            measured_ms_per_step_before=ms_early,
+            best_before=best_early,
+            limit_before=limit_early,
+            limit_run=total / oracle if oracle > 0 else 1.0,
+        )
+    return out
 
 
 def rebalancing_limit(
@@ -644,7 +688,7 @@ def rebalancing_limit(
     """Measured slowdowns of the static run (vs ``ref``, the seed's none/static run) and the oracle's speed-up; with
     ``cuts`` (every cut's fixed run under the scenario, by pseudo-system name), the measured limit instead."""
     if cuts:
-        return measured_limit(cuts, cfg)
+        return measured_limit(cuts, cfg, static)
     if ref is None or costs is None:
         return None
     sched = static["schedule"]
@@ -1210,7 +1254,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "onset->move: steps from the interference onset to the first migration, per seed; "
         "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
         f"slowdowns (not measured), except for {', '.join(CUT_SCENARIOS)} ('cuts run'): every cut run fixed under "
-        f"the scenario for {cfg.cut_steps} steps, the configured cut's mean ms/step over the fastest cut's:"
+        f"the scenario for {cfg.cut_steps} steps, the configured cut's mean ms/step over the fastest cut's (mix: "
+        "over the run, the link-alone cuts' limit before the hog's onset and the others' after it):"
     )
     print(render_table(summary, cfg))
     print()

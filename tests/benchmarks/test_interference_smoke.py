@@ -57,3 +57,35 @@ def test_the_delay_limit_is_measured_from_every_cut_run_fixed() -> None:
     lim = rebalancing_limit({"schedule": []}, None, None, cfg, cuts)
     assert lim is not None and lim["measured"] and lim["best"] == "4,1"
     assert lim["limit_on"] == pytest.approx(90.0 / 50.0) and lim["limit_run"] == lim["limit_on"]
+
+
+def test_the_mix_limit_over_the_run_uses_each_phases_measured_cuts() -> None:
+    """``mix``: the link alone before the hog's onset, both after. The cuts of each phase give its limit; over the
+    run, the static run's steps before the onset are sped up by the first phase's limit, those after by the second's."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, rebalancing_limit, schedule_for
+
+    cfg = Config(model="cnn", balance=(2, 3))
+
+    def fixed(ms: float) -> dict[str, Any]:
+        times = [0.5] + [0.5 + (i + 1) * ms / 1e3 for i in range(60)]
+        return {"steps": [[], [{"step": i, "t": t} for i, t in enumerate(times)]]}
+
+    both = {"cut1,4": fixed(150.0), "cut2,3": fixed(100.0), "cut3,2": fixed(80.0), "cut4,1": fixed(90.0)}
+    link = {f"cut{k}@delay": fixed(ms) for k, ms in (("1,4", 120.0), ("2,3", 80.0), ("3,2", 50.0), ("4,1", 40.0))}
+    # the static run: 20 steps of 80 ms (the link alone), then 20 of 100 ms (the hog from step 20 on)
+    t = [0.08 * (i + 1) for i in range(20)] + [1.6 + 0.1 * (i + 1) for i in range(20)]
+    static = {
+        "schedule": schedule_for("mix", cfg, 20),
+        "steps": [[], [{"step": i, "t": x} for i, x in enumerate(t)]],
+        "reached": True,
+        "time_to_acc_s": t[-1],
+    }
+    lim = rebalancing_limit(static, None, None, cfg, both | link)
+    assert lim is not None and lim["measured"] and lim["best"] == "3,2" and lim["best_before"] == "4,1"
+    assert lim["limit_on"] == pytest.approx(100.0 / 80.0) and lim["limit_before"] == pytest.approx(80.0 / 40.0)
+    oracle = 20 * 0.08 / 2.0 + 20 * 0.1 / 1.25  # the first phase's steps at [4, 1], the second's at [3, 2]
+    assert lim["limit_run"] == pytest.approx(t[-1] / oracle)
