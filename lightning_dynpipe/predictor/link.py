@@ -13,10 +13,12 @@ windows (:func:`~lightning_dynpipe.predictor.features.measured_message_s`) and a
   model (a quiet link's measured times carry scheduling noise the planner should not chase);
 * once it is slower, and the recent points measured slower span two message sizes (the boundary moved, or the
   stages' outputs changed size), the least-squares line ``latency + bytes / bandwidth`` through them;
-* with one size only, latency and bandwidth cannot be told apart, and the set-up model is scaled as a whole by
-  measured over modelled time (a link that is ``r`` times slower for this message is taken to be ``r`` times slower
-  for any): a move to a smaller activation is then predicted to gain, the outcome check measures it, and the next
-  window has the second size.
+* with one size only, latency and bandwidth cannot be told apart, and the probe's latency is kept with the rest of
+  the measured time charged per byte (the bandwidth that explains the measured message): a move to a smaller
+  activation is then predicted to gain, the outcome check measures it, and the next window has the second size.
+  Scaling the probe's model as a whole instead made the price of a small message depend on how the set-up probe
+  happened to split its (sub-millisecond) time between latency and bandwidth, and a slow link's round trips (which
+  the controller prices in full) then hid the move to the smallest activation in some runs.
 
 With several boundaries, the one slowed most (measured over modelled) sets the model: the planner prices every
 boundary with one link.
@@ -44,9 +46,9 @@ class LinkEstimate:
         >>> link = LinkEstimate(base)
         >>> link.add([(200_000, 0.0003)]).model() == base          # as the probe said: keep it
         True
-        >>> slow = link.add([(200_000, 0.012)]).model()              # 40x slower, one size: scaled
+        >>> slow = link.add([(200_000, 0.012)]).model()              # 40x slower, one size: charged per byte
         >>> round(float(slow.transfer_time(200_000)), 4), round(float(slow.transfer_time(8_000)), 4)
-        (0.012, 0.0043)
+        (0.012, 0.0006)
         >>> fitted = link.add([(8_000, 0.0024)]).model()           # a second size: the line through both
         >>> round(fitted.latency_s, 4), round(fitted.bandwidth_Bps / 1e6, 1)
         (0.002, 20.0)
@@ -104,10 +106,12 @@ class LinkEstimate:
         if fitted is not None:
             latency, per_byte = fitted
             return CommModel(latency_s=latency, bandwidth_Bps=1.0 / per_byte if per_byte > 0 else math.inf)
-        if math.isinf(worst_ratio):  # the base charges nothing: all of the time is latency
-            return CommModel(latency_s=worst[-1][1], bandwidth_Bps=math.inf)
-        base = self.base
-        return CommModel(latency_s=base.latency_s * worst_ratio, bandwidth_Bps=base.bandwidth_Bps / worst_ratio)
+        nbytes, seconds = worst[-1]
+        excess = seconds - self.base.latency_s
+        if math.isinf(worst_ratio) or nbytes <= 0 or excess <= 0:  # nothing to charge per byte: all latency
+            return CommModel(latency_s=seconds, bandwidth_Bps=math.inf)
+        # one size: the probe's latency, and the rest of the measured time charged per byte
+        return CommModel(latency_s=self.base.latency_s, bandwidth_Bps=nbytes / excess)
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:

@@ -196,7 +196,7 @@ def test_a_slow_link_moves_the_boundary_to_a_smaller_activation_and_a_quiet_one_
     assert slow is not None and slow.repartition, slow
     last = slow.partition.stage_layers(0)[-1]
     assert SHRINKING.layers[last].activation_bytes <= 100_000, slow.partition
-    assert "link as measured: 4.44 ms + 22.5 MB/s" in str(slow)  # the probe's link, 44x: one size measured
+    assert "link as measured: 0.10 ms + 20.1 MB/s" in str(slow)  # one size: the probe latency, the rest per byte
 
 
 def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> None:
@@ -298,3 +298,16 @@ def test_point_predictions_are_priced_once_and_intervals_twice(monkeypatch: pyte
         assert d is not None and len(pred.asked) >= 5
         assert len(calls) == per_candidate * len(pred.asked)
         assert (d.inputs.candidate_step_high_s == d.inputs.candidate_step_s) is (spread == 0.0)
+
+
+def test_one_measured_size_charges_the_excess_per_byte_whatever_the_probe_split() -> None:
+    """Two probes of the same quiet link that split their 0.7 ms for 400 KB differently (latency 0.1 or 0.5 ms):
+    once 400 KB messages take 25 ms, both price an 8 KB message under 1 ms and an 800 KB one at about 50 ms. Scaled
+    as a whole instead, the second probe would have priced the 8 KB message at 18 ms."""
+    from lightning_dynpipe.predictor.link import LinkEstimate
+
+    for probe in (CommModel(latency_s=1e-4, bandwidth_Bps=400e3 / 6e-4), CommModel(latency_s=5e-4, bandwidth_Bps=2e9)):
+        link = LinkEstimate(probe).add([(400_000, 0.025)]).model()
+        assert float(link.transfer_time(400_000)) == pytest.approx(0.025)
+        assert float(link.transfer_time(8_000)) < 1e-3
+        assert float(link.transfer_time(800_000)) == pytest.approx(0.050, rel=0.02)
