@@ -72,7 +72,9 @@ from benchmarks._common import (  # noqa: E402
     workers_done,
 )
 
-SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
+SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe", "async-defaults")
+"""``async-defaults``: ``async`` with the adaptive loop on as well (what ``DynPipeStrategy()`` does); the others
+run with it off, on one fixed partition."""
 OTHER = "(not in a component)"
 ARITHMETIC = (
     "layers forward",
@@ -467,10 +469,10 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
                 _patch_dynpipe(sections)
             strategy = DynPipeStrategy(
                 num_microbatches=cfg.num_microbatches,
-                schedule=system,  # type: ignore[arg-type]
+                schedule=system.split("-")[0],  # type: ignore[arg-type]
                 balance=list(cfg.balance),
                 timeout=cfg.timeout_s,
-                adaptive=False,
+                adaptive=system == "async-defaults",
                 monitor_every_n_steps=opts.monitor_every_n_steps,
             )
             timer = tp._step_timer(cfg.warmup, cfg.steps)

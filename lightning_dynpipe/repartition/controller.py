@@ -64,6 +64,27 @@ def neighbours(partition: Partition, max_shift: int = 2) -> list[Partition]:
     return out
 
 
+def _close(a: float, b: float, rel: float) -> bool:
+    """``a`` within ``rel`` (relative) of ``b``; equal infinities count as close."""
+    return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel * max(abs(a), abs(b)))
+
+
+def _close_inputs(
+    a: tuple[CommModel, tuple[float, ...]], b: tuple[CommModel, tuple[float, ...]], rel: float = 0.02
+) -> bool:
+    """Whether two re-solves' inputs (the link, the slowdowns) differ by less than ``rel`` each (overlap: 0.02)."""
+    (ca, sa), (cb, sb) = a, b
+    oa, ob = np.atleast_1d(ca.overlap), np.atleast_1d(cb.overlap)
+    return (
+        len(sa) == len(sb)
+        and all(_close(x, y, rel) for x, y in zip(sa, sb))
+        and _close(ca.latency_s, cb.latency_s, rel)
+        and _close(ca.bandwidth_Bps, cb.bandwidth_Bps, rel)
+        and oa.shape == ob.shape
+        and bool(np.all(np.abs(oa - ob) <= 0.02))
+    )
+
+
 @dataclass(frozen=True)
 class _PredictedStages:
     """A :class:`~lightning_dynpipe.plan.costs.CostModel` that prices one candidate with a predictor's times.
@@ -205,6 +226,7 @@ class AdaptiveController:
         self.stage_count_gain = stage_count_gain
         self.stage_count_every = max(1, stage_count_every)
         self._checks = 0
+        self._last_solve: tuple[tuple[CommModel, tuple[float, ...]], Plan] | None = None
         self.stage_count_hint: tuple[int, float, float] | None = None
         """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
         is predicted to be better by ``stage_count_gain``; else ``None``."""
@@ -244,17 +266,24 @@ class AdaptiveController:
         comm = CommModel(latency_s=link.latency_s, bandwidth_Bps=link.bandwidth_Bps, overlap=window.comm_overlap)
         current_prediction = self.predictor.predict(cost, link, window, window.partition)
         slowdowns = current_prediction.slowdowns
-        device_slowdowns = [slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)]
-        planned = best_plan(
-            cost,
-            partition.num_stages * dp,
-            num_stages=partition.num_stages,
-            schedule=self.schedule,
-            convergence=self.convergence,
-            comm=comm,
-            num_microbatches=M,
-            slowdowns=device_slowdowns,
-        )
+        # The planner's re-solve only proposes a candidate (every candidate is then priced by the predictor): a
+        # window whose link and slowdowns are each within 2% of the last solve's reuses its plan.
+        solve_inputs = (comm, tuple(slowdowns))
+        last = self._last_solve
+        if last is not None and _close_inputs(last[0], solve_inputs):
+            planned = last[1]
+        else:
+            planned = best_plan(
+                cost,
+                partition.num_stages * dp,
+                num_stages=partition.num_stages,
+                schedule=self.schedule,
+                convergence=self.convergence,
+                comm=comm,
+                num_microbatches=M,
+                slowdowns=[slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)],
+            )
+            self._last_solve = (solve_inputs, planned)
         self.stage_count_hint = None
         self._checks += 1
         if self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:

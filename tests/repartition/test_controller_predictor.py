@@ -311,3 +311,36 @@ def test_one_measured_size_charges_the_excess_per_byte_whatever_the_probe_split(
         assert float(link.transfer_time(400_000)) == pytest.approx(0.025)
         assert float(link.transfer_time(8_000)) < 1e-3
         assert float(link.transfer_time(800_000)) == pytest.approx(0.050, rel=0.02)
+
+
+def test_the_planners_proposal_is_reused_while_the_window_rounds_to_the_same_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The re-solve only proposes a candidate: windows whose slowdowns and link differ by less than the 2% grid reuse
+    it; a stage slowed 10% more is solved again. The decisions are the same as with a solve at every window."""
+    import lightning_dynpipe.repartition.controller as controller_module
+
+    solves: list[object] = []
+    real = controller_module.best_plan
+
+    def counting(*args: object, **kwargs: object) -> object:
+        solves.append(kwargs.get("slowdowns"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(controller_module, "best_plan", counting)
+    c = AdaptiveController(
+        GainOverCostPolicy(patience=5, horizon_steps=500),
+        model_cost=COST,
+        comm=CommModel(),
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )  # the measured predictor: stage 1 measured 3x slowed, then 3.3x
+    candidates = []
+    for step, stage1 in ((10, 0.144), (20, 0.1442), (30, 0.1439), (40, 0.160)):
+        d = c.check(step, [StageTimes(0.048, 0.15), StageTimes(stage1, 0.15)], PART, remaining_steps=1000)
+        assert d is not None
+        candidates.append(d.inputs.candidate)
+    assert len(solves) == 2
+    assert candidates == [Partition((6, 2))] * 4
