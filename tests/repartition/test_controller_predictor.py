@@ -170,16 +170,21 @@ SHRINKING = ModelCost.from_arrays(
 QUIET_LINK = CommModel(latency_s=1e-4, bandwidth_Bps=1e9)  # the set-up probe: 0.9 ms for 800 KB
 
 
-def _link_controller() -> AdaptiveController:
+def _measured_controller(cost: ModelCost, link: CommModel, patience: int = 1) -> AdaptiveController:
+    """The default (measured) predictor, throughput alone (``beta = 0``), no other stage counts."""
     return AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
-        model_cost=SHRINKING,
-        comm=QUIET_LINK,
+        GainOverCostPolicy(patience=patience, horizon_steps=500),
+        model_cost=cost,
+        comm=link,
         schedule="async",
         num_microbatches=M,
         convergence=ConvergenceModel(beta=0.0),
         consider_stage_counts=False,
     )
+
+
+def _link_controller() -> AdaptiveController:
+    return _measured_controller(SHRINKING, QUIET_LINK)
 
 
 def _link_times(message_s: float) -> list[StageTimes]:
@@ -244,15 +249,7 @@ def test_a_slow_link_prices_the_round_trip_of_the_micro_batches_in_flight() -> N
     before stage 0 may forward the one after next, and [1, 4] runs at (9 + 12 + 2 x 21) / 2 = 31.5 ms a micro-batch
     against 19.5 ms for [2, 3], as the event simulator says. The controller keeps [2, 3]; on a fast link the same
     hog moves it to [1, 4]."""
-    controller = AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
-        model_cost=NARROWING,
-        comm=SLOW_LINK,
-        schedule="async",
-        num_microbatches=M,
-        convergence=ConvergenceModel(beta=0.0),
-        consider_stage_counts=False,
-    )
+    controller = _measured_controller(NARROWING, SLOW_LINK)
     d = controller.check(10, _hogged_window(SLOW_LINK, hog=3.0), Partition((2, 3)), remaining_steps=2000)
     assert d is not None and not d.repartition and d.inputs.candidate == Partition((2, 3)), d
     assert "round trip through the stages binds (ms/micro-batch): [2, 3] 19.50" in str(d)
@@ -264,15 +261,7 @@ def test_a_slow_link_prices_the_round_trip_of_the_micro_batches_in_flight() -> N
     assert priced.value.iteration_time_s == pytest.approx(0.0315)
 
     fast = CommModel(latency_s=1e-5, bandwidth_Bps=10e9)
-    controller = AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
-        model_cost=NARROWING,
-        comm=fast,
-        schedule="async",
-        num_microbatches=M,
-        convergence=ConvergenceModel(beta=0.0),
-        consider_stage_counts=False,
-    )
+    controller = _measured_controller(NARROWING, fast)
     d = controller.check(10, _hogged_window(fast, hog=3.0), Partition((2, 3)), remaining_steps=2000)
     assert d is not None and d.repartition and d.partition == Partition((1, 4)), d
     assert d.inputs.candidate_step_s == pytest.approx(_simulated_step_s((1, 4), 3.0, fast), rel=0.01)
@@ -328,15 +317,7 @@ def test_the_planners_proposal_is_reused_while_the_window_rounds_to_the_same_inp
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(controller_module, "best_plan", counting)
-    c = AdaptiveController(
-        GainOverCostPolicy(patience=5, horizon_steps=500),
-        model_cost=COST,
-        comm=CommModel(),
-        schedule="async",
-        num_microbatches=M,
-        convergence=ConvergenceModel(beta=0.0),
-        consider_stage_counts=False,
-    )  # the measured predictor: stage 1 measured 3x slowed, then 3.3x
+    c = _measured_controller(COST, CommModel(), patience=5)  # stage 1 measured 3x slowed, then 3.3x
     candidates = []
     for step, stage1 in ((10, 0.144), (20, 0.1442), (30, 0.1439), (40, 0.160)):
         d = c.check(step, [StageTimes(0.048, 0.15), StageTimes(stage1, 0.15)], PART, remaining_steps=1000)
