@@ -6,11 +6,13 @@ applies it (a live migration at the next step). At every check:
 
 1. the window goes to the predictor first when it learns online (``predictor.observe``: the window's times are
    a labelled sample, and after a migration its measured outcome is one);
-2. the planner re-solves the partition with the slowdowns the predictor gives the current one;
+2. the planner re-solves the partition with the slowdowns the predictor gives the current one (a window whose
+   link and slowdowns are within 2% of the last solve's reuses its plan: the solve only proposes a candidate);
 3. the candidates (the current partition, the planner's, and every shift of one boundary by one or two layers)
    are priced by the predictor: each stage's compute and each boundary's message time, with intervals; a
    candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
-   schedule and its staleness;
+   schedule and its staleness, and is at least the schedule's slowest round trip through several stages
+   (:meth:`~lightning_dynpipe.schedule.Schedule.round_trip_time`, which a slow link makes binding);
 4. the best candidate and the lower end of its predicted gain go to the policy.
 
 Every decision is kept with its inputs, and its log line carries the predicted times with their intervals and
