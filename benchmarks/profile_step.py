@@ -72,9 +72,10 @@ from benchmarks._common import (  # noqa: E402
     workers_done,
 )
 
-SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe", "async-defaults")
-"""``async-defaults``: ``async`` with the adaptive loop on as well (what ``DynPipeStrategy()`` does); the others
-run with it off, on one fixed partition."""
+SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe", "async-defaults", "async-bare")
+"""``async-defaults``: ``async`` with the adaptive loop on as well (what ``DynPipeStrategy()`` does);
+``async-bare``: ``async`` without the stage monitor (whatever ``--monitor-every-n-steps`` says). The others run
+with the adaptive loop off, on one fixed partition."""
 OTHER = "(not in a component)"
 ARITHMETIC = (
     "layers forward",
@@ -473,7 +474,7 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
                 balance=list(cfg.balance),
                 timeout=cfg.timeout_s,
                 adaptive=system == "async-defaults",
-                monitor_every_n_steps=opts.monitor_every_n_steps,
+                monitor_every_n_steps=None if system == "async-bare" else opts.monitor_every_n_steps,
             )
             timer = tp._step_timer(cfg.warmup, cfg.steps)
             fit_dynpipe(
