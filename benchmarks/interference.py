@@ -96,7 +96,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -661,21 +661,27 @@ def measured_limit(
     if earlier and static is not None:
         ms_early, best_early, limit_early = limit(earlier)
         onset = max(e["start_step"] for e in static["schedule"])
-        end = static["time_to_acc_s"] if static["reached"] else static["train_s"]
-        t_prev, total, oracle = 0.0, 0.0, 0.0
-        for s in static["steps"][-1]:
-            if s["t"] > end + 1e-9:
-                break
-            dt, t_prev = s["t"] - t_prev, s["t"]
-            total += dt
-            oracle += dt / (limit_on if s["step"] >= onset else limit_early)
         out.update(
             measured_ms_per_step_before=ms_early,
             best_before=best_early,
             limit_before=limit_early,
-            limit_run=total / oracle if oracle > 0 else 1.0,
+            limit_run=_oracle_limit(static, lambda step: limit_on if step >= onset else limit_early),
         )
     return out
+
+
+def _oracle_limit(static: dict[str, Any], speedup: Callable[[int], float]) -> float:
+    """Static time over an oracle's on the static run's own steps (rank 0's clock, to its target or its end), each
+    step sped up by ``speedup(step)``."""
+    end = static["time_to_acc_s"] if static["reached"] else static["train_s"]
+    t_prev, total, oracle = 0.0, 0.0, 0.0
+    for s in static["steps"][-1]:
+        if s["t"] > end + 1e-9:
+            break
+        dt, t_prev = s["t"] - t_prev, s["t"]
+        total += dt
+        oracle += dt / speedup(s["step"])
+    return total / oracle if oracle > 0 else 1.0
 
 
 def rebalancing_limit(
@@ -703,22 +709,12 @@ def rebalancing_limit(
     best = min(pred, key=lambda k: pred[k])
     limit_on = pred[key] / pred[best]
     # The static run's own step durations (rank 0's clock), the steps under interference sped up by limit_on.
-    steps = static["steps"][-1]
-    end = static["time_to_acc_s"] if static["reached"] else static["train_s"]
-    t_prev, total, oracle = 0.0, 0.0, 0.0
-    for s in steps:
-        if s["t"] > end + 1e-9:
-            break
-        dt = s["t"] - t_prev
-        t_prev = s["t"]
-        total += dt
-        oracle += dt / limit_on if _active(sched, s["step"]) else dt
     return {
         "slowdowns": slow,
         "predicted_step_s": pred,
         "best": best,
         "limit_on": limit_on,
-        "limit_run": total / oracle if oracle > 0 else 1.0,
+        "limit_run": _oracle_limit(static, lambda step: limit_on if _active(sched, step) else 1.0),
     }
 
 
