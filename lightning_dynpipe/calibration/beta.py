@@ -64,8 +64,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Profile: TypeAlias = "int | Sequence[int]"
-"""A staleness profile to measure: a number of stages ``S`` (PipeDream's ``S-1-k``), or explicit per-stage staleness."""
+Profile: TypeAlias = "int | Sequence[int] | Partition"
+"""A staleness profile to measure: a number of stages ``S`` (PipeDream's ``S-1-k``, layers split by parameter count),
+explicit per-stage staleness (split the same way), or a :class:`~lightning_dynpipe.plan.Partition` (its layers per
+stage, with PipeDream's ``S-1-k``): the partitions a run may move between, whose weighted staleness differs by which
+layers sit on the stale stages."""
 
 
 class _TargetReached(Exception):
@@ -84,10 +87,12 @@ def resolve_profile(
 
     Args:
         pipeline: the layers (only their parameter counts are read).
-        profile: ``S`` for the asynchronous profile ``(S-1, ..., 0)``, or an explicit per-stage staleness
-            whose length is the number of stages.
+        profile: ``S`` for the asynchronous profile ``(S-1, ..., 0)``, an explicit per-stage staleness
+            whose length is the number of stages, or a :class:`~lightning_dynpipe.plan.Partition` (its balance,
+            with ``(S-1, ..., 0)``).
         balance: layers per stage; by default the layers are split by parameter count with
-            :func:`~lightning_dynpipe.plan.balance_by_weights`, as the strategy does before a plan exists.
+            :func:`~lightning_dynpipe.plan.balance_by_weights`, as the strategy does before a plan exists. Not
+            with a ``Partition`` profile, which is its own balance.
 
     Returns:
         ``(partition, staleness, stage_parameters)``.
@@ -95,7 +100,14 @@ def resolve_profile(
     Raises:
         ConfigurationError: a profile or balance that does not fit the pipeline.
     """
-    if isinstance(profile, int):
+    if isinstance(profile, Partition):
+        if balance is not None:
+            raise ConfigurationError(
+                f"A Partition profile is its own balance; got the profile {profile} and balance={list(balance)}. "
+                "Pass one of them."
+            )
+        balance, staleness = profile.balance, tuple(default_staleness(profile.num_stages))
+    elif isinstance(profile, int):
         if profile < 1:
             raise ConfigurationError(f"A profile given as a number of stages must be >= 1; got {profile}.")
         staleness = tuple(default_staleness(profile))
@@ -258,7 +270,7 @@ class ProfileRun:
     """One measured run of :func:`measure_profiles`.
 
     Attributes:
-        profile: the profile as given (a number of stages or a staleness list).
+        profile: the profile as given (a number of stages, a staleness tuple or a partition).
         seed: the seed passed to the model and batch factories.
         balance: layers per stage used.
         staleness: per-stage staleness used.
@@ -268,7 +280,7 @@ class ProfileRun:
         curve: ``(step, metric)`` at every evaluation.
     """
 
-    profile: tuple[int, ...] | int
+    profile: tuple[int, ...] | int | Partition
     seed: int
     balance: tuple[int, ...]
     staleness: tuple[int, ...]
@@ -323,8 +335,9 @@ def measure_profiles(
     Args:
         model_factory: ``seed -> nn.Sequential``, fresh weights for each call.
         batches: ``seed -> training batches`` in a fixed order; called once per run.
-        profiles: numbers of stages and/or explicit staleness lists; each is partitioned by parameter
-            count with :func:`~lightning_dynpipe.plan.balance_by_weights`.
+        profiles: numbers of stages and/or explicit staleness lists, each partitioned by parameter count
+            with :func:`~lightning_dynpipe.plan.balance_by_weights`; and/or partitions, each measured with its own
+            balance and PipeDream's staleness (to calibrate on the partitions a run may move between).
         seeds: the seeds to repeat every profile with.
         num_microbatches, make_optimizer, loss_fn, eval_fn, target, eval_every, max_steps, mode,
             stop_at_target, lr_scale: as for :func:`steps_to_target`.
@@ -366,7 +379,7 @@ def measure_profiles(
                     on_eval=lambda step, value, curve=curve: curve.append((step, value)),  # type: ignore[misc]
                 )
             run = ProfileRun(
-                profile=profile if isinstance(profile, int) else tuple(profile),
+                profile=profile if isinstance(profile, (int, Partition)) else tuple(profile),
                 seed=seed,
                 balance=part.balance,
                 staleness=stale,

@@ -20,7 +20,7 @@ from lightning_dynpipe.calibration import (
     steps_to_target,
 )
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.plan import ConvergenceModel
+from lightning_dynpipe.plan import ConvergenceModel, Partition
 
 _Batch = tuple[Tensor, Tensor]
 
@@ -163,6 +163,30 @@ def test_resolve_profile_balances_by_parameters() -> None:
     assert part.balance == (1, 1, 1) and stale == (0, 5, 0) and sum(params) == sum(layer_parameter_counts(net))
     part, _, params = resolve_profile(net, 2, balance=[2, 1])
     assert params == (2080 + 1056, 330)
+
+
+def test_a_partition_profile_is_measured_with_its_own_balance(digits: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    net = _net(0)
+    part, stale, params = resolve_profile(net, Partition((2, 1)))
+    assert part.balance == (2, 1) and stale == (1, 0) and params == (2080 + 1056, 330)
+    with pytest.raises(ConfigurationError, match="is its own balance"):
+        resolve_profile(net, Partition((2, 1)), balance=[1, 2])
+    # two partitions of the same staleness are two observations: the stale stage holds different parameters
+    xt, yt, _, _ = digits
+    runs = measure_profiles(
+        _net,
+        lambda seed: _batches(xt, yt, seed),
+        profiles=[Partition((1, 2)), Partition((2, 1))],
+        seeds=[0],
+        target=0.8,
+        **_common(digits),
+    )  # type: ignore[arg-type]
+    assert [(r.profile, r.balance, r.staleness) for r in runs] == [
+        (Partition((1, 2)), (1, 2), (1, 0)),
+        (Partition((2, 1)), (2, 1), (1, 0)),
+    ]
+    obs = median_observations(runs)
+    assert [o.weights for o in obs] == [(2080.0, 1056.0 + 330.0), (2080.0 + 1056.0, 330.0)]
 
 
 @pytest.mark.parametrize(
