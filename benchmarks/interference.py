@@ -67,7 +67,14 @@ step (pseudo-systems ``cut1,4`` ..., recorded in the JSON, not in the tables' sy
 configured cut's mean time per step over the fastest cut's. ``mix`` has two phases (the link alone, then the link
 and the hog): its cuts also run under the link alone (``cut1,4@delay`` ...), and its limit over the run is the
 static run's own steps, each before the hog's onset sped up by the first phase's limit and each after it by the
-second's. The others keep the predicted, compute-only limit.
+second's. The others keep the predicted, compute-only limit. With ``--cuts-to-target`` the cuts of a scenario whose
+interference lasts the whole run train to the target instead (with evaluations), and the **time-to-accuracy limit**
+is the static run's time to accuracy over the fastest cut's: unlike the per-step limit it charges each cut the steps
+its staleness costs (under ``async`` stage 0 is one update stale, so a cut that puts most parameters there can need
+more steps).
+
+System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=--beta)``, a ``beta`` calibrated on
+this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
 Usage (from the repository root)::
 
@@ -92,6 +99,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -129,6 +137,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "forest-cal",
     "measured",
     "measured-probe",
+    "measured-beta",
     "varuna",
     "dynpipe-2x",
     "static",
@@ -189,6 +198,8 @@ class Config:
     model: str = "mlp"
     channels: int = 16
     forest_file: str = ""
+    beta: float | None = None
+    cuts_to_target: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- scenarios
@@ -365,7 +376,7 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return False, "measured"
     if system in ("forest", "forest-cal"):
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
-    if system in ("measured", "measured-probe"):
+    if system in ("measured", "measured-probe", "measured-beta"):
         return True, "measured"
     if system == "varuna":
         return VarunaRule(), "measured"
@@ -401,8 +412,11 @@ def _fit(
     eval_every: int,
 ) -> tuple[dict[str, Any], Any]:
     from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.plan import ConvergenceModel
 
     adaptive, predictor = system_config(system, cfg)
+    # measured-beta plans with the convergence model calibrated on this model's cuts (benchmarks/beta_cuts.py)
+    convergence = ConvergenceModel(beta=cfg.beta) if system == "measured-beta" and cfg.beta is not None else None
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
         schedule=cfg.schedule,  # type: ignore[arg-type]
@@ -411,6 +425,7 @@ def _fit(
         predictor=predictor,
         calibrate=system == "forest-cal",
         lr_scale=cfg.lr_scale,
+        convergence=convergence,
         monitor_every_n_steps=cfg.monitor_every,
         timeout=cfg.timeout_s,
     )
@@ -438,7 +453,11 @@ def _run(
 ) -> dict[str, Any]:
     from lightning_dynpipe.interference import InterferenceCallback
 
-    if system.startswith("cut"):  # a fixed cut, measured for cfg.cut_steps steps without evaluations
+    if system.startswith("cut") and cfg.cuts_to_target and "@" not in system and scenario not in EARLIER_PHASE:
+        # a fixed cut trained to the target under interference that lasts the whole run: its time to accuracy
+        cfg = replace(cfg, balance=tuple(int(x) for x in system[3:].split(",")))
+        eval_every = cfg.eval_every
+    elif system.startswith("cut"):  # a fixed cut, measured for cfg.cut_steps steps without evaluations
         cfg = replace(cfg, balance=tuple(int(x) for x in system[3:].partition("@")[0].split(",")), target_acc=2.0)
         batches, eval_every = batches[: cfg.cut_steps], cfg.cut_steps + 1
     else:
@@ -566,7 +585,8 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                     if scenario == "none" and system == "static" and r["steps_to_acc"]:
                         onset = max(1, round(0.25 * r["steps_to_acc"]))
                     if rank == 0 and system.startswith("cut"):
-                        print(f"  seed {seed} {scenario:<8} {system:<8} fixed: {_ms_per_step(r):.1f} ms/step")
+                        tta = f", {r['time_to_acc_s']:.1f} s at step {r['steps_to_acc']}" if r["reached"] else ""
+                        print(f"  seed {seed} {scenario:<8} {system:<8} fixed: {_ms_per_step(r):.1f} ms/step{tta}")
                     elif rank == 0:
                         tta = (
                             f"{r['time_to_acc_s']:7.1f} s at step {r['steps_to_acc']}"
@@ -648,7 +668,8 @@ def measured_limit(
         best = min(ms, key=lambda k: ms[k])
         return ms, best, ms[key] / ms[best]
 
-    ms, best, limit_on = limit({n: r for n, r in cuts.items() if "@" not in n})
+    whole = {n: r for n, r in cuts.items() if "@" not in n}
+    ms, best, limit_on = limit(whole)
     out = {
         "slowdowns": [1.0] * NUM_STAGES,
         "measured_ms_per_step": ms,
@@ -657,6 +678,17 @@ def measured_limit(
         "limit_run": limit_on,
         "measured": True,
     }
+    if static is not None and static.get("reached") and any(r.get("reached") for r in whole.values()):
+        # cuts trained to the target (--cuts-to-target): the best fixed partition's time to accuracy, its steps to
+        # the target (the convergence cost of its staleness) included; a cut that missed the target is not the best
+        tta = {n[3:]: r["time_to_acc_s"] if r["reached"] else math.inf for n, r in whole.items()}
+        tta_best = min(tta, key=lambda k: tta[k])
+        out.update(
+            tta_s=tta,
+            tta_steps={n[3:]: r["steps_to_acc"] for n, r in whole.items()},
+            tta_best=tta_best,
+            tta_limit=static["time_to_acc_s"] / tta[tta_best],
+        )
     earlier = {n: r for n, r in cuts.items() if "@" in n}
     if earlier and static is not None:
         ms_early, best_early, limit_early = limit(earlier)
@@ -773,6 +805,9 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "best": [x["best"] for x in limits],
                 "measured": any(x.get("measured", False) for x in limits),
             }
+            if all("tta_limit" in x for x in limits):
+                row["limit"]["tta_limit"] = median([x["tta_limit"] for x in limits])
+                row["limit"]["tta_best"] = [x["tta_best"] for x in limits]
         out[scenario] = row
     return out
 
@@ -828,6 +863,12 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                     "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
                     "-" if lim is None else f"{lim['limit_run']:.2f}x",
                     "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
+                    "-"
+                    if lim is None or "tta_limit" not in lim
+                    else f"{lim['tta_limit']:.2f}x ({'/'.join(sorted(set(lim['tta_best'])))})",
+                    "-"
+                    if lim is None or "tta_limit" not in lim or ratio != ratio
+                    else f"{ratio / lim['tta_limit'] * 100:.0f}%",
                 ]
             )
     headers = [
@@ -844,6 +885,8 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
         "limit while on (best)",
         "limit over run",
         "of limit",
+        "TTA limit (best)",
+        "of TTA limit",
     ]
     return format_table(headers, rows, markdown=markdown)
 
@@ -866,6 +909,12 @@ def render_targets(summary: dict[str, Any]) -> str:
                     f"{system} {s}: static/{system} {r:.2f}x = {share * 100:.0f}% of the rebalancing limit "
                     f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}"
                 )
+                tta_limit = summary[s]["limit"].get("tta_limit")
+                if tta_limit is not None:
+                    out.append(
+                        f"{system} {s}: {r / tta_limit * 100:.0f}% of the best fixed cut's time to accuracy "
+                        f"({tta_limit:.2f}x static; the per-step limit above ignores each cut's steps to the target)"
+                    )
         r = ratio("none", system)
         if r is not None:
             moves = summary["none"]["systems"][system]["migrations"]
@@ -1057,6 +1106,17 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "--cut-steps", type=int, default=None, help=f"steps each fixed cut runs for a measured limit ({d.cut_steps})"
     )
     p.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="system measured-beta plans with ConvergenceModel(beta=BETA), e.g. from benchmarks/beta_cuts.py",
+    )
+    p.add_argument(
+        "--cuts-to-target",
+        action="store_true",
+        help="train the fixed cuts of scenarios that last the whole run to the target: a time-to-accuracy limit",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)",
@@ -1124,6 +1184,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "model": a.model,
         "channels": a.channels,
         "forest_file": a.forest,
+        "beta": a.beta,
+        "cuts_to_target": a.cuts_to_target or None,
     }
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     num_layers = 5 if cfg.model == "cnn" else cfg.depth + 1
@@ -1136,6 +1198,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     if len(balance) != NUM_STAGES or sum(balance) != num_layers or min(balance) < 1:
         p.error(f"--balance needs {NUM_STAGES} positive entries summing to the {num_layers} layers; got {balance}")
     cfg = replace(cfg, balance=balance)
+    if "measured-beta" in cfg.systems and cfg.beta is None:
+        p.error("system measured-beta needs --beta (the convergence model's beta; benchmarks/beta_cuts.py fits one)")
     if cfg.batch_size % cfg.num_microbatches or cfg.seeds < 1 or cfg.max_steps < 1 or cfg.eval_every < 1:
         p.error("--batch-size must be divisible by -M, and --seeds, --max-steps, --eval-every must be >= 1")
     return cfg, a
@@ -1199,6 +1263,8 @@ def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
         f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}; "
         f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
         f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}"
+        + (f"; measured-beta plans with beta = {cfg.beta}" if "measured-beta" in cfg.systems else "")
+        + ("; fixed cuts trained to the target" if cfg.cuts_to_target else "")
     )
     dirty = machine.get("git_modified_files")
     print(

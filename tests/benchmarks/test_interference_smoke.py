@@ -59,6 +59,40 @@ def test_the_delay_limit_is_measured_from_every_cut_run_fixed() -> None:
     assert lim["limit_on"] == pytest.approx(90.0 / 50.0) and lim["limit_run"] == lim["limit_on"]
 
 
+def test_cuts_trained_to_the_target_give_a_time_to_accuracy_limit() -> None:
+    """With the cuts trained to the target, the limit in time to accuracy charges each cut its steps to the target:
+    [4, 1] is the fastest per step but needs so many more steps that [3, 2] reaches the target first; a cut that
+    missed the target is never the best."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, rebalancing_limit
+
+    cfg = Config(model="cnn", balance=(2, 3), cuts_to_target=True)
+
+    def to_target(ms: float, steps: int | None) -> dict[str, Any]:
+        times = [0.5 + (i + 1) * ms / 1e3 for i in range(steps or 600)]
+        return {
+            "steps": [[], [{"step": i, "t": t} for i, t in enumerate(times)]],
+            "reached": steps is not None,
+            "time_to_acc_s": times[-1] if steps else None,
+            "steps_to_acc": steps,
+        }
+
+    cuts = {
+        "cut1,4": to_target(120.0, None),
+        "cut2,3": to_target(90.0, 200),
+        "cut3,2": to_target(60.0, 200),
+        "cut4,1": to_target(50.0, 300),
+    }
+    static = {"schedule": [], "reached": True, "time_to_acc_s": 18.5}
+    lim = rebalancing_limit(static, None, None, cfg, cuts)
+    assert lim is not None and lim["best"] == "4,1" and lim["limit_on"] == pytest.approx(90.0 / 50.0)
+    assert lim["tta_best"] == "3,2" and lim["tta_steps"]["4,1"] == 300 and lim["tta_s"]["1,4"] == float("inf")
+    assert lim["tta_limit"] == pytest.approx(18.5 / (0.5 + 200 * 0.06))
+
+
 def test_the_mix_limit_over_the_run_uses_each_phases_measured_cuts() -> None:
     """``mix``: the link alone before the hog's onset, both after. The cuts of each phase give its limit; over the
     run, the static run's steps before the onset are sped up by the first phase's limit, those after by the second's."""
