@@ -299,19 +299,23 @@ class AdaptiveController:
             predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
         current, best = priced[0], min(priced, key=lambda c: c.value.time_to_accuracy_s)  # ties: current, planner
+        # a plan's time to accuracy over I0 is its seconds per micro-batch with the staleness's extra steps: the
+        # policy's per-step currency, whatever I0 a calibrated convergence model carries
+        i0 = (self.convergence or ConvergenceModel()).i0
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
             candidate=best.partition,
-            current_step_s=current.value.time_to_accuracy_s * M,
-            candidate_step_s=best.value.time_to_accuracy_s * M,
+            current_step_s=current.value.time_to_accuracy_s * M / i0,
+            candidate_step_s=best.value.time_to_accuracy_s * M / i0,
             measured_step_s=window.mean_step_s,
             migration_cost_s=self._migration_cost(window, best.partition, comm, past_pauses_s),
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
-            candidate_step_high_s=best.high.time_to_accuracy_s * M,
+            candidate_step_high_s=best.high.time_to_accuracy_s * M / i0,
             details=self._details(window, current, best),
             stage_compute_s=tuple(t.compute_s for t in window.stages),
+            convergence_factor=current.value.iterations / i0,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

@@ -40,6 +40,10 @@ class PolicyInputs:
         stage_compute_s: per stage, the measured forward plus backward seconds per step under ``current`` (the
             window's medians; empty when the caller did not give them). Threshold rules
             (:mod:`lightning_dynpipe.repartition.rules`) trigger on these.
+        convergence_factor: the steps to accuracy the convergence model charges ``current`` for its staleness,
+            relative to none stale (``1 + beta * weighted staleness``; 1 without staleness). The predicted step
+            times include it; :attr:`measured_tta_step_s` weighs the measured step with it, so that a move judged
+            after the fact is judged in the currency it was decided in.
     """
 
     step: int
@@ -54,6 +58,12 @@ class PolicyInputs:
     candidate_step_high_s: float | None = None
     details: str = ""
     stage_compute_s: tuple[float, ...] = ()
+    convergence_factor: float = 1.0
+
+    @property
+    def measured_tta_step_s(self) -> float:
+        """The measured step weighted by the convergence model's factor: time to accuracy per unstale step."""
+        return self.measured_step_s * self.convergence_factor
 
     @property
     def candidate_step_upper_s(self) -> float:
@@ -102,11 +112,13 @@ class RepartitionPolicy(Protocol):
 
 @dataclass(frozen=True)
 class _Move:
-    """A move whose outcome has not been checked yet: from ``old`` to ``new``, measured ``before_s`` s/step."""
+    """A move whose outcome has not been checked yet: from ``old`` to ``new``, measured ``before_s`` s/step before it,
+    weighted by ``old``'s convergence factor ``before_factor``."""
 
     old: Partition
     new: Partition
     before_s: float
+    before_factor: float = 1.0
 
 
 def _boundaries(p: Partition) -> list[int]:
@@ -162,11 +174,14 @@ class GainOverCostPolicy:
     partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
     in its quota and look fast, so the planner wants the layers back, and the pipeline oscillates. So the
     first check after a move compares the measured step time with the one measured just before it (means, not
-    medians: under a CPU quota step times are bimodal and the median can rank two partitions the wrong way). If the
-    move made the pipeline slower, the policy moves straight back (``rollback``; no cool-down or patience,
-    when the measured loss over the horizon pays the migration by ``margin``), and for ``memory_steps`` steps
-    it refuses that partition, and, from the partition it came back to, any candidate that shifts the same
-    stage boundaries further the same way. A rollback is not itself judged, so two moves cannot ping-pong.
+    medians: under a CPU quota step times are bimodal and the median can rank two partitions the wrong way), each
+    weighted by its partition's convergence factor (:attr:`PolicyInputs.convergence_factor`): a move to a
+    partition with fewer parameters stale may be decided for although its steps are slower, and is judged the same
+    way. If the move made the pipeline slower to accuracy, the policy moves straight back (``rollback``; no
+    cool-down or patience, when the measured loss over the horizon pays the migration by ``margin``), and for
+    ``memory_steps`` steps it refuses that partition, and, from the partition it came back to, any candidate that
+    shifts the same stage boundaries further the same way. A rollback is not itself judged, so two moves cannot
+    ping-pong.
 
     Args:
         horizon_steps: how far ahead the gain is counted.
@@ -218,17 +233,23 @@ class GainOverCostPolicy:
             return Decision(False, inputs.current, gain, reason, inputs)
 
         move, self._unjudged = self._unjudged, None
-        if move is not None and inputs.current == move.new and inputs.measured_step_s > move.before_s:
+        after_s = inputs.measured_tta_step_s
+        if move is not None and inputs.current == move.new and after_s > move.before_s * move.before_factor:
             self._backfired.append(_Backfired(move.old, move.new, inputs.step, inputs.measured_step_s))
-            loss = (inputs.measured_step_s - move.before_s) * max(horizon, 0)
+            loss = (after_s - move.before_s * move.before_factor) * max(horizon, 0)
             if self.rollback and loss > self.margin * inputs.migration_cost_s:
                 self._streak, self._streak_candidate = 0, None
+                weighted = inputs.convergence_factor != 1.0 or move.before_factor != 1.0
+                after = f"{inputs.measured_step_s * 1e3:.1f} ms/step" + (
+                    f" x {inputs.convergence_factor:.3f}" if weighted else ""
+                )
+                before = f"{move.before_s * 1e3:.1f} ms/step" + (f" x {move.before_factor:.3f}" if weighted else "")
                 return Decision(
                     True,
                     move.old,
                     loss,
-                    f"roll back: {move.new} measured {inputs.measured_step_s * 1e3:.1f} ms/step, slower "
-                    f"than {move.before_s * 1e3:.1f} ms/step under {move.old} before the move",
+                    f"roll back: {move.new} measured {after}, slower than {before} under {move.old} before the move"
+                    + (" (each step weighted by the convergence model's steps to accuracy)" if weighted else ""),
                     inputs,
                 )
         if inputs.candidate == inputs.current:
@@ -262,7 +283,7 @@ class GainOverCostPolicy:
                 inputs,
             )
         self._streak, self._streak_candidate = 0, None
-        self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s)
+        self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor)
         return Decision(True, inputs.candidate, gain, "predicted gain pays the migration", inputs)
 
     def migrated(self, step: int) -> None:

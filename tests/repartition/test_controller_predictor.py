@@ -183,6 +183,36 @@ def _measured_controller(cost: ModelCost, link: CommModel, patience: int = 1) ->
     )
 
 
+def test_the_policy_sees_seconds_per_step_whatever_i0_the_convergence_model_carries() -> None:
+    """A calibrated model carries I0 in micro-batches (hundreds); the policy's step times and the current
+    partition's convergence factor must not depend on it, or every gain would pay its migration I0 times over."""
+    times = _link_times(0.040)
+    inputs = []
+    for i0 in (1.0, 700.0):
+        controller = AdaptiveController(
+            GainOverCostPolicy(patience=2, horizon_steps=500),
+            model_cost=SHRINKING,
+            comm=QUIET_LINK,
+            schedule="async",
+            num_microbatches=M,
+            convergence=ConvergenceModel(i0=i0, beta=0.3),
+            consider_stage_counts=False,
+        )
+        decision = controller.check(10, times, Partition((3, 3)), remaining_steps=2000)
+        assert decision is not None
+        inputs.append(decision.inputs)
+    plain, calibrated = inputs
+    assert calibrated.current_step_s == pytest.approx(plain.current_step_s)
+    assert calibrated.candidate_step_s == pytest.approx(plain.candidate_step_s)
+    assert calibrated.convergence_factor == pytest.approx(plain.convergence_factor)
+    # stage 0 of two is one update stale: the factor is 1 + beta * (stage 0's share of the parameters)
+    params = [layer.param_bytes for layer in SHRINKING.layers]
+    share = sum(params[:3]) / sum(params)
+    assert plain.convergence_factor == pytest.approx(1 + 0.3 * share)
+    # the predicted step is in the measured step's units: a few tens of ms here, not I0 times that
+    assert plain.current_step_s < 10 * plain.measured_step_s
+
+
 def _link_controller() -> AdaptiveController:
     return _measured_controller(SHRINKING, QUIET_LINK)
 

@@ -21,6 +21,7 @@ def _inputs(
     remaining: int | None = None,
     current: Partition = CUR,
     measured_s: float | None = None,
+    factor: float = 1.0,
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -32,6 +33,7 @@ def _inputs(
         migration_cost_s=cost,
         remaining_steps=remaining,
         slowdowns=(1.0, 2.0),
+        convergence_factor=factor,
     )
 
 
@@ -104,6 +106,30 @@ def test_a_move_that_paid_off_is_kept() -> None:
     # Later checks no longer judge that move, even if the step time rises (interference changed).
     later = policy.decide(_inputs(30, current=CAND, candidate=CAND, current_s=1.5, measured_s=1.5))
     assert not later.repartition
+
+
+def test_the_outcome_is_judged_with_each_partitions_convergence_factor() -> None:
+    """A move decided on time to accuracy is judged on it: CUR has most parameters stale (1.30x the steps), CAND
+    few (1.02x). Measured 1.0 s/step under CUR and 1.2 under CAND is slower per step but faster to accuracy (1.224
+    against 1.30 s per unstale step): kept. 1.35 s/step under CAND (1.377) is slower to accuracy: rolled back."""
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=30)
+    moved = policy.decide(_inputs(10, factor=1.30))
+    assert moved.repartition and moved.inputs.measured_tta_step_s == pytest.approx(1.30)
+    policy.migrated(10)
+    kept = policy.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.224, measured_s=1.2, factor=1.02))
+    assert not kept.repartition and "already the best" in kept.reason
+
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=30)
+    policy.decide(_inputs(10, factor=1.30))
+    policy.migrated(10)
+    back = policy.decide(
+        _inputs(20, current=CAND, candidate=CUR, current_s=1.377, measured_s=1.35, factor=1.02, cost=1.0)
+    )
+    assert back.repartition and back.partition == CUR
+    assert "1350.0 ms/step x 1.020, slower than 1000.0 ms/step x 1.300" in back.reason
+    assert back.predicted_gain_s == pytest.approx((1.35 * 1.02 - 1.30) * 100)
+    # unweighted (no staleness model in play) the message is the plain one
+    assert "weighted" not in policy.decide(_inputs(30, current=CUR, candidate=CUR)).reason
 
 
 def test_a_rollback_is_not_judged_and_the_loss_must_pay_it() -> None:
