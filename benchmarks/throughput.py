@@ -76,9 +76,10 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 """Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
-EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-bare", "async-copy")
+EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-defaults-50", "async-bare", "async-copy")
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
-the adaptive loop on, still starting from the same balance), ``async`` with both off, and ``async`` whose weight
+the adaptive loop on, still starting from the same balance), the same with the monitor's snapshot every 50 steps
+(``monitor_every_n_steps=50``: what the snapshot's cadence costs), ``async`` with both off, and ``async`` whose weight
 stash copies the live weights before each update instead of letting SGD write fresh storage
 (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
 loop off (it compares schedules on one fixed partition)."""
@@ -91,6 +92,7 @@ LABELS = {
     "torch-1f1b": "torch Schedule1F1B",
     "torch-gpipe": "torch ScheduleGPipe",
     "async-defaults": "DynPipe async, defaults",
+    "async-defaults-50": "DynPipe async, defaults, snapshot every 50",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
 }
@@ -418,6 +420,8 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
     options: dict[str, Any] = {"adaptive": False}  # compares schedules on one fixed partition
     if system == "async-defaults":
         options = {}  # monitor every 10 steps, adaptive loop on: what DynPipeStrategy() does
+    elif system == "async-defaults-50":
+        options = {"monitor_every_n_steps": 50}
     elif system == "async-bare":
         options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
@@ -625,6 +629,7 @@ _SIM_MODEL = {
     "torch-1f1b": ("sync", "none"),
     "torch-gpipe": ("gpipe", "none"),
     "async-defaults": ("async", "last_stage_broadcast"),
+    "async-defaults-50": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
 }
@@ -639,8 +644,8 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
         for ref in ("sync", "torch-1f1b", "async-bare", "async-copy"):
-            only = {"async-bare": "async-defaults", "async-copy": "async"}.get(ref)  # extra references' one user
-            if ref in by and ref != s and (only is None or s == only):
+            only = {"async-bare": ("async-defaults", "async-defaults-50"), "async-copy": ("async",)}.get(ref)
+            if ref in by and ref != s and (only is None or s in only):  # extra references: only their users
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
                 ratios = [
                     by[s][rep]["samples_per_s"] / by[ref][rep]["samples_per_s"] for rep in by[s] if rep in by[ref]

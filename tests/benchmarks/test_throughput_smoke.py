@@ -46,13 +46,20 @@ def test_quick_run_prints_table_of_all_systems(
 
 
 def test_defaults_cost_verdict_pairs_defaults_with_bare_by_repeat() -> None:
-    """``async-defaults`` is compared with ``async-bare`` of the same repeat; nothing else gets that ratio."""
+    """``async-defaults`` (and its every-50-steps variant) is compared with ``async-bare`` of the same repeat;
+    nothing else gets that ratio."""
     from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets
 
-    sps = {"async-defaults": [990.0, 2000.0, 970.0], "async-bare": [1000.0, 2000.0, 1000.0], "async": [1.0] * 3}
+    sps = {
+        "async-defaults": [990.0, 2000.0, 970.0],
+        "async-defaults-50": [995.0, 1980.0, 1000.0],
+        "async-bare": [1000.0, 2000.0, 1000.0],
+        "async": [1.0] * 3,
+    }
     runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
     table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
     assert table["async-defaults"]["vs_async-bare"]["per_rep"] == pytest.approx([0.99, 1.0, 0.97])
+    assert table["async-defaults-50"]["vs_async-bare"]["per_rep"] == pytest.approx([0.995, 0.99, 1.0])
     assert "vs_async-bare" not in table["async"]
     verdict = render_targets({"table": table})
     assert "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x -> met" in verdict
