@@ -6,7 +6,9 @@ every candidate cut with the link as it is now, and a cut's price depends on the
 boundary to a smaller activation only pays when the link's cost grows with the bytes.
 
 :class:`LinkEstimate` keeps, per boundary, the recent ``(bytes, seconds per message)`` points of the monitor's
-windows (:func:`~lightning_dynpipe.predictor.features.measured_message_s`) and answers the
+windows (:func:`~lightning_dynpipe.predictor.features.measured_message_s`), and the latest point of every other
+message size measured there (a partition kept for longer than the history would otherwise leave one size, and the
+one-size rule below, after the boundary had measured two), and answers the
 :class:`~lightning_dynpipe.plan.costs.CommModel` to price with:
 
 * while the measured message time stays within ``min_excess_s`` and ``ratio`` times of the set-up model, the set-up
@@ -66,6 +68,7 @@ class LinkEstimate:
         self.min_excess_s = min_excess_s
         self.ratio = ratio
         self._points: list[deque[tuple[float, float]]] = []
+        self._latest: list[dict[float, tuple[float, float]]] = []  # per boundary: the latest point of each size
 
     def observe(self, model_cost: ModelCost, window: PipelineWindow) -> LinkEstimate:
         """Adds each boundary's measured message time and bytes from ``window``."""
@@ -80,9 +83,11 @@ class LinkEstimate:
         """Adds one ``(bytes, seconds per message)`` point per boundary (a time <= 0: not measured)."""
         if len(points) != len(self._points):
             self._points = [deque(maxlen=self.history) for _ in points]
-        for kept, (nbytes, seconds) in zip(self._points, points):
+            self._latest = [{} for _ in points]
+        for kept, latest, (nbytes, seconds) in zip(self._points, self._latest, points):
             if seconds > 0 and math.isfinite(seconds):
                 kept.append((nbytes, seconds))
+                latest[nbytes] = (nbytes, seconds)
         return self
 
     def _slowed(self, nbytes: float, seconds: float) -> float:
@@ -94,15 +99,17 @@ class LinkEstimate:
 
     def model(self) -> CommModel:
         """The link to price with now (``base`` unless the latest windows measured it slower; see the module)."""
-        worst, worst_ratio = None, 1.0
-        for kept in self._points:
+        worst, worst_ratio, older = None, 1.0, []
+        for kept, latest in zip(self._points, self._latest):
             if kept:
                 r = self._slowed(*kept[-1])
                 if r > worst_ratio:
-                    worst, worst_ratio = kept, r
+                    recent = {n for n, _ in kept}
+                    worst, worst_ratio, older = kept, r, [pt for n, pt in latest.items() if n not in recent]
         if worst is None:
             return self.base
-        fitted = _line([pt for pt in worst if self._slowed(*pt) > 1.0])  # not the points from before it slowed
+        # the recent points and the latest of each size no longer among them; not the points from before it slowed
+        fitted = _line([pt for pt in [*worst, *older] if self._slowed(*pt) > 1.0])
         if fitted is not None:
             latency, per_byte = fitted
             return CommModel(latency_s=latency, bandwidth_Bps=1.0 / per_byte if per_byte > 0 else math.inf)

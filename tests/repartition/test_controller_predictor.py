@@ -244,6 +244,23 @@ def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> N
     assert link.add([(800_000, 0.0009)]).model() == QUIET_LINK  # a pipeline with one boundary now: history reset
 
 
+def test_the_link_estimate_keeps_a_second_size_beyond_its_history() -> None:
+    """A boundary that measured two sizes keeps the line through them after a long stay at one size: the one-size
+    rule (the probe's latency, the rest per byte) would price the other size far off again."""
+    from lightning_dynpipe.predictor.link import LinkEstimate
+
+    link = LinkEstimate(QUIET_LINK, history=4)
+    truth = CommModel(latency_s=5e-3, bandwidth_Bps=50e6)
+    link.add([(400_000, float(truth.transfer_time(400_000)))])
+    for _ in range(10):  # many more windows than the history at the 8 KB boundary
+        link.add([(8_000, float(truth.transfer_time(8_000)))])
+    fitted = link.model()
+    assert fitted.latency_s == pytest.approx(5e-3) and fitted.bandwidth_Bps == pytest.approx(50e6)
+    assert link.add([(8_000, 0.0009)]).model() == QUIET_LINK  # the link recovered: the probe's model again
+    link.add([(8_000, float(truth.transfer_time(8_000))), (8_000, 0.001)])  # two boundaries now: all reset
+    assert float(link.model().transfer_time(400_000)) > 2 * float(truth.transfer_time(400_000))  # one size again
+
+
 # Five layers of 3 ms (forward 1, backward 2) whose activations shrink: 400 KB after layer 0, 100 KB after layers 1
 # and 2, 10 KB after layer 3. Over a 20 MB/s link with 1 ms latency a message takes 21, 6, 6 and 1.5 ms.
 NARROWING = ModelCost.from_arrays(
