@@ -241,6 +241,7 @@ class AdaptiveController:
         remaining_steps: int | None,
         past_pauses_s: Sequence[float] = (),
         agreed_refit: int | None = None,
+        stage_signs: Sequence[str] = (),
     ) -> Decision | None:
         """One check with the window's per-stage medians; ``None`` when it cannot decide (wrong stage count).
 
@@ -252,6 +253,9 @@ class AdaptiveController:
             past_pauses_s: the measured pauses of earlier migrations (the next one is priced at their mean).
             agreed_refit: for a predictor that refits in the background, the newest refit finished on every rank
                 (from the monitor's snapshot); passed to its ``observe``.
+            stage_signs: per stage, its signs of interference beyond the other stages' (``""``: none; see
+                :func:`~lightning_dynpipe.monitor.stats.interference_excess`); with the link measured slower than
+                the set-up probe they are the window's ``PolicyInputs.causes``.
         """
         if len(times) != partition.num_stages:
             return None
@@ -316,6 +320,10 @@ class AdaptiveController:
             details=self._details(window, current, best),
             stage_compute_s=tuple(t.compute_s for t in window.stages),
             convergence_factor=current.value.iterations / i0,
+            causes="; ".join(
+                [f"stage {k}: {sign}" for k, sign in enumerate(stage_signs) if sign]
+                + (["the link measured slower than the set-up probe"] if link != self.comm else [])
+            ),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

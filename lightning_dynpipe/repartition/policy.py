@@ -44,6 +44,10 @@ class PolicyInputs:
             relative to none stale (``1 + beta * weighted staleness``; 1 without staleness). The predicted step
             times include it; :attr:`measured_tta_step_s` weighs the measured step with it, so that a move judged
             after the fact is judged in the currency it was decided in.
+        causes: what the window shows as a lasting cause of a slowdown, ``""`` for none: a stage's signs of
+            interference beyond the other stages' (:func:`~lightning_dynpipe.monitor.stats.interference_excess`:
+            a cgroup CPU limit, other processes on its cores, its main thread waiting for a core), or the link
+            measured slower than the set-up probe.
     """
 
     step: int
@@ -59,6 +63,7 @@ class PolicyInputs:
     details: str = ""
     stage_compute_s: tuple[float, ...] = ()
     convergence_factor: float = 1.0
+    causes: str = ""
 
     @property
     def measured_tta_step_s(self) -> float:
@@ -167,7 +172,8 @@ class GainOverCostPolicy:
     end of the predicted gain, with the candidate's step time at the upper end of the predictor's interval (the
     value itself for a predictor without intervals). A move needs
     ``gain > margin * migration_cost_s`` and a relative step-time improvement of at least
-    ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate, and not within
+    ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate (``explained_patience`` when
+    the window shows a lasting cause, :attr:`PolicyInputs.causes`: a passing spike has none), and not within
     ``cooldown_steps`` of the previous migration.
 
     **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
@@ -188,6 +194,8 @@ class GainOverCostPolicy:
         margin: how many times the migration cost the gain must be.
         min_relative_gain: ignore improvements smaller than this fraction of the step time.
         patience: consecutive checks that must agree (hysteresis).
+        explained_patience: the same when the window shows a cause of the slowdown that lasts (a cgroup limit,
+            another process on a stage's cores, a slower link); at most ``patience``.
         cooldown_steps: steps after a migration during which nothing moves.
         rollback: undo a move whose measured outcome is a slower pipeline (see above).
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
@@ -197,6 +205,7 @@ class GainOverCostPolicy:
     margin: float = 2.0
     min_relative_gain: float = 0.10
     patience: int = 2
+    explained_patience: int = 1
     cooldown_steps: int = 30
     rollback: bool = True
     memory_steps: int = 200
@@ -211,13 +220,14 @@ class GainOverCostPolicy:
             self.horizon_steps < 1
             or self.margin < 0
             or self.patience < 1
+            or not 1 <= self.explained_patience <= self.patience
             or self.cooldown_steps < 0
             or self.memory_steps < 0
         ):
             raise ConfigurationError(
-                f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, cooldown_steps >= 0, "
-                f"memory_steps >= 0; got {self.horizon_steps}, {self.margin}, {self.patience}, "
-                f"{self.cooldown_steps}, {self.memory_steps}."
+                f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, 1 <= explained_patience "
+                f"<= patience, cooldown_steps >= 0, memory_steps >= 0; got {self.horizon_steps}, {self.margin}, "
+                f"{self.patience}, {self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -274,17 +284,21 @@ class GainOverCostPolicy:
             self._streak += 1
         else:
             self._streak, self._streak_candidate = 1, inputs.candidate
-        if self._streak < self.patience:
+        patience = self.explained_patience if inputs.causes else self.patience
+        if self._streak < patience:
             return Decision(
                 False,
                 inputs.current,
                 gain,
-                f"waiting for {self.patience} checks in a row ({self._streak} so far)",
+                f"waiting for {patience} checks in a row ({self._streak} so far)",
                 inputs,
             )
         self._streak, self._streak_candidate = 0, None
         self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor)
-        return Decision(True, inputs.candidate, gain, "predicted gain pays the migration", inputs)
+        reason = "predicted gain pays the migration"
+        if inputs.causes and patience < self.patience:
+            reason += f" (after {patience} check{'s' if patience > 1 else ''}: {inputs.causes})"
+        return Decision(True, inputs.candidate, gain, reason, inputs)
 
     def migrated(self, step: int) -> None:
         """Starts the cool-down."""

@@ -144,7 +144,13 @@ class AdaptationWiring:
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
         agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
         decision = self.controller.check(
-            step, times, partition, remaining, past_pauses_s=self._past_pauses(), agreed_refit=agreed
+            step,
+            times,
+            partition,
+            remaining,
+            past_pauses_s=self._past_pauses(),
+            agreed_refit=agreed,
+            stage_signs=_stage_signs(snapshot),
         )
         if decision is not None and decision.repartition:
             try:  # a partition the run cannot train exactly (a shared parameter split under async) is not taken
@@ -218,6 +224,17 @@ class AdaptationWiring:
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)
         self.monitor = self._own_monitor = None
+
+
+def _stage_signs(snapshot: PipelineSnapshot) -> list[str]:
+    """Per stage, the signs of interference its processes show beyond the least affected process of the pipeline
+    (every process compared with every other: a quota on one stage is a sign, the cores all stages share are not);
+    empty when a process has no system readings."""
+    excess = interference_excess([r.summary for r in snapshot.replicas])
+    if excess is None:
+        return []
+    stages = sorted({r.stage_idx for r in snapshot.replicas})
+    return [", ".join(s for r, s in zip(snapshot.replicas, excess) if r.stage_idx == k and s) for k in stages]
 
 
 def _replica_causes(snapshot: PipelineSnapshot) -> list[tuple[int, int, str]]:

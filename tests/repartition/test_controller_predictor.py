@@ -244,6 +244,18 @@ def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> N
     assert link.add([(800_000, 0.0009)]).model() == QUIET_LINK  # a pipeline with one boundary now: history reset
 
 
+def test_the_windows_causes_name_the_stages_signs_and_a_slower_link() -> None:
+    quiet = _link_controller().check(10, _link_times(0.0009), Partition((3, 3)), 2000, stage_signs=("", ""))
+    assert quiet is not None and quiet.inputs.causes == ""
+    slow = _link_controller().check(
+        10, _link_times(0.040), Partition((3, 3)), 2000, stage_signs=("", "cgroup CPU limit 0.25 cores")
+    )
+    assert slow is not None
+    assert slow.inputs.causes == (
+        "stage 1: cgroup CPU limit 0.25 cores; the link measured slower than the set-up probe"
+    )
+
+
 def test_the_link_estimate_keeps_a_second_size_beyond_its_history() -> None:
     """A boundary that measured two sizes keeps the line through them after a long stay at one size: the one-size
     rule (the probe's latency, the rest per byte) would price the other size far off again."""

@@ -239,6 +239,27 @@ def test_interference_signs_are_what_one_replica_shows_beyond_the_others() -> No
     assert interference_excess([quiet, StageSummary.of([StageSample(step_s=0.05)] * 5)]) is None  # no readings
 
 
+def test_a_pipelines_stage_signs_compare_every_process_with_the_least_affected() -> None:
+    from lightning_dynpipe.strategy.adaptation import _stage_signs
+
+    quiet = _summary(cpu_share=0.95, other_cpu_load=0.05, run_queue_wait_share=0.05)
+    quota = _summary(cpu_share=0.25, cpu_limit=0.25, run_queue_wait_share=0.05)
+    two_stages = SimpleNamespace(replicas=[StageReport(0, 0, quiet), StageReport(0, 1, quota)])
+    assert _stage_signs(two_stages) == ["", "cgroup CPU limit 0.25 cores"]  # type: ignore[arg-type]
+    # two replicas of stage 1, one of them limited: the stage shows it
+    replicated = SimpleNamespace(
+        replicas=[
+            StageReport(0, 0, quiet),
+            StageReport(1, 0, quiet),
+            StageReport(0, 1, quota),
+            StageReport(1, 1, quiet),
+        ]
+    )
+    assert _stage_signs(replicated) == ["", "cgroup CPU limit 0.25 cores"]  # type: ignore[arg-type]
+    no_readings = StageSummary.of([StageSample(step_s=0.05)] * 5)
+    assert _stage_signs(SimpleNamespace(replicas=[StageReport(0, 0, quiet), StageReport(0, 1, no_readings)])) == []  # type: ignore[arg-type]
+
+
 def test_replica_window_joins_each_replicas_signs() -> None:
     compute = [(0, 0, 0.01), (0, 1, 0.01), (1, 0, 0.02), (1, 1, 0.02)]
     causes = [(0, 0, ""), (0, 1, ""), (1, 1, "GPU clock throttled"), (1, 0, "cgroup CPU limit 0.50 cores")]

@@ -22,6 +22,7 @@ def _inputs(
     current: Partition = CUR,
     measured_s: float | None = None,
     factor: float = 1.0,
+    causes: str = "",
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -34,6 +35,7 @@ def _inputs(
         remaining_steps=remaining,
         slowdowns=(1.0, 2.0),
         convergence_factor=factor,
+        causes=causes,
     )
 
 
@@ -48,6 +50,23 @@ def test_moves_after_patience_and_then_cools_down() -> None:
     assert "cool-down" in policy.decide(_inputs(40)).reason
     assert not policy.decide(_inputs(60)).repartition  # patience starts over after the cool-down
     assert policy.decide(_inputs(70)).repartition
+
+
+def test_a_slowdown_with_a_visible_cause_moves_at_the_first_check() -> None:
+    """A cgroup limit or a slower link lasts: ``explained_patience`` checks (1) instead of ``patience`` (2)."""
+    policy = GainOverCostPolicy(patience=2)
+    moved = policy.decide(_inputs(10, causes="stage 1: cgroup CPU limit 0.25 cores"))
+    assert moved.repartition and moved.reason == (
+        "predicted gain pays the migration (after 1 check: stage 1: cgroup CPU limit 0.25 cores)"
+    )
+    plain = GainOverCostPolicy(patience=2)
+    assert "waiting for 2 checks in a row (1 so far)" in plain.decide(_inputs(10)).reason  # no cause: a spike?
+    assert plain.decide(_inputs(20)).repartition
+    patient = GainOverCostPolicy(patience=3, explained_patience=2)
+    assert "waiting for 2 checks" in patient.decide(_inputs(10, causes="the link measured slower")).reason
+    assert patient.decide(_inputs(20, causes="the link measured slower")).repartition
+    with pytest.raises(ConfigurationError, match="1 <= explained_patience <= patience"):
+        GainOverCostPolicy(patience=2, explained_patience=3)
 
 
 def test_a_spike_does_not_move() -> None:
