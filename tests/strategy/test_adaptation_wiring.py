@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.monitor.stats import StageSample, StageSummary
+from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
 from lightning_dynpipe.strategy.config import DynPipeConfig
@@ -28,7 +28,7 @@ class _Controller:
 
 def _snapshot(count: int) -> Any:
     stage = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * count)
-    return SimpleNamespace(stages=[stage, stage])
+    return SimpleNamespace(stages=[stage, stage], replicas=[StageReport(0, 0, stage), StageReport(0, 1, stage)])
 
 
 def _wiring(repartition: Any) -> tuple[AdaptationWiring, _Controller]:
@@ -114,14 +114,14 @@ def test_the_ranks_agreed_refit_reaches_the_controller_and_the_token_is_publishe
 
     class Recording(_Controller):
         def check(self, step: int, *args: Any, **kwargs: Any) -> Any:
-            seen.append(kwargs.get("agreed_refit"))
+            seen.append((kwargs.get("agreed_refit"), kwargs.get("stage_signs")))
             return SimpleNamespace(repartition=False, partition=Partition((2, 2)))
 
     wiring.controller = Recording()  # type: ignore[assignment]
     snapshot = _snapshot(MIN_SAMPLES)
     snapshot.agreed_token = 3.0
     wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
-    assert seen == [3]
+    assert seen == [(3, [])]  # the snapshot's processes have no system readings: no signs
     wiring.detach(trainer)  # type: ignore[arg-type]
     assert monitor.report_token is None
 
