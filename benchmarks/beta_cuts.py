@@ -100,7 +100,8 @@ def weighted_staleness(run: dict[str, Any]) -> float:
 
 def analyse(runs: list[dict[str, Any]], num_microbatches: int) -> dict[str, Any]:
     """Median steps per balance, the fit of ``I0`` and ``beta`` on the medians, and each balance's predicted cost."""
-    from lightning_dynpipe.plan import DEFAULT_BETA, Observation, fit_beta
+    from lightning_dynpipe.calibration import ProfileRun, median_observations
+    from lightning_dynpipe.plan import DEFAULT_BETA, fit_beta
 
     by: dict[tuple[int, ...], list[dict[str, Any]]] = {}
     for r in runs:
@@ -116,16 +117,22 @@ def analyse(runs: list[dict[str, Any]], num_microbatches: int) -> dict[str, Any]
                 "median": median([s for s in steps if s is not None]) if all(s is not None for s in steps) else None,
             }
         )
-    fitted = [row for row in rows if row["median"] is not None]
-    obs = [
-        Observation(
-            tuple(float(s) for s in by[tuple(row["balance"])][0]["staleness"]),
-            tuple(float(p) for p in by[tuple(row["balance"])][0]["stage_parameters"]),
-            float(row["median"] * num_microbatches),
+    fitted = [row for row in rows if row["median"] is not None]  # a balance that missed the target is not fitted
+    reached = [
+        ProfileRun(
+            profile=tuple(r["balance"]),
+            seed=r["seed"],
+            balance=tuple(r["balance"]),
+            staleness=tuple(r["staleness"]),
+            stage_parameters=tuple(r["stage_parameters"]),
+            steps=r["steps"],
+            num_microbatches=num_microbatches,
         )
         for row in fitted
+        for r in by[tuple(row["balance"])]
     ]
-    model = fit_beta(obs) if len({round(row["x"], 9) for row in fitted}) >= 2 else None
+    distinct = len({round(row["x"], 9) for row in fitted}) >= 2
+    model = fit_beta(median_observations(reached)) if distinct else None
     base = next((row["median"] for row in rows if len(row["balance"]) == 1), None)
     for row in rows:
         row["relative"] = row["median"] / base if row["median"] is not None and base else None
