@@ -10,6 +10,8 @@ paths. On Linux it reads
 * steal from ``/proc/stat``, at most every ``steal_interval_s`` (the counters tick at 100 Hz for the whole
   machine, so a per-step share would be mostly 0 or a whole tick), and from the same read the CPU time other
   processes used on the cores this process may run on,
+* the cgroup CPU limit through descriptors kept open (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`,
+  a few microseconds), every sample, so a quota shows in the step it starts,
 * the main thread's run-queue wait from ``/proc/self/schedstat`` (~2 us) and the involuntary context switches
   from :func:`resource.getrusage` (~1 us),
 
@@ -31,7 +33,7 @@ from typing import Any
 import psutil
 import torch
 
-from lightning_dynpipe.monitor.cgroups import cpu_limit_cores
+from lightning_dynpipe.monitor.cgroups import CpuLimitReader
 from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s
 
 __all__ = ["ProcessSampler", "load_pynvml", "machine_steal_counters"]
@@ -141,8 +143,9 @@ class ProcessSampler:
 
     Args:
         device: the stage's device; CUDA readings are taken only for a ``cuda`` device.
-        steal_interval_s: shortest span over which the steal share is computed, and between two reads of the
-            cgroup CPU limit (both are reused in between).
+        steal_interval_s: shortest span over which the steal share and the other processes' load on this
+            process's cores are computed (both are reused in between). The cgroup CPU limit is read at every
+            sample (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`, a few microseconds).
         nvml_interval_s: shortest time between two NVML queries (the last values are reused in between).
         nvml: query NVML at all (on a CUDA device, when ``pynvml`` is importable).
     """
@@ -179,7 +182,8 @@ class ProcessSampler:
         self._busy_cpu_ref = time.process_time()
         self._steal_at, self._steal_ref = time.perf_counter(), self._steal_counters()
         self._steal_share = 0.0
-        self._cpu_limit = cpu_limit_cores()  # re-read with the steal share (a quota can come and go)
+        self._limit = CpuLimitReader()
+        self._cpu_limit = self._limit.read()
         self.mark()
 
     # ------------------------------------------------------------------ windows
@@ -202,7 +206,7 @@ class ProcessSampler:
         if now - self._steal_at >= self.steal_interval_s:
             self._update_other_load(now, cpu)
             self._update_steal(now)
-            self._cpu_limit = cpu_limit_cores()
+        self._cpu_limit = self._limit.read()  # every window: a quota applied now shows in this step's reading
         allocated = reserved = None
         if self._is_cuda:
             allocated, reserved = self._cuda_allocator()
@@ -229,10 +233,10 @@ class ProcessSampler:
         )
 
     def refresh(self) -> None:
-        """Re-reads the cgroup CPU limit now and restarts the steal and other-load spans (e.g. after the caller
-        changed the interference on this process); the next :meth:`sample` reports the new limit."""
+        """Restarts the steal and other-load spans now (e.g. after the caller changed the interference on this
+        process), so the next :meth:`sample` that computes them covers only the new conditions. (The cgroup
+        limit needs no refresh: every sample reads it.)"""
         now, cpu = time.perf_counter(), time.process_time()
-        self._cpu_limit = cpu_limit_cores()
         self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), cpu
         self._steal_at, self._steal_ref = now, self._steal_counters()
 
@@ -241,6 +245,7 @@ class ProcessSampler:
         self._statm.close()
         self._stat.close()
         self._schedstat.close()
+        self._limit.close()
 
     # ------------------------------------------------------------------ CPU and memory
     def _rss(self) -> int:

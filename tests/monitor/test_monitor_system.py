@@ -266,13 +266,15 @@ def test_run_queue_wait_context_switches_and_other_load_are_plausible() -> None:
         assert r.other_cpu_load is not None and 0.0 <= r.other_cpu_load <= len(os.sched_getaffinity(0)) + 0.5
 
 
-def test_refresh_rereads_the_cpu_limit_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    limits = iter([None, 0.25])
-    monkeypatch.setattr(system_mod, "cpu_limit_cores", lambda: next(limits))
-    sampler = ProcessSampler(steal_interval_s=60.0)
+def test_every_sample_reads_the_cpu_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quota that starts mid-window shows in that window's reading, not a steal interval later."""
+    limits = iter([None, None, 0.25, 0.25])
+    monkeypatch.setattr(system_mod.CpuLimitReader, "read", lambda self: next(limits))
+    sampler = ProcessSampler(steal_interval_s=60.0)  # construction reads once
     assert sampler.sample().cpu_limit is None
-    sampler.refresh()
-    assert sampler.sample().cpu_limit == 0.25  # not 60 s later
+    assert sampler.sample().cpu_limit == 0.25
+    sampler.refresh()  # restarts the spans; reads no limit
+    assert sampler.sample().cpu_limit == 0.25
 
 
 def test_a_registered_helper_process_counts_as_own_cpu_not_other_load() -> None:
