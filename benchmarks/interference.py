@@ -771,7 +771,7 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
                 "steps": median([r["steps_to_acc"] for r in rs if r["reached"]]),
                 "migrations": [len(r["migrations"]) for r in rs],
-                "ms_per_step": median([r["time_to_acc_s"] / r["steps_to_acc"] * 1e3 for r in rs if r["reached"]]),
+                "ms_per_step": median([_ms_per_step_to_target(r) for r in rs if r["reached"]]),
                 "pauses_ms": [m["pause_s"] * 1e3 for r in rs for m in r["migrations"]],
                 "final_balances": [r["steps"][0][-1]["balance"] if r["steps"][0] else None for r in rs],
             }
@@ -786,7 +786,23 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 and by[("static", seed)]["reached"]
             ]
             rq1, rq3 = quartiles(ratios)
-            row["ratios"][system] = {"median": median(ratios), "q1": rq1, "q3": rq3, "per_seed": ratios}
+            row["ratios"][system] = {
+                "median": median(ratios),
+                "q1": rq1,
+                "q3": rq3,
+                "per_seed": ratios,
+                # the speed alone: static's seconds per step over the system's, each up to its own target
+                "per_step": median(
+                    [
+                        _ms_per_step_to_target(by[("static", seed)]) / _ms_per_step_to_target(by[(system, seed)])
+                        for (sy, seed) in by
+                        if sy == system
+                        and ("static", seed) in by
+                        and by[(system, seed)]["reached"]
+                        and by[("static", seed)]["reached"]
+                    ]
+                ),
+            }
             first = [_first_migration(r) for (sy, _), r in sorted(by.items()) if sy == system]
             row["systems"][system]["onset_to_migration"] = first
         limits = []
@@ -810,6 +826,11 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 row["limit"]["tta_best"] = [x["tta_best"] for x in limits]
         out[scenario] = row
     return out
+
+
+def _ms_per_step_to_target(run: dict[str, Any]) -> float:
+    """A run's training milliseconds per step up to the target (its time to accuracy over its steps)."""
+    return float(run["time_to_acc_s"]) / int(run["steps_to_acc"]) * 1e3
 
 
 def _first_migration(run: dict[str, Any]) -> int | None:
@@ -863,6 +884,10 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                     "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
                     "-" if lim is None else f"{lim['limit_run']:.2f}x",
                     "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
+                    _f(r.get("per_step"), ".2f") + ("x" if r.get("per_step") == r.get("per_step") else ""),
+                    "-"
+                    if lim is None or r.get("per_step") != r.get("per_step")
+                    else f"{r['per_step'] / lim['limit_run'] * 100:.0f}%",
                     "-"
                     if lim is None or "tta_limit" not in lim
                     else f"{lim['tta_limit']:.2f}x ({'/'.join(sorted(set(lim['tta_best'])))})",
@@ -885,6 +910,8 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
         "limit while on (best)",
         "limit over run",
         "of limit",
+        "per step",
+        "of limit per step",
         "TTA limit (best)",
         "of TTA limit",
     ]
@@ -909,6 +936,13 @@ def render_targets(summary: dict[str, Any]) -> str:
                     f"{system} {s}: static/{system} {r:.2f}x = {share * 100:.0f}% of the rebalancing limit "
                     f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}"
                 )
+                step = summary[s]["ratios"][system].get("per_step")
+                if step is not None and step == step:
+                    share = step / summary[s]["limit"]["limit_run"]
+                    out.append(
+                        f"{system} {s}: per step {step:.2f}x static = {share * 100:.0f}% of that limit (the speed "
+                        "alone; the time to accuracy adds each run's steps to the target)"
+                    )
                 tta_limit = summary[s]["limit"].get("tta_limit")
                 if tta_limit is not None:
                     out.append(
@@ -1317,7 +1351,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
         f"slowdowns (not measured), except for {', '.join(CUT_SCENARIOS)} ('cuts run'): every cut run fixed under "
         f"the scenario for {cfg.cut_steps} steps, the configured cut's mean ms/step over the fastest cut's (mix: "
-        "over the run, the link-alone cuts' limit before the hog's onset and the others' after it):"
+        "over the run, the link-alone cuts' limit before the hog's onset and the others' after it); per step: median "
+        "of per-seed static ms/step over the system's (each up to its own target: the speed without the steps), "
+        "and its share of the limit over the run:"
     )
     print(render_table(summary, cfg))
     print()
@@ -1330,6 +1366,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"\nplots: {acc_path}, {stage_path}")
     payload["summary"] = summary
     payload["markdown"] = {"table": render_table(summary, cfg, markdown=True), "targets": render_targets(summary)}
+    json_path.parent.mkdir(parents=True, exist_ok=True)  # a merge of --from-json files writes into --out-dir
     json_path.write_text(json.dumps(payload), encoding="utf-8")
     print(f"raw runs: {json_path}")
     return summary

@@ -123,3 +123,37 @@ def test_the_mix_limit_over_the_run_uses_each_phases_measured_cuts() -> None:
     assert lim["limit_on"] == pytest.approx(100.0 / 80.0) and lim["limit_before"] == pytest.approx(80.0 / 40.0)
     oracle = 20 * 0.08 / 2.0 + 20 * 0.1 / 1.25  # the first phase's steps at [4, 1], the second's at [3, 2]
     assert lim["limit_run"] == pytest.approx(t[-1] / oracle)
+
+
+def test_the_table_separates_the_speed_from_the_steps_to_the_target() -> None:
+    """``per step`` is static's ms per step over the system's, each up to its own target (median of seeds), beside
+    the time-to-accuracy ratio that also counts the steps: here 2.5x per step, 1.25x in time to accuracy."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, render_table, summarise
+
+    cfg = Config(model="cnn", balance=(2, 3), scenarios=("quota25",), systems=("measured", "static"))
+
+    def run(system: str, seed: int, tta_s: float, steps: int) -> dict[str, Any]:
+        return {
+            "system": system,
+            "scenario": "quota25",
+            "seed": seed,
+            "reached": True,
+            "time_to_acc_s": tta_s,
+            "steps_to_acc": steps,
+            "migrations": [],
+            "schedule": [],
+            "steps": [[{"step": 0, "balance": [2, 3]}], []],
+        }
+
+    runs = [run("static", s, 10.0, 100) for s in (0, 1, 2)]
+    runs += [run("measured", 0, 8.0, 160), run("measured", 1, 4.0, 100), run("measured", 2, 10.0, 250)]
+    summary = summarise(runs, None, cfg)
+    ratios = summary["quota25"]["ratios"]["measured"]
+    assert ratios["median"] == pytest.approx(1.25)  # 10/8, 10/4, 10/10
+    assert ratios["per_step"] == pytest.approx(2.5)  # 100 ms over 50, 40 and 40 ms
+    table = render_table(summary, cfg)
+    assert "per step" in table and "2.50x" in table and "1.25x" in table
