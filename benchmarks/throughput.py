@@ -76,10 +76,12 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 """Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
-EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-defaults-50", "async-bare", "async-copy")
+EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-defaults-50", "async-forest", "async-bare", "async-copy")
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
 the adaptive loop on, still starting from the same balance), the same with the monitor's snapshot every 50 steps
-(``monitor_every_n_steps=50``: what the snapshot's cadence costs), ``async`` with both off, and ``async`` whose weight
+(``monitor_every_n_steps=50``: what the snapshot's cadence costs), the defaults with ``predictor="forest"`` (the
+random forest learning online from every window, its refits in a child process: what the forest costs against the
+default measured predictor), ``async`` with both off, and ``async`` whose weight
 stash copies the live weights before each update instead of letting SGD write fresh storage
 (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
 loop off (it compares schedules on one fixed partition)."""
@@ -93,6 +95,7 @@ LABELS = {
     "torch-gpipe": "torch ScheduleGPipe",
     "async-defaults": "DynPipe async, defaults",
     "async-defaults-50": "DynPipe async, defaults, snapshot every 50",
+    "async-forest": "DynPipe async, defaults, forest predictor",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
 }
@@ -422,6 +425,8 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         options = {}  # monitor every 10 steps, adaptive loop on: what DynPipeStrategy() does
     elif system == "async-defaults-50":
         options = {"monitor_every_n_steps": 50}
+    elif system == "async-forest":
+        options = {"predictor": "forest"}
     elif system == "async-bare":
         options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
@@ -630,6 +635,7 @@ _SIM_MODEL = {
     "torch-gpipe": ("gpipe", "none"),
     "async-defaults": ("async", "last_stage_broadcast"),
     "async-defaults-50": ("async", "last_stage_broadcast"),
+    "async-forest": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
 }
@@ -643,8 +649,12 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
-        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy"):
-            only = {"async-bare": ("async-defaults", "async-defaults-50"), "async-copy": ("async",)}.get(ref)
+        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-defaults"):
+            only = {
+                "async-bare": ("async-defaults", "async-defaults-50", "async-forest"),
+                "async-copy": ("async",),
+                "async-defaults": ("async-forest",),
+            }.get(ref)
             if ref in by and ref != s and (only is None or s in only):  # extra references: only their users
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
                 ratios = [
@@ -1048,6 +1058,13 @@ def render_targets(summary: dict[str, Any]) -> str:
         out.append(
             f"target the defaults (monitor + adaptive loop) cost <= 2% against both off: measured "
             f"{d['median']:.3f}x -> {verdict}"
+        )
+    f = t.get("async-forest", {}).get("vs_async-defaults")
+    if f is not None:
+        verdict = "met" if f["median"] >= 0.99 else "MISSED"
+        out.append(
+            f"target the forest predictor costs < 1% against the default measured predictor: measured "
+            f"{f['median']:.3f}x [{f['q1']:.3f}-{f['q3']:.3f}] -> {verdict}"
         )
     return "\n".join(out)
 

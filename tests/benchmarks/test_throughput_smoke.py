@@ -65,6 +65,21 @@ def test_defaults_cost_verdict_pairs_defaults_with_bare_by_repeat() -> None:
     assert "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x -> met" in verdict
 
 
+def test_forest_cost_verdict_pairs_the_forest_with_the_defaults_by_repeat() -> None:
+    """``async-forest`` (the defaults with ``predictor="forest"``) is compared with ``async-defaults`` of the same
+    repeat, and with ``async-bare``; ``async-defaults`` itself gets no ratio to itself."""
+    from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets
+
+    sps = {"async-forest": [950.0, 1960.0, 990.0], "async-defaults": [1000.0, 2000.0, 1000.0], "async-bare": [1e3] * 3}
+    runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
+    table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
+    assert table["async-forest"]["vs_async-defaults"]["per_rep"] == pytest.approx([0.95, 0.98, 0.99])
+    assert "vs_async-bare" in table["async-forest"] and "vs_async-defaults" not in table["async-defaults"]
+    verdict = render_targets({"table": table})
+    assert "forest predictor costs < 1% against the default measured predictor: measured 0.980x" in verdict
+    assert "-> MISSED" in verdict
+
+
 def test_framework_costs_feed_the_simulator_per_stage_and_message() -> None:
     """The framework's costs are the in-run time around the operations: outside the step plus the step's rest as
     ``step_overhead`` per step, and the sender's busy time per message; with them the simulator's step is longer
