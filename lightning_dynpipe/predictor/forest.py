@@ -23,8 +23,8 @@ bounded buffer. Every ``refit_every`` observed windows it copies the buffer and 
 explains the new rows: with ``refit_on="miss"`` (the default) a fitted forest refits only when more of the rows
 observed since its last refit fell outside their intervals than its nominal miss rate (``1 - coverage``) gives with
 probability 5% (a binomial test). A refit costs CPU (several forest fits), and on a stage under a CPU limit the
-refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits
-run in a child process at the lowest CPU priority (nice 19; :mod:`~lightning_dynpipe.predictor.refit`: a refit
+refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits run in a child
+process at the lowest CPU priority (nice 19 and ``SCHED_IDLE``; :mod:`~lightning_dynpipe.predictor.refit`: a refit
 thread would share the training thread's GIL, and stalled the pipeline on a contended core; a thread is the
 fallback where no process can be started), which the strategy starts at set-up (:meth:`ForestPredictor.prepare`).
 The observations are the monitor's

@@ -9,8 +9,9 @@ thread doing forest fits beside a loop of convolution steps with a hog on the sa
 12 s from 383 to 159, with stalls up to 1.5 s. A child process has its own GIL.
 
 :class:`RefitProcess` runs :func:`main` in a new Python process once (it imports numpy, scikit-learn
-and this package's pure predictor modules, not torch), at nice 19, with one thread; the strategy starts it at
-set-up (:meth:`ForestPredictor.prepare <lightning_dynpipe.predictor.ForestPredictor.prepare>`), else
+and this package's pure predictor modules, not torch), at nice 19 and, on Linux, ``SCHED_IDLE``, with one thread;
+the strategy starts it at set-up
+(:meth:`ForestPredictor.prepare <lightning_dynpipe.predictor.ForestPredictor.prepare>`), else
 :meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` at the first window, so that it
 has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
 settings and a line on the child's stdin naming it; the child fits, writes the pickled forests to a result file and
@@ -164,10 +165,7 @@ def main() -> None:
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     answers = os.fdopen(os.dup(1), "wb")  # the answers' own descriptor: a stray print goes to stderr instead
     os.dup2(2, 1)
-    try:
-        os.nice(19)
-    except OSError:
-        pass
+    _lowest_priority()
     from lightning_dynpipe.predictor.forest import ForestPredictor, _sklearn_forest
 
     _sklearn_forest()  # imported before the first request arrives
@@ -183,3 +181,19 @@ def main() -> None:
         answers.flush()
     if directory is not None and directory.name.startswith("dynpipe-refit-"):
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _lowest_priority() -> None:
+    """Nice 19 and, on Linux, ``SCHED_IDLE``: the refit then runs only in the time the stages leave, and a stage
+    thread that wakes up (a message arrived) takes the core from it at once. Under nice 19 alone the scheduler may
+    let the refit finish its time slice first, and the stage's main thread waits for its core."""
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is not None:
+        try:
+            os.sched_setscheduler(0, idle, os.sched_param(0))
+        except OSError:
+            pass
