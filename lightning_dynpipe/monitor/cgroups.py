@@ -96,7 +96,7 @@ def _parse_limit(texts: list[str]) -> float | None:
             quota, period = texts[0].split()[:2]
             return None if quota == "max" else int(quota) / int(period)
         q, p = int(texts[0]), int(texts[1])
-    except ValueError:
+    except (ValueError, ZeroDivisionError):
         return None
     return None if q < 0 or p <= 0 else q / p
 

@@ -62,7 +62,10 @@ def test_defaults_cost_verdict_pairs_defaults_with_bare_by_repeat() -> None:
     assert table["async-defaults-50"]["vs_async-bare"]["per_rep"] == pytest.approx([0.995, 0.99, 1.0])
     assert "vs_async-bare" not in table["async"]
     verdict = render_targets({"table": table})
-    assert "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x -> met" in verdict
+    assert (
+        "defaults (monitor + adaptive loop) cost <= 2% against both off: measured 0.990x [0.980-0.995] -> met"
+        in verdict
+    )
 
 
 def test_forest_cost_verdict_pairs_the_forest_with_the_defaults_by_repeat() -> None:

@@ -76,6 +76,8 @@ def test_unreadable_tables_mean_no_limit(tmp_path: Path) -> None:
     (tmp_path / "nowhere").mkdir()
     (tmp_path / "nowhere" / "cpu.max").write_text("garbage\n")
     assert cpu_limit_cores(42, mountinfo=mountinfo, proc=proc) is None
+    (tmp_path / "nowhere" / "cpu.max").write_text("25000 0\n")  # no period: no limit, not a ZeroDivisionError
+    assert cpu_limit_cores(42, mountinfo=mountinfo, proc=proc) is None
 
 
 def test_a_real_quota_is_read_back() -> None:
