@@ -24,7 +24,8 @@ Three measures of the overhead, as a share of the step time of ``off``:
 * **extra CPU**: the stage process's CPU time per step (all threads, gloo's included) minus that of ``off``
   in the same repeat; the larger stage counts. It sees work done off the main thread, not waiting.
 
-Before the workers start, the main process times the monitor's pieces alone (sampler, sample + add,
+Before the workers start, the main process times the monitor's pieces alone (sampler, the cgroup CPU limit read
+kept open against parsed afresh, sample + add,
 summary, snapshot + metrics). The script prints the tables, writes the raw record (JSON, with machine,
 versions and command) to ``benchmarks/out/`` and the plot to ``docs/img/monitor_overhead.png``.
 
@@ -134,8 +135,10 @@ def micro_costs(window: int = 20) -> dict[str, float]:
         StageSample,
         StageStatsAccumulator,
     )
+    from lightning_dynpipe.monitor.cgroups import CpuLimitReader, cpu_limit_cores
 
     sampler = ProcessSampler()
+    limit = CpuLimitReader()
     stats = StepStats(
         forward_s=0.01,
         backward_s=0.02,
@@ -154,6 +157,8 @@ def micro_costs(window: int = 20) -> dict[str, float]:
     out = {
         "sampler.mark": _per_call_us(sampler.mark, 20000),
         "sampler.sample": _per_call_us(sampler.sample, 5000),
+        "cgroup CPU limit, kept open (CpuLimitReader.read; in sample)": _per_call_us(limit.read, 20000),
+        "cgroup CPU limit, mount table parsed (cpu_limit_cores)": _per_call_us(cpu_limit_cores, 2000),
         "sample + add (per step)": _per_call_us(lambda: acc.add(StageSample.from_step(stats, sampler.sample())), 5000),
         f"summary (window {window})": _per_call_us(acc.summary, 500),
         "snapshot + to_metrics (2 stages)": _per_call_us(
@@ -161,6 +166,7 @@ def micro_costs(window: int = 20) -> dict[str, float]:
         ),
     }
     sampler.close()
+    limit.close()
     return out
 
 

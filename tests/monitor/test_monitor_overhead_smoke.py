@@ -18,6 +18,7 @@ def test_quick_run_prints_the_overhead_table(tmp_path: Path, run_benchmark_main:
     for text in (
         "monitor pieces alone",
         "sampler.sample",
+        "cgroup CPU limit, kept open",
         "no monitor",
         "StageMonitor() (every 10)",
         "StageMonitor(every_n_steps=1)",
