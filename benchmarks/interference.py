@@ -74,6 +74,11 @@ its staleness costs (under ``async`` stage 0 is one update stale, so a cut that 
 more steps). With one run per cut and seed it is as noisy as the systems' own steps to the target, so it is reported,
 not a bound.
 
+Beside the time-to-accuracy ratio the table shows the **speed alone**: ``per step`` is the median over seeds of
+static's milliseconds per step over the system's (each up to its own target), and ``of limit per step`` its share
+of the limit over the run. Near a plateau of the accuracy curve the steps to the target vary by seed far more than
+the step time does, and the adaptation controls only the latter.
+
 System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=--beta)``, a ``beta`` calibrated on
 this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
