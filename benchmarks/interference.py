@@ -782,14 +782,16 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
             }
         row["ratios"] = {}
         for system in (sy for sy in cfg.systems if sy != "static"):
-            ratios = [
-                by[("static", seed)]["time_to_acc_s"] / by[(system, seed)]["time_to_acc_s"]
+            # the seeds where both this system and static (run interleaved with it) reached the target
+            pairs = [
+                (by[("static", seed)], by[(system, seed)])
                 for (sy, seed) in by
                 if sy == system
                 and ("static", seed) in by
                 and by[(system, seed)]["reached"]
                 and by[("static", seed)]["reached"]
             ]
+            ratios = [st["time_to_acc_s"] / sys_["time_to_acc_s"] for st, sys_ in pairs]
             rq1, rq3 = quartiles(ratios)
             row["ratios"][system] = {
                 "median": median(ratios),
@@ -797,16 +799,7 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "q3": rq3,
                 "per_seed": ratios,
                 # the speed alone: static's seconds per step over the system's, each up to its own target
-                "per_step": median(
-                    [
-                        _ms_per_step_to_target(by[("static", seed)]) / _ms_per_step_to_target(by[(system, seed)])
-                        for (sy, seed) in by
-                        if sy == system
-                        and ("static", seed) in by
-                        and by[(system, seed)]["reached"]
-                        and by[("static", seed)]["reached"]
-                    ]
-                ),
+                "per_step": median([_ms_per_step_to_target(st) / _ms_per_step_to_target(sys_) for st, sys_ in pairs]),
             }
             first = [_first_migration(r) for (sy, _), r in sorted(by.items()) if sy == system]
             row["systems"][system]["onset_to_migration"] = first
@@ -861,7 +854,7 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
         lim = row.get("limit")
         for system, r in row.get("ratios", {}).items():
             a = row["systems"].get(system, {})
-            ratio = r["median"]
+            ratio, step = r["median"], r.get("per_step", math.nan)
             pauses = a.get("pauses_ms", [])
             firsts = a.get("onset_to_migration", [])
 
@@ -889,10 +882,8 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                     "-" if lim is None else f"{lim['limit_on']:.2f}x ({'/'.join(sorted(set(lim['best'])))})",
                     "-" if lim is None else f"{lim['limit_run']:.2f}x",
                     "-" if lim is None or ratio != ratio else f"{ratio / lim['limit_run'] * 100:.0f}%",
-                    _f(r.get("per_step"), ".2f") + ("x" if r.get("per_step") == r.get("per_step") else ""),
-                    "-"
-                    if lim is None or r.get("per_step") != r.get("per_step")
-                    else f"{r['per_step'] / lim['limit_run'] * 100:.0f}%",
+                    _f(step, ".2f") + ("x" if step == step else ""),
+                    "-" if lim is None or step != step else f"{step / lim['limit_run'] * 100:.0f}%",
                     "-"
                     if lim is None or "tta_limit" not in lim
                     else f"{lim['tta_limit']:.2f}x ({'/'.join(sorted(set(lim['tta_best'])))})",
@@ -941,12 +932,12 @@ def render_targets(summary: dict[str, Any]) -> str:
                     f"{system} {s}: static/{system} {r:.2f}x = {share * 100:.0f}% of the rebalancing limit "
                     f"{summary[s]['limit']['limit_run']:.2f}x (target >= 90%) -> {'met' if share >= 0.9 else 'MISSED'}"
                 )
-                step = summary[s]["ratios"][system].get("per_step")
-                if step is not None and step == step:
-                    share = step / summary[s]["limit"]["limit_run"]
+                step = summary[s]["ratios"][system].get("per_step", math.nan)
+                if step == step:
+                    step_share = step / summary[s]["limit"]["limit_run"]
                     out.append(
-                        f"{system} {s}: per step {step:.2f}x static = {share * 100:.0f}% of that limit (the speed "
-                        "alone; the time to accuracy adds each run's steps to the target)"
+                        f"{system} {s}: per step {step:.2f}x static = {step_share * 100:.0f}% of that limit (the "
+                        "speed alone; the time to accuracy adds each run's steps to the target)"
                     )
                 tta_limit = summary[s]["limit"].get("tta_limit")
                 if tta_limit is not None:

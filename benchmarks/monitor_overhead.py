@@ -25,9 +25,9 @@ Three measures of the overhead, as a share of the step time of ``off``:
   in the same repeat; the larger stage counts. It sees work done off the main thread, not waiting.
 
 Before the workers start, the main process times the monitor's pieces alone (sampler, the cgroup CPU limit read
-kept open against parsed afresh, sample + add,
-summary, snapshot + metrics). The script prints the tables, writes the raw record (JSON, with machine,
-versions and command) to ``benchmarks/out/`` and the plot to ``docs/img/monitor_overhead.png``.
+through open files and parsed afresh, sample + add, summary, snapshot + metrics). The script prints the tables,
+writes the raw record (JSON, with machine, versions and command) to ``benchmarks/out/`` and the plot to
+``docs/img/monitor_overhead.png``.
 
 Usage (from the repository root)::
 
