@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import logging
 import os
@@ -206,7 +207,9 @@ def _batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 # ---------------------------------------------------------------------------------------------- probes
 class _CpuProbe:
-    """CPU accounting of this process over a window: all threads' CPU time, and the main thread's run-queue wait.
+    """CPU accounting of this process over a window: all threads' CPU time, the main thread's run-queue wait, and
+    the time Python's cyclic garbage collector ran (wall time between its start and stop callbacks, with the
+    number of collections of each generation).
 
     On a shared machine the run-queue wait (``/proc/self/task/<tid>/schedstat``, Linux) says how long this
     stage wanted a core but another process had it: the interference the interleaving cannot remove.
@@ -218,6 +221,7 @@ class _CpuProbe:
         self._path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._t = self._cpu = 0.0
         self._sched: tuple[int, int] | None = None
+        self._gc_s, self._gc_runs, self._gc_at = 0.0, [0, 0, 0], None  # type: tuple[float, list[int], float | None]
         self.result: dict[str, float] = {}
 
     def _read(self) -> tuple[int, int] | None:
@@ -228,12 +232,26 @@ class _CpuProbe:
         except (OSError, ValueError):
             return None
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # The collector runs in whichever thread allocated; CPython calls back before and after each collection.
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        elif self._gc_at is not None:
+            self._gc_s += time.perf_counter() - self._gc_at
+            self._gc_runs[int(info["generation"])] += 1
+            self._gc_at = None
+
     def start(self) -> None:
+        self._gc_s, self._gc_runs, self._gc_at = 0.0, [0, 0, 0], None
+        gc.callbacks.append(self._on_gc)
         self._t, self._cpu, self._sched = time.perf_counter(), time.process_time(), self._read()
 
     def stop(self) -> dict[str, float]:
         wall = time.perf_counter() - self._t
-        self.result = {"wall_s": wall, "process_cpu_s": time.process_time() - self._cpu}
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self.result = {"wall_s": wall, "process_cpu_s": time.process_time() - self._cpu, "gc_s": self._gc_s}
+        self.result |= {f"gc_gen{g}_runs": float(n) for g, n in enumerate(self._gc_runs)}
         end = self._read()
         if self._sched is not None and end is not None:
             self.result["main_run_s"] = (end[0] - self._sched[0]) / 1e9
@@ -695,6 +713,9 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
                 "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
                 "cpu_per_step_s": median([c["process_cpu_s"] / per_step for c in samples]),
             }
+            if all("gc_s" in c for c in samples):
+                entry["gc_per_step_s"] = median([c["gc_s"] / per_step for c in samples])
+                entry["gc_full_runs"] = median([c["gc_gen2_runs"] for c in samples])
             if all("main_runqueue_wait_s" in c for c in samples):
                 entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
                 entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
@@ -904,7 +925,8 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
 
 
 def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
-    """Per system and stage: cores the process used, and the share of time its main thread sat runnable."""
+    """Per system and stage: cores the process used, the share of time its main thread sat runnable, and the time
+    Python's garbage collector took per step (with the median number of full collections in a run)."""
     rows = []
     for s, stages in summary["cpu"].items():
         cells = [LABELS[s]]
@@ -913,16 +935,12 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
             cells.append(f"{st['cores_used']:.2f}")
             w = st.get("main_runqueue_wait_share")
             cells.append("-" if w is None else f"{w * 100:.0f}%")
+            g = st.get("gc_per_step_s")
+            cells.append("-" if g is None else f"{g * 1e3:.2f} ({st['gc_full_runs']:g})")
         rows.append(cells)
-    headers = [
-        "system",
-        "stage 0 CPU ms/step",
-        "cores",
-        "run-queue wait",
-        "stage 1 CPU ms/step",
-        "cores",
-        "run-queue wait",
-    ]
+    headers = ["system"]
+    for k in range(NUM_STAGES):
+        headers += [f"stage {k} CPU ms/step", "cores", "run-queue wait", "GC ms/step (full runs)"]
     return format_table(headers, rows, markdown=markdown)
 
 
