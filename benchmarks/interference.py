@@ -498,6 +498,8 @@ def _run(
                 "measured_step_s": d.inputs.measured_step_s,
                 "migration_cost_s": d.inputs.migration_cost_s,
                 "details": d.inputs.details,
+                "causes": d.inputs.causes,
+                "conditions": list(d.inputs.conditions),
             }
             for d in rec.decisions
         ],

@@ -255,7 +255,8 @@ class AdaptiveController:
                 (from the monitor's snapshot); passed to its ``observe``.
             stage_signs: per stage, its signs of interference beyond the other stages' (``""``: none; see
                 :func:`~lightning_dynpipe.monitor.stats.interference_excess`); with the link measured slower than
-                the set-up probe they are the window's ``PolicyInputs.causes``.
+                the set-up probe they are the window's ``PolicyInputs.causes`` (and, as flags,
+                ``PolicyInputs.conditions``; none given: the conditions are not known).
         """
         if len(times) != partition.num_stages:
             return None
@@ -324,6 +325,7 @@ class AdaptiveController:
                 [f"stage {k}: {sign}" for k, sign in enumerate(stage_signs) if sign]
                 + (["the link measured slower than the set-up probe"] if link != self.comm else [])
             ),
+            conditions=(*(bool(sign) for sign in stage_signs), link != self.comm) if stage_signs else (),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

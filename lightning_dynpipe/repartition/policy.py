@@ -48,6 +48,9 @@ class PolicyInputs:
             interference beyond the other stages' (:func:`~lightning_dynpipe.monitor.stats.interference_excess`:
             a cgroup CPU limit, other processes on its cores, its main thread waiting for a core), or the link
             measured slower than the set-up probe.
+        conditions: the same coarsely, for comparing windows: per stage whether it shows such a sign, then whether
+            the link is measured slower than the set-up probe (``()``: not known). Two windows with equal conditions
+            are compared by their measured step times (:class:`GainOverCostPolicy`'s recall).
     """
 
     step: int
@@ -64,6 +67,7 @@ class PolicyInputs:
     stage_compute_s: tuple[float, ...] = ()
     convergence_factor: float = 1.0
     causes: str = ""
+    conditions: tuple[bool, ...] = ()
 
     @property
     def measured_tta_step_s(self) -> float:
@@ -124,6 +128,7 @@ class _Move:
     new: Partition
     before_s: float
     before_factor: float = 1.0
+    conditions: tuple[bool, ...] = ()
 
 
 def _boundaries(p: Partition) -> list[int]:
@@ -143,13 +148,18 @@ class _Backfired:
     new: Partition
     step: int
     measured_s: float
+    conditions: tuple[bool, ...] = ()
 
-    def refuses(self, current: Partition, candidate: Partition) -> bool:
-        """``new`` itself, and, from ``old``, any candidate that shifts the same boundaries the same way.
+    def refuses(self, current: Partition, candidate: Partition, conditions: tuple[bool, ...] = ()) -> bool:
+        """``new`` itself, and, from ``old``, any candidate that shifts the same boundaries the same way, under the
+        conditions the move was judged in (any, when either is not known).
 
         Step time against one boundary's position is unimodal (the slower side of it sets the pace), so if
-        shifting the boundary one way was slower, shifting it further that way is slower too.
+        shifting the boundary one way was slower, shifting it further that way is slower too. Under other
+        conditions (the interference that made it slower has gone, or another came) the judgement does not hold.
         """
+        if self.conditions and conditions and conditions != self.conditions:
+            return False
         if candidate == self.new:
             return True
         if current != self.old or len(candidate.balance) != len(self.old.balance):
@@ -186,8 +196,18 @@ class GainOverCostPolicy:
     way. If the move made the pipeline slower to accuracy, the policy moves straight back (``rollback``; no
     cool-down or patience, when the measured loss over the horizon pays the migration by ``margin``), and for
     ``memory_steps`` steps it refuses that partition, and, from the partition it came back to, any candidate that
-    shifts the same stage boundaries further the same way. A rollback is not itself judged, so two moves cannot
-    ping-pong.
+    shifts the same stage boundaries further the same way, as long as the window's conditions
+    (:attr:`PolicyInputs.conditions`) are those it was judged under. A rollback is not itself judged, so two moves
+    cannot ping-pong.
+
+    **Recall.** Predictions carry each stage's slowdown over to layer sets it has not run, and a small stage's fixed
+    costs make it look slowed when nothing interferes; after a move made for a cause that has gone (a co-located job
+    that stopped), the predictor can rank the partition left behind below the current one although it measured
+    faster. So the policy remembers, for ``recall_steps`` steps, each partition's measured step time (weighted by
+    its convergence factor) under each set of conditions, and when the predicted candidate does not move it, moves
+    back to a partition measured faster under the same conditions as now, with the same tests of gain, cost,
+    ``min_relative_gain``, cool-down and refusals, after ``explained_patience`` checks (the evidence is measured).
+    Such a move is judged afterwards like any other.
 
     Args:
         horizon_steps: how far ahead the gain is counted.
@@ -199,6 +219,8 @@ class GainOverCostPolicy:
         cooldown_steps: steps after a migration during which nothing moves.
         rollback: undo a move whose measured outcome is a slower pipeline (see above).
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
+        recall_steps: how long a partition's measured step time under a set of conditions is remembered for a move
+            back to it (0: never; see above).
     """
 
     horizon_steps: int = 200
@@ -209,11 +231,18 @@ class GainOverCostPolicy:
     cooldown_steps: int = 30
     rollback: bool = True
     memory_steps: int = 200
+    recall_steps: int = 200
     _streak: int = field(default=0, init=False, repr=False)
     _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Move | None = field(default=None, init=False, repr=False)
     _backfired: list[_Backfired] = field(default_factory=list, init=False, repr=False)
+    _recall_streak: int = field(default=0, init=False, repr=False)
+    _recall_target: Partition | None = field(default=None, init=False, repr=False)
+    _measured: dict[tuple[Partition, tuple[bool, ...]], tuple[int, float, float]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    """(partition, conditions) -> (step, measured seconds per step x convergence factor, measured seconds per step)"""
 
     def __post_init__(self) -> None:
         if (
@@ -223,11 +252,13 @@ class GainOverCostPolicy:
             or not 1 <= self.explained_patience <= self.patience
             or self.cooldown_steps < 0
             or self.memory_steps < 0
+            or self.recall_steps < 0
         ):
             raise ConfigurationError(
                 f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, 1 <= explained_patience "
-                f"<= patience, cooldown_steps >= 0, memory_steps >= 0; got {self.horizon_steps}, {self.margin}, "
-                f"{self.patience}, {self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}."
+                f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0; got {self.horizon_steps}, "
+                f"{self.margin}, {self.patience}, {self.explained_patience}, {self.cooldown_steps}, "
+                f"{self.memory_steps}, {self.recall_steps}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -237,15 +268,12 @@ class GainOverCostPolicy:
         )
         saving = inputs.current_step_s - inputs.candidate_step_upper_s
         gain = saving * max(horizon, 0)
-
-        def no(reason: str) -> Decision:
-            self._streak, self._streak_candidate = 0, None
-            return Decision(False, inputs.current, gain, reason, inputs)
-
         move, self._unjudged = self._unjudged, None
         after_s = inputs.measured_tta_step_s
         if move is not None and inputs.current == move.new and after_s > move.before_s * move.before_factor:
-            self._backfired.append(_Backfired(move.old, move.new, inputs.step, inputs.measured_step_s))
+            self._backfired.append(
+                _Backfired(move.old, move.new, inputs.step, inputs.measured_step_s, inputs.conditions)
+            )
             loss = (after_s - move.before_s * move.before_factor) * max(horizon, 0)
             if self.rollback and loss > self.margin * inputs.migration_cost_s:
                 self._streak, self._streak_candidate = 0, None
@@ -262,17 +290,31 @@ class GainOverCostPolicy:
                     + (" (each step weighted by the convergence model's steps to accuracy)" if weighted else ""),
                     inputs,
                 )
+        self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
+        self._remember(inputs)
+        predicted = self._predicted(inputs, horizon, saving, gain)
+        if predicted.repartition:
+            return predicted
+        recalled = self._recall(inputs, horizon)
+        return recalled if recalled is not None else predicted
+
+    def _predicted(self, inputs: PolicyInputs, horizon: int, saving: float, gain: float) -> Decision:
+        """The decision on the predictor's candidate."""
+
+        def no(reason: str) -> Decision:
+            self._streak, self._streak_candidate = 0, None
+            return Decision(False, inputs.current, gain, reason, inputs)
+
         if inputs.candidate == inputs.current:
             return no("the current partition is already the best")
-        self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
         for b in reversed(self._backfired):
-            if b.refuses(inputs.current, inputs.candidate):
+            if b.refuses(inputs.current, inputs.candidate, inputs.conditions):
                 return no(
                     f"moving {b.old} -> {b.new} made the pipeline slower at step {b.step} "
                     f"({b.measured_s * 1e3:.1f} ms/step); {inputs.candidate} is refused for {self.memory_steps} "
                     "steps after that"
                 )
-        if self._last_migration is not None and inputs.step - self._last_migration < self.cooldown_steps:
+        if self._last_migration is not None and self._cooling(inputs.step):
             return no(
                 f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move"
             )
@@ -294,11 +336,66 @@ class GainOverCostPolicy:
                 inputs,
             )
         self._streak, self._streak_candidate = 0, None
-        self._unjudged = _Move(inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor)
+        self._unjudged = _Move(
+            inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor, inputs.conditions
+        )
         reason = "predicted gain pays the migration"
         if inputs.causes and patience < self.patience:
             reason += f" (after {patience} check{'s' if patience > 1 else ''}: {inputs.causes})"
         return Decision(True, inputs.candidate, gain, reason, inputs)
+
+    def _cooling(self, step: int) -> bool:
+        return self._last_migration is not None and step - self._last_migration < self.cooldown_steps
+
+    def _remember(self, inputs: PolicyInputs) -> None:
+        """Keeps this window's measured step time for its partition and conditions; forgets the expired ones."""
+        if not inputs.conditions or self.recall_steps == 0 or not inputs.measured_step_s > 0:
+            return
+        self._measured = {k: v for k, v in self._measured.items() if inputs.step - v[0] < self.recall_steps}
+        self._measured[(inputs.current, inputs.conditions)] = (
+            inputs.step,
+            inputs.measured_tta_step_s,
+            inputs.measured_step_s,
+        )
+
+    def _recall(self, inputs: PolicyInputs, horizon: int) -> Decision | None:
+        """A move back to the partition measured fastest under the same conditions, when it pays (class docstring)."""
+        if not inputs.conditions or self.recall_steps == 0 or self._cooling(inputs.step):
+            return None
+        now = inputs.measured_tta_step_s
+        best: tuple[Partition, int, float, float] | None = None
+        for (partition, conditions), (step, tta_s, measured_s) in self._measured.items():
+            if conditions != inputs.conditions or partition == inputs.current:
+                continue
+            if any(b.refuses(inputs.current, partition, inputs.conditions) for b in self._backfired):
+                continue
+            if best is None or tta_s < best[2]:
+                best = (partition, step, tta_s, measured_s)
+        if best is None:
+            self._recall_streak = 0
+            return None
+        target, step, tta_s, measured_s = best
+        saving = now - tta_s
+        gain = saving * max(horizon, 0)
+        if not now > 0 or saving / now < self.min_relative_gain or gain <= self.margin * inputs.migration_cost_s:
+            self._recall_streak = 0
+            return None
+        self._recall_streak = self._recall_streak + 1 if self._recall_target == target else 1
+        self._recall_target = target
+        where = inputs.causes or "no sign of interference"
+        measured = (
+            f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions ({where}); "
+            f"{inputs.current} measures {inputs.measured_step_s * 1e3:.1f} ms/step"
+        )
+        if self._recall_streak < self.explained_patience:
+            reason = f"{measured}; waiting for {self.explained_patience} checks in a row ({self._recall_streak} so far)"
+            return Decision(False, inputs.current, gain, reason, inputs)
+        self._recall_streak, self._recall_target = 0, None
+        self._streak, self._streak_candidate = 0, None
+        self._unjudged = _Move(
+            inputs.current, target, inputs.measured_step_s, inputs.convergence_factor, inputs.conditions
+        )
+        return Decision(True, target, gain, f"move back: {measured}", inputs)
 
     def migrated(self, step: int) -> None:
         """Starts the cool-down."""

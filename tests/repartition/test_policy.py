@@ -23,6 +23,7 @@ def _inputs(
     measured_s: float | None = None,
     factor: float = 1.0,
     causes: str = "",
+    conditions: tuple[bool, ...] = (),
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -36,6 +37,7 @@ def _inputs(
         slowdowns=(1.0, 2.0),
         convergence_factor=factor,
         causes=causes,
+        conditions=conditions,
     )
 
 
@@ -211,3 +213,109 @@ def test_direction_rule_with_three_stages() -> None:
     assert refused((3, 1, 2))  # (3, 4): only the first, the same way
     assert not refused((1, 3, 2))  # (1, 4): the first boundary the other way
     assert not refused((2, 1, 3))  # (2, 3): the second boundary the other way
+
+
+CLEAN, HOG = (False, False, False), (True, False, False)  # stage 0 shows a sign of interference, or nothing does
+MS = 1e-3
+
+
+def test_a_move_made_for_a_cause_is_undone_when_the_cause_has_gone() -> None:
+    """What a co-located job that comes and goes does: CUR measured 27 ms/step clean; under the job on stage 0 the
+    move to CAND pays (39 against 57 ms/step). When the job stops, the predictor ranks CAND first (its small stage 0
+    looks slowed by its fixed costs), but CUR measured 27 ms/step under the same (clean) conditions: move back."""
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=2, cooldown_steps=30)
+    keep = policy.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=0.05, conditions=CLEAN))
+    assert not keep.repartition and "already the best" in keep.reason
+    moved = policy.decide(
+        _inputs(40, current_s=57 * MS, candidate_s=40 * MS, cost=0.05, causes="stage 0: waiting", conditions=HOG)
+    )
+    assert moved.repartition and moved.partition == CAND
+    policy.migrated(40)
+    kept = policy.decide(_inputs(50, current=CAND, candidate=CAND, current_s=39 * MS, cost=0.02, conditions=HOG))
+    assert not kept.repartition and "already the best" in kept.reason  # the move paid off under the job
+    # the job stopped: CAND measures 38.5 ms/step and the predictor still ranks it first; nothing within the cool-down
+    clean = {"current": CAND, "candidate": CAND, "current_s": 38.5 * MS, "cost": 0.02, "conditions": CLEAN}
+    assert not policy.decide(_inputs(65, **clean)).repartition  # type: ignore[arg-type]
+    back = policy.decide(_inputs(75, **clean))  # type: ignore[arg-type]
+    assert back.repartition and back.partition == CUR
+    assert back.reason == (
+        "move back: [3, 3] measured 27.0 ms/step at step 10 under the same conditions (no sign of interference); "
+        "[4, 2] measures 38.5 ms/step"
+    )
+    assert back.predicted_gain_s == pytest.approx(1.15)  # (38.5 - 27) ms over 100 steps
+    policy.migrated(75)
+    # Judged like any move: the job is back at once, so CUR measures slower than CAND did: rolled back, and CUR
+    # refused under these conditions only
+    rolled = policy.decide(_inputs(85, current_s=57 * MS, candidate=CUR, cost=0.02, causes="s0", conditions=HOG))
+    assert rolled.repartition and rolled.partition == CAND and "roll back" in rolled.reason
+    policy.migrated(85)
+    hog = {"current": CAND, "current_s": 39 * MS, "cost": 0.02, "causes": "s0", "conditions": HOG}
+    refused = policy.decide(_inputs(130, candidate=CUR, candidate_s=27 * MS, **hog))  # type: ignore[arg-type]
+    assert not refused.repartition and "[4, 2] -> [3, 3] made the pipeline slower at step 85" in refused.reason
+    again = policy.decide(_inputs(140, **clean))  # type: ignore[arg-type]
+    assert again.repartition and again.partition == CUR and again.reason.startswith("move back")
+
+
+def test_a_refusal_holds_under_the_conditions_it_was_judged_in_only() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, recall_steps=0)
+    assert policy.decide(_inputs(10, conditions=HOG)).repartition
+    policy.migrated(10)
+    rolled = policy.decide(_inputs(20, current=CAND, candidate=CUR, current_s=1.3, measured_s=1.3, conditions=HOG))
+    assert rolled.repartition and "roll back" in rolled.reason
+    policy.migrated(20)
+    assert "made the pipeline slower at step 20" in policy.decide(_inputs(30, conditions=HOG)).reason
+    assert policy.decide(_inputs(40, conditions=CLEAN)).repartition  # the interference it was judged under is gone
+    unknown = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    unknown.decide(_inputs(10, conditions=HOG))
+    unknown.decide(_inputs(20, current=CAND, candidate=CUR, current_s=1.3, measured_s=1.3, conditions=HOG))
+    assert "made the pipeline slower" in unknown.decide(_inputs(30)).reason  # conditions not known: refused
+
+
+def test_recall_compares_only_equal_conditions_and_forgets() -> None:
+    # a partition measured faster under other conditions is not a reason to move back
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, recall_steps=50)
+    policy.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=0.01, conditions=CLEAN))
+    assert policy.decide(_inputs(20, current_s=40 * MS, candidate_s=30 * MS, cost=0.01, conditions=HOG)).repartition
+    policy.migrated(20)
+    still = policy.decide(_inputs(30, current=CAND, candidate=CAND, current_s=38 * MS, cost=0.01, conditions=HOG))
+    assert not still.repartition  # CUR measured 27 ms clean; under the job it measured 40
+    assert policy.decide(
+        _inputs(55, current=CAND, candidate=CAND, current_s=38 * MS, cost=0.01, conditions=CLEAN)
+    ).repartition
+    # remembered for recall_steps only
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, recall_steps=50)
+    policy.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=0.01, conditions=CLEAN))
+    policy.decide(_inputs(20, current_s=40 * MS, candidate_s=30 * MS, cost=0.01, conditions=HOG))
+    policy.migrated(20)
+    late = policy.decide(_inputs(61, current=CAND, candidate=CAND, current_s=38 * MS, cost=0.01, conditions=CLEAN))
+    assert not late.repartition and "already the best" in late.reason
+    # nor without known conditions, nor with recall off, nor below min_relative_gain or the migration's price
+    for kwargs, conditions, now_ms, cost in (
+        ({}, (), 38.0, 0.01),
+        ({"recall_steps": 0}, CLEAN, 38.0, 0.01),
+        ({}, CLEAN, 29.0, 0.01),  # 27 ms is 7% faster than 29
+        ({}, CLEAN, 38.0, 1.0),  # 1.1 s over 100 steps does not pay 2 x 1 s
+    ):
+        p = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, **kwargs)  # type: ignore[arg-type]
+        p.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=cost, conditions=conditions))
+        hog = HOG if conditions else ()
+        assert p.decide(_inputs(20, current_s=60 * MS, candidate_s=30 * MS, cost=0.01, conditions=hog)).repartition
+        p.migrated(20)
+        p.decide(_inputs(30, current=CAND, candidate=CAND, current_s=now_ms * MS, cost=cost, conditions=conditions))
+        d = p.decide(_inputs(40, current=CAND, candidate=CAND, current_s=now_ms * MS, cost=cost, conditions=conditions))
+        assert not d.repartition, (kwargs, conditions, now_ms, cost, d.reason)
+
+
+def test_recall_waits_for_explained_patience() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=2, explained_patience=2, cooldown_steps=0)
+    policy.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=0.01, conditions=CLEAN))
+    for step in (20, 30):
+        moved = policy.decide(
+            _inputs(step, current_s=60 * MS, candidate_s=30 * MS, cost=0.01, causes="s0", conditions=HOG)
+        )
+    assert moved.repartition
+    policy.migrated(30)
+    clean = {"current": CAND, "candidate": CAND, "current_s": 38 * MS, "cost": 0.01, "conditions": CLEAN}
+    first = policy.decide(_inputs(40, **clean))  # type: ignore[arg-type]
+    assert not first.repartition and first.reason.endswith("waiting for 2 checks in a row (1 so far)")
+    assert policy.decide(_inputs(50, **clean)).repartition  # type: ignore[arg-type]
