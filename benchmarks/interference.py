@@ -34,6 +34,8 @@ Scenarios (``--scenarios``; interference through :class:`~lightning_dynpipe.inte
 ``quota25``         the same with 25%
 ``quota25-late``   the 25% quota from the onset (the hog's) on, as when another job's quota arrives mid-run
 ``cycles``          the hog on stage 0 switched on and off every ``--cycle-steps`` steps
+``hog-ends``        the hog on stage 0 from the onset for ``--cycle-steps`` steps, then gone (a co-located job that
+                    finishes)
 ``delay``           an emulated slower link across the stage boundary from the start: each message is delivered
                     5 ms +- 2 ms after the link carried its bytes at 50 MB/s (``--delay-ms``, ``--jitter-ms``,
                     ``--bandwidth-mbps``; :class:`~lightning_dynpipe.interference.LinkDelay`)
@@ -137,7 +139,17 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
 
-SCENARIOS: tuple[str, ...] = ("none", "hog", "quota50", "quota25", "quota25-late", "cycles", "delay", "mix")
+SCENARIOS: tuple[str, ...] = (
+    "none",
+    "hog",
+    "quota50",
+    "quota25",
+    "quota25-late",
+    "cycles",
+    "hog-ends",
+    "delay",
+    "mix",
+)
 ALL_SYSTEMS: tuple[str, ...] = (
     "forest",
     "forest-cal",
@@ -224,6 +236,8 @@ def schedule_for(scenario: str, cfg: Config, onset: int) -> list[dict[str, Any]]
         return [
             {"kind": "cpu_hog", "stage": 0, "start_step": s, "stop_step": s + c} for s in range(c, cfg.max_steps, 2 * c)
         ]
+    if scenario == "hog-ends":
+        return [{"kind": "cpu_hog", "stage": 0, "start_step": onset, "stop_step": onset + cfg.cycle_steps}]
     delay = {
         "kind": "link_delay",
         "stage": 0,
@@ -954,11 +968,12 @@ def render_targets(summary: dict[str, Any]) -> str:
                 f"{system} none: {1 / r:.3f}x static's time, migrations per seed {moves} (target: 0 in every seed) "
                 f"-> {'met' if not any(moves) else 'MISSED'}"
             )
-        r = ratio("cycles", system)
-        if r is not None:
-            out.append(
-                f"{system} cycles: static/{system} {r:.2f}x (target >= 1.0x) -> {'met' if r >= 1.0 else 'MISSED'}"
-            )
+        for s in ("cycles", "hog-ends"):  # interference that goes away: adapting must not cost
+            r = ratio(s, system)
+            if r is not None:
+                out.append(
+                    f"{system} {s}: static/{system} {r:.2f}x (target >= 1.0x) -> {'met' if r >= 1.0 else 'MISSED'}"
+                )
     for forest in ("forest", "forest-cal"):
         if forest not in systems or "measured" not in systems:
             continue
@@ -1129,7 +1144,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         help="initial layers per stage for both systems, e.g. 4,5 (default: balanced by parameter count)",
     )
     p.add_argument(
-        "--cycle-steps", type=int, default=None, help=f"on/off half-period of 'cycles' (default {d.cycle_steps})"
+        "--cycle-steps",
+        type=int,
+        default=None,
+        help=f"on/off half-period of 'cycles', and how long the hog of 'hog-ends' lasts (default {d.cycle_steps})",
     )
     p.add_argument("--delay-ms", type=float, default=None, help=f"'delay': ms per message ({d.delay_s * 1e3:g})")
     p.add_argument("--jitter-ms", type=float, default=None, help=f"'delay': jitter +- ms ({d.jitter_s * 1e3:g})")

@@ -255,8 +255,8 @@ class AdaptiveController:
                 (from the monitor's snapshot); passed to its ``observe``.
             stage_signs: per stage, its signs of interference beyond the other stages' (``""``: none; see
                 :func:`~lightning_dynpipe.monitor.stats.interference_excess`); with the link measured slower than
-                the set-up probe they are the window's ``PolicyInputs.causes`` (and, as flags,
-                ``PolicyInputs.conditions``; none given: the conditions are not known).
+                the set-up probe they are the window's ``PolicyInputs.causes``; as flags, its
+                ``PolicyInputs.conditions`` (none given: the conditions are not known).
         """
         if len(times) != partition.num_stages:
             return None
@@ -325,7 +325,7 @@ class AdaptiveController:
                 [f"stage {k}: {sign}" for k, sign in enumerate(stage_signs) if sign]
                 + (["the link measured slower than the set-up probe"] if link != self.comm else [])
             ),
-            conditions=(*(bool(sign) for sign in stage_signs), link != self.comm) if stage_signs else (),
+            conditions=tuple(bool(sign) for sign in stage_signs),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

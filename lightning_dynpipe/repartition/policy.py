@@ -10,6 +10,7 @@ each move's outcome against the measured step time and undoes a move that made t
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -48,9 +49,10 @@ class PolicyInputs:
             interference beyond the other stages' (:func:`~lightning_dynpipe.monitor.stats.interference_excess`:
             a cgroup CPU limit, other processes on its cores, its main thread waiting for a core), or the link
             measured slower than the set-up probe.
-        conditions: the same coarsely, for comparing windows: per stage whether it shows such a sign, then whether
-            the link is measured slower than the set-up probe (``()``: not known). Two windows with equal conditions
-            are compared by their measured step times (:class:`GainOverCostPolicy`'s recall).
+        conditions: per stage, whether it shows such a sign (``()``: not known): the environment, coarsely, for
+            comparing windows measured under different partitions (:class:`GainOverCostPolicy`'s recall). The link
+            is not in it: whether it measures slower than the set-up probe depends on the bytes the partition's
+            boundaries carry, not only on the network.
     """
 
     step: int
@@ -169,6 +171,75 @@ class _Backfired:
         return same_way and cand != base
 
 
+_Conditions = tuple[bool, ...]
+
+
+class _Memory:
+    """What the recall remembers for ``steps`` steps: each check's conditions, and per partition and conditions the
+    measured step times (weighted by the convergence factor, and as measured)."""
+
+    KEEP = 3
+    """Measurements kept per partition and conditions; their median is used (a window that straddles a change of
+    conditions before its signs show is one of them)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._checks: list[tuple[int, _Conditions]] = []
+        self._seen: dict[tuple[Partition, _Conditions], list[tuple[int, float, float]]] = {}
+
+    def add(self, step: int, partition: Partition, conditions: _Conditions, tta_s: float, measured_s: float) -> None:
+        self._checks = [c for c in self._checks if step - c[0] < self.steps] + [(step, conditions)]
+        kept = {}
+        for key, entries in self._seen.items():
+            fresh = [e for e in entries if step - e[0] < self.steps]
+            if fresh:
+                kept[key] = fresh
+        kept.setdefault((partition, conditions), []).append((step, tta_s, measured_s))
+        kept[(partition, conditions)] = kept[(partition, conditions)][-self.KEEP :]
+        self._seen = kept
+
+    def partitions(self) -> list[Partition]:
+        return list(dict.fromkeys(p for p, _ in self._seen))
+
+    def measured(self, partition: Partition, conditions: _Conditions) -> tuple[int, float, float] | None:
+        """(latest step, median weighted seconds per step, median seconds per step) under ``conditions``."""
+        entries = self._seen.get((partition, conditions))
+        if not entries:
+            return None
+        return entries[-1][0], statistics.median(e[1] for e in entries), statistics.median(e[2] for e in entries)
+
+    def intermittent(self, now: _Conditions) -> bool:
+        """Whether conditions other than ``now`` came, went and came again within the memory (a cause that comes
+        and goes), rather than once (a cause that has ended)."""
+        runs = [c for i, (_, c) in enumerate(self._checks) if i == 0 or c != self._checks[i - 1][1]]
+        others = [c for c in runs if c != now]
+        return any(others.count(c) >= 2 for c in set(others))
+
+    def shares(self) -> dict[_Conditions, float]:
+        counts: dict[_Conditions, int] = {}
+        for _, c in self._checks:
+            counts[c] = counts.get(c, 0) + 1
+        return {c: n / len(self._checks) for c, n in counts.items()}
+
+    def expected(self, partition: Partition) -> float | None:
+        """The weighted step time of ``partition`` averaged over the conditions by their shares of the checks;
+        ``None`` unless it was measured under each of them."""
+        total = 0.0
+        for conditions, share in self.shares().items():
+            seen = self.measured(partition, conditions)
+            if seen is None:
+                return None
+            total += share * seen[1]
+        return total
+
+    def describe(self) -> str:
+        def name(c: _Conditions) -> str:
+            flagged = [str(k) for k, f in enumerate(c) if f]
+            return f"stage{'s' if len(flagged) > 1 else ''} {', '.join(flagged)} slowed" if flagged else "clean"
+
+        return ", ".join(f"{name(c)} {share:.0%} of the checks" for c, share in self.shares().items())
+
+
 @dataclass
 class GainOverCostPolicy:
     """Repartition when the predicted gain over a horizon beats the migration cost by a margin, persistently.
@@ -239,12 +310,10 @@ class GainOverCostPolicy:
     _backfired: list[_Backfired] = field(default_factory=list, init=False, repr=False)
     _recall_streak: int = field(default=0, init=False, repr=False)
     _recall_target: Partition | None = field(default=None, init=False, repr=False)
-    _measured: dict[tuple[Partition, tuple[bool, ...]], tuple[int, float, float]] = field(
-        default_factory=dict, init=False, repr=False
-    )
-    """(partition, conditions) -> (step, measured seconds per step x convergence factor, measured seconds per step)"""
+    _memory: _Memory = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._memory = _Memory(self.recall_steps)
         if (
             self.horizon_steps < 1
             or self.margin < 0
@@ -292,7 +361,7 @@ class GainOverCostPolicy:
                 )
         self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
         self._remember(inputs)
-        predicted = self._predicted(inputs, horizon, saving, gain)
+        predicted = self._averaged(inputs, self._predicted(inputs, horizon, saving, gain))
         if predicted.repartition:
             return predicted
         recalled = self._recall(inputs, horizon)
@@ -348,45 +417,73 @@ class GainOverCostPolicy:
         return self._last_migration is not None and step - self._last_migration < self.cooldown_steps
 
     def _remember(self, inputs: PolicyInputs) -> None:
-        """Keeps this window's measured step time for its partition and conditions; forgets the expired ones."""
-        if not inputs.conditions or self.recall_steps == 0 or not inputs.measured_step_s > 0:
-            return
-        self._measured = {k: v for k, v in self._measured.items() if inputs.step - v[0] < self.recall_steps}
-        self._measured[(inputs.current, inputs.conditions)] = (
-            inputs.step,
-            inputs.measured_tta_step_s,
-            inputs.measured_step_s,
+        """Adds this window's conditions and measured step time to the memory; forgets what is older."""
+        if inputs.conditions and self.recall_steps > 0 and inputs.measured_step_s > 0:
+            self._memory.add(
+                inputs.step, inputs.current, inputs.conditions, inputs.measured_tta_step_s, inputs.measured_step_s
+            )
+
+    def _averaged(self, inputs: PolicyInputs, predicted: Decision) -> Decision:
+        """Under conditions that come and go, a predicted move must also pay on the measured average over them."""
+        if not predicted.repartition or not inputs.conditions or not self._memory.intermittent(inputs.conditions):
+            return predicted
+        here, there = self._memory.expected(inputs.current), self._memory.expected(predicted.partition)
+        if here is None or there is None or here - there >= self.min_relative_gain * here:
+            return predicted
+        self._unjudged = None
+        return Decision(
+            False,
+            inputs.current,
+            predicted.predicted_gain_s,
+            f"the conditions come and go ({self._memory.describe()}): averaged over them {predicted.partition} "
+            f"measured {there * 1e3:.1f} ms/step against {here * 1e3:.1f} for {inputs.current}",
+            inputs,
         )
 
     def _recall(self, inputs: PolicyInputs, horizon: int) -> Decision | None:
-        """A move back to the partition measured fastest under the same conditions, when it pays (class docstring)."""
+        """A move back to a partition measured faster, when it pays (class docstring): under the same conditions as
+        now, or, when the conditions come and go, on average over them."""
         if not inputs.conditions or self.recall_steps == 0 or self._cooling(inputs.step):
             return None
-        now = inputs.measured_tta_step_s
-        best: tuple[Partition, int, float, float] | None = None
-        for (partition, conditions), (step, tta_s, measured_s) in self._measured.items():
-            if conditions != inputs.conditions or partition == inputs.current:
+        memory = self._memory
+        intermittent = memory.intermittent(inputs.conditions)
+        now = memory.expected(inputs.current) if intermittent else inputs.measured_tta_step_s
+        best: tuple[Partition, float] | None = None
+        for partition in memory.partitions():
+            if partition == inputs.current:
                 continue
             if any(b.refuses(inputs.current, partition, inputs.conditions) for b in self._backfired):
                 continue
-            if best is None or tta_s < best[2]:
-                best = (partition, step, tta_s, measured_s)
-        if best is None:
+            if intermittent:
+                value = memory.expected(partition)
+            else:
+                seen = memory.measured(partition, inputs.conditions)
+                value = None if seen is None else seen[1]
+            if value is not None and (best is None or value < best[1]):
+                best = (partition, value)
+        if best is None or now is None or not now > 0:
             self._recall_streak = 0
             return None
-        target, step, tta_s, measured_s = best
-        saving = now - tta_s
+        target, value = best
+        saving = now - value
         gain = saving * max(horizon, 0)
-        if not now > 0 or saving / now < self.min_relative_gain or gain <= self.margin * inputs.migration_cost_s:
+        if saving / now < self.min_relative_gain or gain <= self.margin * inputs.migration_cost_s:
             self._recall_streak = 0
             return None
         self._recall_streak = self._recall_streak + 1 if self._recall_target == target else 1
         self._recall_target = target
-        where = inputs.causes or "no sign of interference"
-        measured = (
-            f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions ({where}); "
-            f"{inputs.current} measures {inputs.measured_step_s * 1e3:.1f} ms/step"
-        )
+        if intermittent:
+            measured = (
+                f"the conditions come and go ({memory.describe()}): averaged over them {target} measured "
+                f"{value * 1e3:.1f} ms/step against {now * 1e3:.1f} for {inputs.current}"
+            )
+        else:
+            step, _, measured_s = memory.measured(target, inputs.conditions) or (0, 0.0, 0.0)
+            where = inputs.causes or "no sign of interference"
+            measured = (
+                f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions "
+                f"({where}); {inputs.current} measures {inputs.measured_step_s * 1e3:.1f} ms/step"
+            )
         if self._recall_streak < self.explained_patience:
             reason = f"{measured}; waiting for {self.explained_patience} checks in a row ({self._recall_streak} so far)"
             return Decision(False, inputs.current, gain, reason, inputs)
