@@ -20,6 +20,9 @@ default the parameter-balanced split, given to all), the same initial weights an
 * ``measured-probe``: ``measured`` with the link held at the set-up probe's model (the controller's
   :class:`~lightning_dynpipe.predictor.link.LinkEstimate` patched to answer its base in the workers): what the
   re-fitted link is worth; opt-in through ``--systems``;
+* ``measured-norecall``: ``measured`` with the policy's recall off (``GainOverCostPolicy(recall_steps=0)``: no move
+  back to a partition measured faster under the same conditions, no averaging over conditions that come and go);
+  opt-in through ``--systems``;
 * ``static``: ``DynPipeStrategy(balance=B, adaptive=False)``.
 
 ``--predictor forest`` (or ``measured``) is short for ``--systems forest,static``.
@@ -156,6 +159,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured",
     "measured-probe",
     "measured-beta",
+    "measured-norecall",
     "varuna",
     "dynpipe-2x",
     "static",
@@ -390,6 +394,7 @@ def _recorder(target: float) -> Any:
 def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     """``(adaptive, predictor)`` of :class:`~lightning_dynpipe.DynPipeStrategy` for ``system``."""
     from lightning_dynpipe.predictor import ForestPredictor
+    from lightning_dynpipe.repartition.policy import GainOverCostPolicy
     from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
 
     if system == "static" or system.startswith("cut"):
@@ -398,6 +403,8 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
     if system in ("measured", "measured-probe", "measured-beta"):
         return True, "measured"
+    if system == "measured-norecall":
+        return GainOverCostPolicy(recall_steps=0), "measured"
     if system == "varuna":
         return VarunaRule(), "measured"
     if system == "dynpipe-2x":  # the original scores the cuts with its forest
