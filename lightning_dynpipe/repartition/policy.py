@@ -232,12 +232,14 @@ class _Memory:
             total += share * seen[1]
         return total
 
-    def describe(self) -> str:
-        def name(c: _Conditions) -> str:
-            flagged = [str(k) for k, f in enumerate(c) if f]
-            return f"stage{'s' if len(flagged) > 1 else ''} {', '.join(flagged)} slowed" if flagged else "clean"
+    @staticmethod
+    def name(conditions: _Conditions) -> str:
+        """``"clean"`` or which stages show a sign of interference (``"stage 0 slowed"``)."""
+        flagged = [str(k) for k, f in enumerate(conditions) if f]
+        return f"stage{'s' if len(flagged) > 1 else ''} {', '.join(flagged)} slowed" if flagged else "clean"
 
-        return ", ".join(f"{name(c)} {share:.0%} of the checks" for c, share in self.shares().items())
+    def describe(self) -> str:
+        return ", ".join(f"{self.name(c)} {share:.0%} of the checks" for c, share in self.shares().items())
 
 
 @dataclass
@@ -479,10 +481,10 @@ class GainOverCostPolicy:
             )
         else:
             step, _, measured_s = memory.measured(target, inputs.conditions) or (0, 0.0, 0.0)
-            where = inputs.causes or "no sign of interference"
             measured = (
                 f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions "
-                f"({where}); {inputs.current} measures {inputs.measured_step_s * 1e3:.1f} ms/step"
+                f"({memory.name(inputs.conditions)}); {inputs.current} measures {inputs.measured_step_s * 1e3:.1f} "
+                "ms/step"
             )
         if self._recall_streak < self.explained_patience:
             reason = f"{measured}; waiting for {self.explained_patience} checks in a row ({self._recall_streak} so far)"

@@ -239,7 +239,7 @@ def test_a_move_made_for_a_cause_is_undone_when_the_cause_has_gone() -> None:
     back = policy.decide(_inputs(75, **clean))  # type: ignore[arg-type]
     assert back.repartition and back.partition == CUR
     assert back.reason == (
-        "move back: [3, 3] measured 27.0 ms/step at step 10 under the same conditions (no sign of interference); "
+        "move back: [3, 3] measured 27.0 ms/step at step 10 under the same conditions (clean); "
         "[4, 2] measures 38.5 ms/step"
     )
     assert back.predicted_gain_s == pytest.approx(1.15)  # (38.5 - 27) ms over 100 steps
