@@ -339,6 +339,7 @@ class GainOverCostPolicy:
         )
         saving = inputs.current_step_s - inputs.candidate_step_upper_s
         gain = saving * max(horizon, 0)
+        self._remember(inputs)  # a window that rolls a move back is a measurement of that partition too
         move, self._unjudged = self._unjudged, None
         after_s = inputs.measured_tta_step_s
         if move is not None and inputs.current == move.new and after_s > move.before_s * move.before_factor:
@@ -362,7 +363,6 @@ class GainOverCostPolicy:
                     inputs,
                 )
         self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
-        self._remember(inputs)
         predicted = self._averaged(inputs, self._predicted(inputs, horizon, saving, gain))
         if predicted.repartition:
             return predicted
@@ -448,8 +448,11 @@ class GainOverCostPolicy:
         if not inputs.conditions or self.recall_steps == 0 or self._cooling(inputs.step):
             return None
         memory = self._memory
-        intermittent = memory.intermittent(inputs.conditions)
-        now = memory.expected(inputs.current) if intermittent else inputs.measured_tta_step_s
+        average = memory.expected(inputs.current) if memory.intermittent(inputs.conditions) else None
+        # conditions that come and go: averaged over them (when the current partition was measured under each of
+        # them); else under the same conditions as now
+        intermittent = average is not None
+        now = average if average is not None else inputs.measured_tta_step_s
         best: tuple[Partition, float] | None = None
         for partition in memory.partitions():
             if partition == inputs.current:
@@ -463,7 +466,7 @@ class GainOverCostPolicy:
                 value = None if seen is None else seen[1]
             if value is not None and (best is None or value < best[1]):
                 best = (partition, value)
-        if best is None or now is None or not now > 0:
+        if best is None or not now > 0:
             self._recall_streak = 0
             return None
         target, value = best

@@ -350,3 +350,26 @@ def test_when_the_conditions_come_and_go_partitions_are_compared_on_their_averag
     )
     # and the move it did not make is not judged at the next check
     assert not policy.decide(_inputs(130, **cur)).repartition  # type: ignore[arg-type]
+
+
+def test_a_rolled_back_window_is_remembered_and_averages_need_every_condition() -> None:
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    policy.decide(_inputs(10, current_s=30 * MS, candidate_s=20 * MS, cost=0.01, conditions=CLEAN))
+    policy.migrated(10)
+    rolled = policy.decide(_inputs(20, current=CAND, candidate=CAND, current_s=40 * MS, cost=0.01, conditions=CLEAN))
+    assert rolled.repartition and "roll back" in rolled.reason
+    seen = policy._memory.measured(CAND, CLEAN)
+    assert seen is not None and seen[2] == pytest.approx(0.040)
+
+    # Stage 1's signs came and went twice, always on CUR: CAND was never measured under them, so no average
+    # over the conditions exists for it, and the move back is judged under the same conditions as now.
+    s1 = (False, True)
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    for step, conditions in ((10, CLEAN), (20, s1), (30, CLEAN), (40, s1), (50, CLEAN)):
+        policy.decide(_inputs(step, current_s=27 * MS, candidate=CUR, cost=0.01, conditions=conditions))
+    job = {"current_s": 57 * MS, "candidate_s": 39 * MS, "cost": 0.01, "causes": "stage 0", "conditions": HOG}
+    assert policy.decide(_inputs(60, **job)).repartition  # type: ignore[arg-type]
+    policy.migrated(60)
+    policy.decide(_inputs(70, current=CAND, candidate=CAND, current_s=39 * MS, cost=0.01, conditions=HOG))
+    back = policy.decide(_inputs(80, current=CAND, candidate=CAND, current_s=38.5 * MS, cost=0.01, conditions=CLEAN))
+    assert back.repartition and back.partition == CUR and "under the same conditions (clean)" in back.reason
