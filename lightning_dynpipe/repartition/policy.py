@@ -120,6 +120,8 @@ class RepartitionPolicy(Protocol):
         """Told when a migration happened (for cool-downs)."""
         ...
 
+    # Optional: ``reset()``, called when a fit starts (GainOverCostPolicy forgets what it learnt in the last one).
+
 
 @dataclass(frozen=True)
 class _Move:
@@ -502,3 +504,13 @@ class GainOverCostPolicy:
     def migrated(self, step: int) -> None:
         """Starts the cool-down."""
         self._last_migration = step
+
+    def reset(self) -> None:
+        """Forgets everything learnt in a fit (streaks, cool-down, the move to judge, refusals, the recall's memory):
+        the strategy calls it when a fit starts, so a policy object reused for another fit starts from scratch."""
+        self._streak, self._streak_candidate = 0, None
+        self._last_migration = None
+        self._unjudged = None
+        self._backfired = []
+        self._recall_streak, self._recall_target = 0, None
+        self._memory = _Memory(self.recall_steps)

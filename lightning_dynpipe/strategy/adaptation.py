@@ -103,6 +103,9 @@ class AdaptationWiring:
         if self.ladder is not None:
             self.ladder.reset()
         if self.config.policy is not None and model_cost is not None and num_stages > 1:
+            reset = getattr(self.config.policy, "reset", None)
+            if callable(reset):  # the same policy object may serve several fits: each starts from scratch
+                reset()
             self.controller = AdaptiveController(
                 self.config.policy,
                 model_cost=model_cost,

@@ -151,3 +151,36 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
     assert forest._worker is None  # the fit's end closes it
+
+
+def test_each_fit_starts_the_policy_from_scratch() -> None:
+    """A policy object reused for another fit (an in-process launch runs several fits in one process) forgets the
+    last fit's refusals, cool-down and measured partitions when the adaptive loop is attached."""
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+    from lightning_dynpipe.repartition.policy import GainOverCostPolicy, PolicyInputs
+
+    policy = GainOverCostPolicy(patience=1, cooldown_steps=50)
+    cur, cand = Partition((2, 2)), Partition((3, 1))
+
+    def inputs(step: int, current: Partition = cur, candidate: Partition = cand, s: float = 1.0) -> PolicyInputs:
+        return PolicyInputs(step, current, candidate, s, 0.5, s, 0.01, None, (1.0, 1.0), conditions=(False, False))
+
+    assert policy.decide(inputs(10)).repartition
+    policy.migrated(10)
+    assert policy.decide(inputs(20, cand, cur, s=2.0)).repartition  # slower: rolled back, CAND refused
+    policy.migrated(20)
+    assert not policy.decide(inputs(100)).repartition  # refused
+    wiring = AdaptationWiring(
+        DynPipeConfig.from_arguments(adaptive=policy),
+        partition=lambda: cur,
+        pending=lambda: False,
+        repartition=print,
+        past_pauses=lambda: [],
+    )
+    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    wiring.attach(
+        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+    )  # type: ignore[arg-type]
+    assert wiring.controller is not None and wiring.controller.policy is policy
+    assert policy.decide(inputs(10)).repartition  # a new fit: nothing refused, no cool-down, nothing remembered
