@@ -31,6 +31,21 @@ def _snapshot(count: int) -> Any:
     return SimpleNamespace(stages=[stage, stage], replicas=[StageReport(0, 0, stage), StageReport(0, 1, stage)])
 
 
+def _attached(cfg: DynPipeConfig) -> tuple[AdaptationWiring, Any]:
+    """A wiring of ``cfg`` attached to a (fake) trainer with a stage monitor, for a 4-layer model in 2 stages."""
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.plan.costs import CommModel, ModelCost
+
+    wiring = AdaptationWiring(
+        cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
+    )
+    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    wiring.attach(
+        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+    )  # type: ignore[arg-type]
+    return wiring, trainer
+
+
 def _wiring(repartition: Any) -> tuple[AdaptationWiring, _Controller]:
     wiring = AdaptationWiring(
         DynPipeConfig.from_arguments(),
@@ -129,22 +144,10 @@ def test_the_ranks_agreed_refit_reaches_the_controller_and_the_token_is_publishe
 def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_before_the_first_step() -> None:
     import sys
 
-    from lightning_dynpipe.monitor.callback import StageMonitor
-    from lightning_dynpipe.plan.costs import CommModel, ModelCost
     from lightning_dynpipe.predictor import ForestPredictor
 
     forest = ForestPredictor(n_estimators=8)
-    wiring = AdaptationWiring(
-        DynPipeConfig.from_arguments(predictor=forest),
-        partition=lambda: Partition((2, 2)),
-        pending=lambda: False,
-        repartition=print,
-        past_pauses=lambda: [],
-    )
-    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
-    wiring.attach(
-        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
-    )  # type: ignore[arg-type]
+    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=forest))
     try:
         assert forest._worker is not None and forest._worker._proc is not None  # started, not at the first window
         assert "sklearn.ensemble" in sys.modules
@@ -156,8 +159,6 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
 def test_each_fit_starts_the_policy_from_scratch() -> None:
     """A policy object reused for another fit (an in-process launch runs several fits in one process) forgets the
     last fit's refusals, cool-down and measured partitions when the adaptive loop is attached."""
-    from lightning_dynpipe.monitor.callback import StageMonitor
-    from lightning_dynpipe.plan.costs import CommModel, ModelCost
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy, PolicyInputs
 
     policy = GainOverCostPolicy(patience=1, cooldown_steps=50)
@@ -171,16 +172,6 @@ def test_each_fit_starts_the_policy_from_scratch() -> None:
     assert policy.decide(inputs(20, cand, cur, s=2.0)).repartition  # slower: rolled back, CAND refused
     policy.migrated(20)
     assert not policy.decide(inputs(100)).repartition  # refused
-    wiring = AdaptationWiring(
-        DynPipeConfig.from_arguments(adaptive=policy),
-        partition=lambda: cur,
-        pending=lambda: False,
-        repartition=print,
-        past_pauses=lambda: [],
-    )
-    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
-    wiring.attach(
-        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
-    )  # type: ignore[arg-type]
+    wiring, _ = _attached(DynPipeConfig.from_arguments(adaptive=policy))
     assert wiring.controller is not None and wiring.controller.policy is policy
     assert policy.decide(inputs(10)).repartition  # a new fit: nothing refused, no cool-down, nothing remembered
