@@ -144,8 +144,10 @@ class ProcessSampler:
     Args:
         device: the stage's device; CUDA readings are taken only for a ``cuda`` device.
         steal_interval_s: shortest span over which the steal share and the other processes' load on this
-            process's cores are computed (both are reused in between). The cgroup CPU limit is read at every
-            sample (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`, a few microseconds).
+            process's cores are computed (both are reused in between): 25 ticks of ``/proc/stat``'s 100 Hz
+            counters per core at the default, and a job that starts or stops on a stage's cores shows within
+            about a quarter of a second. The cgroup CPU limit is read at every sample
+            (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`, a few microseconds).
         nvml_interval_s: shortest time between two NVML queries (the last values are reused in between).
         nvml: query NVML at all (on a CUDA device, when ``pynvml`` is importable).
     """
@@ -154,7 +156,7 @@ class ProcessSampler:
         self,
         device: torch.device | str | None = None,
         *,
-        steal_interval_s: float = 1.0,
+        steal_interval_s: float = 0.25,
         nvml_interval_s: float = 0.5,
         nvml: bool = True,
     ) -> None:
