@@ -11,6 +11,7 @@ each move's outcome against the measured step time and undoes a move that made t
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -191,14 +192,14 @@ class _Memory:
 
     def add(self, step: int, partition: Partition, conditions: _Conditions, tta_s: float, measured_s: float) -> None:
         self._checks = [c for c in self._checks if step - c[0] < self.steps] + [(step, conditions)]
-        kept = {}
-        for key, entries in self._seen.items():
-            fresh = [e for e in entries if step - e[0] < self.steps]
-            if fresh:
-                kept[key] = fresh
-        kept.setdefault((partition, conditions), []).append((step, tta_s, measured_s))
-        kept[(partition, conditions)] = kept[(partition, conditions)][-self.KEEP :]
-        self._seen = kept
+        self._seen = {
+            key: fresh
+            for key, entries in self._seen.items()
+            if (fresh := [e for e in entries if step - e[0] < self.steps])
+        }
+        entries = self._seen.setdefault((partition, conditions), [])
+        entries.append((step, tta_s, measured_s))
+        del entries[: -self.KEEP]
 
     def partitions(self) -> list[Partition]:
         return list(dict.fromkeys(p for p, _ in self._seen))
@@ -218,9 +219,7 @@ class _Memory:
         return any(others.count(c) >= 2 for c in set(others))
 
     def shares(self) -> dict[_Conditions, float]:
-        counts: dict[_Conditions, int] = {}
-        for _, c in self._checks:
-            counts[c] = counts.get(c, 0) + 1
+        counts = Counter(c for _, c in self._checks)
         return {c: n / len(self._checks) for c, n in counts.items()}
 
     def expected(self, partition: Partition) -> float | None:
@@ -455,23 +454,20 @@ class GainOverCostPolicy:
         # them); else under the same conditions as now
         intermittent = average is not None
         now = average if average is not None else inputs.measured_tta_step_s
-        best: tuple[Partition, float] | None = None
+        best: tuple[Partition, float, tuple[int, float, float] | None] | None = None
         for partition in memory.partitions():
             if partition == inputs.current:
                 continue
             if any(b.refuses(inputs.current, partition, inputs.conditions) for b in self._backfired):
                 continue
-            if intermittent:
-                value = memory.expected(partition)
-            else:
-                seen = memory.measured(partition, inputs.conditions)
-                value = None if seen is None else seen[1]
+            seen = None if intermittent else memory.measured(partition, inputs.conditions)
+            value = memory.expected(partition) if intermittent else None if seen is None else seen[1]
             if value is not None and (best is None or value < best[1]):
-                best = (partition, value)
+                best = (partition, value, seen)
         if best is None or not now > 0:
             self._recall_streak = 0
             return None
-        target, value = best
+        target, value, seen = best
         saving = now - value
         gain = saving * max(horizon, 0)
         if saving / now < self.min_relative_gain or gain <= self.margin * inputs.migration_cost_s:
@@ -479,13 +475,13 @@ class GainOverCostPolicy:
             return None
         self._recall_streak = self._recall_streak + 1 if self._recall_target == target else 1
         self._recall_target = target
-        if intermittent:
+        if seen is None:  # averaged over conditions that come and go
             measured = (
                 f"the conditions come and go ({memory.describe()}): averaged over them {target} measured "
                 f"{value * 1e3:.1f} ms/step against {now * 1e3:.1f} for {inputs.current}"
             )
         else:
-            step, _, measured_s = memory.measured(target, inputs.conditions) or (0, 0.0, 0.0)
+            step, _, measured_s = seen
             measured = (
                 f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions "
                 f"({memory.name(inputs.conditions)}); {inputs.current} measures {inputs.measured_step_s * 1e3:.1f} "
