@@ -26,7 +26,8 @@ probability 5% (a binomial test). A refit costs CPU (several forest fits), and o
 refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits run in a child
 process at the lowest CPU priority (nice 19 and ``SCHED_IDLE``; :mod:`~lightning_dynpipe.predictor.refit`: a refit
 thread would share the training thread's GIL, and stalled the pipeline on a contended core; a thread is the
-fallback where no process can be started), which the strategy starts at set-up (:meth:`ForestPredictor.prepare`).
+fallback where no process can be started), which the strategy starts at set-up and lets finish its imports before
+the first step (:meth:`ForestPredictor.prepare`).
 The observations are the monitor's
 snapshots, identical and in the same order on every rank, so every rank starts refit number ``n`` at the same
 check, from the same rows, with the same seed, and fits the same forest. The ranks then switch to it at the same
@@ -319,6 +320,7 @@ class ForestPredictor:
         self._refits_started = 0
         self.refits = 0
         """Refits adopted so far."""
+        self._refit_cpu_s = 0.0  # refits' CPU of closed refit processes and of refit threads
 
     # ------------------------------------------------------------------ training
     def _forest(self) -> QuantileForest:
@@ -431,17 +433,34 @@ class ForestPredictor:
             return False
         return _binomial_tail(n, k, 1.0 - self.coverage) >= 0.05
 
-    def prepare(self) -> None:
+    def prepare(self, timeout_s: float = 60.0) -> None:
         """Pays the start-up costs before training: imports scikit-learn here (predictions and adopted refits need
-        it) and starts the refit process (which imports it too).
+        it), starts the refit process (which imports it too) and waits up to ``timeout_s`` for its imports (``0``:
+        no wait).
 
         The strategy calls it at set-up. Without it the first window and the first adopted refit pay them during
         training, and a stage under a CPU limit pays them several times over in wall time (on the CNN under a 25%
         quota the ten steps after the first window took twice as long: benchmarks/results/
-        2026-12-03-interference-calibrate.md).
+        2026-12-03-interference-calibrate.md). Without the wait the refit process imports at the lowest priority
+        beside the first steps, which then ran 6-8% slower on the throughput MLP (benchmarks/results/
+        2026-12-03-refit-start.md).
         """
         _sklearn_forest()
-        self._ensure_worker()
+        worker = self._ensure_worker()
+        if worker is None or timeout_s <= 0:
+            return
+        t0 = time.perf_counter()
+        try:
+            ready = worker.wait_ready(timeout_s)
+        except RuntimeError as exc:
+            self._no_worker(exc)
+            return
+        if not ready:
+            log.warning(
+                "DynPipe forest: the refit process had not imported scikit-learn after %.0f s; training starts "
+                "beside its imports.",
+                time.perf_counter() - t0,
+            )
 
     def _ensure_worker(self) -> RefitProcess | None:
         """The refit process (started if needed), or ``None`` when refits run in a thread."""
@@ -453,11 +472,22 @@ class ForestPredictor:
                 self._no_worker(exc)
         return self._worker
 
-    def _no_worker(self, exc: OSError) -> None:
+    def _no_worker(self, exc: Exception) -> None:
         log.warning("DynPipe forest: no refit process (%s); refitting in a thread of this process.", exc)
+        self._close_worker()
+        self.refit_in_process = False
+
+    def _close_worker(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        self._worker, self.refit_in_process = None, False
+            self._refit_cpu_s += self._worker.cpu_s
+        self._worker = None
+
+    @property
+    def refit_cpu_s(self) -> float:
+        """CPU seconds spent on the refits answered so far (in the refit process or a refit thread): what the
+        online learning costs beside the checks themselves."""
+        return self._refit_cpu_s + (self._worker.cpu_s if self._worker is not None else 0.0)
 
     def _finished(self, pending: _Refit) -> bool:
         if pending.thread is not None:
@@ -478,7 +508,7 @@ class ForestPredictor:
                 pending.result = self._worker.result()
             except RuntimeError as exc:  # keep the current forest; the next refit tries again
                 log.error("DynPipe forest: a refit failed; the current forest stays in use: %s", exc)
-                self._worker.close()
+                self._close_worker()
         if pending.result is not None:
             self._stage, self._boundary = pending.result
             self.refits += 1
@@ -522,11 +552,13 @@ class ForestPredictor:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (AttributeError, OSError):
                 pass
+            cpu0 = time.thread_time()
             try:
                 refit.result = self.fit_pair(rows)
             except Exception:  # keep the current forest; the next refit tries again
                 log.exception("DynPipe forest: a background refit failed; the current forest stays in use.")
             finally:
+                self._refit_cpu_s += time.thread_time() - cpu0
                 refit.done = True
 
         refit.thread = threading.Thread(target=run, name="dynpipe-forest-refit", daemon=True)
@@ -538,9 +570,7 @@ class ForestPredictor:
         if self._refit is not None and self._refit.thread is not None:
             self._refit.thread.join()
         self._refit = None
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._close_worker()
         self._last = None
 
     # ------------------------------------------------------------------ prediction

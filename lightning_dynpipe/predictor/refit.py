@@ -10,16 +10,17 @@ thread doing forest fits beside a loop of convolution steps with a hog on the sa
 
 :class:`RefitProcess` runs :func:`main` in a new Python process once (it imports numpy, scikit-learn
 and this package's pure predictor modules, not torch), at nice 19 and, on Linux, ``SCHED_IDLE``, with one thread;
-the strategy starts it at set-up
-(:meth:`ForestPredictor.prepare <lightning_dynpipe.predictor.ForestPredictor.prepare>`), else
-:meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` at the first window, so that it
-has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
+the strategy starts it at set-up and waits for its ``ready`` line (its imports done: :meth:`RefitProcess.wait_ready`,
+called by :meth:`ForestPredictor.prepare <lightning_dynpipe.predictor.ForestPredictor.prepare>`), else
+:meth:`ForestPredictor.observe <lightning_dynpipe.predictor.ForestPredictor.observe>` starts it at the first window, so
+that it has imported scikit-learn when the first refit is due. A request is a file of pickled rows and forest
 settings and a line on the child's stdin naming it; the child fits, writes the pickled forests to a result file and
-answers with one line on its stdout. The parent reads that line without blocking (:meth:`RefitProcess.done`) and
-loads the result file when it adopts the refit. The files live in a private temporary directory and are written
-only by this process and its child: nothing is loaded from anywhere else. Whichever ends first removes the
-directory: the parent in :meth:`RefitProcess.close`, the child when its input ends, which is also what happens when
-the parent is killed (a rank lost to a failure leaves no directory behind).
+answers with one line on its stdout (with the request's CPU seconds: :attr:`RefitProcess.cpu_s`). The parent reads
+that line without blocking (:meth:`RefitProcess.done`) and loads the result file when it adopts the refit. The files
+live in a private temporary directory and are written only by this process and its child: nothing is loaded from
+anywhere else. Whichever ends first removes the directory: the parent in :meth:`RefitProcess.close`, the child when
+its input ends, which is also what happens when the parent is killed (a rank lost to a failure leaves no directory
+behind).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,22 +57,52 @@ class RefitProcess:
         self._dir: Path | None = None
         self._pending: Path | None = None
         self._answered = False
+        self._ready = False  # the child's first line, "ready", was read
         self._count = 0
+        self.cpu_s = 0.0
+        """CPU seconds the child spent on the requests it answered (reading, fitting, writing), all children."""
 
     def start(self) -> None:
         """Starts the child now (it takes about a second to import scikit-learn), if it is not running."""
         self._start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the child to finish its imports; whether it has.
+
+        The child announces it with its first line. Until then it is importing (about 1.3 s of CPU here), and at
+        the lowest priority beside running stages those imports spread over many steps, where they cost the
+        stages far more wall time than their CPU (the caches and the cores' idle moments they take).
+        """
+        proc = self._start()
+        if not self._ready:
+            assert proc.stdout is not None
+            readable, _, _ = select.select([proc.stdout], [], [], max(0.0, timeout_s))
+            if readable:
+                self._read_ready()
+        return self._ready
+
+    def _read_ready(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(
+                f"The forest refit process did not start (exit code {self._proc.poll()}, said {line!r}); see its "
+                "stderr."
+            )
+        self._ready = True
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self.close()  # a child that ended: its pipes and files go before a new one starts
         self._dir = Path(tempfile.mkdtemp(prefix="dynpipe-refit-"))
+        self._ready = False
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()", str(self._dir)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a line read never pulls the next one out of select()'s sight
             env=env,
         )
         from lightning_dynpipe.monitor.stats import register_helper  # pure: the child imports no torch
@@ -100,19 +132,27 @@ class RefitProcess:
         """Whether the child has answered the pending request (never blocks)."""
         if self._pending is None:
             return False
-        if not self._answered:
-            assert self._proc is not None and self._proc.stdout is not None
-            readable, _, _ = select.select([self._proc.stdout], [], [], 0)
-            if readable:
+        assert self._proc is not None and self._proc.stdout is not None
+        while not self._answered and select.select([self._proc.stdout], [], [], 0)[0]:
+            if self._ready:
                 self._read_answer()
+            else:
+                self._read_ready()
         return self._answered
 
     def _read_answer(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
+        if not self._ready:
+            self._read_ready()
         line = self._proc.stdout.readline()  # one short line, written at once
         if not line:
             raise RuntimeError(f"The forest refit process ended (exit code {self._proc.wait()}); see its stderr.")
         self._answered = True
+        _, _, cpu = line.decode().partition(" ")
+        try:
+            self.cpu_s += float(cpu)
+        except ValueError:  # an answer without its CPU time: nothing to add
+            pass
 
     def result(self) -> Any:
         """The pending request's result, waiting for it if needed.
@@ -154,11 +194,12 @@ class RefitProcess:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-        self._pending, self._answered = None, False
+        self._pending, self._answered, self._ready = None, False, False
 
 
 def main() -> None:
-    """The child: one request path per stdin line; writes ``(ok, forests or error)`` next to it, answers a line.
+    """The child: says ``ready`` once imported; then one request path per stdin line; writes ``(ok, forests or
+    error)`` next to it and answers a line (``done <CPU seconds the request took>``).
 
     Its argument is the parent's private directory, removed when stdin ends (the parent closed it, or died).
     """
@@ -169,15 +210,18 @@ def main() -> None:
     from lightning_dynpipe.predictor.forest import ForestPredictor, _sklearn_forest
 
     _sklearn_forest()  # imported before the first request arrives
+    answers.write(b"ready\n")
+    answers.flush()
     for line in sys.stdin.buffer:
         request = Path(line.decode().strip())
+        cpu0 = time.process_time()
         try:
             params, samples = pickle.loads(request.read_bytes())
             value: Any = (True, ForestPredictor(**params).fit_pair(samples))
         except Exception as exc:  # reported to the parent, which keeps its current forest
             value = (False, f"{type(exc).__name__}: {exc}")
         request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-        answers.write(b"done\n")
+        answers.write(f"done {time.process_time() - cpu0:.6f}\n".encode())
         answers.flush()
     if directory is not None and directory.name.startswith("dynpipe-refit-"):
         shutil.rmtree(directory, ignore_errors=True)

@@ -241,6 +241,7 @@ def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_bu
         time.sleep(0.05)  # a monitor window
     assert all(a == b for a, b in history) and history[-1][0] >= 1, history
     assert longest < 0.25, f"an observe waited {longest:.3f} s for a refit"
+    assert ranks[1].refit_cpu_s > 0.0  # the refit thread's own CPU (the sleep is not CPU)
     for f in ranks:
         f.close()
 
@@ -260,9 +261,13 @@ def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends(
     worker = f._worker
     assert worker is not None and worker._proc is not None and worker._proc.pid != os.getpid()
     assert f.refits >= 1
+    # the child reports each refit's CPU: what the online learning costs, counted after the worker is gone too
+    spent = f.refit_cpu_s
+    assert spent > 0.0 and worker.cpu_s == spent
     proc, files = worker._proc, worker._dir
     f.close()
     assert proc.poll() is not None and files is not None and not files.exists()
+    assert f.refit_cpu_s == spent
 
     child = RefitProcess()
     child.submit(f._params(), f.samples)
@@ -350,3 +355,33 @@ def test_the_refit_child_runs_at_the_lowest_priority() -> None:
             assert os.sched_getscheduler(proc.pid) == idle
     finally:
         child.close()
+
+
+def test_prepare_waits_for_the_refit_process_imports_and_both_of_its_lines_are_seen() -> None:
+    """prepare() returns once the child has imported scikit-learn (imports beside the first steps slowed them), and
+    a child that said "ready" and "done" before the parent looked is seen done: the first line read must not hide
+    the second from select() in a read buffer."""
+    from lightning_dynpipe.predictor.refit import RefitProcess
+
+    f = ForestPredictor(n_estimators=8, min_samples=6)
+    f.prepare()
+    assert f._worker is not None and f._worker._ready
+    f.close()
+
+    rng = np.random.default_rng(5)
+    env = sim.Env(quota=(0.5, None))
+    g = ForestPredictor(n_estimators=8, min_samples=6, refit_every=100)  # rows only: no refit here
+    g.refit_in_process = False
+    for p in [PARTS[3]] * 5 + [PARTS[5]] * 4:
+        g.observe(COST, sim.LINK, sim.window(COST, p, env, M, rng))
+    child = RefitProcess()
+    child.submit(g._params(), g.samples)  # at once: the child is still importing
+    deadline = time.monotonic() + 120.0
+    assert child._dir is not None
+    while not list(child._dir.glob("*.out")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # both lines are in the pipe before the parent looks
+    assert child.done() and child.cpu_s > 0.0
+    stage, _ = child.result()
+    assert stage is not None
+    child.close()
