@@ -257,7 +257,8 @@ def fit_dynpipe(
     validation loop runs on those batches every that many training steps (default: no validation).
 
     Returns ``seconds`` (this rank's clock; global rank 0 hosts the last stage), ``stages`` (every stage's
-    timing and StepStats, by stage) and ``cpu`` (per stage).
+    timing and StepStats, by stage), ``cpu`` (per stage) and ``migrations`` (the live repartitions the run made:
+    ``{"step", "old", "new"}`` each).
     """
     import lightning.pytorch as pl
     import torch.distributed as dist
@@ -306,4 +307,8 @@ def fit_dynpipe(
     dist.all_gather_object(gathered, mine)
     stages = sorted(gathered, key=lambda g: g["stage"])
     cpu = [{"rank": g["rank"], "stage": g["stage"], "cpu": g.pop("cpu")} for g in stages]
-    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu}
+    migrations = [
+        {"step": m.step, "old": list(m.old.balance), "new": list(m.new.balance)}
+        for m in getattr(strategy, "migrations", [])
+    ]
+    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu, "migrations": migrations}

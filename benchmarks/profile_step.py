@@ -72,8 +72,12 @@ from benchmarks._common import (  # noqa: E402
     workers_done,
 )
 
-SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe", "async-defaults", "async-bare")
+SYSTEMS: tuple[str, ...] = (
+    "async", "sync", "gpipe", "torch-1f1b", "torch-gpipe", "async-defaults", "async-forest", "async-bare"
+)  # fmt: skip
 """``async-defaults``: ``async`` with the adaptive loop on as well (what ``DynPipeStrategy()`` does);
+``async-forest``: the same with ``predictor="forest"`` (its refits' CPU, in their own process, is the row
+``forest refit process``);
 ``async-bare``: ``async`` without the stage monitor (whatever ``--monitor-every-n-steps`` says). The others run
 with the adaptive loop off, on one fixed partition."""
 OTHER = "(not in a component)"
@@ -87,6 +91,7 @@ ARITHMETIC = (
 """The components both frameworks share: the model's own arithmetic (SGD's, written in place or, while a weight
 version is stashed, to fresh storage). The rest of the main thread is framework."""
 THREADS = "other threads (receivers, gloo)"
+REFITS = "forest refit process (not in the process CPU)"
 _DEFAULT_OUT = _ROOT / "benchmarks" / "out"
 
 
@@ -153,6 +158,7 @@ class Sections:
         self._t0 = self._p0 = self._w0 = 0.0
         self._threads0: dict[int, tuple[str, float]] = {}
         self.threads_s: dict[str, float] = defaultdict(float)
+        self.refit_cpu_s = 0.0  # a learning predictor's refits answered in the window, in its own process
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         """``fn`` charging its calls to component ``name``."""
@@ -256,6 +262,7 @@ class Sections:
             "wall_ms": self.wall_s * 1e3 / steps,
             "wrapper_calls_per_step": sum(self.calls.values()) / steps,
             "threads_ms": {k: v * 1e3 / steps for k, v in self.threads_s.items()},
+            "refit_process_ms": self.refit_cpu_s * 1e3 / steps,
         }
 
 
@@ -362,6 +369,8 @@ def _patch_dynpipe(s: Sections) -> None:
     from lightning_dynpipe.engine.stage import PipelineStage
     from lightning_dynpipe.engine.stash import WeightStash
     from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.predictor.forest import ForestPredictor
+    from lightning_dynpipe.repartition import controller
     from lightning_dynpipe.strategy.callbacks import MetricsMirror
     from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy
 
@@ -376,6 +385,10 @@ def _patch_dynpipe(s: Sections) -> None:
     for fn in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
         s.patch(call, fn, "Lightning hook dispatch")
     s.patch(MetricsMirror, "_mirror", "DynPipe metrics mirror")
+    s.patch(controller.AdaptiveController, "check", "DynPipe adaptive check (pricing, policy)")
+    s.patch(controller, "best_plan", "DynPipe adaptive check: planner solves")
+    s.patch(ForestPredictor, "observe", "DynPipe forest observe (rows, misses, refit hand-over)")
+    s.patch(ForestPredictor, "predict_many", "DynPipe forest predict")
     for hook in [h for h in vars(StageMonitor) if h.startswith("on_")]:
         s.patch(StageMonitor, hook, "DynPipe stage monitor")
     s.patch(DynPipeStrategy, "training_step", "DynPipe strategy.training_step")
@@ -423,6 +436,11 @@ class _DynPipeWindow:
         from lightning.pytorch import Callback
 
         class ProfileWindow(Callback):
+            refit_cpu_s = 0.0
+
+            def _refit_cpu(self, trainer: Any) -> float:
+                return float(getattr(trainer.strategy.config.predictor, "refit_cpu_s", 0.0))
+
             def on_train_start(self, trainer: Any, pl_module: Any) -> None:
                 if sections is not None:
                     _patch_layers(sections, trainer.strategy.executor.stage_module)
@@ -431,10 +449,14 @@ class _DynPipeWindow:
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 if batch_idx == warmup:
                     window.start()
+                    self.refit_cpu_s = -self._refit_cpu(trainer)
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
                 if idx == warmup + steps - 1:
                     window.stop()
+                    self.refit_cpu_s += self._refit_cpu(trainer)
+                    if sections is not None:
+                        sections.refit_cpu_s = self.refit_cpu_s
 
         return ProfileWindow()
 
@@ -473,7 +495,8 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
                 schedule=system.split("-")[0],  # type: ignore[arg-type]
                 balance=list(cfg.balance),
                 timeout=cfg.timeout_s,
-                adaptive=system == "async-defaults",
+                adaptive=system in ("async-defaults", "async-forest"),
+                predictor="forest" if system == "async-forest" else "measured",
                 monitor_every_n_steps=None if system == "async-bare" else opts.monitor_every_n_steps,
             )
             timer = tp._step_timer(cfg.warmup, cfg.steps)
@@ -539,6 +562,7 @@ def summarise(runs: list[dict[str, Any]], opts: Options) -> dict[str, Any]:
                         f: median([p[f] for p in per_rep])
                         for f in ("main_cpu_ms", "process_cpu_ms", "wall_ms", "wrapper_calls_per_step")
                     },
+                    "refit_process_ms": median([p.get("refit_process_ms", 0.0) for p in per_rep]),
                     "threads_ms": {
                         n: median([p.get("threads_ms", {}).get(n, 0.0) for p in per_rep])
                         for n in sorted({n for p in per_rep for n in p.get("threads_ms", {})})
@@ -575,6 +599,8 @@ def render(summary: dict[str, Any], *, markdown: bool = False, threshold_ms: flo
         cells = [summary[s][k].get("threads_ms", {}).get(kind) for s, k in columns]
         rows.append([f"  of which {kind}", *("-" if c is None else f"{c:.2f}" for c in cells)])
     rows.append(["= process CPU", *(f"{summary[s][k]['process_cpu_ms']:.2f}" for s, k in columns)])
+    if any(summary[s][k].get("refit_process_ms", 0.0) for s, k in columns):
+        rows.append([REFITS, *(f"{summary[s][k].get('refit_process_ms', 0.0):.2f}" for s, k in columns)])
     rows.append(["wall per step", *(f"{summary[s][k]['wall_ms']:.2f}" for s, k in columns)])
     rows.append(["wrapper calls per step", *(f"{summary[s][k]['wrapper_calls_per_step']:.0f}" for s, k in columns)])
     headers = ["component (CPU ms per step)", *(f"{s} / stage {k}" for s, k in columns)]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import gc
 import json
 import logging
@@ -77,12 +78,23 @@ from benchmarks._common import (  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("async", "sync", "gpipe", "torch-1f1b", "torch-gpipe")
 """Benchmark systems: DynPipe's three schedules, then torch.distributed.pipelining's two."""
-EXTRA_SYSTEMS: tuple[str, ...] = ("async-defaults", "async-defaults-50", "async-forest", "async-bare", "async-copy")
+EXTRA_SYSTEMS: tuple[str, ...] = (
+    "async-defaults",
+    "async-defaults-50",
+    "async-forest",
+    "async-forest-nowait",
+    "async-forest-norefit",
+    "async-bare",
+    "async-copy",
+)
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
 the adaptive loop on, still starting from the same balance), the same with the monitor's snapshot every 50 steps
 (``monitor_every_n_steps=50``: what the snapshot's cadence costs), the defaults with ``predictor="forest"`` (the
 random forest learning online from every window, its refits in a child process: what the forest costs against the
-default measured predictor), ``async`` with both off, and ``async`` whose weight
+default measured predictor), the same without waiting at set-up for the refit process's imports
+(``ForestPredictor.prepare(timeout_s=0)``: they then run beside the first steps) and the same never refitting
+(its rows and pricing only: an untrained forest prices with its prior), ``async`` with both off, and ``async`` whose
+weight
 stash copies the live weights before each update instead of letting SGD write fresh storage
 (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
 loop off (it compares schedules on one fixed partition)."""
@@ -97,6 +109,8 @@ LABELS = {
     "async-defaults": "DynPipe async, defaults",
     "async-defaults-50": "DynPipe async, defaults, snapshot every 50",
     "async-forest": "DynPipe async, defaults, forest predictor",
+    "async-forest-nowait": "DynPipe async, defaults, forest, imports beside the first steps",
+    "async-forest-norefit": "DynPipe async, defaults, forest never refitting",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
 }
@@ -419,10 +433,17 @@ def _step_timer(warmup: int, steps: int) -> Any:
             self.param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
             self.predicted_versions = trainer.strategy.config.schedule.max_stash(self.stage_idx, NUM_STAGES)
 
+        def _refits(self, trainer: Any) -> tuple[float, float, float]:
+            """A learning predictor's refits' CPU seconds (in its own process), refits adopted and skipped."""
+            p = trainer.strategy.config.predictor
+            return float(p.refit_cpu_s), float(p.refits), float(p.refits_skipped)
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == warmup:
                 self.probe.start()
                 self.start = time.perf_counter()
+                if hasattr(trainer.strategy.config.predictor, "refit_cpu_s"):
+                    self.refits0 = self._refits(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx >= warmup:
@@ -430,12 +451,16 @@ def _step_timer(warmup: int, steps: int) -> Any:
             if batch_idx == warmup + steps - 1:
                 self.end = time.perf_counter()
                 self.probe.stop()
+                if hasattr(trainer.strategy.config.predictor, "refit_cpu_s"):
+                    cpu, adopted, skipped = (b - a for a, b in zip(self.refits0, self._refits(trainer)))
+                    self.probe.result |= {"refit_cpu_s": cpu, "refits": adopted, "refits_skipped": skipped}
 
     return StepTimer()
 
 
 def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.predictor import ForestPredictor
 
     schedule = system.split("-")[0]
     options: dict[str, Any] = {"adaptive": False}  # compares schedules on one fixed partition
@@ -445,6 +470,12 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         options = {"monitor_every_n_steps": 50}
     elif system == "async-forest":
         options = {"predictor": "forest"}
+    elif system == "async-forest-nowait":
+        forest = ForestPredictor()
+        forest.prepare = functools.partial(forest.prepare, timeout_s=0.0)  # type: ignore[method-assign]
+        options = {"predictor": forest}
+    elif system == "async-forest-norefit":
+        options = {"predictor": ForestPredictor(refit_every=2**31)}
     elif system == "async-bare":
         options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
@@ -540,12 +571,16 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         "stages": res["stages"],
                         "cpu": res["cpu"],
                         "memory": memory,
+                        "migrations": res.get("migrations", []),
                     }
                 )
                 if rank == 0:
+                    moves = "".join(
+                        f", moved {m['old']} -> {m['new']} at step {m['step']}" for m in res.get("migrations", [])
+                    )
                     print(
                         f"  rep {rep + 1}/{cfg.repeats}  {LABELS[system]:<20} {samples / res['seconds']:8.1f} samples/s"
-                        f"  (load {load:.1f}" + (f", steal {steal:.0%})" if steal is not None else ")"),
+                        f"  (load {load:.1f}" + (f", steal {steal:.0%}" if steal is not None else "") + f"{moves})",
                         flush=True,
                     )
         if rank == 0:
@@ -654,9 +689,14 @@ _SIM_MODEL = {
     "async-defaults": ("async", "last_stage_broadcast"),
     "async-defaults-50": ("async", "last_stage_broadcast"),
     "async-forest": ("async", "last_stage_broadcast"),
+    "async-forest-nowait": ("async", "last_stage_broadcast"),
+    "async-forest-norefit": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
 }
+
+
+_FORESTS = ("async-forest", "async-forest-nowait", "async-forest-norefit")
 
 
 def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
@@ -669,9 +709,9 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
         for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-defaults"):
             only = {
-                "async-bare": ("async-defaults", "async-defaults-50", "async-forest"),
+                "async-bare": ("async-defaults", "async-defaults-50", *_FORESTS),
                 "async-copy": ("async",),
-                "async-defaults": ("async-forest",),
+                "async-defaults": _FORESTS,
             }.get(ref)
             if ref in by and ref != s and (only is None or s in only):  # extra references: only their users
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
@@ -716,6 +756,10 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             if all("gc_s" in c for c in samples):
                 entry["gc_per_step_s"] = median([c["gc_s"] / per_step for c in samples])
                 entry["gc_full_runs"] = median([c["gc_gen2_runs"] for c in samples])
+            if all("refit_cpu_s" in c for c in samples):  # a learning predictor's refits, in their own process
+                entry["refit_cpu_per_step_s"] = median([c["refit_cpu_s"] / per_step for c in samples])
+                entry["refits"] = median([c["refits"] for c in samples])
+                entry["refits_skipped"] = median([c["refits_skipped"] for c in samples])
             if all("main_runqueue_wait_s" in c for c in samples):
                 entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
                 entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
@@ -797,6 +841,8 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         "memory": memory_summary(runs, systems),
         "predictions": predictions,
         "calibration": calibration,
+        # live repartitions per run (DynPipe systems with the adaptive loop on); there is no interference here
+        "migrations": {s: [len(by[s][rep].get("migrations", [])) for rep in sorted(by[s])] for s in systems},
     }
 
 
@@ -925,8 +971,11 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
 
 
 def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
-    """Per system and stage: cores the process used, the share of time its main thread sat runnable, and the time
-    Python's garbage collector took per step (with the median number of full collections in a run)."""
+    """Per system and stage: cores the process used, the share of time its main thread sat runnable, the time
+    Python's garbage collector took per step (with the median number of full collections in a run) and, with a
+    learning predictor, its refits' CPU per step in their own process (refits adopted, skipped; not in the
+    process's CPU)."""
+    refits = any("refit_cpu_per_step_s" in st for stages in summary["cpu"].values() for st in stages)
     rows = []
     for s, stages in summary["cpu"].items():
         cells = [LABELS[s]]
@@ -937,10 +986,14 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
             cells.append("-" if w is None else f"{w * 100:.0f}%")
             g = st.get("gc_per_step_s")
             cells.append("-" if g is None else f"{g * 1e3:.2f} ({st['gc_full_runs']:g})")
+            if refits:
+                r = st.get("refit_cpu_per_step_s")
+                cells.append("-" if r is None else f"{r * 1e3:.2f} ({st['refits']:g}, {st['refits_skipped']:g})")
         rows.append(cells)
     headers = ["system"]
     for k in range(NUM_STAGES):
         headers += [f"stage {k} CPU ms/step", "cores", "run-queue wait", "GC ms/step (full runs)"]
+        headers += ["refit process ms/step (refits, skipped)"] if refits else []
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -1084,6 +1137,10 @@ def render_targets(summary: dict[str, Any]) -> str:
         if r is not None:
             verdict = "met" if r["median"] >= floor else "MISSED"
             out.append(f"target {what}: measured {r['median']:.3f}x [{r['q1']:.3f}-{r['q3']:.3f}] -> {verdict}")
+    moved = {s: n for s, n in summary.get("migrations", {}).items() if any(n)}
+    if moved:  # a repartition changes what the run measures: name the runs that made one
+        each = ", ".join(f"{s} {sum(1 for x in n if x)} of {len(n)}" for s, n in moved.items())
+        out.append(f"runs that repartitioned (no interference is injected here): {each}")
     return "\n".join(out)
 
 
