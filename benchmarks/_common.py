@@ -257,8 +257,8 @@ def fit_dynpipe(
     validation loop runs on those batches every that many training steps (default: no validation).
 
     Returns ``seconds`` (this rank's clock; global rank 0 hosts the last stage), ``stages`` (every stage's
-    timing and StepStats, by stage), ``cpu`` (per stage) and ``migrations`` (the live repartitions the run made:
-    ``{"step", "old", "new"}`` each).
+    timing and StepStats, by stage), ``cpu`` (per stage), ``migrations`` (the live repartitions the run made:
+    ``{"step", "old", "new"}`` each) and ``decisions`` (the adaptive loop's decision at every check, as logged).
     """
     import lightning.pytorch as pl
     import torch.distributed as dist
@@ -311,4 +311,6 @@ def fit_dynpipe(
         {"step": m.step, "old": list(m.old.balance), "new": list(m.new.balance)}
         for m in getattr(strategy, "migrations", [])
     ]
-    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu, "migrations": migrations}
+    controller = getattr(strategy, "controller", None)
+    decisions = [str(d) for d in controller.decisions] if controller is not None else []
+    return {"seconds": mine["wall_s"], "stages": stages, "cpu": cpu, "migrations": migrations, "decisions": decisions}

@@ -463,6 +463,9 @@ class _DynPipeWindow:
 
 def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str, Any]:
     cfg = opts.throughput_config()
+    migrations: list[dict[str, Any]] = []
+    moves: list[str] = []
+    decisions: list[str] = []
     sections = None if opts.cprofile else Sections()
     window: Any = CProfileWindow() if opts.cprofile else sections
     try:
@@ -500,7 +503,7 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
                 monitor_every_n_steps=None if system == "async-bare" else opts.monitor_every_n_steps,
             )
             timer = tp._step_timer(cfg.warmup, cfg.steps)
-            fit_dynpipe(
+            run = fit_dynpipe(
                 tp._model(cfg),
                 batches,
                 strategy,
@@ -508,6 +511,8 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
                 world_size=tp.WORLD_SIZE,
                 callbacks=[_DynPipeWindow(window, cfg.warmup, cfg.steps, sections)],
             )
+            migrations, decisions = run["migrations"], run["decisions"]
+            moves = [d for d in decisions if "repartition" in d.split("(", 1)[0]]
             stage_idx = timer.stage_idx
     finally:
         if sections is not None:
@@ -517,6 +522,9 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
     else:
         out = window.result(cfg.steps, opts.top)
     out["stage"] = stage_idx
+    out["migrations"] = migrations  # a repartition changes what each stage's rows add up
+    out["moves"] = moves  # the adaptive loop's reasons for them
+    out["decisions"] = decisions  # every check's
     return out
 
 
@@ -537,7 +545,13 @@ def _worker(rank: int, opts: Options, port: int, result_path: str) -> None:
                 runs.append({"rep": rep, "system": system, "stages": sorted(gathered, key=lambda g: g["stage"])})
                 if rank == 0:
                     cpu = " / ".join(f"{g['main_cpu_ms']:.1f}" for g in runs[-1]["stages"])
-                    print(f"  rep {rep + 1}/{opts.repeats}  {system:<11} main-thread CPU ms/step {cpu}", flush=True)
+                    moves = "".join(
+                        f", moved {m['old']} -> {m['new']} at step {m['step']}" for m in mine.get("migrations", [])
+                    )
+                    line = f"  rep {rep + 1}/{opts.repeats}  {system:<11} main-thread CPU ms/step {cpu}{moves}"
+                    print(line, flush=True)
+                    for why in mine.get("moves", []):
+                        print(f"    {why}", flush=True)
         if rank == 0:
             Path(result_path).write_text(json.dumps(runs), encoding="utf-8")
         workers_done()

@@ -572,6 +572,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         "cpu": res["cpu"],
                         "memory": memory,
                         "migrations": res.get("migrations", []),
+                        "decisions": res.get("decisions", []),
                     }
                 )
                 if rank == 0:
