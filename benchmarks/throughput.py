@@ -150,6 +150,7 @@ class Config:
     sim_steps: int = 12
     model: str = "mlp"
     block_size: int = 64
+    keep_freed_cpu_memory: bool = True
 
 
 GPT_DEFAULTS = {"width": 128, "depth": 4, "batch_size": 32, "lr": 0.1}
@@ -259,18 +260,32 @@ class _CpuProbe:
         self._gc_s, self._gc_runs, self._gc_at = 0.0, [0, 0, 0], None
         gc.callbacks.append(self._on_gc)
         self._t, self._cpu, self._sched = time.perf_counter(), time.process_time(), self._read()
+        self._faults = _minor_faults()
 
     def stop(self) -> dict[str, float]:
         wall = time.perf_counter() - self._t
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self.result = {"wall_s": wall, "process_cpu_s": time.process_time() - self._cpu, "gc_s": self._gc_s}
+        faults = _minor_faults()
+        if faults is not None and self._faults is not None:
+            self.result["minor_faults"] = float(faults - self._faults)
         self.result |= {f"gc_gen{g}_runs": float(n) for g, n in enumerate(self._gc_runs)}
         end = self._read()
         if self._sched is not None and end is not None:
             self.result["main_run_s"] = (end[0] - self._sched[0]) / 1e9
             self.result["main_runqueue_wait_s"] = (end[1] - self._sched[1]) / 1e9
         return self.result
+
+
+def _minor_faults() -> int | None:
+    """Minor page faults of this process so far (memory the system had to hand it again); ``None`` without
+    ``resource``."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def _stage_module(cfg: Config, stage_idx: int) -> Any:
@@ -483,6 +498,7 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         schedule=schedule,  # type: ignore[arg-type]
         balance=list(cfg.balance),
         timeout=cfg.timeout_s,
+        keep_freed_cpu_memory=cfg.keep_freed_cpu_memory,
         **options,
     )
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
@@ -757,6 +773,8 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             if all("gc_s" in c for c in samples):
                 entry["gc_per_step_s"] = median([c["gc_s"] / per_step for c in samples])
                 entry["gc_full_runs"] = median([c["gc_gen2_runs"] for c in samples])
+            if all("minor_faults" in c for c in samples):
+                entry["minor_faults_per_step"] = median([c["minor_faults"] / per_step for c in samples])
             if all("refit_cpu_s" in c for c in samples):  # a learning predictor's refits, in their own process
                 entry["refit_cpu_per_step_s"] = median([c["refit_cpu_s"] / per_step for c in samples])
                 entry["refits"] = median([c["refits"] for c in samples])
@@ -973,7 +991,8 @@ def render_breakdown(summary: dict[str, Any], *, markdown: bool = False) -> str:
 
 def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
     """Per system and stage: cores the process used, the share of time its main thread sat runnable, the time
-    Python's garbage collector took per step (with the median number of full collections in a run) and, with a
+    Python's garbage collector took per step (with the median number of full collections in a run), the minor page
+    faults per step (memory the system had to hand the process again) and, with a
     learning predictor, its refits' CPU per step in their own process (refits adopted, skipped; not in the
     process's CPU)."""
     refits = any("refit_cpu_per_step_s" in st for stages in summary["cpu"].values() for st in stages)
@@ -987,13 +1006,15 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
             cells.append("-" if w is None else f"{w * 100:.0f}%")
             g = st.get("gc_per_step_s")
             cells.append("-" if g is None else f"{g * 1e3:.2f} ({st['gc_full_runs']:g})")
+            f = st.get("minor_faults_per_step")
+            cells.append("-" if f is None else f"{f:.0f}")
             if refits:
                 r = st.get("refit_cpu_per_step_s")
                 cells.append("-" if r is None else f"{r * 1e3:.2f} ({st['refits']:g}, {st['refits_skipped']:g})")
         rows.append(cells)
     headers = ["system"]
     for k in range(NUM_STAGES):
-        headers += [f"stage {k} CPU ms/step", "cores", "run-queue wait", "GC ms/step (full runs)"]
+        headers += [f"stage {k} CPU ms/step", "cores", "run-queue wait", "GC ms/step (full runs)", "page faults/step"]
         headers += ["refit process ms/step (refits, skipped)"] if refits else []
     return format_table(headers, rows, markdown=markdown)
 
@@ -1267,6 +1288,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
+        "--free-cpu-memory",
+        action="store_true",
+        help="DynPipe systems with keep_freed_cpu_memory=False: the allocator gives freed memory back to the system "
+        "(a process-wide setting, so compare it across invocations, each with one fit per process: --repeats 1 and "
+        "one system)",
+    )
+    p.add_argument(
         "--model",
         choices=("mlp", "gpt"),
         default="mlp",
@@ -1310,6 +1338,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "seed": a.seed,
     }
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if a.free_cpu_memory:
+        cfg = replace(cfg, keep_freed_cpu_memory=False)
     if a.systems:
         systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
         unknown = [s for s in systems if s not in ALL_SYSTEMS]
