@@ -5,16 +5,17 @@ PyTorch takes CPU tensors straight from ``malloc``. glibc's allocator maps block
 free memory at the top of its heap back to the system once there is more than ``M_TRIM_THRESHOLD`` (twice the mmap
 threshold). A pipeline stage allocates and frees every micro-batch's activations and gradients, tens of KiB to
 several MiB each, so in a fresh process that memory keeps going back to the system and coming back as page faults.
-On the throughput benchmark's MLP (2 stages on 2 cores), the only fit of a fresh process took 200-1,500 minor page
-faults per step and its samples/s were 6-10% below the same fit with both thresholds fixed (about 20-30 faults per
-step). In 2 of 3 such fits the adaptive loop moved a layer with nothing interfering: the faults slowed one stage
-more than the other. A second fit in the same process did not fault (by then the heap is fragmented enough that
-it is not trimmed). See ``benchmarks/results/2026-12-03-first-fit.md``.
+On the throughput benchmark's MLP (2 stages on 2 cores), the only fit of a fresh process took 70-1,750 minor page
+faults per step, and its samples/s were about 10% below the same fit with both thresholds fixed (13-32 faults per
+step; two runs, 3 and 4 fits each way). A second fit in the same process did not fault: by then the heap is
+fragmented enough that it is not trimmed. ``benchmarks/results/2026-12-03-first-fit.md`` has the numbers, and
+what this does not fix: the adaptive loop's move at the first check of a fresh process.
 
 :func:`keep_freed_memory` fixes both thresholds with ``mallopt``: blocks below 32 MiB come from the heap, and up to
-256 MiB of free memory stays in the process. Peak RSS rose by 3-9 MiB per stage process in those runs. The strategy
-calls it in each CPU stage process at set-up (``DynPipeStrategy(keep_freed_cpu_memory=True)``, the default). It is
-a process-wide setting of the C library. Nothing changes where the C library is not glibc (musl, macOS, Windows).
+256 MiB of free memory stays in the process. Peak RSS changed by -1 to +11 MiB per stage process in those runs.
+The strategy calls it in each CPU stage process at set-up (``DynPipeStrategy(keep_freed_cpu_memory=True)``, the
+default). It is a process-wide setting of the C library. Nothing changes where the C library is not glibc (musl,
+macOS, Windows).
 """
 
 from __future__ import annotations

@@ -291,8 +291,8 @@ class DynPipeStrategy(DDPStrategy):
         keep_freed_cpu_memory: ``True`` (default): on CPU, each stage process sets glibc's allocator to keep freed
             memory (blocks below 32 MiB from its heap, up to 256 MiB of free memory kept) instead of handing every
             micro-batch's activations back to the system and faulting them in again: a fresh process's fit ran
-            6-10% faster on the throughput benchmark's MLP, and its adaptive loop stopped moving layers that
-            nothing slowed (:mod:`lightning_dynpipe.engine.allocator`). A process-wide C-library setting;
+            about 10% faster on the throughput benchmark's MLP (:mod:`lightning_dynpipe.engine.allocator`). A
+            process-wide C-library setting;
             ``False`` leaves the allocator alone. Nothing changes on GPUs or without glibc.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
