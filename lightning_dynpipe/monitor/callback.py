@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,6 +213,12 @@ class StageMonitor(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
             # a CPU group for the gather: reading a device tensor back would synchronise the device every time
             self._group, self._own_group = dist.new_group(backend="gloo"), True
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # the other ranks on this machine are the job's own load on shared cores, not other processes'
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, (socket.gethostname(), os.getpid()), group=self._group)
+            here = socket.gethostname()
+            self._sampler.set_siblings([pid for host, pid in ranks if host == here])
         self._active = True
 
     @override

@@ -36,6 +36,7 @@ __all__ = [
     "register_helper",
     "unregister_helper",
     "helpers_cpu_s",
+    "process_cpu_s",
     "INTERFERENCE_SIGNS",
     "interference_excess",
     "METRIC_NAMES",
@@ -763,15 +764,15 @@ def unregister_helper(pid: int) -> None:
 
 def helpers_cpu_s() -> float:
     """CPU seconds (user + system) the registered helpers have used; 0 where ``/proc`` is not available."""
-    if not _HELPERS:
-        return 0.0
+    return sum(process_cpu_s(pid) for pid in list(_HELPERS))
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used; 0 where ``/proc`` cannot tell (gone, not Linux)."""
     hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-    total = 0.0
-    for pid in list(_HELPERS):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards
-            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14 and 15)
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards
+        return (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14 and 15)
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -9,7 +9,8 @@ paths. On Linux it reads
 * RSS from ``/proc/self/statm`` through a file descriptor kept open (~2 us),
 * steal from ``/proc/stat``, at most every ``steal_interval_s`` (the counters tick at 100 Hz for the whole
   machine, so a per-step share would be mostly 0 or a whole tick), and from the same read the CPU time other
-  processes used on the cores this process may run on,
+  processes used on the cores this process may run on (not counting its helpers, nor the same job's processes
+  on this machine that :meth:`ProcessSampler.set_siblings` named: the other stages are the job's own load),
 * the cgroup CPU limit through descriptors kept open (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`,
   a few microseconds), every sample, so a quota shows in the step it starts,
 * the main thread's run-queue wait from ``/proc/self/schedstat`` (~2 us) and the involuntary context switches
@@ -28,13 +29,14 @@ import os
 import resource
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import CpuLimitReader
-from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s
+from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s, process_cpu_s
 
 __all__ = ["ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
@@ -179,9 +181,10 @@ class ProcessSampler:
         self._gpu_throttled: float | None = None
         self._gpu_other_mem: int | None = None
         self._cores = self._allowed_cores()
+        self._siblings: tuple[tuple[int, float], ...] = ()  # (pid, share of its CPU that falls on our cores)
         self._other_cpu_load: float | None = None
         self._busy_ref = self._busy_of_cores(self._stat_text())
-        self._busy_cpu_ref = time.process_time()
+        self._busy_cpu_ref = self._job_cpu_s(time.process_time())
         self._steal_at, self._steal_ref = time.perf_counter(), self._steal_counters()
         self._steal_share = 0.0
         self._limit = CpuLimitReader()
@@ -234,12 +237,40 @@ class ProcessSampler:
             gpu_other_mem_bytes=self._gpu_other_mem,
         )
 
+    def set_siblings(self, pids: Sequence[int]) -> None:
+        """Names the same job's other processes on this machine (the other stages' ranks): their CPU on this
+        process's cores is the job's own load, not other processes', and the other-load reading leaves it out.
+
+        Without this, stages that share cores see each other as other processes, and the stage that waits more
+        (it uses less CPU) looked busier with other processes by the difference (``interference_excess`` then
+        named the faster stage as interfered with). A sibling allowed on cores this process is not allowed on
+        counts by the share of its cores that are also this process's (its CPU assumed spread evenly).
+        Restarts the spans.
+        """
+        siblings = []
+        for pid in pids:
+            if pid == os.getpid():
+                continue
+            try:
+                theirs = frozenset(os.sched_getaffinity(pid))
+            except (AttributeError, OSError):  # gone, or no affinity to read (not Linux)
+                continue
+            shared = len(theirs & self._cores)
+            if shared and theirs:
+                siblings.append((pid, shared / len(theirs)))
+        self._siblings = tuple(siblings)
+        self.refresh()
+
+    def _job_cpu_s(self, own_cpu_s: float) -> float:
+        """This process's CPU seconds with its helpers' and (the share on its cores of) its siblings'."""
+        return own_cpu_s + helpers_cpu_s() + sum(w * process_cpu_s(pid) for pid, w in self._siblings)
+
     def refresh(self) -> None:
         """Restarts the steal and other-load spans now (e.g. after the caller changed the interference on this
         process), so the next :meth:`sample` that computes them covers only the new conditions. (The cgroup
         limit needs no refresh: every sample reads it.)"""
         now, cpu = time.perf_counter(), time.process_time()
-        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), cpu
+        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), self._job_cpu_s(cpu)
         self._steal_at, self._steal_ref = now, self._steal_counters()
 
     def close(self) -> None:
@@ -313,7 +344,7 @@ class ProcessSampler:
 
     def _update_other_load(self, now: float, cpu: float) -> None:
         busy = self._busy_of_cores(self._stat_text())
-        cpu += helpers_cpu_s()  # this process's own helpers (a forest refit process) are not other load
+        cpu = self._job_cpu_s(cpu)  # its helpers (a forest refit process) and siblings are not other load
         span = now - self._steal_at
         if busy is not None and self._busy_ref is not None and span > 0:
             own = cpu - self._busy_cpu_ref

@@ -177,6 +177,11 @@ def two_fake_ranks(monkeypatch: pytest.MonkeyPatch) -> list[_FakeWork]:
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)  # the other fake rank: this process again (so no sibling to name)
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     return works
 
 

@@ -295,3 +295,27 @@ def test_a_registered_helper_process_counts_as_own_cpu_not_other_load() -> None:
         spin.kill()
         spin.wait()
     assert helpers_cpu_s() == 0.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="reads /proc/stat and /proc/<pid>/stat")
+def test_a_sibling_process_on_the_same_cores_is_the_jobs_own_load_not_other_load() -> None:
+    """Stages that share cores saw each other as other processes: the one that waited more looked busier with
+    other processes by the difference. Named as siblings, the same job's processes are left out of the reading."""
+    import subprocess
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the other stage, busy on our cores
+    try:
+        time.sleep(0.3)  # it is running
+        readings = {}
+        for named in (False, True):
+            sampler = ProcessSampler(steal_interval_s=0.0)
+            if named:
+                sampler.set_siblings([spin.pid, os.getpid()])  # every rank's pid on this machine, ours included
+            time.sleep(0.6)  # this process idles: the cores' busy time is the sibling's
+            readings[named] = sampler.sample().other_cpu_load
+        assert readings[False] is not None and readings[True] is not None
+        assert readings[False] > 0.6, readings  # about one core
+        assert readings[True] < readings[False] - 0.5, readings
+    finally:
+        spin.kill()
+        spin.wait()
