@@ -529,8 +529,11 @@ def _run(system: str, opts: Options, rank: int, batches: list[Any]) -> dict[str,
 
 
 def _worker(rank: int, opts: Options, port: int, result_path: str) -> None:
+    from lightning_dynpipe.engine.allocator import keep_freed_memory
+
     external_launch_env(rank, tp.WORLD_SIZE, port)
     torch.set_num_threads(1)  # one core per stage, as in throughput.py
+    keep_freed_memory()  # every system with the allocator DynPipe's CPU stages set, as in throughput.py
     tp._quiet()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp.WORLD_SIZE)
     runs: list[dict[str, Any]] = []

@@ -534,6 +534,7 @@ def _quiet() -> None:
 
 
 def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+    from lightning_dynpipe.engine.allocator import keep_freed_memory
     from lightning_dynpipe.monitor.system import machine_steal_counters
 
     os.environ.update(
@@ -546,6 +547,10 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
         }
     )
     torch.set_num_threads(1)  # one core per stage
+    if cfg.keep_freed_cpu_memory:
+        # every system, torch's included, runs with the allocator DynPipe's stages set (a process-wide setting):
+        # otherwise the systems before the first DynPipe fit would pay glibc's page faults and the later ones not
+        keep_freed_memory()
     _quiet()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     runs: list[dict[str, Any]] = []
@@ -1290,9 +1295,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument(
         "--free-cpu-memory",
         action="store_true",
-        help="DynPipe systems with keep_freed_cpu_memory=False: the allocator gives freed memory back to the system "
-        "(a process-wide setting, so compare it across invocations, each with one fit per process: --repeats 1 and "
-        "one system)",
+        help="DynPipe systems with keep_freed_cpu_memory=False, and the benchmark's processes do not keep freed memory "
+        "either (by default they do, for every system): the allocator gives freed memory back to the system. A "
+        "process-wide setting, so compare it across invocations, each with one fit per process: --repeats 1 and one "
+        "system",
     )
     p.add_argument(
         "--model",
