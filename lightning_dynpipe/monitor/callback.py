@@ -216,8 +216,8 @@ class StageMonitor(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             # the other ranks on this machine are the job's own load on shared cores, not other processes'
             ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, (socket.gethostname(), os.getpid()), group=self._group)
             here = socket.gethostname()
+            dist.all_gather_object(ranks, (here, os.getpid()), group=self._group)
             self._sampler.set_siblings([pid for host, pid in ranks if host == here])
         self._active = True
 

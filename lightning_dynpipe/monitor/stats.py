@@ -767,9 +767,12 @@ def helpers_cpu_s() -> float:
     return sum(process_cpu_s(pid) for pid in list(_HELPERS))
 
 
+_CLOCK_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used; 0 where ``/proc`` cannot tell (gone, not Linux)."""
-    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    hz = _CLOCK_TICKS_PER_S
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards

@@ -43,6 +43,7 @@ __all__ = ["ProcessSampler", "load_pynvml", "machine_steal_counters"]
 log = logging.getLogger(__name__)
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_CLOCK_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 _NVML_HINT = "GPU utilisation needs NVML's Python bindings: pip install nvidia-ml-py"
 
 
@@ -326,7 +327,7 @@ class ProcessSampler:
         """Busy (non-idle, non-iowait) seconds of the cores in this process's affinity; None where unknown."""
         if not self._cores or not text:
             return None
-        hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        hz = _CLOCK_TICKS_PER_S
         busy, found = 0.0, 0
         for line in text.split(b"\n"):
             if not line.startswith(b"cpu") or line.startswith(b"cpu "):

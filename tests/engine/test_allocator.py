@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_kept_freed_memory_stops_the_page_faults_of_a_step() -> None:
 
 
 def test_without_glibc_nothing_is_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(allocator.sys, "platform", "darwin")
+    monkeypatch.setattr(allocator, "sys", types.SimpleNamespace(platform="darwin"))  # this module's view only
     assert allocator.keep_freed_memory() is False
 
 
