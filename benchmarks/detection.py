@@ -26,21 +26,33 @@ over the steps after the onset of the best partition's noiseless step time over 
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
+import logging
 import statistics
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lightning_dynpipe.plan.auto import best_plan
-from lightning_dynpipe.plan.convergence import ConvergenceModel
-from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor import ForestPredictor, InterferencePredictor, MeasuredSlowdownPredictor
-from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows
-from lightning_dynpipe.repartition import AdaptiveController, GainOverCostPolicy, RepartitionPolicy
-from lightning_dynpipe.repartition.replay import (
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks._common import command_line, describe_machine, format_table, machine_info  # noqa: E402
+from lightning_dynpipe.plan.auto import best_plan  # noqa: E402
+from lightning_dynpipe.plan.convergence import ConvergenceModel  # noqa: E402
+from lightning_dynpipe.plan.partition import Partition  # noqa: E402
+from lightning_dynpipe.predictor import ForestPredictor, InterferencePredictor, MeasuredSlowdownPredictor  # noqa: E402
+from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows  # noqa: E402
+from lightning_dynpipe.repartition import AdaptiveController, GainOverCostPolicy, RepartitionPolicy  # noqa: E402
+from lightning_dynpipe.repartition.replay import (  # noqa: E402
     LINK,
     Env,
     SyntheticPipeline,
@@ -49,7 +61,7 @@ from lightning_dynpipe.repartition.replay import (
     synthetic_window,
     two_stage_partitions,
 )
-from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
+from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule  # noqa: E402
 
 SYSTEMS: tuple[str, ...] = ("forest", "measured", "varuna", "dynpipe-2x")
 NOISE = Env(noise=0.03, spike=0.05)
@@ -99,14 +111,16 @@ def calibration_samples(seed: int) -> LabelledSamples:
     return LabelledSamples.concat(parts)
 
 
-def _system(name: str, calibrated: ForestPredictor) -> tuple[RepartitionPolicy, InterferencePredictor]:
+def _system(
+    name: str, calibrated: ForestPredictor, policy_options: dict[str, Any]
+) -> tuple[RepartitionPolicy, InterferencePredictor]:
     def forest() -> ForestPredictor:
         return copy.deepcopy(calibrated)  # the same calibrated forest for every run of a seed, learning afresh
 
     if name == "forest":
-        return GainOverCostPolicy(), forest()
+        return GainOverCostPolicy(**policy_options), forest()
     if name == "measured":
-        return GainOverCostPolicy(), MeasuredSlowdownPredictor()
+        return GainOverCostPolicy(**policy_options), MeasuredSlowdownPredictor()
     if name == "varuna":
         return VarunaRule(), MeasuredSlowdownPredictor()
     if name == "dynpipe-2x":
@@ -123,12 +137,17 @@ def run_detection(
     onset: int = 100,
     start: Partition | None = None,
     forest_options: dict[str, Any] | None = None,
+    policy_options: dict[str, Any] | None = None,
+    signs: bool = True,
 ) -> list[DetectionRun]:
     """Every system under every scenario with every seed (see the module docstring).
 
     ``start``: the partition at step 0; default the planner's best on the clean profile (so on ``none`` there is
     nothing to gain, and every migration is a false alarm). ``forest_options``: keyword arguments of
     :class:`~lightning_dynpipe.predictor.ForestPredictor` (e.g. a larger ``refit_every`` for a quick run).
+    ``policy_options``: keyword arguments of the ``GainOverCostPolicy`` of ``forest`` and ``measured``.
+    ``signs``: the controller gets each window's signs of interference, as in a fit (``False``: none, so every
+    slowdown but a CPU limit looks unexplained).
     """
     cost = synthetic_model_cost()
     if start is None:
@@ -139,13 +158,13 @@ def run_detection(
         for scenario in scenarios:
             timeline = _timeline(scenario, onset, steps)
             for name in systems:
-                policy, predictor = _system(name, calibrated)
+                policy, predictor = _system(name, calibrated, policy_options or {})
                 pipe = SyntheticPipeline(cost, timeline, num_microbatches=M, seed=seed)
                 controller = AdaptiveController(
                     policy, model_cost=cost, comm=LINK, schedule="async", num_microbatches=M,
                     convergence=ConvergenceModel(beta=0.0), predictor=predictor,
                 )  # fmt: skip
-                result = replay(controller, pipe.window, start, steps=steps)
+                result = replay(controller, pipe.window, start, steps=steps, signs=signs)
                 cands = two_stage_partitions()
                 after = range(onset + 1, steps + 1)
                 share = statistics.mean(
@@ -206,3 +225,120 @@ def verdict(summary: Sequence[dict[str, Any]]) -> list[str]:
             else f"detection {system}: {clean_text}"
         )
     return out
+
+
+DETECTION_HEADERS = ["system", "scenario", "detected", "steps onset->decision (median)", "migrations per seed",
+                     "limit share after onset"]  # fmt: skip
+
+
+def detection_rows(summary: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """:func:`summarise`'s rows as table cells (:data:`DETECTION_HEADERS`)."""
+    return [
+        [
+            r["system"], r["scenario"], "-" if r["scenario"] == "none" else f"{r['detected']}/{r['seeds']}",
+            "-" if r["median_steps_to_decision"] is None else f"{r['median_steps_to_decision']:g}",
+            ",".join(str(m) for m in r["migrations"]), f"{r['limit_share']:.3f}",
+        ]
+        for r in summary
+    ]  # fmt: skip
+
+
+def plot(summary: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
+    """Median steps from onset to decision per scenario and system, and the migrations on clean runs per system."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no plot was written: pip install 'lightning-dynpipe[plot]'")
+        return False
+    systems = list(dict.fromkeys(r["system"] for r in summary))
+    scenarios = [s for s in dict.fromkeys(r["scenario"] for r in summary) if s != "none"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        rows = {r["scenario"]: r for r in summary if r["system"] == system}
+        steps = [rows[s]["median_steps_to_decision"] if s in rows else None for s in scenarios]
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(scenarios))]
+        left.bar(xs, [v if v is not None else 0 for v in steps], width=width, label=system)
+        for x, v in zip(xs, steps):
+            if v is None:
+                left.annotate("none", (x, 0), ha="center", va="bottom", fontsize=7, rotation=90)
+    left.set_xticks(range(len(scenarios)), scenarios)
+    left.set_ylabel("median steps, onset to first move")
+    left.legend(fontsize=8)
+    clean = [
+        sum(sum(r["migrations"]) for r in summary if r["system"] == system and r["scenario"] == "none")
+        for system in systems
+    ]
+    right.bar(range(len(systems)), clean, color="#d62728")
+    right.set_xticks(range(len(systems)), systems, rotation=30, ha="right")
+    right.set_ylabel("migrations on clean runs (all seeds)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The detection replay on its own: a table, a plot and a dated JSON record with machine, commit and command."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--seeds", type=int, default=5, help="noise seeds 0..N-1 (default 5)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--onset", type=int, default=100)
+    p.add_argument("--no-signs", action="store_true", help="the controller gets no signs of interference")
+    p.add_argument(
+        "--max-overprediction", type=float, default=None,
+        help="GainOverCostPolicy's max_overprediction for forest and measured (default: the policy's; inf: no test)",
+    )  # fmt: skip
+    p.add_argument("--out-dir", type=Path, default=_ROOT / "benchmarks" / "out")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    logging.getLogger("lightning_dynpipe").setLevel(logging.ERROR)  # the forest's refit notices, once per refit
+    options = {} if args.max_overprediction is None else {"max_overprediction": args.max_overprediction}
+    machine = machine_info()
+    print(describe_machine(machine))
+    t0 = time.perf_counter()
+    runs = run_detection(
+        systems=tuple(args.systems.split(",")), scenarios=tuple(args.scenarios.split(",")),
+        seeds=tuple(range(args.seeds)), steps=args.steps, onset=args.onset, policy_options=options,
+        signs=not args.no_signs,
+    )  # fmt: skip
+    summary = summarise(runs)
+    config = (
+        f"{args.seeds} seeds x {args.steps} steps, onset {args.onset}, signs {'off' if args.no_signs else 'on'}"
+        + (f", max_overprediction {args.max_overprediction:g}" if options else "")
+    )
+    print(f"\ndetection ({config}; {time.perf_counter() - t0:.1f} s):")
+    print(format_table(DETECTION_HEADERS, detection_rows(summary)))
+    lines = verdict(summary)
+    print("\n" + "\n".join(lines))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    record = args.out_dir / f"detection-{stamp}.json"
+    record.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "command": command_line(),
+                "config": config,
+                "summary": summary,
+                "runs": [vars(r) for r in runs],
+                "verdict": lines,
+            },
+            indent=1,
+        )  # fmt: skip
+    )
+    print(f"\nrecord: {record}")
+    if not args.no_plot and plot(summary, args.out_dir / f"detection-{stamp}.png", f"detection replay: {config}"):
+        print(f"plot: {args.out_dir / f'detection-{stamp}.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     det: dict[str, Any] = {}
     if not args.no_detection:
         det = _run_detection(args)
-        det_rows = _detection_rows(det["summary"])
+        det_rows = _detection.detection_rows(det["summary"])
         verdict += det["verdict"]
     print()
     print("\n".join(verdict))
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "\n\n"
         + (
             "Detection (replayed on the synthetic pipeline, see `benchmarks/detection.py`; "
-            f"{det['config']}):\n\n" + format_table(_DET_HEADERS, det_rows, markdown=True) + "\n\n"
+            f"{det['config']}):\n\n" + format_table(_detection.DETECTION_HEADERS, det_rows, markdown=True) + "\n\n"
             if det_rows
             else ""
         )
@@ -354,10 +354,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"\nreport written to {report}")
     return 0
-
-
-_DET_HEADERS = ["system", "scenario", "detected", "steps onset->decision (median)", "migrations per seed",
-                "limit share after onset"]  # fmt: skip
 
 
 def _run_detection(args: argparse.Namespace) -> dict[str, Any]:
@@ -376,20 +372,9 @@ def _run_detection(args: argparse.Namespace) -> dict[str, Any]:
     summary = _detection.summarise(runs)
     print()
     print(f"detection ({config}; {time.perf_counter() - t0:.1f} s):")
-    print(format_table(_DET_HEADERS, _detection_rows(summary)))
+    print(format_table(_detection.DETECTION_HEADERS, _detection.detection_rows(summary)))
     return {"config": config, "summary": summary, "runs": [vars(r) for r in runs],
             "verdict": _detection.verdict(summary)}  # fmt: skip
-
-
-def _detection_rows(summary: Sequence[dict[str, Any]]) -> list[list[str]]:
-    return [
-        [
-            r["system"], r["scenario"], "-" if r["scenario"] == "none" else f"{r['detected']}/{r['seeds']}",
-            "-" if r["median_steps_to_decision"] is None else f"{r['median_steps_to_decision']:g}",
-            ",".join(str(m) for m in r["migrations"]), f"{r['limit_share']:.3f}",
-        ]
-        for r in summary
-    ]  # fmt: skip
 
 
 def _modified(machine: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "helpers_cpu_s",
     "process_cpu_s",
     "INTERFERENCE_SIGNS",
+    "InterferenceReadings",
     "interference_excess",
     "METRIC_NAMES",
     "PipelineSnapshot",
@@ -373,7 +374,23 @@ class StageSummary:
         return 1.0 if not self.comm_s > 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
 
 
-def interference_excess(summaries: Sequence[StageSummary]) -> list[str] | None:
+class InterferenceReadings(Protocol):
+    """The readings :func:`interference_excess` compares: a :class:`StageSummary`, or the predictor's
+    ``StageTimes`` (a monitor window's medians, recorded or synthetic)."""
+
+    @property
+    def cpu_share(self) -> float: ...
+    @property
+    def cpu_limit(self) -> float | None: ...
+    @property
+    def other_cpu_load(self) -> float | None: ...
+    @property
+    def run_queue_wait_share(self) -> float: ...
+    @property
+    def gpu_throttled(self) -> float | None: ...
+
+
+def interference_excess(summaries: Sequence[InterferenceReadings]) -> list[str] | None:
     """For the replicas of one stage: what each one's system readings show beyond the least affected replica's.
 
     A slowdown with a cause that lasts is visible in the readings: a cgroup CPU limit below one core (and below

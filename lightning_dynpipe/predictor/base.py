@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.monitor.stats import StageSummary
+from lightning_dynpipe.monitor.stats import StageSummary, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 
@@ -143,6 +143,22 @@ class PipelineWindow:
         when it made it faster.
         """
         return max(t.throughput_step_s for t in self.stages)
+
+    def signs(self) -> tuple[str, ...]:
+        """Per stage, the signs of interference its readings show beyond the least affected stage's (``""``: none).
+
+        What the strategy gives the controller as ``stage_signs`` for one pipeline replica
+        (:func:`~lightning_dynpipe.monitor.stats.interference_excess` over the stages' readings: a cgroup CPU limit,
+        other processes on its cores, waiting for a core, a throttled GPU clock). Empty when a stage has no system
+        readings (``cpu_share`` 0).
+
+        Example::
+
+            >>> quota = StageTimes(9.0, 10.0, cpu_limit=0.25, cpu_share=0.25)
+            >>> PipelineWindow(Partition((2, 2)), (StageTimes(4.0, 10.0, cpu_share=0.4), quota), 2).signs()
+            ('', 'cgroup CPU limit 0.25 cores')
+        """
+        return tuple(interference_excess(self.stages) or ())
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,18 @@ class Outcome:
         return self.predicted_step_s / self.measured_step_s - 1.0 if self.measured_step_s > 0 else math.nan
 
 
+def _floored_limits(times: Sequence[StageTimes], stage_signs: Sequence[str]) -> list[str]:
+    """Causes for the stages whose CPU limit below one core floors their slowdown, where their signs do not already
+    name it (a limit all stages share is no excess over the others, but it still floors each one's slowdown)."""
+    return [
+        f"stage {k}: cgroup CPU limit {t.cpu_limit:.2f} cores"
+        for k, t in enumerate(times)
+        if t.cpu_limit is not None
+        and 0 < t.cpu_limit < 1
+        and "cgroup CPU limit" not in (stage_signs[k] if k < len(stage_signs) else "")
+    ]
+
+
 class AdaptiveController:
     """Decides at every monitor window whether to repartition; the caller applies the decision.
 
@@ -255,8 +267,9 @@ class AdaptiveController:
                 (from the monitor's snapshot); passed to its ``observe``.
             stage_signs: per stage, its signs of interference beyond the other stages' (``""``: none; see
                 :func:`~lightning_dynpipe.monitor.stats.interference_excess`); with the link measured slower than
-                the set-up probe they are the window's ``PolicyInputs.causes``; as flags, its
-                ``PolicyInputs.conditions`` (none given: the conditions are not known).
+                the set-up probe and any CPU limit below one core in ``times`` (it floors that stage's slowdown)
+                they are the window's ``PolicyInputs.causes``; as flags, its ``PolicyInputs.conditions`` (none
+                given: the conditions are not known).
         """
         if len(times) != partition.num_stages:
             return None
@@ -323,6 +336,7 @@ class AdaptiveController:
             convergence_factor=current.value.iterations / i0,
             causes="; ".join(
                 [f"stage {k}: {sign}" for k, sign in enumerate(stage_signs) if sign]
+                + _floored_limits(times, stage_signs)
                 + (["the link measured slower than the set-up probe"] if link != self.comm else [])
             ),
             conditions=tuple(bool(sign) for sign in stage_signs),

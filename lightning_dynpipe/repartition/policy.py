@@ -48,8 +48,9 @@ class PolicyInputs:
             after the fact is judged in the currency it was decided in.
         causes: what the window shows as a lasting cause of a slowdown, ``""`` for none: a stage's signs of
             interference beyond the other stages' (:func:`~lightning_dynpipe.monitor.stats.interference_excess`:
-            a cgroup CPU limit, other processes on its cores, its main thread waiting for a core), or the link
-            measured slower than the set-up probe.
+            a cgroup CPU limit, other processes on its cores, its main thread waiting for a core), a CPU limit
+            below one core on any stage (it floors that stage's slowdown), or the link measured slower than the
+            set-up probe.
         conditions: per stage, whether it shows such a sign (``()``: not known): the environment, coarsely, for
             comparing windows measured under different partitions (:class:`GainOverCostPolicy`'s recall). The link
             is not in it: whether it measures slower than the set-up probe depends on the bytes the partition's
@@ -260,6 +261,16 @@ class GainOverCostPolicy:
     the window shows a lasting cause, :attr:`PolicyInputs.causes`: a passing spike has none), and not within
     ``cooldown_steps`` of the previous migration.
 
+    **A slowdown the step time does not show.** With no visible cause, a move also needs the measurement to agree
+    with the prediction it rests on: the predicted step time of the current partition under the measured slowdowns
+    (without the convergence factor) may exceed the measured step time by at most ``max_overprediction``. A
+    stage's compute that reads 1.5x slower while the pipeline's step time stays where it was is a reading the
+    pipeline's throughput contradicts (a hiccup of the timers, work that is not on the critical path), and a
+    partition priced from it is priced wrong. The predictions of clean windows sit below the measured step time
+    (the framework's own time per step is not in the profile), so the test passes whenever a slowdown is real
+    enough to slow the pipeline. A window with a cause is not tested: the CPU-limit floor prices a stage under a
+    quota deliberately above what its current share of the work measures.
+
     **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
     partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
     in its quota and look fast, so the planner wants the layers back, and the pipeline oscillates. So the
@@ -295,6 +306,8 @@ class GainOverCostPolicy:
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
         recall_steps: how long a partition's measured step time under a set of conditions is remembered for a move
             back to it (0: never; see above).
+        max_overprediction: with no visible cause, how far above the measured step time the current partition's
+            predicted step time may be for a move (see above; ``math.inf``: no test).
     """
 
     horizon_steps: int = 200
@@ -306,6 +319,7 @@ class GainOverCostPolicy:
     rollback: bool = True
     memory_steps: int = 200
     recall_steps: int = 200
+    max_overprediction: float = 0.10
     _streak: int = field(default=0, init=False, repr=False)
     _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
@@ -325,12 +339,13 @@ class GainOverCostPolicy:
             or self.cooldown_steps < 0
             or self.memory_steps < 0
             or self.recall_steps < 0
+            or not self.max_overprediction >= 0
         ):
             raise ConfigurationError(
                 f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, 1 <= explained_patience "
-                f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0; got {self.horizon_steps}, "
-                f"{self.margin}, {self.patience}, {self.explained_patience}, {self.cooldown_steps}, "
-                f"{self.memory_steps}, {self.recall_steps}."
+                f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0, max_overprediction >= 0; "
+                f"got {self.horizon_steps}, {self.margin}, {self.patience}, {self.explained_patience}, "
+                f"{self.cooldown_steps}, {self.memory_steps}, {self.recall_steps}, {self.max_overprediction}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -394,6 +409,12 @@ class GainOverCostPolicy:
             return no(f"gain (lower end) below {self.min_relative_gain:.0%} of the step time")
         if gain <= self.margin * inputs.migration_cost_s:
             return no(f"gain (lower end) over {horizon} steps does not pay {self.margin:g}x the migration cost")
+        predicted_now_s = inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else 0.0
+        if not inputs.causes and predicted_now_s > inputs.measured_step_s * (1.0 + self.max_overprediction) > 0:
+            return no(
+                f"no visible cause, and the measured step time ({inputs.measured_step_s * 1e3:.1f} ms) does not "
+                f"show the slowdowns: {predicted_now_s * 1e3:.1f} ms predicted for {inputs.current} under them"
+            )
         if inputs.candidate == self._streak_candidate:
             self._streak += 1
         else:

@@ -283,6 +283,7 @@ def replay(
     *,
     steps: int,
     every: int = 10,
+    signs: bool = True,
 ) -> ReplayResult:
     """Runs the adaptive loop on ``windows`` for ``steps`` steps, a check every ``every`` steps.
 
@@ -293,6 +294,9 @@ def replay(
         start: the partition at step 0.
         steps: how long the run is (``remaining_steps`` counts down to it).
         every: steps per monitor window.
+        signs: give the controller each window's signs of interference (:meth:`PipelineWindow.signs
+            <lightning_dynpipe.predictor.base.PipelineWindow.signs>`), as the strategy does; ``False``: none, so
+            every slowdown looks unexplained.
     """
     if steps < 1 or every < 1:
         raise ConfigurationError(f"replay needs steps >= 1 and every >= 1; got {steps} and {every}.")
@@ -302,7 +306,9 @@ def replay(
     for step in range(every, steps + 1, every):
         window = windows(step, current)
         seen.append((step, current))
-        decision = controller.check(step, window.stages, current, remaining_steps=steps - step)
+        decision = controller.check(
+            step, window.stages, current, remaining_steps=steps - step, stage_signs=window.signs() if signs else ()
+        )
         if decision is not None and decision.repartition and decision.partition != current:
             moves.append(Move(step, current, decision.partition))
             current = Partition(decision.partition.balance)

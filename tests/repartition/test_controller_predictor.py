@@ -134,24 +134,26 @@ def test_a_decision_logs_intervals_and_features_and_the_outcome_is_recorded(capl
 
 
 def test_a_move_is_judged_by_mean_step_times_not_medians() -> None:
-    """Under a CPU quota step times are bimodal: before the move most steps fit in the quota (median 50 ms) while the
-    rest wait a period (mean 80 ms); after it every step takes 58 ms. The move paid: it must not be rolled back."""
+    """Under a CPU quota (stage 1's, a visible cause) step times are bimodal: before the move most steps fit in the
+    quota (median 50 ms) while the rest wait a period (mean 80 ms); after it every step takes 58 ms. The move paid:
+    it must not be rolled back."""
     pred = _Scripted((0.003, 0.009))
     c = _controller(pred)
-    before = [StageTimes(0.048, 0.05, mean_step_s=0.08), StageTimes(0.040, 0.05, mean_step_s=0.08)]
+    before = [StageTimes(0.048, 0.05, mean_step_s=0.08), StageTimes(0.040, 0.05, mean_step_s=0.08, cpu_limit=0.25)]
     d = c.check(10, before, PART, remaining_steps=1000)
     assert d is not None and d.repartition and d.inputs.measured_step_s == pytest.approx(0.08)
     c.migrated(10)
-    after = [StageTimes(0.05, 0.058, mean_step_s=0.058), StageTimes(0.05, 0.058, mean_step_s=0.058)]
+    after = [StageTimes(0.05, 0.058, mean_step_s=0.058), StageTimes(0.05, 0.058, mean_step_s=0.058, cpu_limit=0.25)]
     kept = c.check(20, after, d.partition, remaining_steps=990)
     assert kept is not None and not kept.repartition, kept.reason
     assert c.outcomes[0].measured_step_s == pytest.approx(0.058)
     # the same move with the means the other way round (the medians as before) is rolled back
     c2 = _controller(_Scripted((0.003, 0.009)))
-    d2 = c2.check(10, [StageTimes(0.048, 0.05, mean_step_s=0.05), StageTimes(0.04, 0.05, mean_step_s=0.05)], PART, 1000)
+    quota = StageTimes(0.04, 0.05, mean_step_s=0.05, cpu_limit=0.25)
+    d2 = c2.check(10, [StageTimes(0.048, 0.05, mean_step_s=0.05), quota], PART, 1000)
     assert d2 is not None and d2.repartition
     c2.migrated(10)
-    slower = [StageTimes(0.05, 0.045, mean_step_s=0.07), StageTimes(0.05, 0.045, mean_step_s=0.07)]
+    slower = [StageTimes(0.05, 0.045, mean_step_s=0.07), StageTimes(0.05, 0.045, mean_step_s=0.07, cpu_limit=0.25)]
     back = c2.check(20, slower, d2.partition, remaining_steps=990)
     assert back is not None and back.repartition and back.partition == PART and "roll back" in back.reason
 

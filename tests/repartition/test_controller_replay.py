@@ -3,11 +3,14 @@ partition the next windows are drawn under."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor.base import PipelineWindow
 from lightning_dynpipe.repartition import AdaptiveController, GainOverCostPolicy, RepartitionPolicy
 from lightning_dynpipe.repartition.replay import Env, ReplayResult, SyntheticPipeline, replay, synthetic_model_cost
 from lightning_dynpipe.repartition.rules import VarunaRule
@@ -18,14 +21,14 @@ QUOTA = [(0, Env(noise=0.03)), (50, Env(noise=0.03, quota=(None, 0.25)))]
 
 
 def _replay(
-    policy: RepartitionPolicy, timeline: list[tuple[int, Env]], seed: int = 0
+    policy: RepartitionPolicy, timeline: list[tuple[int, Env]], seed: int = 0, signs: bool = True
 ) -> tuple[ReplayResult, SyntheticPipeline, AdaptiveController]:
     pipe = SyntheticPipeline(COST, timeline, seed=seed)
     controller = AdaptiveController(
         policy, model_cost=COST, comm=pipe.link, schedule="async", num_microbatches=4,
         convergence=ConvergenceModel(beta=0.0),
     )  # fmt: skip
-    result = replay(controller, pipe.window, START, steps=150, every=10)
+    result = replay(controller, pipe.window, START, steps=150, every=10, signs=signs)
     return result, pipe, controller
 
 
@@ -53,6 +56,49 @@ def test_varuna_moves_on_a_spike_where_the_gain_policy_does_not() -> None:
     varuna, _, _ = _replay(VarunaRule(), spiky)
     gain, _, _ = _replay(GainOverCostPolicy(), spiky)
     assert len(varuna.moves) > 0 and gain.moves == ()
+
+
+def test_the_windows_signs_reach_the_policy_so_a_hog_moves_at_the_first_check() -> None:
+    """The strategy gives the controller each window's signs of interference; so does the replay (a hog shows as
+    other processes busy on the stage's cores), and the policy's explained patience (1 check) applies instead of
+    its patience (2). A CPU limit below one core is a cause either way: the controller reads it in the window."""
+    hog = [(0, Env(noise=0.03)), (50, Env(noise=0.03, hog=(1.0, 0.0)))]
+    shown, _, controller = _replay(GainOverCostPolicy(), hog)
+    hidden, _, _ = _replay(GainOverCostPolicy(), hog, signs=False)
+    assert shown.first_move_after(50) == 10 and hidden.first_move_after(50) == 20
+    assert controller.decisions[5].inputs.causes.startswith("stage 0: other processes busy on its cores (1.00 cores)")
+    quota, _, limited = _replay(GainOverCostPolicy(), QUOTA, signs=False)
+    assert quota.first_move_after(50) == 10
+    assert limited.decisions[5].inputs.causes == "stage 1: cgroup CPU limit 0.25 cores"
+
+
+def test_a_compute_reading_the_step_time_contradicts_does_not_move() -> None:
+    """Stage 0's compute reads 1.5x for three windows in a row while the pipeline's step time stays: no visible
+    cause, and the measurement contradicts the prediction, so the default policy keeps the partition. The same
+    reading with the step time slowed as the prediction says moves."""
+    pipe = SyntheticPipeline(COST, [(0, Env(noise=0.0))], seed=0)
+
+    def spiky(step: int, partition: Partition, slowed: bool) -> PipelineWindow:
+        window = pipe.window(step, partition)
+        if not 40 <= step <= 60:
+            return window
+        first = dataclasses.replace(window.stages[0], compute_s=window.stages[0].compute_s * 1.5)
+        stages = [first, *window.stages[1:]]
+        if slowed:  # the stage binds the pipeline: every stage's step time stretches with it
+            stages = [dataclasses.replace(t, step_s=t.step_s * 1.4) for t in stages]
+        return PipelineWindow(partition, tuple(stages), window.num_microbatches)
+
+    for slowed in (False, True):
+        controller = AdaptiveController(
+            GainOverCostPolicy(), model_cost=COST, comm=pipe.link, schedule="async", num_microbatches=4,
+            convergence=ConvergenceModel(beta=0.0),
+        )  # fmt: skip
+        result = replay(controller, lambda step, p, s=slowed: spiky(step, p, s), START, steps=100)
+        if slowed:
+            assert [m.step for m in result.moves][:1] == [50], result.moves
+        else:
+            assert result.moves == ()
+            assert "does not show the slowdowns" in controller.decisions[3].reason
 
 
 def test_bad_timelines_and_lengths_are_refused() -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lightning_dynpipe import ConfigurationError, Partition, PartitionError
@@ -80,6 +82,26 @@ def test_a_spike_does_not_move() -> None:
     assert policy.decide(_inputs(50)).repartition
 
 
+def test_an_unexplained_slowdown_the_measured_step_does_not_show_does_not_move() -> None:
+    """The current partition predicted at 1.5 s per step under the measured slowdowns, measured at 1.0 s."""
+    policy = GainOverCostPolicy(patience=2)
+    for step in (10, 20, 30):
+        kept = policy.decide(_inputs(step, current_s=1.5, candidate_s=1.1, measured_s=1.0))
+        assert not kept.repartition and "does not show the slowdowns: 1500.0 ms predicted" in kept.reason
+    # a visible cause is not tested (a quota's floor is priced above what the stage measures under it)
+    quota = "stage 1: cgroup CPU limit 0.25 cores"
+    assert policy.decide(_inputs(40, current_s=1.5, candidate_s=1.1, measured_s=1.0, causes=quota)).repartition
+    # within max_overprediction (10%) of the measured step: moves after its patience
+    shown = GainOverCostPolicy(patience=2)
+    assert not shown.decide(_inputs(10, current_s=1.5, candidate_s=1.1, measured_s=1.4)).repartition
+    assert shown.decide(_inputs(20, current_s=1.5, candidate_s=1.1, measured_s=1.4)).repartition
+    # the convergence factor is taken out of the predicted time before comparing step times
+    weighted = GainOverCostPolicy(patience=1)
+    assert weighted.decide(_inputs(10, current_s=1.5 * 1.3, candidate_s=1.1, measured_s=1.4, factor=1.3)).repartition
+    untested = GainOverCostPolicy(patience=1, max_overprediction=math.inf)
+    assert untested.decide(_inputs(10, current_s=1.5, candidate_s=1.1, measured_s=1.0)).repartition
+
+
 def test_gain_must_pay_the_migration() -> None:
     policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1)
     assert "does not pay" in policy.decide(_inputs(10, cost=50.0)).reason
@@ -94,6 +116,8 @@ def test_policy_arguments_are_checked() -> None:
         GainOverCostPolicy(patience=0)
     with pytest.raises(ConfigurationError, match="memory_steps >= 0"):
         GainOverCostPolicy(memory_steps=-1)
+    with pytest.raises(ConfigurationError, match="max_overprediction >= 0"):
+        GainOverCostPolicy(max_overprediction=-0.1)
 
 
 def _move_to_candidate(policy: GainOverCostPolicy, step: int = 10) -> None:
