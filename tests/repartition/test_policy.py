@@ -102,6 +102,18 @@ def test_an_unexplained_slowdown_the_measured_step_does_not_show_does_not_move()
     assert untested.decide(_inputs(10, current_s=1.5, candidate_s=1.1, measured_s=1.0)).repartition
 
 
+def test_predictions_that_sit_steadily_above_the_measurement_are_the_usual_ratio() -> None:
+    """A run whose clean predictions sit 15% above the measured step: once three checks of the partition say so, a
+    slowdown the measurement shows moves, and one it contradicts still does not. A new fit starts from 1."""
+    policy = GainOverCostPolicy(patience=1)
+    for step in (10, 20, 30):  # clean: the current partition is the best; 1.15 s predicted, 1.0 s measured
+        assert not policy.decide(_inputs(step, current_s=1.15, candidate=CUR, measured_s=1.0)).repartition
+    assert "usually 1.15x" in policy.decide(_inputs(40, current_s=1.8, candidate_s=1.1, measured_s=1.0)).reason
+    assert policy.decide(_inputs(50, current_s=1.8, candidate_s=1.1, measured_s=1.5)).repartition  # 1.2x
+    policy.reset()
+    assert "usually 1.00x" in policy.decide(_inputs(10, current_s=1.15, candidate_s=0.9, measured_s=1.0)).reason
+
+
 def test_gain_must_pay_the_migration() -> None:
     policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1)
     assert "does not pay" in policy.decide(_inputs(10, cost=50.0)).reason
