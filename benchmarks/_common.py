@@ -13,6 +13,8 @@ import shlex
 import socket
 import statistics
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -206,16 +208,40 @@ def rotated(items: Sequence[Any], rep: int) -> list[Any]:
 
 
 def workers_done() -> None:
-    """Waits until every worker has finished its runs, before any of them tears the default group down.
+    """Waits until every worker has finished its runs, then closes the default group, rank 0 last.
 
-    Call it at the end of a worker's successful work, before ``dist.destroy_process_group()`` (not on the error
-    path: a peer that failed would never arrive). Rank 0 hosts the group's store: a rank still tearing its group
-    down after rank 0 had exited ended with SIGABRT ("terminate called without an active exception") in about 1 of
-    8 ``intra_stage.py --quick`` runs (the throttled replica, slow to finish), and in none of 31 with this barrier.
+    Call it at the end of a worker's successful work (not on the error path: a peer that failed would never
+    arrive), and :func:`close_group` in the worker's ``finally``. Rank 0 hosts the group's store: a rank still
+    tearing its group down after rank 0 had exited ended with SIGABRT ("terminate called without an active
+    exception") in about 1 of 8 ``intra_stage.py --quick`` runs (the throttled replica, slow to finish), and in none
+    of 31 with the barrier alone; the barrier alone still let it through once in the test suite since. So after the
+    barrier every other rank closes its group here and leaves a file saying so, and rank 0 waits for those files
+    (up to 30 s) before it closes its own.
     """
     import torch.distributed as dist
 
     dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tag = Path(tempfile.gettempdir()) / f"dynpipe-bench-{os.getppid()}-{os.environ.get('MASTER_PORT', 'port')}"
+    markers = [Path(f"{tag}-closed-{r}") for r in range(1, world)]
+    if rank != 0:
+        dist.destroy_process_group()
+        markers[rank - 1].touch()
+        return
+    deadline = time.monotonic() + 30.0
+    while not all(m.exists() for m in markers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for m in markers:
+        m.unlink(missing_ok=True)
+    dist.destroy_process_group()
+
+
+def close_group() -> None:
+    """Closes the default group if it is still open: a worker's ``finally``, after :func:`workers_done` or a failure."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def external_launch_env(rank: int, world_size: int, port: int) -> None:

@@ -47,6 +47,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
+    close_group,
     command_line,
     describe_machine,
     fit_dynpipe,
@@ -210,7 +211,7 @@ def _worker(rank: int, cfg: Config, settings: tuple[bool, ...], port: int, resul
                 path.write_text(json.dumps({"checkpoint": checkpoint, "step_s": steps, "rss": rss}))
         workers_done()
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def real_runs(cfg: Config, *, fresh_processes: bool = True) -> list[dict[str, Any]]:

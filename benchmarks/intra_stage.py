@@ -62,6 +62,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
+    close_group,
     command_line,
     describe_machine,
     external_launch_env,
@@ -291,7 +292,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         Path(result_path).write_text(json.dumps({"runs": runs}), encoding="utf-8")
         workers_done()
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def summarise(runs: Sequence[dict[str, Any]], cfg: Config) -> dict[str, dict[str, Any]]:

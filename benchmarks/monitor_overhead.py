@@ -59,6 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
+    close_group,
     command_line,
     describe_machine,
     external_launch_env,
@@ -309,7 +310,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             Path(result_path).write_text(json.dumps(runs), encoding="utf-8")
         workers_done()
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 # ---------------------------------------------------------------------------------------------- analysis
