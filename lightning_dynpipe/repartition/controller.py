@@ -161,14 +161,12 @@ class Outcome:
 
 
 def _floored_limits(times: Sequence[StageTimes], stage_signs: Sequence[str]) -> list[str]:
-    """Causes for the stages whose CPU limit below one core floors their slowdown, where their signs do not already
-    name it (a limit all stages share is no excess over the others, but it still floors each one's slowdown)."""
+    """Causes for the stages whose CPU limit below one core floors their slowdown and that show no sign already (a
+    limit all stages share is no excess over the others, but it still floors each one's slowdown)."""
     return [
         f"stage {k}: cgroup CPU limit {t.cpu_limit:.2f} cores"
         for k, t in enumerate(times)
-        if t.cpu_limit is not None
-        and 0 < t.cpu_limit < 1
-        and "cgroup CPU limit" not in (stage_signs[k] if k < len(stage_signs) else "")
+        if t.cpu_limit is not None and 0 < t.cpu_limit < 1 and not (stage_signs[k] if k < len(stage_signs) else "")
     ]
 
 

@@ -273,14 +273,14 @@ class GainOverCostPolicy:
     (without the convergence factor), over the measured step time, may exceed its usual value by at most
     ``max_overprediction``. The usual value is the median of that ratio over the last five checks of the same
     partition (1 with fewer than three, or when it is below 1), so a contradiction becomes usual only when it has
-    lasted several checks. A stage's compute that reads 1.5x slower while the
-    pipeline's step time stays where it was is a reading the pipeline's throughput contradicts (a hiccup of the
-    timers, work that is not on the critical path), and a partition priced from it is priced wrong. The predictions
-    of clean windows mostly sit below the measured step time (the framework's own time per step is not in the
-    profile); where a run's predictions sit above it, they do so steadily, and the usual value absorbs that. So
-    the test passes whenever a slowdown is real enough to slow the pipeline. A window with a cause is not tested:
-    the CPU-limit floor prices a stage under a quota deliberately above what its current share of the work
-    measures, and a slower link's priced round trips sit above the measured step too.
+    lasted several checks. A stage's compute that reads 1.5x slower while the pipeline's step time stays where it
+    was is a reading the pipeline's throughput contradicts (a hiccup of the timers, work that is not on the critical
+    path), and a partition priced from it is priced wrong. The predictions of clean windows mostly sit below the
+    measured step time (the framework's own time per step is not in the profile); where a run's predictions sit
+    above it, they do so steadily, and the usual value absorbs that. So the test passes whenever a slowdown is real
+    enough to slow the pipeline. A window with a cause is not tested: the CPU-limit floor prices a stage under a
+    quota deliberately above what its current share of the work measures, and a slower link's priced round trips
+    sit above the measured step too.
 
     **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
     partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
@@ -371,10 +371,10 @@ class GainOverCostPolicy:
         saving = inputs.current_step_s - inputs.candidate_step_upper_s
         gain = saving * max(horizon, 0)
         self._remember(inputs)  # a window that rolls a move back is a measurement of that partition too
-        overprediction = _overprediction(inputs)
         usual = [r for p, r in self._overpredictions if p == inputs.current][-5:]
         self._usual_overprediction = max(1.0, statistics.median(usual)) if len(usual) >= 3 else 1.0
-        if overprediction is not None:
+        overprediction = _overprediction(inputs)
+        if overprediction is not None:  # recorded after the usual value is taken: a window is not its own usual
             self._overpredictions.append((inputs.current, overprediction))
         move, self._unjudged = self._unjudged, None
         after_s = inputs.measured_tta_step_s
