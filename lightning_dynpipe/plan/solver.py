@@ -268,15 +268,25 @@ def _check_schedule(schedule: ScheduleLike, num_microbatches: int | None) -> tup
                 f"step: pass num_microbatches >= 1 (got {num_microbatches!r})."
             )
         return sched, num_microbatches
-    # Without a flush the objective charges staleness through the cuts' parameter prefixes, which is exact
-    # for PipeDream's profile S-1-k only.
+    _staleness_factor(sched)
+    return sched, 1
+
+
+def _staleness_factor(sched: Schedule) -> int:
+    """``c`` with staleness ``c (S-1-k)`` on every stage ``k`` (1 for PipeDream, ``1 + d`` for ``"async+d"``).
+
+    Without a flush the objective charges staleness through the cuts' parameter prefixes, which is exact for a
+    profile proportional to PipeDream's ``S-1-k`` only: ``sum_k c (S-1-k) P_k = c sum_m P(c_m)``.
+    """
+    c = sched.staleness(0, 2)
     for S in (1, 2, 5):
-        if [sched.staleness(k, S) for k in range(S)] != [S - 1 - k for k in range(S)]:
+        if c < 1 or [sched.staleness(k, S) for k in range(S)] != [c * (S - 1 - k) for k in range(S)]:
             raise ConfigurationError(
                 f"The planner models schedules that flush every step, or that run 1F1B without a flush with "
-                f"staleness S-1-k; schedule {sched.name!r} does neither. Plan it as 'async' or 'sync'."
+                f"staleness c (S-1-k) for a constant c >= 1; schedule {sched.name!r} does neither. Plan it as "
+                "'async', 'async+d' or 'sync'."
             )
-    return sched, 1
+    return c
 
 
 # ------------------------------------------------------------------------------------------- evaluate
@@ -405,6 +415,8 @@ class _Problem:
         self.schedule, self.mpu = _check_schedule(schedule, num_microbatches)
         self.num_microbatches = num_microbatches
         self.sync = self.schedule.accumulates  # the flush objective; otherwise the staleness-charged one
+        # beta charged per unit of the cuts' prefix sum: the schedule's staleness is c times PipeDream's
+        self.beta = 0.0 if self.sync else self.convergence.beta * _staleness_factor(self.schedule)
         self.devices = devices
         self.n = model.num_layers
         self.cut_cost = model.param_prefix.astype(np.float64)
@@ -436,7 +448,7 @@ class _Problem:
             val = i0 * ((M - 1) * tau + safe) / M
         else:
             share = safe / self.ptot if self.ptot > 0 else np.zeros_like(safe)
-            val = i0 * tau * (1.0 + self.convergence.beta * share)
+            val = i0 * tau * (1.0 + self.beta * share)
         return np.where(finite, val, np.inf)
 
     def tau_limit_vec(self, a: FloatArray, bound: float) -> FloatArray:
@@ -454,7 +466,7 @@ class _Problem:
                 out = (bound * M / i0 - safe) / (M - 1)
         else:
             share = safe / self.ptot if self.ptot > 0 else np.zeros_like(safe)
-            out = bound / (i0 * (1.0 + self.convergence.beta * share))
+            out = bound / (i0 * (1.0 + self.beta * share))
         return np.where(finite, out, -np.inf)
 
     def prefix(self, dp: int, device: DeviceSpec) -> tuple[FloatArray, FloatArray]:

@@ -39,7 +39,7 @@ from lightning_dynpipe.schedule.instructions import (
     parse_instruction,
     parse_instructions,
 )
-from lightning_dynpipe.schedule.kinds import ASYNC, GPIPE, SYNC, Schedule, get_schedule
+from lightning_dynpipe.schedule.kinds import ASYNC, GPIPE, SYNC, AsyncSchedule, Schedule, get_schedule
 from lightning_dynpipe.schedule.simulator import (
     STEP_SYNCS,
     ScheduleDeadlockError,
@@ -68,6 +68,7 @@ __all__ = [
     "format_instructions",
     # schedules
     "Schedule",
+    "AsyncSchedule",
     "ASYNC",
     "SYNC",
     "GPIPE",

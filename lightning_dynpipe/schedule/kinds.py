@@ -5,8 +5,10 @@ instructions of each stage in each step and in a drain, the staleness of each st
 in-flight micro-batches it keeps (the planner's memory model), whether it accumulates the gradients of a step
 into one update, how many updates precede each forward (the simulator's version rule) and how long an
 iteration takes given the stage times (the planner's closed form). ``"async"``, ``"sync"`` and ``"gpipe"`` are
-the names of :data:`ASYNC`, :data:`SYNC` and :data:`GPIPE`; :func:`get_schedule` resolves a name, and code
-outside this package calls the object's methods instead of comparing names.
+the names of :data:`ASYNC`, :data:`SYNC` and :data:`GPIPE`, and ``"async+d"`` that of
+``AsyncSchedule(extra_in_flight=d)``, which keeps ``d`` more micro-batches in flight over every boundary;
+:func:`get_schedule` resolves a name, and code outside this package calls the object's methods instead of
+comparing names.
 
 Example::
 
@@ -38,7 +40,7 @@ from lightning_dynpipe.schedule.instructions import (
     StashWeights,
 )
 
-__all__ = ["Schedule", "ScheduleKind", "SCHEDULES", "ASYNC", "SYNC", "GPIPE", "get_schedule"]
+__all__ = ["Schedule", "AsyncSchedule", "ScheduleKind", "SCHEDULES", "ASYNC", "SYNC", "GPIPE", "get_schedule"]
 
 ScheduleKind = Literal["async", "sync", "gpipe"]
 """Name of a pipeline schedule."""
@@ -54,11 +56,12 @@ def _is_int(value: object) -> bool:
 
 
 def _check_kind(kind: object) -> None:
-    if not isinstance(kind, Schedule) and kind not in SCHEDULES:
+    if not isinstance(kind, Schedule) and kind not in SCHEDULES and _deeper_async(kind) is None:
         raise ScheduleError(
             f"Unknown schedule {kind!r}. Valid schedules: {', '.join(repr(s) for s in SCHEDULES)} "
             "('async' = PipeDream 1F1B without flush, 'sync' = 1F1B with a flush every step, "
-            "'gpipe' = all forwards then all backwards)."
+            "'gpipe' = all forwards then all backwards), or 'async+d' for async with d more micro-batches in "
+            "flight per boundary (e.g. 'async+1')."
         )
 
 
@@ -298,16 +301,53 @@ class AsyncSchedule(Schedule):
     forward (the loss of every micro-batch of the step is known then) and opens the next step with that
     micro-batch's backward and update; with two stages this puts both stages' step ends at the same point
     of the 1F1B timeline, and the broadcast costs no idle time (one forward per step otherwise).
+
+    ``extra_in_flight=d`` keeps ``d`` more micro-batches in flight over every boundary: stage ``k`` runs
+    ``w = (S-1-k) (1+d)`` forwards ahead of its backwards, so its staleness is ``w``, it stashes up to ``w + 1``
+    weight versions and holds the activations of ``w + 1`` micro-batches. A round trip through stages ``a..b``
+    then carries ``(b-a)(1+d) + 1`` micro-batches instead of ``b-a+1``, which hides a slow link's latency
+    (:meth:`round_trip_time`) at the price of staleness (the convergence model charges it). The semantics stay
+    PipeDream's with the deeper staleness: every backward uses its forward's weights, and
+    :func:`~lightning_dynpipe.calibration.replay_async` with ``staleness=[w_0, ..., 0]`` is the exact reference.
+
+    Example::
+
+        >>> deep = AsyncSchedule(extra_in_flight=1)
+        >>> deep, [deep.staleness(k, 3) for k in range(3)], [deep.in_flight(k, 3, 8) for k in range(3)]
+        (get_schedule('async+1'), [4, 2, 0], [5, 3, 1])
     """
 
-    name = "async"
     accumulates = False
-    description = "PipeDream 1F1B without flush"
+
+    def __init__(self, extra_in_flight: int = 0) -> None:
+        if not _is_int(extra_in_flight) or extra_in_flight < 0:
+            raise ScheduleError(
+                f"extra_in_flight must be a non-negative int (micro-batches kept in flight over each boundary "
+                f"beyond PipeDream's one); got extra_in_flight={extra_in_flight!r}. Use 0 for PipeDream's 1F1B, "
+                "1 or 2 to hide a slow link."
+            )
+        self.extra_in_flight = extra_in_flight
+        self.name = "async" if extra_in_flight == 0 else f"async+{extra_in_flight}"
+        self.description = (
+            "PipeDream 1F1B without flush"
+            if extra_in_flight == 0
+            else f"PipeDream 1F1B without flush, {extra_in_flight} more micro-batch(es) in flight per boundary"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.extra_in_flight == self.extra_in_flight
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.extra_in_flight))
+
+    def _depth(self, stage_idx: int, num_stages: int) -> int:
+        """``w``: the stage's forwards ahead of its backwards, and its staleness."""
+        return (num_stages - 1 - stage_idx) * (1 + self.extra_in_flight)
 
     def _step(self, stage_idx: int, num_stages: int, num_microbatches: int, step: int) -> tuple[Instruction, ...]:
         first = stage_idx == 0
         last = stage_idx == num_stages - 1
-        w = num_stages - 1 - stage_idx
+        w = self._depth(stage_idx, num_stages)
         begin = step * num_microbatches
         end = begin + num_microbatches
         out: list[Instruction] = []
@@ -329,27 +369,27 @@ class AsyncSchedule(Schedule):
         return tuple(out)
 
     def _staleness(self, stage_idx: int, num_stages: int) -> int:
-        return num_stages - 1 - stage_idx
+        return self._depth(stage_idx, num_stages)
 
     def _carried(self, stage_idx: int, num_stages: int, num_microbatches: int, steps_done: int) -> int:
         if num_stages > 1 and stage_idx == num_stages - 1:
             return min(1, steps_done * num_microbatches)
-        return min(num_stages - 1 - stage_idx, steps_done * num_microbatches)
+        return min(self._depth(stage_idx, num_stages), steps_done * num_microbatches)
 
     def in_flight(self, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
         _check_stage(self, stage_idx, num_stages)
-        return num_stages - stage_idx
+        return self._depth(stage_idx, num_stages) + 1
 
     def updates_before_forward(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int) -> int:
-        return max(0, mb_idx - (num_stages - 1 - stage_idx))
+        return max(0, mb_idx - self._depth(stage_idx, num_stages))
 
     def forward_rule_broken(self, mb_idx: int, stage_idx: int, num_stages: int, num_microbatches: int, ran: int) -> str:
-        w = num_stages - 1 - stage_idx
+        w = self._depth(stage_idx, num_stages)
         expected = self.updates_before_forward(mb_idx, stage_idx, num_stages, num_microbatches)
         return (
-            f"async staleness rule broken: stage {stage_idx} (staleness w={w}) must forward micro-batch {mb_idx} "
-            f"after exactly max(0, {mb_idx} - {w}) = {expected} updates, but it has run {ran}. Each stage must run "
-            "F(j) then B(j-w) U(j-w), 1F1B without flush."
+            f"{self.name} staleness rule broken: stage {stage_idx} (staleness w={w}) must forward micro-batch "
+            f"{mb_idx} after exactly max(0, {mb_idx} - {w}) = {expected} updates, but it has run {ran}. Each stage "
+            "must run F(j) then B(j-w) U(j-w), 1F1B without flush."
         )
 
     def iteration_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
@@ -358,21 +398,25 @@ class AsyncSchedule(Schedule):
     def round_trip_time(self, compute: Sequence[float], update: Sequence[float], messages: Sequence[float]) -> float:
         """The slowest round trip over every run of two or more stages ``a..b``, per micro-batch.
 
-        Stage ``k`` forwards a micro-batch ``S - k`` micro-batches after the one whose backward it has just
-        finished, so a cycle of dependencies goes forward from stage ``a`` to ``b``, back to ``a``, through its
-        update and on to its next forward, with ``b - a + 1`` micro-batches on it::
+        Stage ``k`` forwards a micro-batch ``w_k + 1`` micro-batches after the one whose backward it has just
+        finished (``w_k = (S-1-k)(1+d)``), so a cycle of dependencies goes forward from stage ``a`` to ``b``, back
+        to ``a``, through its update and on to its next forward, with ``w_a - w_b + 1 = (b-a)(1+d) + 1``
+        micro-batches on it::
 
-            (sum(compute[a..b]) + update[a] + 2 * sum(messages[a..b-1])) / (b - a + 1)
+            (sum(compute[a..b]) + update[a] + 2 * sum(messages[a..b-1])) / ((b - a)(1 + d) + 1)
 
         (the gradient is sent before the update, so only stage ``a``'s is on the cycle). With the single stages'
         own times (:meth:`iteration_time`), this is the steady-state time of the event simulator's 1F1B for two
         stages, and within a few percent of it for deeper pipelines with ``M >= 4`` (the per-step broadcast adds
-        more there).
+        more there, and more with ``d > 0``: the last stage ends each step after its last forward, which the
+        first stage then waits for).
 
         Example::
 
             >>> get_schedule("async").round_trip_time([4.0, 21.0], [0.0, 0.0], [21.0])  # (4 + 21 + 2 * 21) / 2
             33.5
+            >>> get_schedule("async+1").round_trip_time([4.0, 21.0], [0.0, 0.0], [21.0])  # the same over 3
+            22.333333333333332
         """
         S = len(compute)
         if len(update) != S or len(messages) != S - 1:
@@ -385,7 +429,7 @@ class AsyncSchedule(Schedule):
             total = compute[a] + update[a]
             for b in range(a + 1, S):
                 total += compute[b] + 2.0 * messages[b - 1]
-                worst = max(worst, total / (b - a + 1))
+                worst = max(worst, total / ((b - a) * (1 + self.extra_in_flight) + 1))
         return worst
 
 
@@ -461,5 +505,15 @@ def get_schedule(schedule: Schedule | str) -> Schedule:
     """
     if isinstance(schedule, Schedule):
         return schedule
+    deeper = _deeper_async(schedule)
+    if deeper is not None:
+        return deeper
     _check_kind(schedule)
     return _BY_NAME[schedule]
+
+
+def _deeper_async(name: object) -> Schedule | None:
+    """``"async+d"`` (``d`` a positive int): :class:`AsyncSchedule` with ``extra_in_flight=d``; else None."""
+    if isinstance(name, str) and name.startswith("async+") and name[6:].isdigit() and int(name[6:]) > 0:
+        return AsyncSchedule(int(name[6:]))
+    return None

@@ -19,8 +19,9 @@ The simulator executes each stage's instruction list strictly in order, as the e
 Besides timing, a run checks the schedule: every receive is matched by exactly one send of the same
 micro-batch on the neighbouring stage, no stage waits forever (:class:`ScheduleDeadlockError` names each
 stage's blocked instruction), a backward follows its forward, stage ``k`` never keeps more than ``S - k``
-stashed weight versions, and every forward of micro-batch ``i`` on stage ``k`` runs after exactly
-``max(0, i - (S - 1 - k))`` updates (``"async"``) or ``i // M`` updates (``"sync"``, ``"gpipe"``).
+stashed weight versions (the schedule's ``max_stash`` when it keeps more micro-batches in flight), and every
+forward of micro-batch ``i`` on stage ``k`` runs after exactly ``max(0, i - (S - 1 - k))`` updates (``"async"``;
+``max(0, i - (S - 1 - k)(1 + d))`` for ``"async+d"``) or ``i // M`` updates (``"sync"``, ``"gpipe"``).
 
 The loop is event driven: a stage runs until it blocks on a receive, and a send wakes exactly the stage
 waiting for it, so a run costs time linear in the number of instructions.
@@ -394,6 +395,8 @@ def _run(
     in_flight: list[set[int]] = [set() for _ in range(S)]  # forwarded, not yet backwarded
     stashes: list[dict[int, int]] = [{} for _ in range(S)]  # mb_idx -> weight version it is bound to
     version_refs: list[dict[int, int]] = [{} for _ in range(S)]  # version -> micro-batches bound to it
+    # PipeDream's bound S - k, or the schedule's own when it keeps more micro-batches in flight
+    stash_bound = [max(S - k, sched.max_stash(k, S)) if sched is not None else S - k for k in range(S)]
 
     H_ = _Host
     F_, B_, RA_, SA_, RG_, SG_, U_, W_ = (
@@ -529,9 +532,9 @@ def _run(
                 depth = len(versions)
                 if depth > peaks[k]:
                     peaks[k] = depth
-                    if depth > S - k:
+                    if depth > stash_bound[k]:
                         raise ScheduleError(
-                            f"Stash bound broken: stage {k} of {S} may keep at most S - k = {S - k} weight "
+                            f"Stash bound broken: stage {k} of {S} may keep at most {stash_bound[k]} weight "
                             f"versions, but binding micro-batch {mb} (instruction #{i}) makes {depth} "
                             f"(versions {sorted(versions)}). Backward older micro-batches before forwarding "
                             "new ones."

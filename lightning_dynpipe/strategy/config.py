@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from lightning_dynpipe.errors import ConfigurationError, PartitionError
+from lightning_dynpipe.errors import ConfigurationError, PartitionError, ScheduleError
 from lightning_dynpipe.interference.schedule import InterferenceSchedule
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.partition import Partition
@@ -154,8 +154,14 @@ class DynPipeConfig:
         keep_freed_cpu_memory: bool = True,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
-        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
-            raise ConfigurationError(f"schedule must be one of {list(SCHEDULES)}; got {schedule!r}.")
+        if not isinstance(schedule, Schedule):
+            try:
+                get_schedule(schedule)
+            except ScheduleError:
+                raise ConfigurationError(
+                    f"schedule must be one of {list(SCHEDULES)}, 'async+d' (async with d more micro-batches in "
+                    f"flight per boundary, e.g. 'async+1') or a Schedule object; got {schedule!r}."
+                ) from None
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ConfigurationError(
                 f"num_microbatches must be a positive integer; got {num_microbatches!r}. Use e.g. num_microbatches=4."

@@ -68,6 +68,7 @@ from lightning_dynpipe.predictor import InterferencePredictor
 from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
+from lightning_dynpipe.schedule import Schedule
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
@@ -199,15 +200,17 @@ class DynPipeStrategy(DDPStrategy):
     The user's ``training_step`` runs on the last stage, once per micro-batch, and calls ``self.pipeline(x)``
     once; the strategy routes that call through the stages. ``schedule="async"`` (PipeDream 1F1B, weight
     stashing, an update after every micro-batch, no flush between steps) trains with staleness ``S-1-k`` on
-    stage ``k``; ``"sync"`` and ``"gpipe"`` accumulate the gradients of the ``M`` micro-batches and update once
-    per step, exactly like single-device training on the whole batch.
+    stage ``k``; ``"async+d"`` keeps ``d`` more micro-batches in flight over every boundary (staleness
+    ``(S-1-k)(1+d)``), which hides a slow link's latency; ``"sync"`` and ``"gpipe"`` accumulate the gradients of
+    the ``M`` micro-batches and update once per step, exactly like single-device training on the whole batch.
 
     Args:
         num_stages: number of pipeline stages ``S``; default: all devices of a node, one stage each. With more
             processes than stages, ``world_size / S`` pipeline replicas train data-parallel. ``"auto"``: the
             planner chooses ``S`` among the divisors of the process count (needs ``balance="auto"``).
         num_microbatches: micro-batches ``M`` each Lightning batch is split into (along dim 0).
-        schedule: ``"async"`` (default), ``"sync"`` or ``"gpipe"``.
+        schedule: ``"async"`` (default), ``"async+d"`` (``d`` a positive int), ``"sync"``, ``"gpipe"`` or a
+            :class:`~lightning_dynpipe.schedule.Schedule` object.
         balance: layers per stage, e.g. ``[5, 3]``; ``"auto"`` (default): profile the layers on a sample
             micro-batch, probe the link between ranks 0 and 1, and let the time-to-accuracy planner choose the
             partition (and, with ``num_stages="auto"``, the number of stages); ``"parameters"``: balance by
@@ -305,7 +308,7 @@ class DynPipeStrategy(DDPStrategy):
         *,
         num_stages: int | Literal["auto"] | None = None,
         num_microbatches: int = 4,
-        schedule: Literal["async", "sync", "gpipe"] = "async",
+        schedule: str | Schedule = "async",
         balance: list[int] | Literal["auto", "parameters"] = "auto",
         convergence: ConvergenceModel | None = None,
         adaptive: bool | RepartitionPolicy = True,

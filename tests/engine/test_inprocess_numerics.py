@@ -72,6 +72,36 @@ def test_async_equals_the_pipedream_replay_bit_for_bit(
     assert losses[-1] == pytest.approx(step_means, abs=0)  # the last stage reports the mean loss of each batch
 
 
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adamw], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("fresh_storage", [False, True], ids=["copy", "fresh-storage"])
+@pytest.mark.parametrize(("balance", "d"), [([2, 2], 1), ([2, 2], 3), ([1, 2, 1], 1), ([1, 1, 1, 1], 2)])
+def test_deeper_async_equals_the_replay_with_its_staleness_bit_for_bit(
+    balance: list[int],
+    d: int,
+    fresh_storage: bool,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> None:
+    """``async+d``: stage ``k`` forwards ``w = (S-1-k)(1+d)`` micro-batches ahead (more than a step's 4 when
+    ``w > 4``, so micro-batches cross steps), each backward on its own forward's stashed version."""
+    S = len(balance)
+    model, reference = _model(), _model()
+    pipe = build(
+        model, balance, schedule=f"async+{d}", num_microbatches=M, make_optimizer=make_optimizer, loss_fn=_loss,
+        fresh_storage=fresh_storage,
+    )  # fmt: skip
+    losses = pipe.train(_batches(6))
+    depth = [(S - 1 - k) * (1 + d) for k in range(S)]
+    assert [e.stats.max_stash_depth for e in pipe.executors] == [w + 1 if w else 0 for w in depth]
+    ref_losses = replay_async(reference, balance, make_optimizer, _batches(6), M, _loss, staleness=depth)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    step_means = [sum(ref_losses[i : i + M]) / M for i in range(0, len(ref_losses), M)]
+    assert losses[-1] == pytest.approx(step_means, abs=0)
+    pipedream = _model()
+    replay_async(pipedream, balance, make_optimizer, _batches(6), M, _loss)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), pipedream.parameters()))  # not PipeDream's
+
+
 @pytest.mark.parametrize("schedule", ["sync", "gpipe"])
 def test_flush_schedules_equal_plain_training(schedule: str) -> None:
     model = _model()

@@ -80,7 +80,7 @@ def score(
         times.append(float(np.asarray(t).reshape(-1)[0]))
     params = [model.param_bytes(bounds[k], bounds[k + 1]) for k in range(S)]
     iterations = convergence.iterations(staleness_profile(S, schedule), params)
-    if schedule == "async":
+    if schedule.startswith("async"):  # "async" or "async+d"
         iteration_time = max(times)
     else:
         iteration_time = ((mpu - 1) * max(times) + sum(times)) / mpu

@@ -25,6 +25,7 @@ from lightning_dynpipe.plan import (
     throughput_optimal,
 )
 from lightning_dynpipe.plan.costs import FloatArray
+from lightning_dynpipe.schedule import get_schedule
 
 
 def uniform(n: int, *, param_bytes: int = 10, activation_bytes: int = 10) -> ModelCost:
@@ -234,3 +235,28 @@ def test_gpipe_plans_with_the_flush_objective_and_its_own_memory() -> None:
     assert gpipe.partition == sync.partition and gpipe.iteration_time_s == sync.iteration_time_s
     assert gpipe.schedule == "gpipe" and gpipe.staleness == (0, 0)
     assert gpipe.stage_memory_bytes[0] > sync.stage_memory_bytes[0]  # 4 micro-batches in flight, not 2
+
+
+def test_deeper_async_is_charged_its_staleness_and_memory() -> None:
+    """``async+d`` has staleness ``(1+d)(S-1-k)``: the convergence charge is ``1+d`` times PipeDream's, stage ``k``
+    keeps ``w + 1`` weight versions and activations, and a strong staleness penalty then prefers fewer stages."""
+    model = uniform(8)
+    conv = ConvergenceModel(i0=1.0, beta=0.5)
+    base = evaluate(model, Partition((4, 4)), convergence=conv)
+    deep = evaluate(model, Partition((4, 4)), schedule="async+2", convergence=conv)
+    assert deep.staleness == (3, 0) and base.staleness == (1, 0)
+    assert deep.schedule == "async+2" and deep.iteration_time_s == base.iteration_time_s
+    assert base.iterations == pytest.approx(1.0 + 0.5 * 0.5) and deep.iterations == pytest.approx(1.0 + 0.5 * 1.5)
+    assert deep.stage_memory_bytes[0] > base.stage_memory_bytes[0]  # two more versions and activations
+    assert deep.stage_memory_bytes[1] == base.stage_memory_bytes[1]  # the last stage has no staleness
+    assert solve(model, num_devices=2, convergence=ConvergenceModel(beta=1.0)).num_stages == 2  # 18 against 24
+    assert solve(model, num_devices=2, convergence=ConvergenceModel(beta=1.0), schedule="async+2").num_stages == 1  # 30
+
+
+def test_planner_refuses_a_staleness_profile_it_cannot_charge() -> None:
+    class Uneven(type(get_schedule("async"))):  # type: ignore[misc]
+        def _staleness(self, stage_idx: int, num_stages: int) -> int:
+            return 0 if stage_idx == num_stages - 1 else 1  # not proportional to S-1-k
+
+    with pytest.raises(ConfigurationError, match=r"staleness c \(S-1-k\) for a constant c >= 1; schedule 'async'"):
+        solve(uniform(4), num_devices=2, schedule=Uneven())

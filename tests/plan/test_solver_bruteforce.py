@@ -108,6 +108,12 @@ def scenario(name: str, rng: random.Random, n: int, max_stages: int) -> dict[str
         kw["dp"] = rng.choice([1, None])
         if rng.random() < 0.5:
             kw["memory_cap"] = rng.uniform(60.0, 500.0)
+    elif name == "deep":  # more micro-batches in flight: staleness, weight versions and activations grow with d
+        kw["cost_model"] = DefaultCostModel(comm)
+        kw["schedule"] = rng.choice(["async+1", "async+2"])
+        kw["dp"] = rng.choice([1, None])
+        if rng.random() < 0.7:
+            kw["memory_cap"] = rng.uniform(60.0, 900.0)
     elif name == "custom":
         kw["cost_model"] = PositionalCostModel()
         kw["dp"] = rng.choice([1, None])
@@ -122,7 +128,7 @@ def scenario(name: str, rng: random.Random, n: int, max_stages: int) -> dict[str
     return kw
 
 
-SCENARIOS = ["compute", "comm", "memory", "devices", "dp", "sync", "custom"]
+SCENARIOS = ["compute", "comm", "memory", "devices", "dp", "sync", "deep", "custom"]
 
 
 @pytest.mark.parametrize("num_layers", range(1, 11))

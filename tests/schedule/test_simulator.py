@@ -308,7 +308,7 @@ def test_stash_bound_is_checked() -> None:
     # stage 0 of 2 may keep 2 versions; a third distinct version bound to an in-flight micro-batch breaks it.
     with pytest.raises(
         ScheduleError,
-        match=r"Stash bound broken: stage 0 of 2 may keep at most S - k = 2 weight versions, "
+        match=r"Stash bound broken: stage 0 of 2 may keep at most 2 weight versions, "
         r"but binding micro-batch 2 \(instruction #6\) makes 3",
     ):
         simulate_programs([[p("W0 F0 U W1 F1 U W2 F2")], [[]]])
