@@ -90,6 +90,11 @@ the step time does, and the adaptation controls only the latter.
 System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=--beta)``, a ``beta`` calibrated on
 this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
+Systems ``static+1``, ``static+2`` and ``measured+1`` are ``static`` and ``measured`` with the schedule's ``d`` more
+micro-batches in flight over the boundary (``--schedule`` + ``"+d"``, e.g. ``async+1``: stage 0 forwards
+``2 (1 + d)`` micro-batches ahead, one more stale update per ``d``), which hides a slow link's latency without moving
+a layer: under ``delay`` they compare keeping more micro-batches in flight with moving the boundary.
+
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/interference.py                  # full grid: 7 scenarios x 3 systems x 3 seeds
@@ -168,6 +173,9 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "varuna",
     "dynpipe-2x",
     "static",
+    "static+1",
+    "static+2",
+    "measured+1",
 )
 SYSTEMS: tuple[str, ...] = ("forest", "measured", "static")
 SUSTAINED = ("hog", "quota50", "quota25", "quota25-late", "delay", "mix")
@@ -402,11 +410,11 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy
     from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
 
-    if system == "static" or system.startswith("cut"):
+    if system in ("static", "static+1", "static+2") or system.startswith("cut"):
         return False, "measured"
     if system in ("forest", "forest-cal"):
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
-    if system in ("measured", "measured-probe", "measured-beta", "measured-1s"):
+    if system in ("measured", "measured-probe", "measured-beta", "measured-1s", "measured+1"):
         return True, "measured"
     if system == "measured-norecall":
         return GainOverCostPolicy(recall_steps=0), "measured"
@@ -415,6 +423,12 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     if system == "dynpipe-2x":  # the original scores the cuts with its forest
         return DynPipeThresholdRule(), ForestPredictor()
     raise ValueError(f"unknown system {system!r}; valid: {list(ALL_SYSTEMS)}")
+
+
+def schedule_of(system: str, cfg: Config) -> str:
+    """The schedule ``system`` trains with: ``--schedule``, with ``+d`` for ``static+d`` and ``measured+d``."""
+    extra = system.rpartition("+")[2] if "+" in system else ""
+    return f"{cfg.schedule}+{extra}" if extra else cfg.schedule
 
 
 @contextlib.contextmanager
@@ -470,7 +484,7 @@ def _fit(
     convergence = ConvergenceModel(beta=cfg.beta) if system == "measured-beta" and cfg.beta is not None else None
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
-        schedule=cfg.schedule,  # type: ignore[arg-type]
+        schedule=schedule_of(system, cfg),
         balance=list(cfg.balance),
         adaptive=adaptive,
         predictor=predictor,
@@ -1242,6 +1256,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         sy = tuple(s.strip() for s in a.systems.split(",") if s.strip())
         if not sy or any(s not in ALL_SYSTEMS for s in sy):
             p.error(f"--systems must be a subset of {list(ALL_SYSTEMS)}; got {sy}")
+        if any("+" in s for s in sy) and a.schedule not in (None, "async"):
+            p.error(f"systems {[s for s in sy if '+' in s]} keep more micro-batches in flight under async; got "
+                    f"--schedule {a.schedule}")  # fmt: skip
         cfg = replace(cfg, systems=sy)
     over = {
         "seeds": a.seeds,

@@ -157,3 +157,25 @@ def test_the_table_separates_the_speed_from_the_steps_to_the_target() -> None:
     assert ratios["per_step"] == pytest.approx(2.5)  # 100 ms over 50, 40 and 40 ms
     table = render_table(summary, cfg)
     assert "per step" in table and "2.50x" in table and "1.25x" in table
+
+
+def test_systems_with_more_micro_batches_in_flight() -> None:
+    """``static+d`` and ``measured+d`` train with ``async+d`` and otherwise as ``static`` and ``measured``; under
+    another ``--schedule`` they are refused before anything runs."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, main, schedule_of, system_config
+
+    cfg = Config(model="cnn")
+    assert [schedule_of(s, cfg) for s in ("static", "static+1", "static+2", "measured+1")] == [
+        "async",
+        "async+1",
+        "async+2",
+        "async+1",
+    ]
+    assert system_config("static+2", cfg) == (False, "measured")
+    assert system_config("measured+1", cfg) == (True, "measured")
+    with pytest.raises(SystemExit):
+        main(["--systems", "static,static+1", "--schedule", "sync", "--no-plot"])
