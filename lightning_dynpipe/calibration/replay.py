@@ -38,6 +38,12 @@ def default_staleness(num_stages: int) -> list[int]:
     return [num_stages - 1 - k for k in range(num_stages)]
 
 
+def _checked(staleness: list[int], num_stages: int) -> list[int]:
+    if len(staleness) != num_stages or any(s < 0 for s in staleness):
+        raise ConfigurationError(f"staleness needs {num_stages} non-negative entries, one per stage; got {staleness}.")
+    return staleness
+
+
 def _default_input(batch: Any) -> Any:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
@@ -54,6 +60,7 @@ def replay_async(
     input_fn: Callable[[Any], Any] = _default_input,
     drain_after_steps: Collection[int] = (),
     repartitions: Mapping[int, Sequence[int]] | None = None,
+    restaleness: Mapping[int, Sequence[int]] | None = None,
     on_step_end: Callable[[int, list[float]], None] | None = None,
     lr_scale: float = 1.0,
     split: Callable[[Any], Sequence[Any]] | None = None,
@@ -74,6 +81,8 @@ def replay_async(
             the micro-batch counter restarts there.
         repartitions: ``{step: balance}``: after that step the pipeline drains and continues with the new
             balance (what :meth:`DynPipeStrategy.repartition` does; the optimizer state moves with the layers).
+        restaleness: ``{step: staleness}``: after that step the pipeline drains and continues with that staleness
+            per stage (what :meth:`DynPipeStrategy.reschedule` to another ``"async+d"`` does).
         on_step_end: called with ``(step, losses of that step)`` after each step.
         lr_scale: multiplies the learning rate of every update, as ``DynPipeStrategy(lr_scale=...)`` does.
         split: maps a batch to its ``num_microbatches`` micro-batches; default: near-equal parts along dim 0
@@ -83,9 +92,8 @@ def replay_async(
     """
     part = Partition.from_balance(balance, len(pipeline))
     S = part.num_stages
-    stale = list(staleness) if staleness is not None else default_staleness(S)
-    if len(stale) != S or any(s < 0 for s in stale):
-        raise ConfigurationError(f"staleness needs {S} non-negative entries, one per stage; got {stale}.")
+    stale = _checked(list(staleness) if staleness is not None else default_staleness(S), S)
+    later = {step: _checked(list(v), S) for step, v in (restaleness or {}).items()}
     layer_opts = [make_optimizer(ps) if (ps := list(layer.parameters())) else None for layer in pipeline]
 
     def build(
@@ -141,7 +149,9 @@ def replay_async(
             on_step_end(step, step_losses)
         if repartitions and step in repartitions:
             stages, names, live, opts = build(Partition.from_balance(repartitions[step], len(pipeline)))
-        if step in drain_after_steps or (repartitions and step in repartitions):
+        if step in later:
+            stale = later[step]
+        if step in drain_after_steps or (repartitions and step in repartitions) or step in later:
             i = 0
             history = [{0: snapshot(k)} for k in range(S)]
     return losses

@@ -238,6 +238,13 @@ class PipelineStage:
             step()
         opt.zero_grad(set_to_none=True)
 
+    def reschedule(self, schedule: Schedule) -> None:
+        """Drains with the current schedule, then runs the next steps with ``schedule`` (every rank of the pipeline
+        calls it at the same step with the same schedule; nothing is sent)."""
+        self.executor.drain()
+        self._schedule = schedule
+        self.executor = self._executor(self.executor.channels)
+
     def migrate(self, new: Partition) -> tuple[tuple[LayerMove, ...], int]:
         """Drains, moves the layers that change stage, rebuilds the stage; returns the moves and the bytes sent.
 

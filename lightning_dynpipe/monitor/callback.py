@@ -55,6 +55,7 @@ class _PendingGather:
     work: Any  # the async collective's handle; None once complete (or with a single process)
     partition: Any  # the strategy's partition when the gather started
     split: Any = None  # and its replica split
+    schedule: Any = None  # and its schedule's name
 
 
 def _balance(partition: Any) -> tuple[int, ...] | None:
@@ -142,6 +143,7 @@ class StageMonitor(Callback):
         self._warned = False
         self._steps = 0
         self._partition: Any = None
+        self._schedule: Any = None
         self._split: Any = None
         self._pending: _PendingGather | None = None
         self._group: Any = None  # None: WORLD
@@ -174,6 +176,7 @@ class StageMonitor(Callback):
         self._steps = 0
         self._partition = None
         self._split = None
+        self._schedule = None
         self.latest = None
         self.snapshots_taken = 0
         self.overhead_s = 0.0
@@ -247,6 +250,10 @@ class StageMonitor(Callback):
         if split != self._split:
             self._acc.reset()  # likewise a re-split across the replicas: the shares the window measured changed
             self._split = split
+        schedule = getattr(strategy, "schedule", None)
+        if schedule != self._schedule:
+            self._acc.reset()  # and a change of schedule: another staleness, other round trips
+            self._schedule = schedule
         self._acc.add(StageSample.from_step(executor.stats, self._sampler.sample()))
         self._steps += 1
         if self._pending is not None:
@@ -281,10 +288,12 @@ class StageMonitor(Callback):
             parts = [torch.empty_like(vector) for _ in range(dist.get_world_size(self._group))]
             work = dist.all_gather(parts, vector, group=self._group, async_op=self.overlap)
             self._pending = _PendingGather(
-                trainer.global_step, parts, work if self.overlap else None, self._partition, self._split
+                trainer.global_step, parts, work if self.overlap else None, self._partition, self._split, self._schedule
             )
         else:
-            self._pending = _PendingGather(trainer.global_step, [vector], None, self._partition, self._split)
+            self._pending = _PendingGather(
+                trainer.global_step, [vector], None, self._partition, self._split, self._schedule
+            )
 
     def _finish(self, trainer: Trainer, pl_module: LightningModule, *, in_loop: bool) -> None:
         """Completes the pending gather and publishes the snapshot (``in_loop``: inside a batch hook)."""
@@ -296,11 +305,11 @@ class StageMonitor(Callback):
         snapshot = PipelineSnapshot.from_reports(pending.step, reports, balance=_balance(pending.partition))
         self.latest = snapshot
         self.snapshots_taken += 1
-        if pending.partition is self._partition and pending.split == self._split:
+        if pending.partition is self._partition and pending.split == self._split and pending.schedule == self._schedule:
             for fn in list(self._listeners):
                 fn(snapshot, trainer)
-        # else: the pipeline was repartitioned while the gather travelled; the snapshot still goes to the
-        # loggers (it describes the steps before), but a policy must not act on the old partition's numbers.
+        # else: the pipeline was repartitioned (or rescheduled) while the gather travelled; the snapshot still goes to
+        # the loggers (it describes the steps before), but a policy must not act on the old partition's numbers.
         if self.log_metrics and trainer.is_global_zero and trainer.loggers:
             metrics = snapshot.to_metrics()
             for logger in trainer.loggers:

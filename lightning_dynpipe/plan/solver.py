@@ -6,8 +6,9 @@ minimise the predicted time to reach a target accuracy::
     time_to_accuracy = iterations(staleness profile) * iteration_time
 
 For ``schedule="async"`` ``iteration_time = max_k T_k`` (steady-state 1F1B: the bottleneck stage) and
-``iterations = I0 * (1 + beta * sum_k w_k (S-1-k))``; for ``"sync"`` there is no staleness and a step of
-``M`` micro-batches takes ``(M-1) max_k T_k + sum_k T_k`` (fill and drain around the steady state).
+``iterations = I0 * (1 + beta * sum_k w_k (S-1-k))``; ``"async+d"`` has ``(1+d)`` times that staleness, which the
+objective charges as ``beta * (1+d)``; for ``"sync"`` there is no staleness and a step of ``M`` micro-batches takes
+``(M-1) max_k T_k + sum_k T_k`` (fill and drain around the steady state).
 
 Why the solver is exact
 -----------------------

@@ -25,6 +25,7 @@ from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.predictor.base import StageTimes
 from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.ladder import EscalationLadder, LadderDecision, replica_window
+from lightning_dynpipe.schedule import Schedule
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 __all__ = ["AdaptationWiring", "MIN_SAMPLES"]
@@ -214,6 +215,12 @@ class AdaptationWiring:
             self._resplit(decision.split)
             rank_zero_info(f"DynPipe adaptation: {decision}")
         return decision.rung
+
+    def schedule_changed(self, schedule: Schedule) -> None:
+        """The pipeline runs ``schedule`` from now on (:meth:`~lightning_dynpipe.DynPipeStrategy.reschedule`): the
+        controller prices candidates with its staleness and round trips."""
+        if self.controller is not None:
+            self.controller.schedule = schedule
 
     def detach(self, trainer: Trainer | None) -> None:
         """Removes the listener and the monitor this wiring added; the controller stays readable (its decisions)."""

@@ -56,7 +56,7 @@ from lightning_dynpipe.engine.shares import IssuedShare, ShareBatchSampler, shar
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
-from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.errors import ConfigurationError, ScheduleError
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
@@ -68,7 +68,7 @@ from lightning_dynpipe.predictor import InterferencePredictor
 from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import RepartitionPolicy
-from lightning_dynpipe.schedule import Schedule
+from lightning_dynpipe.schedule import Schedule, get_schedule
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
@@ -86,7 +86,7 @@ from lightning_dynpipe.strategy.logs import StepLogs
 from lightning_dynpipe.strategy.restart import RestartPlan
 from lightning_dynpipe.sweep import SweepSettings
 
-__all__ = ["DynPipeStrategy", "MigrationRecord"]
+__all__ = ["DynPipeStrategy", "MigrationRecord", "ScheduleChange"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,17 @@ class MigrationRecord:
     new: Partition
     moved: tuple[int, ...]
     bytes_sent: int
+    pause_s: float
+
+
+@dataclass(frozen=True)
+class ScheduleChange:
+    """One live change of schedule (:meth:`DynPipeStrategy.reschedule`): when, from which schedule to which, and how
+    long training paused (the drain)."""
+
+    step: int
+    old: str
+    new: str
     pause_s: float
 
 
@@ -395,6 +406,9 @@ class DynPipeStrategy(DDPStrategy):
         self._topology: PipelineTopology | None = None
         self._full_keys: list[str] = []
         self._pending_partition: Partition | None = None
+        self._running_schedule: Schedule | None = None  # the schedule of the running fit (reschedule() changes it)
+        self._pending_schedule: Schedule | None = None
+        self.schedule_changes: list[ScheduleChange] = []  # every live change of schedule, in order
         self.additions = TrainerAdditions()  # the metrics mirror, the summary, the interference callback
         self._init_random_state: Tensor | None = None  # where a meta-built model's random draws started
         self._init_own_generator = False
@@ -407,7 +421,11 @@ class DynPipeStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ configuration, read-only
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="``M``, micro-batches per batch.")
-    schedule = property(lambda self: self.config.schedule.name, doc="The schedule's name.")
+    schedule = property(
+        lambda self: (self._running_schedule or self.config.schedule).name,
+        doc="The schedule's name: the one the last fit ran with since it started (see :meth:`reschedule`), else the "
+        "configured one.",
+    )
     balance_mode = property(lambda self: self.config.balance_mode, doc="``'list'``, ``'auto'`` or ``'parameters'``.")
     balance = property(
         lambda self: list(self.config.balance) if self.config.balance is not None else self.config.balance_mode,
@@ -502,7 +520,7 @@ class DynPipeStrategy(DDPStrategy):
         self._pending_split = new
 
     def _has_pending_partition(self) -> bool:
-        return self._pending_partition is not None
+        return self._pending_partition is not None or self._pending_schedule is not None
 
     def _migration_pauses(self) -> list[float]:
         return [m.pause_s for m in self.migrations]
@@ -738,6 +756,7 @@ class DynPipeStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)  # on the whole model: the other layers' parameters are on meta
                 check_optimizers(self.optimizers)
         module = self._lm
+        self._running_schedule, self._pending_schedule = self.config.schedule, None
         self.stage = PipelineStage.start(
             pipeline=pipeline,
             partition=partition,
@@ -854,12 +873,76 @@ class DynPipeStrategy(DDPStrategy):
         check_ties(
             self.ties,
             new,
-            schedule=self.config.schedule,
+            schedule=self._running_schedule or self.config.schedule,
             gradient_clip_val=trainer.gradient_clip_val,
             gradient_clip_algorithm=trainer.gradient_clip_algorithm,
             pipeline_attr=self.config.pipeline_attr,
         )
         self._pending_partition = new
+
+    def reschedule(self, schedule: str | Schedule) -> None:
+        """Changes the schedule at the start of the next training step, without a restart.
+
+        Call it with the same schedule on every rank (from a callback, say); the pipeline drains with the current
+        schedule and the next steps run with the new one. Between ``"async"`` and ``"async+d"`` this changes how
+        many micro-batches are in flight over each boundary (and so the staleness and the weight versions kept);
+        the run equals one with a drain there and the new staleness from then on
+        (:func:`~lightning_dynpipe.calibration.replay_async` with ``restaleness``). The change is recorded in
+        :attr:`schedule_changes`; it lasts until the fit ends (the next fit starts with the configured schedule).
+
+        Example::
+
+            class HideTheLink(L.Callback):
+                def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                    if batch_idx == 100:
+                        trainer.strategy.reschedule("async+1")
+
+        Raises:
+            ConfigurationError: no running pipeline, an unknown schedule, or a change between a schedule that
+                updates after every micro-batch and one that accumulates a step (their updates and ``lr_scale``
+                differ: choose that one in the strategy's arguments).
+        """
+        if self.partition is None or self._running_schedule is None:
+            raise ConfigurationError("reschedule() needs a running pipeline: call it during fit.")
+        try:
+            new = get_schedule(schedule)
+        except ScheduleError as exc:
+            raise ConfigurationError(f"reschedule(): {exc}") from None
+        old = self._pending_schedule or self._running_schedule
+        if new.accumulates != old.accumulates:
+            raise ConfigurationError(
+                f"reschedule() changes how many micro-batches are in flight, not how updates are made: "
+                f"{old.name!r} updates {'once per step' if old.accumulates else 'after every micro-batch'}, "
+                f"{new.name!r} {'once per step' if new.accumulates else 'after every micro-batch'}. Pass "
+                f"schedule={new.name!r} to DynPipeStrategy to train with it."
+            )
+        trainer = self._lm.trainer
+        check_ties(
+            self.ties,
+            self.partition,
+            schedule=new,
+            gradient_clip_val=trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            pipeline_attr=self.config.pipeline_attr,
+        )
+        self._pending_schedule = new if new != self._running_schedule else None
+
+    def _reschedule_now(self, new: Schedule, step: int) -> ScheduleChange:
+        """Drains with the running schedule and continues with ``new`` (every rank at the same step)."""
+        assert self.stage is not None and self._running_schedule is not None
+        t0 = time.perf_counter()
+        self.stage.reschedule(new)
+        agreed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        record = ScheduleChange(step, self._running_schedule.name, new.name, float(agreed[0]))
+        self._running_schedule = new
+        self.schedule_changes.append(record)
+        self.adaptation.schedule_changed(new)
+        rank_zero_info(
+            f"DynPipe schedule change at step {step}: {record.old} -> {record.new}, pause {record.pause_s * 1e3:.1f} ms"
+        )
+        return record
 
     def _restart(self, num_stages: int, reason: str) -> str | None:
         """The ladder's last rung under ``change_stages="restart"``: checkpoint at the end of this step and end
@@ -886,6 +969,9 @@ class DynPipeStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pending_split is not None:
             self._split, self._pending_split = self._pending_split, None
+        if self._pending_schedule is not None:
+            sched, self._pending_schedule = self._pending_schedule, None
+            self._reschedule_now(sched, step=self._lm.trainer.global_step)
         if self._pending_partition is not None:
             new, self._pending_partition = self._pending_partition, None
             self._migrate(new, step=self._lm.trainer.global_step)

@@ -55,3 +55,18 @@ def test_rejects_bad_staleness() -> None:
     net, batches = _setup()
     with pytest.raises(ConfigurationError, match="staleness needs 2 non-negative entries"):
         replay_async(net, [2, 1], lambda ps: torch.optim.SGD(ps, lr=0.1), batches, 2, _loss, staleness=[1])
+    with pytest.raises(ConfigurationError, match="staleness needs 2 non-negative entries"):
+        replay_async(net, [2, 1], lambda ps: torch.optim.SGD(ps, lr=0.1), batches, 2, _loss, restaleness={1: [1, -1]})
+
+
+def test_a_staleness_change_drains_and_continues_with_the_new_staleness() -> None:
+    """``restaleness={1: [0, 0]}``: steps 0-1 as PipeDream's staleness, a drain, then steps 2-4 with none, which is
+    the two runs one after the other."""
+    net, batches = _setup()
+    changed, first = copy.deepcopy(net), copy.deepcopy(net)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    replay_async(changed, [2, 1], opt, batches, 2, _loss, restaleness={1: [0, 0]})
+    replay_async(first, [2, 1], opt, batches[:2], 2, _loss)
+    replay_async(first, [2, 1], opt, batches[2:], 2, _loss, staleness=[0, 0])
+    for a, b in zip(changed.parameters(), first.parameters()):
+        assert torch.equal(a, b)
