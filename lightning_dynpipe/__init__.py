@@ -35,13 +35,20 @@ from lightning_dynpipe.errors import (
 from lightning_dynpipe.plan.partition import Partition
 
 if TYPE_CHECKING:
-    from lightning_dynpipe.strategy import DynPipeStrategy, MigrationRecord, RestartPlan, fit_with_restarts
+    from lightning_dynpipe.strategy import (
+        DynPipeStrategy,
+        MigrationRecord,
+        RestartPlan,
+        ScheduleChange,
+        fit_with_restarts,
+    )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DynPipeStrategy",
     "MigrationRecord",
+    "ScheduleChange",
     "RestartPlan",
     "fit_with_restarts",
     "Partition",
@@ -55,7 +62,7 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY = {"DynPipeStrategy", "MigrationRecord", "RestartPlan", "fit_with_restarts"}
+_LAZY = {"DynPipeStrategy", "MigrationRecord", "ScheduleChange", "RestartPlan", "fit_with_restarts"}
 _TRIGGER = "lightning.pytorch"
 
 

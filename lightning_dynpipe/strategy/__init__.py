@@ -7,10 +7,17 @@ pipeline itself (stage shard, executor, checkpoints) in :mod:`lightning_dynpipe.
 
 from __future__ import annotations
 
-from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy, MigrationRecord
+from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy, MigrationRecord, ScheduleChange
 from lightning_dynpipe.strategy.restart import RestartPlan, fit_with_restarts
 
-__all__ = ["DynPipeStrategy", "MigrationRecord", "RestartPlan", "fit_with_restarts", "register_strategy_names"]
+__all__ = [
+    "DynPipeStrategy",
+    "MigrationRecord",
+    "ScheduleChange",
+    "RestartPlan",
+    "fit_with_restarts",
+    "register_strategy_names",
+]
 
 
 def register_strategy_names() -> None:
