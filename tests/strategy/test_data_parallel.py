@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.calibration import replay_async
+from lightning_dynpipe.plan.convergence import staleness_profile
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,13 +53,17 @@ def _global_batches() -> list[Any]:
     return out
 
 
-def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
+@pytest.mark.parametrize("schedule", ["async", "async+1"])
+def test_two_replicas_equal_one_pipeline_on_the_same_global_batches(schedule: str) -> None:
+    """``async+1``: each replica keeps one more micro-batch in flight; the replicas still average every update."""
     model = TinyNet()
     ref = copy.deepcopy(model)
     trainer = L.Trainer(
         devices=4,
         max_epochs=1,
-        strategy=DynPipeStrategy(num_stages=2, balance=[2, 3], num_microbatches=M, start_method="fork", adaptive=False),
+        strategy=DynPipeStrategy(
+            num_stages=2, balance=[2, 3], num_microbatches=M, schedule=schedule, start_method="fork", adaptive=False
+        ),
         **trainer_kwargs(callbacks=[Checks()]),
     )
     trainer.fit(model, datamodule=ShardedData())
@@ -69,6 +74,7 @@ def test_two_replicas_equal_one_pipeline_on_the_same_global_batches() -> None:
         _global_batches(),
         M,
         lambda out, mb: F.cross_entropy(out, mb[1]),
+        staleness=staleness_profile(2, schedule),
         lr_scale=1 / M,  # DynPipe's default lr_scale='auto': 1/M per async update
     )
     for k, v in ref.state_dict().items():
