@@ -40,9 +40,12 @@ def _plain_optimizer_loads(ckpt: Path, tie: bool) -> dict[str, Any]:
     return data
 
 
-def test_async_transformer_keeps_every_buffer_through_a_migration_and_the_end_of_fit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["async", "async+1"])
+def test_async_transformer_keeps_every_buffer_through_a_migration_and_the_end_of_fit(
+    tmp_path: Path, schedule: str
+) -> None:
     ckpt = tmp_path / "after_fit.ckpt"
-    results = _run("async", ckpt)
+    results = _run(schedule, ckpt)
     for r in results:
         assert r["finite"] and r["equals_fresh"], r  # the returned module computes like a freshly built one
     assert results[0]["max_diff"] <= 1e-5  # the migrating run equals the replay with the same partition change

@@ -1,9 +1,10 @@
 """popen launcher, 2 stages: a transformer trained as users train one, then checked in every process after fit.
 
-Usage: python real_models.py {async,tied-sync} CHECKPOINT_PATH
+Usage: python real_models.py {async,async+1,tied-sync} CHECKPOINT_PATH
 
 ``async``: TinyGPT (non-persistent causal mask and rotary table, a tuple with an int64 tensor across the
-boundary), async, a block moved to stage 0 at step 3. ``tied-sync``: TinyGPT with GPT-2 tying (embedding and
+boundary), async, a block moved to stage 0 at step 3. ``async+1``: the same with one more micro-batch in flight
+(stage 0 two updates stale). ``tied-sync``: TinyGPT with GPT-2 tying (embedding and
 head on different stages), sync, the same move. After fit every rank checks that the module it holds computes
 what a freshly built model with the same weights computes (so every buffer is right), rank 0 compares the weights
 with the single-process reference, and ``trainer.save_checkpoint(CHECKPOINT_PATH)`` writes the file the test reads.
@@ -69,9 +70,7 @@ if __name__ == "__main__":
     trainer = L.Trainer(
         devices=2,
         max_steps=6,
-        strategy=DynPipeStrategy(
-            balance=[2, 3], num_microbatches=M, schedule="sync" if tie else "async", adaptive=False
-        ),
+        strategy=DynPipeStrategy(balance=[2, 3], num_microbatches=M, schedule="sync" if tie else mode, adaptive=False),
         **trainer_kwargs(callbacks=[MoveABlock(), summary, ModelSummary()], enable_model_summary=True),
     )
     trainer.fit(model, token_loader())
@@ -100,6 +99,7 @@ if __name__ == "__main__":
                 batches,
                 M,
                 gpt_loss,
+                staleness=[2, 0] if mode == "async+1" else [1, 0],
                 repartitions={MOVE_AT - 1: NEW_BALANCE},
                 lr_scale=1 / M,
             )
