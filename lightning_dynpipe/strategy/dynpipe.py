@@ -423,8 +423,8 @@ class DynPipeStrategy(DDPStrategy):
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="``M``, micro-batches per batch.")
     schedule = property(
         lambda self: (self._running_schedule or self.config.schedule).name,
-        doc="The schedule's name: the one the last fit ran with since it started (see :meth:`reschedule`), else the "
-        "configured one.",
+        doc="The schedule's name: during a fit the one it runs (:meth:`reschedule` changes it), after it the one it "
+        "ended with, before any fit the configured one.",
     )
     balance_mode = property(lambda self: self.config.balance_mode, doc="``'list'``, ``'auto'`` or ``'parameters'``.")
     balance = property(
