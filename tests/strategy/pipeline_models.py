@@ -88,6 +88,36 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     return kw
 
 
+def fit_three_stages_against_the_replay(callback: L.Callback, optimizer: str = "sgd", **replay: Any) -> None:
+    """Fits TinyNet on 3 async stages ``[2, 2, 1]`` (M=4, one epoch, fork, no adaptation) with ``callback``, and
+    asserts that its weights equal, to 1e-6, the PipeDream replay of the same batches given ``replay``'s changes
+    (``repartitions``, ``restaleness``: keyed by the step after which they apply)."""
+    from lightning_dynpipe import DynPipeStrategy
+    from lightning_dynpipe.calibration import replay_async
+
+    model = TinyNet(optimizer=optimizer)
+    ref = copy.deepcopy(model)
+    trainer = L.Trainer(
+        devices=3,
+        max_epochs=1,
+        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="fork", adaptive=False),
+        **trainer_kwargs(callbacks=[callback]),
+    )
+    trainer.fit(model, loader())
+    replay_async(
+        ref.pipeline,
+        [2, 2, 1],
+        lambda ps: make_optimizer(ps, optimizer),
+        list(loader()),
+        4,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        lr_scale=1 / 4,  # DynPipe's default lr_scale='auto': 1/M per async update
+        **replay,
+    )
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+
+
 class ScheduledNet(TinyNet):
     """TinyNet with Adam and a per-step StepLR, so resumption must restore optimizer and scheduler state."""
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import copy
 import random
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,9 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-import torch.nn.functional as F
-from pipeline_models import TinyNet, loader, make_optimizer, trainer_kwargs
+from pipeline_models import TinyNet, fit_three_stages_against_the_replay, loader, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy, Partition
-from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.repartition import plan_moves
 
 pytestmark = pytest.mark.multiprocess
@@ -44,27 +41,7 @@ class Repartitioner(L.Callback):
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])  # sgd: momentum, and its updates write fresh storage
 def test_a_migrating_run_equals_the_replay_with_the_same_partition_changes(optimizer: str) -> None:
-    model = TinyNet(optimizer=optimizer)
-    ref = copy.deepcopy(model)
-    trainer = L.Trainer(
-        devices=3,
-        max_epochs=1,
-        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="fork", adaptive=False),
-        **trainer_kwargs(callbacks=[Repartitioner()]),
-    )
-    trainer.fit(model, loader())
-    replay_async(
-        ref.pipeline,
-        [2, 2, 1],
-        lambda ps: make_optimizer(ps, optimizer),
-        list(loader()),
-        4,
-        lambda out, mb: F.cross_entropy(out, mb[1]),
-        repartitions={k - 1: v for k, v in MOVES.items()},
-        lr_scale=1 / 4,  # DynPipe's default lr_scale='auto': 1/M per async update
-    )
-    for k, v in ref.state_dict().items():
-        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+    fit_three_stages_against_the_replay(Repartitioner(), optimizer, repartitions={k - 1: v for k, v in MOVES.items()})
 
 
 class RandomMigrations(L.Callback):

@@ -7,14 +7,13 @@ tolerance 1e-6 as for migrations); the changes are recorded and what cannot chan
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_models import TinyNet, loader, make_optimizer, trainer_kwargs
+from pipeline_models import TinyNet, fit_three_stages_against_the_replay, loader, make_optimizer
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.calibration import replay_async
@@ -71,38 +70,17 @@ class Rescheduler(L.Callback):
 
 
 def test_a_rescheduling_run_equals_the_replay_with_the_same_staleness_changes() -> None:
-    model = TinyNet()
-    ref = copy.deepcopy(model)
-    trainer = L.Trainer(
-        devices=3,
-        max_epochs=1,
-        strategy=DynPipeStrategy(balance=[2, 2, 1], num_microbatches=4, start_method="fork", adaptive=False),
-        **trainer_kwargs(callbacks=[Rescheduler()]),
+    fit_three_stages_against_the_replay(
+        Rescheduler(), restaleness={2: [4, 2, 0], 5: [2, 1, 0]}, repartitions={k - 1: v for k, v in MOVE.items()}
     )
-    trainer.fit(model, loader())
-    replay_async(
-        ref.pipeline,
-        [2, 2, 1],
-        make_optimizer,
-        list(loader()),
-        4,
-        lambda out, mb: F.cross_entropy(out, mb[1]),
-        restaleness={2: [4, 2, 0], 5: [2, 1, 0]},
-        repartitions={k - 1: v for k, v in MOVE.items()},
-        lr_scale=1 / 4,  # DynPipe's default lr_scale='auto': 1/M per async update
-    )
-    for k, v in ref.state_dict().items():
-        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
-    # and the changes mattered: PipeDream's staleness throughout gives other weights
-    plain = copy.deepcopy(ref)
-    pipedream = TinyNet()
-    replay_async(
-        pipedream.pipeline, [2, 2, 1], make_optimizer, list(loader()), 4, lambda out, mb: F.cross_entropy(out, mb[1]),
-        repartitions={k - 1: v for k, v in MOVE.items()}, lr_scale=1 / 4,
-    )  # fmt: skip
-    assert any(
-        not torch.allclose(plain.state_dict()[k], v, atol=1e-6, rtol=0) for k, v in pipedream.state_dict().items()
-    )
+    # and the changes matter: PipeDream's staleness throughout gives other weights
+    changed, pipedream = TinyNet(), TinyNet()
+    for net, restale in ((changed, {2: [4, 2, 0], 5: [2, 1, 0]}), (pipedream, {})):
+        replay_async(
+            net.pipeline, [2, 2, 1], make_optimizer, list(loader()), 4, lambda out, mb: F.cross_entropy(out, mb[1]),
+            restaleness=restale, repartitions={k - 1: v for k, v in MOVE.items()}, lr_scale=1 / 4,
+        )  # fmt: skip
+    assert any(not torch.allclose(changed.state_dict()[k], v, atol=1e-6) for k, v in pipedream.state_dict().items())
 
 
 def test_reschedule_outside_a_fit_is_refused() -> None:
