@@ -7,7 +7,7 @@ applies it (a live migration at the next step). At every check:
 1. the window goes to the predictor first when it learns online (``predictor.observe``: the window's times are
    a labelled sample, and after a migration its measured outcome is one);
 2. the planner re-solves the partition with the slowdowns the predictor gives the current one (a window whose
-   link and slowdowns are within 2% of the last solve's reuses its plan: the solve only proposes a candidate);
+   link and slowdowns are within 10% of the last solve's reuses its plan: the solve only proposes a candidate);
 3. the candidates (the current partition, the planner's, and every shift of one boundary by one or two layers)
    are priced by the predictor: each stage's compute and each boundary's message time, with intervals; a
    candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
@@ -72,7 +72,7 @@ def _close(a: float, b: float, rel: float) -> bool:
 
 
 def _close_inputs(
-    a: tuple[CommModel, tuple[float, ...]], b: tuple[CommModel, tuple[float, ...]], rel: float = 0.02
+    a: tuple[CommModel, tuple[float, ...]], b: tuple[CommModel, tuple[float, ...]], rel: float = 0.10
 ) -> bool:
     """Whether two re-solves' inputs (the link, the slowdowns) differ by less than ``rel`` each (overlap: 0.02)."""
     (ca, sa), (cb, sb) = a, b
@@ -285,7 +285,8 @@ class AdaptiveController:
         current_prediction = self.predictor.predict(cost, link, window, window.partition)
         slowdowns = current_prediction.slowdowns
         # The planner's re-solve only proposes a candidate (every candidate is then priced by the predictor): a
-        # window whose link and slowdowns are each within 2% of the last solve's reuses its plan.
+        # window whose link and slowdowns are each within 10% of the last solve's reuses its plan (the neighbours of
+        # the current partition are priced at every check whatever the proposal).
         solve_inputs = (comm, tuple(slowdowns))
         last = self._last_solve
         if last is not None and _close_inputs(last[0], solve_inputs):
