@@ -887,7 +887,8 @@ class DynPipeStrategy(DDPStrategy):
         schedule and the next steps run with the new one. Between ``"async"`` and ``"async+d"`` this changes how
         many micro-batches are in flight over each boundary (and so the staleness and the weight versions kept);
         the run equals one with a drain there and the new staleness from then on
-        (:func:`~lightning_dynpipe.calibration.replay_async` with ``restaleness``). The change is recorded in
+        (:func:`~lightning_dynpipe.calibration.replay_async` with ``restaleness``); between ``"sync"`` and
+        ``"gpipe"`` it changes only the order of a step's forwards and backwards. The change is recorded in
         :attr:`schedule_changes`; it lasts until the fit ends (the next fit starts with the configured schedule).
 
         Example::

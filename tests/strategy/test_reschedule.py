@@ -2,7 +2,8 @@
 
 A run that changes ``async`` -> ``async+1`` -> ``async`` (the last change with a repartition at the same step)
 equals the PipeDream replay with the same drains, staleness changes and partition change (SGD with momentum,
-tolerance 1e-6 as for migrations); the changes are recorded and what cannot change live is refused.
+tolerance 1e-6 as for migrations); one that changes ``sync`` -> ``gpipe`` equals plain training; the changes are
+recorded and what cannot change live is refused.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_models import TinyNet, fit_three_stages_against_the_replay, loader, make_optimizer
+from pipeline_models import (
+    TinyNet,
+    fit_three_stages_against_the_replay,
+    loader,
+    make_optimizer,
+    plain_training,
+    trainer_kwargs,
+)
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.calibration import replay_async
@@ -86,3 +94,40 @@ def test_a_rescheduling_run_equals_the_replay_with_the_same_staleness_changes() 
 def test_reschedule_outside_a_fit_is_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"reschedule\(\) needs a running pipeline: call it during fit"):
         DynPipeStrategy().reschedule("async+1")
+
+
+class FlushSwitcher(L.Callback):
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        s = trainer.strategy
+        assert isinstance(s, DynPipeStrategy)
+        if batch_idx == 3:
+            s.reschedule("gpipe")
+            with pytest.raises(
+                ConfigurationError, match="'gpipe' updates once per step, 'async' after every micro-batch"
+            ):
+                s.reschedule("async")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        s = trainer.strategy
+        assert isinstance(s, DynPipeStrategy)
+        assert [(c.step, c.old, c.new) for c in s.schedule_changes] == [(3, "sync", "gpipe")]
+
+
+def test_between_the_flush_schedules_training_stays_plain() -> None:
+    """``sync`` -> ``gpipe``: both update once per step from the whole batch, so the run still equals plain
+    training (1e-6); a change to ``async`` is refused."""
+    model = TinyNet()
+    ref = plain_training(model, list(loader()))
+    trainer = L.Trainer(
+        devices=2,
+        max_epochs=1,
+        strategy=DynPipeStrategy(
+            balance=[2, 3], num_microbatches=4, schedule="sync", start_method="fork", adaptive=False
+        ),
+        **trainer_kwargs(callbacks=[FlushSwitcher()]),
+    )
+    trainer.fit(model, loader())
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
