@@ -260,7 +260,8 @@ def _stage_device(devices: Sequence[DeviceSpec], ids: Sequence[int]) -> DeviceSp
 
 
 def _check_schedule(schedule: ScheduleLike, num_microbatches: int | None) -> tuple[Schedule, int]:
-    """The schedule object and the micro-batches per update; refuses what the solver's objective cannot model."""
+    """The schedule object and the micro-batches per update; refuses what the solver's objective cannot model
+    (see :func:`_staleness_factor`)."""
     sched = get_schedule(schedule)
     if sched.accumulates:
         if num_microbatches is None or num_microbatches < 1:
@@ -416,7 +417,8 @@ class _Problem:
         self.schedule, self.mpu = _check_schedule(schedule, num_microbatches)
         self.num_microbatches = num_microbatches
         self.sync = self.schedule.accumulates  # the flush objective; otherwise the staleness-charged one
-        # beta charged per unit of the cuts' prefix sum: the schedule's staleness is c times PipeDream's
+        # beta charged per unit of the cuts' prefix sum: the schedule's staleness is c times PipeDream's (checked
+        # above; computing c again costs a few staleness calls once per solve)
         self.beta = 0.0 if self.sync else self.convergence.beta * _staleness_factor(self.schedule)
         self.devices = devices
         self.n = model.num_layers
