@@ -405,16 +405,18 @@ def _recorder(target: float) -> Any:
 
 
 def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
-    """``(adaptive, predictor)`` of :class:`~lightning_dynpipe.DynPipeStrategy` for ``system``."""
+    """``(adaptive, predictor)`` of :class:`~lightning_dynpipe.DynPipeStrategy` for ``system`` (``static+d`` and
+    ``measured+d`` as ``static`` and ``measured``: the ``+d`` is their schedule's, :func:`schedule_of`)."""
     from lightning_dynpipe.predictor import ForestPredictor
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy
     from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
 
-    if system in ("static", "static+1", "static+2") or system.startswith("cut"):
+    system = system.partition("+")[0]
+    if system == "static" or system.startswith("cut"):
         return False, "measured"
     if system in ("forest", "forest-cal"):
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
-    if system in ("measured", "measured-probe", "measured-beta", "measured-1s", "measured+1"):
+    if system in ("measured", "measured-probe", "measured-beta", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
         return GainOverCostPolicy(recall_steps=0), "measured"
