@@ -98,12 +98,18 @@ class _PredictedStages:
     predicted messages across its outgoing boundary (activation out, gradient back), plus the replicas'
     all-reduce, over the replicas: the terms of :class:`~lightning_dynpipe.plan.costs.DefaultCostModel` with the
     predictor's numbers.
+
+    ``link_on_stage=False`` leaves the messages out: under a schedule without a flush the stage sends and goes on,
+    and the time a stage waits for a message is the wait of a round trip through the stages (the caller bounds the
+    step with :meth:`~lightning_dynpipe.schedule.Schedule.round_trip_time`); the measured exposure there is that
+    wait, and charging it to the stage as well would count the link twice.
     """
 
     compute: tuple[float, ...]
     boundary: tuple[float, ...]
     comm: CommModel
     update: tuple[float, ...] = ()
+    link_on_stage: bool = True
 
     def stage_time(
         self,
@@ -121,7 +127,7 @@ class _PredictedStages:
         t = self.compute[stage_idx]
         if self.update:
             t += self.update[stage_idx] / microbatches_per_update
-        if stage_idx < num_stages - 1:
+        if self.link_on_stage and stage_idx < num_stages - 1:
             overlap = float(self.comm.overlap_per_cut(model.num_layers)[j - 1])
             t += (1.0 - overlap) * 2.0 * self.boundary[stage_idx]
         t += float(self.comm.allreduce_time(model.param_bytes(i, j), replicas)) / microbatches_per_update
@@ -388,6 +394,8 @@ class AdaptiveController:
             prediction.slowdowns[k] * self.model_cost.update_s(r.start, r.stop) for k, r in enumerate(ranges)
         )
         per_update = self.schedule.microbatches_per_update(self.num_microbatches)
+        # with a flush a step's forwards and backwards end together, and a stage waits out its messages
+        flush = self.schedule.accumulates
         points = all(i.high == i.value for i in (*prediction.stage_compute_s, *prediction.boundary_s))
         for pick in ("value",) if points else ("value", "high"):
             compute = tuple(getattr(i, pick) for i in prediction.stage_compute_s)
@@ -397,11 +405,13 @@ class AdaptiveController:
                 Partition(partition.balance, (self.replicas,) * partition.num_stages),
                 schedule=self.schedule,
                 convergence=self.convergence,
-                cost_model=_PredictedStages(compute, messages, comm, update),
+                cost_model=_PredictedStages(compute, messages, comm, update, link_on_stage=flush),
                 num_microbatches=self.num_microbatches,
             )
             # the stages' own times miss the round trips through several stages that the micro-batches in
-            # flight allow: a slow link can bind there (each replica runs its own round trips)
+            # flight allow: a slow link can bind there (each replica runs its own round trips). A link whose
+            # bandwidth serialises the messages would bind at one message per micro-batch each way; a window
+            # measured at one message size cannot tell its bandwidth from its latency, so that bound is left out
             trip = self.schedule.round_trip_time(compute, [u / per_update for u in update], messages) / self.replicas
             bound.append(trip > plan.iteration_time_s)
             if bound[-1]:

@@ -392,3 +392,30 @@ def test_the_planners_proposal_is_reused_while_the_window_rounds_to_the_same_inp
         candidates.append(d.inputs.candidate)
     assert len(solves) == 2
     assert candidates == [Partition((6, 2))] * 4
+
+
+def test_without_a_flush_the_wait_for_a_slow_link_is_priced_once_as_the_round_trip() -> None:
+    """Under ``async`` a stage sends and goes on: the window's exposed transfer time (overlap 0 here) is the wait of
+    the round trip, so the stage is not charged its messages besides: [2, 3] of NARROWING over a 6 ms link prices at
+    the round trip (6 + 9 + 2 x 6) / 2 = 13.5 ms a micro-batch, which is what the event simulator runs, not at stage
+    0's 6 + 2 x 6 = 18 ms. A flush schedule ends a step's forwards and backwards together and waits its messages
+    out: there the stage is charged them."""
+    msg = float(SLOW_LINK.transfer_time(100_000))
+    times = [StageTimes(M * c, M * 0.0135, comm_s=M * msg, exposed_comm_s=M * msg) for c in (0.006, 0.009)]
+    d = _measured_controller(NARROWING, SLOW_LINK).check(10, times, Partition((2, 3)), remaining_steps=2000)
+    assert d is not None
+    assert (
+        d.inputs.current_step_s == pytest.approx(M * 0.0135) == pytest.approx(_simulated_step_s((2, 3), 1.0, SLOW_LINK))
+    )
+    flush = AdaptiveController(
+        GainOverCostPolicy(patience=1, horizon_steps=500),
+        model_cost=NARROWING,
+        comm=SLOW_LINK,
+        schedule="sync",
+        num_microbatches=M,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )
+    d = flush.check(10, times, Partition((2, 3)), remaining_steps=2000)
+    # stage 0 is charged its activation out and gradient back: 6 + 2 x 6 ms a micro-batch, M of them and the fill
+    assert d is not None and d.inputs.current_step_s >= M * (0.006 + 2 * msg)
