@@ -13,7 +13,11 @@ applies it (a live migration at the next step). At every check:
    candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
    schedule and its staleness, and is at least the schedule's slowest round trip through several stages
    (:meth:`~lightning_dynpipe.schedule.Schedule.round_trip_time`, which a slow link makes binding);
-4. the best candidate and the lower end of its predicted gain go to the policy.
+4. the best candidate and the lower end of its predicted gain go to the policy;
+5. with ``max_extra_in_flight > 0`` and the partition staying, the current partition is priced under ``async+d``
+   for every ``d`` up to it (the convergence model charging each depth's staleness), and the best depth goes to
+   the depth policy (:class:`~lightning_dynpipe.repartition.inflight.InFlightPolicy`); its answer is in
+   :attr:`AdaptiveController.depth_decision`.
 
 Every decision is kept with its inputs, and its log line carries the predicted times with their intervals and
 the features that weighed most.
@@ -38,8 +42,9 @@ from lightning_dynpipe.plan.solver import Plan, evaluate
 from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPrediction, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.link import LinkEstimate
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
+from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
-from lightning_dynpipe.schedule import Schedule, get_schedule
+from lightning_dynpipe.schedule import AsyncSchedule, Schedule, get_schedule
 
 __all__ = ["AdaptiveController", "Outcome", "neighbours", "measured_slowdowns", "StageTimes"]
 
@@ -209,6 +214,10 @@ class AdaptiveController:
         stage_count_gain: the relative time-to-accuracy improvement another ``S`` must promise to be reported.
         stage_count_every: solve for other stage counts at every this many checks (the first included): one
             solve per divisor of the process count, which on a large model costs about as much as the set-up plan.
+        max_extra_in_flight: under ``async`` or ``async+d``, also consider keeping up to this many more
+            micro-batches in flight per boundary on the current partition (0: the depth stays as configured). The
+            choice is priced in time to accuracy, so it is only as good as ``convergence``'s ``beta``.
+        depth_policy: decides whether another depth is worth a change; default :class:`InFlightPolicy`.
     """
 
     def __init__(
@@ -226,6 +235,8 @@ class AdaptiveController:
         consider_stage_counts: bool = True,
         stage_count_gain: float = 0.10,
         stage_count_every: int = 10,
+        max_extra_in_flight: int = 0,
+        depth_policy: InFlightPolicy | None = None,
     ) -> None:
         self.policy = policy
         self.model_cost = model_cost
@@ -247,6 +258,12 @@ class AdaptiveController:
         self.stage_count_every = max(1, stage_count_every)
         self._checks = 0
         self._last_solve: tuple[tuple[CommModel, tuple[float, ...]], Plan] | None = None
+        self.max_extra_in_flight = max_extra_in_flight
+        self.depth_policy = depth_policy if depth_policy is not None else InFlightPolicy()
+        self.depth_decisions: list[DepthDecision] = []
+        self.depth_decision: DepthDecision | None = None
+        """After a check: the depth policy's answer (``None`` when the depth was not considered: a partition move,
+        ``max_extra_in_flight=0``, or a schedule that is not ``async``)."""
         self.stage_count_hint: tuple[int, float, float] | None = None
         """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
         is predicted to be better by ``stage_count_gain``; else ``None``."""
@@ -350,6 +367,13 @@ class AdaptiveController:
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
+        self.depth_decision = None
+        if decision.repartition:
+            self.depth_policy.forget_change()  # the next window measures the new partition, not the depth
+        elif self.max_extra_in_flight > 0 and isinstance(self.schedule, AsyncSchedule):
+            self.depth_decision = self._depth(step, window, current, current_prediction, comm, inputs)
+            self.depth_decisions.append(self.depth_decision)
+            log.debug("DynPipe adaptation: %s", self.depth_decision)
         if decision.repartition:
             chosen = best if decision.partition == best.partition else None
             self._moved = (
@@ -359,6 +383,49 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _depth(
+        self,
+        step: int,
+        window: PipelineWindow,
+        current: _Priced,
+        prediction: PartitionPrediction,
+        comm: CommModel,
+        inputs: PolicyInputs,
+    ) -> DepthDecision:
+        """The current partition priced under every depth up to ``max_extra_in_flight``; the policy's answer."""
+        M, i0 = self.num_microbatches, (self.convergence or ConvergenceModel()).i0
+        assert isinstance(self.schedule, AsyncSchedule)
+        depths = sorted({*range(self.max_extra_in_flight + 1), self.schedule.extra_in_flight})
+        priced: list[tuple[Schedule, _Priced]] = []
+        for d in depths:
+            sched = AsyncSchedule(d)
+            same = sched == self.schedule
+            priced.append((sched, current if same else self._price(window.partition, prediction, comm, sched)))
+        best_schedule, best = min(priced, key=lambda c: c[1].value.time_to_accuracy_s)  # ties: the shallowest
+
+        def per_step(plan: Plan) -> float:
+            return plan.time_to_accuracy_s * M / i0
+
+        details = "depths (ms/step x convergence factor): " + ", ".join(
+            f"{s.name} {per_step(p.value) * 1e3:.1f}" for s, p in priced
+        )
+        return self.depth_policy.decide(
+            DepthInputs(
+                step=step,
+                current=self.schedule,
+                candidate=best_schedule,
+                current_step_s=per_step(current.value),
+                candidate_step_s=per_step(best.value),
+                candidate_step_high_s=per_step(best.high),
+                measured_step_s=inputs.measured_step_s,
+                convergence_factor=inputs.convergence_factor,
+                change_cost_s=window.mean_step_s,
+                remaining_steps=inputs.remaining_steps,
+                causes=inputs.causes,
+                details=details,
+            )
+        )
 
     def _other_stage_count(
         self, planned: Plan, world: int, comm: CommModel, slowdowns: Sequence[float]
@@ -385,17 +452,21 @@ class AdaptiveController:
             return anywhere.partition.num_stages, other, here
         return None
 
-    def _price(self, partition: Partition, prediction: PartitionPrediction, comm: CommModel) -> _Priced:
-        """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals."""
+    def _price(
+        self, partition: Partition, prediction: PartitionPrediction, comm: CommModel, schedule: Schedule | None = None
+    ) -> _Priced:
+        """The candidate's predicted plan from the predictor's values, and from the upper ends of its intervals (under
+        ``schedule``; default: the running one)."""
+        schedule = schedule or self.schedule
         plans = []
         bound = []
         ranges = [partition.stage_layers(k) for k in range(partition.num_stages)]
         update = tuple(
             prediction.slowdowns[k] * self.model_cost.update_s(r.start, r.stop) for k, r in enumerate(ranges)
         )
-        per_update = self.schedule.microbatches_per_update(self.num_microbatches)
+        per_update = schedule.microbatches_per_update(self.num_microbatches)
         # with a flush a step's forwards and backwards end together, and a stage waits out its messages
-        flush = self.schedule.accumulates
+        flush = schedule.accumulates
         points = all(i.high == i.value for i in (*prediction.stage_compute_s, *prediction.boundary_s))
         for pick in ("value",) if points else ("value", "high"):
             compute = tuple(getattr(i, pick) for i in prediction.stage_compute_s)
@@ -403,7 +474,7 @@ class AdaptiveController:
             plan = evaluate(
                 self.model_cost,
                 Partition(partition.balance, (self.replicas,) * partition.num_stages),
-                schedule=self.schedule,
+                schedule=schedule,
                 convergence=self.convergence,
                 cost_model=_PredictedStages(compute, messages, comm, update, link_on_stage=flush),
                 num_microbatches=self.num_microbatches,
@@ -412,7 +483,7 @@ class AdaptiveController:
             # flight allow: a slow link can bind there (each replica runs its own round trips). A link whose
             # bandwidth serialises the messages would bind at one message per micro-batch each way; a window
             # measured at one message size cannot tell its bandwidth from its latency, so that bound is left out
-            trip = self.schedule.round_trip_time(compute, [u / per_update for u in update], messages) / self.replicas
+            trip = schedule.round_trip_time(compute, [u / per_update for u in update], messages) / self.replicas
             bound.append(trip > plan.iteration_time_s)
             if bound[-1]:
                 plan = replace(plan, iteration_time_s=trip, time_to_accuracy_s=plan.iterations * trip)
@@ -468,8 +539,16 @@ class AdaptiveController:
         )
 
     def migrated(self, step: int) -> None:
-        """Tells the policy that the decision of ``step`` was applied (its cool-down starts)."""
+        """Tells the policies that the decision of ``step`` was applied (their cool-downs start)."""
         self.policy.migrated(step)
+        self.depth_policy.changed(step)
+
+    def rescheduled(self, step: int, schedule: Schedule) -> None:
+        """The depth decision of ``step`` was applied: candidates are priced under ``schedule`` from now on, and
+        neither the partition nor the depth changes again before the policies' cool-downs."""
+        self.schedule = schedule
+        self.policy.migrated(step)
+        self.depth_policy.changed(step)
 
     def _migration_cost(
         self, window: PipelineWindow, new: Partition, comm: CommModel, past_pauses_s: Sequence[float]

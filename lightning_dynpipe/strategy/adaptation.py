@@ -51,6 +51,8 @@ class AdaptationWiring:
             :meth:`~lightning_dynpipe.DynPipeStrategy.set_replica_split`).
         restart: with ``change_stages="restart"``, checkpoints and ends the fit to continue under the given
             number of stages (the strategy's ``_restart``); returns the checkpoint's path, or None when it did not.
+        reschedule: queues a change of schedule (the strategy's :meth:`~lightning_dynpipe.DynPipeStrategy.reschedule`),
+            for the depth the adaptive loop chooses with ``max_extra_in_flight > 0``.
 
     With ``replica_split="speed"`` every check climbs the escalation ladder
     (:class:`~lightning_dynpipe.repartition.ladder.EscalationLadder`): a short imbalance is ignored, a slow
@@ -70,6 +72,7 @@ class AdaptationWiring:
         replica_samples: Callable[[], Sequence[int]] = tuple,
         resplit: Callable[[ReplicaSplit], None] | None = None,
         restart: Callable[[int, str], str | None] | None = None,
+        reschedule: Callable[[Schedule], None] | None = None,
     ) -> None:
         self.config = config
         self._partition = partition
@@ -80,6 +83,7 @@ class AdaptationWiring:
         self._replica_samples = replica_samples
         self._resplit = resplit
         self._restart = restart
+        self._reschedule = reschedule
         self.ladder: EscalationLadder | None = None
         self._hinted: set[int] = set()
         self.monitor: StageMonitor | None = None
@@ -116,7 +120,9 @@ class AdaptationWiring:
                 replicas=replicas,
                 convergence=self.config.convergence,
                 predictor=self.config.predictor,
+                max_extra_in_flight=self.config.max_extra_in_flight,
             )
+            self.controller.depth_policy.reset()
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
@@ -164,6 +170,17 @@ class AdaptationWiring:
                 return
             self.controller.migrated(step)
             rank_zero_info(f"DynPipe adaptation: {decision}")
+        depth = getattr(self.controller, "depth_decision", None)
+        if depth is not None and depth.change and self._reschedule is not None:
+            try:  # a depth the run cannot train exactly (a tie the deeper staleness would split) is not taken
+                self._reschedule(depth.schedule)
+            except ConfigurationError as exc:
+                log.info("DynPipe adaptation: %s not taken: %s", depth, exc)
+            else:
+                self.controller.rescheduled(step, depth.schedule)
+                rank_zero_info(f"DynPipe adaptation: {depth}")
+        elif depth is not None:
+            log.info("DynPipe adaptation: %s", depth)
         if self.ladder is not None:
             if decision is not None and decision.repartition:
                 self.ladder.record(LadderDecision(step, "move_layers", f"a stage of every replica is slow: {decision}"))

@@ -24,7 +24,7 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, get_predictor
 from lightning_dynpipe.repartition.ladder import EscalationLadder
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy, RepartitionPolicy
-from lightning_dynpipe.schedule import SCHEDULES, Schedule, get_schedule
+from lightning_dynpipe.schedule import SCHEDULES, AsyncSchedule, Schedule, get_schedule
 from lightning_dynpipe.sweep import SweepSettings
 
 __all__ = [
@@ -99,6 +99,8 @@ class DynPipeConfig:
             with :func:`~lightning_dynpipe.strategy.restart.fit_with_restarts`).
         keep_freed_cpu_memory: whether CPU stage processes keep freed memory instead of giving it back to the
             system after every micro-batch (:mod:`lightning_dynpipe.engine.allocator`).
+        max_extra_in_flight: how many more micro-batches per boundary the adaptive loop may keep in flight
+            (``async+d`` with ``d`` up to it; 0: the depth stays as configured).
     """
 
     num_stages: int | None
@@ -126,6 +128,7 @@ class DynPipeConfig:
     ladder: EscalationLadder | None = None
     change_stages: ChangeStages = "report"
     keep_freed_cpu_memory: bool = True
+    max_extra_in_flight: int = 0
 
     @classmethod
     def from_arguments(
@@ -152,6 +155,7 @@ class DynPipeConfig:
         replica_split: str | Sequence[float] | EscalationLadder | None = None,
         change_stages: str = "report",
         keep_freed_cpu_memory: bool = True,
+        max_extra_in_flight: int = 0,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule):
@@ -243,6 +247,7 @@ class DynPipeConfig:
                 f"{start_method!r} copies rank 0's weights back into the main process (and would load that part "
                 "alone). Use start_method='popen' (or torchrun/SLURM), or keep gather_after_fit=True."
             )
+        _check_max_extra_in_flight(max_extra_in_flight, sched, convergence, policy)
         mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         split_mode, weights, ladder = _replica_split(replica_split, monitor_every_n_steps)
         _check_change_stages(change_stages, policy, split_mode)
@@ -274,6 +279,7 @@ class DynPipeConfig:
             ladder=ladder,
             change_stages="restart" if change_stages == "restart" else "report",
             keep_freed_cpu_memory=keep_freed_cpu_memory,
+            max_extra_in_flight=max_extra_in_flight,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
@@ -403,3 +409,34 @@ def _calibration(
             "fit(samples) method. Use predictor='forest' (or a ForestPredictor) with calibrate."
         )
     return calibrate if isinstance(calibrate, SweepSettings) else SweepSettings()
+
+
+def _check_max_extra_in_flight(
+    value: object, schedule: Schedule, convergence: ConvergenceModel | None, policy: RepartitionPolicy | None
+) -> None:
+    """``max_extra_in_flight``: an int >= 0; above 0 it needs ``async``, the adaptive loop and a convergence model."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigurationError(
+            f"max_extra_in_flight must be an int >= 0 (micro-batches per boundary the adaptive loop may add to "
+            f"async's); got {value!r}. Use 0 to keep the configured schedule, 1 or 2 to let the loop choose."
+        )
+    if value == 0:
+        return
+    if not isinstance(schedule, AsyncSchedule):
+        raise ConfigurationError(
+            f"max_extra_in_flight={value} lets the adaptive loop choose between 'async' and 'async+d', but the "
+            f"schedule is {schedule.name!r}. Use schedule='async' (or 'async+d'), or max_extra_in_flight=0."
+        )
+    if policy is None:
+        raise ConfigurationError(
+            f"max_extra_in_flight={value} is a choice of the adaptive loop, which adaptive=False turns off. Keep "
+            "adaptive on, or pass schedule='async+d' to fix the depth yourself."
+        )
+    if convergence is None:
+        raise ConfigurationError(
+            f"max_extra_in_flight={value} trades staleness for hiding a slow link, and the trade is priced by the "
+            "convergence model's beta, which must be measured on your model: the default beta (0.05) under-prices "
+            "deeper staleness on the models measured (a CNN's calibrated beta was 0.31). Pass "
+            "convergence=ConvergenceModel(beta=...) measured with lightning_dynpipe.calibration.calibrate_beta "
+            "(docs/convergence.md), or max_extra_in_flight=0."
+        )

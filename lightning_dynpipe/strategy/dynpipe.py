@@ -308,6 +308,13 @@ class DynPipeStrategy(DDPStrategy):
             about 10% faster on the throughput benchmark's MLP (:mod:`lightning_dynpipe.engine.allocator`). A
             process-wide C-library setting;
             ``False`` leaves the allocator alone. Nothing changes on GPUs or without glibc.
+        max_extra_in_flight: ``0`` (default): the depth stays as configured. ``d > 0``: the adaptive loop may also
+            change how many micro-batches are in flight, choosing ``"async+d'"`` for ``d'`` in ``0..d`` when the
+            predicted time to accuracy pays (a slow link hidden, against the deeper staleness's extra steps), and
+            undoing a change whose measured outcome is slower to accuracy
+            (:class:`~lightning_dynpipe.repartition.InFlightPolicy`). Needs ``schedule="async"`` (or
+            ``"async+d"``), the adaptive loop, and ``convergence`` with a ``beta`` measured on the model: the choice
+            is only as good as that price of staleness. Changes are in :attr:`schedule_changes`.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -342,6 +349,7 @@ class DynPipeStrategy(DDPStrategy):
         replica_split: str | list[float] | EscalationLadder | None = None,
         change_stages: Literal["report", "restart"] = "report",
         keep_freed_cpu_memory: bool = True,
+        max_extra_in_flight: int = 0,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -365,6 +373,7 @@ class DynPipeStrategy(DDPStrategy):
             replica_split=replica_split,
             change_stages=change_stages,
             keep_freed_cpu_memory=keep_freed_cpu_memory,
+            max_extra_in_flight=max_extra_in_flight,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -395,6 +404,7 @@ class DynPipeStrategy(DDPStrategy):
             replica_samples=self._current_replica_samples,
             resplit=self.set_replica_split,
             restart=self._restart,
+            reschedule=self.reschedule,
         )
         self._split: ReplicaSplit | None = None  # the split of new batches (None: replica_split off, or dp=1)
         self._pending_split: ReplicaSplit | None = None

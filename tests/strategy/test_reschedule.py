@@ -8,6 +8,8 @@ recorded and what cannot change live is refused.
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 import lightning.pytorch as L
@@ -26,6 +28,8 @@ from pipeline_models import (
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.convergence import ConvergenceModel
+from lightning_dynpipe.schedule import get_schedule
 
 pytestmark = pytest.mark.multiprocess
 
@@ -131,3 +135,76 @@ def test_between_the_flush_schedules_training_stays_plain() -> None:
     trainer.fit(model, loader())
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+
+
+class _Changes(L.Callback):
+    """Writes rank 0's schedule changes, migrations and depth decisions to ``path`` at the end of the fit."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        s = trainer.strategy
+        assert isinstance(s, DynPipeStrategy)
+        if s.global_rank == 0:
+            controller = s.adaptation.controller
+            assert controller is not None
+            self.path.write_text(
+                json.dumps(
+                    {
+                        "changes": [(c.step, c.old, c.new) for c in s.schedule_changes],
+                        "moves": [(m.step, list(m.new.balance)) for m in s.migrations],
+                        "depths": [str(d) for d in controller.depth_decisions],
+                        "decisions": [str(d) for d in controller.decisions],
+                    }
+                )
+            )
+
+
+def test_the_adaptive_loop_hides_a_slow_link_with_more_micro_batches_in_flight(tmp_path: Any) -> None:
+    """A 4 ms link on TinyNet's only boundary (from step 1; the set-up probe measured the fast one) makes async's
+    round trips bind, and every boundary carries the same 16 floats per sample, so no partition hides it: with
+    ``max_extra_in_flight=1`` and a measured price of staleness the loop changes to ``async+1`` at its first check,
+    and the run equals the replay with that staleness change (1e-6)."""
+    record = tmp_path / "changes.json"
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    batches = list(loader(n=12 * 30))
+    trainer = L.Trainer(
+        devices=2,
+        max_epochs=1,
+        strategy=DynPipeStrategy(
+            balance=[3, 2],
+            num_microbatches=4,
+            start_method="fork",
+            max_extra_in_flight=1,
+            convergence=ConvergenceModel(beta=0.05),
+            interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": 0.004}],
+        ),
+        **trainer_kwargs(callbacks=[_Changes(record)]),
+    )
+    trainer.fit(model, loader(n=12 * 30))
+    seen = json.loads(record.read_text())
+    assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
+    assert "reschedule async -> async+1" in seen["depths"][0], seen["depths"]
+    restaleness = {step - 1: [get_schedule(new).staleness(k, 2) for k in range(2)] for step, _, new in seen["changes"]}
+    replay_async(
+        ref.pipeline, [3, 2], make_optimizer, batches, 4, lambda out, mb: F.cross_entropy(out, mb[1]),
+        restaleness=restaleness, repartitions={step - 1: b for step, b in seen["moves"]}, lr_scale=1 / 4,
+    )  # fmt: skip
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+
+
+def test_choosing_the_depth_needs_async_the_loop_and_a_measured_price_of_staleness() -> None:
+    with pytest.raises(ConfigurationError, match=r"the convergence model's beta, which must be measured"):
+        DynPipeStrategy(max_extra_in_flight=1)
+    with pytest.raises(ConfigurationError, match="but the schedule is 'sync'"):
+        DynPipeStrategy(max_extra_in_flight=1, schedule="sync", convergence=ConvergenceModel(beta=0.1))
+    with pytest.raises(ConfigurationError, match="adaptive=False turns off"):
+        DynPipeStrategy(max_extra_in_flight=1, adaptive=False, convergence=ConvergenceModel(beta=0.1))
+    with pytest.raises(ConfigurationError, match="max_extra_in_flight must be an int >= 0"):
+        DynPipeStrategy(max_extra_in_flight=-1)
+    assert (
+        DynPipeStrategy(max_extra_in_flight=2, convergence=ConvergenceModel(beta=0.1)).config.max_extra_in_flight == 2
+    )
