@@ -90,6 +90,10 @@ the step time does, and the adaptation controls only the latter.
 System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=--beta)``, a ``beta`` calibrated on
 this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
+System ``measured-depth`` is ``measured-beta`` with ``max_extra_in_flight=2``: the adaptive loop may also change how
+many micro-batches are in flight (``async`` to ``async+2``), priced with that ``beta``; its changes are in each
+run's ``schedule_changes``.
+
 Systems ``static+1``, ``static+2`` and ``measured+1`` are ``static`` and ``measured`` with the schedule's ``d`` more
 micro-batches in flight over the boundary (``--schedule`` + ``"+d"``, e.g. ``async+1``: stage 0 forwards
 ``2 (1 + d)`` micro-batches ahead, one more stale update per ``d``), which hides a slow link's latency without moving
@@ -168,6 +172,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured",
     "measured-probe",
     "measured-beta",
+    "measured-depth",
     "measured-norecall",
     "measured-1s",
     "varuna",
@@ -416,7 +421,7 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return False, "measured"
     if system in ("forest", "forest-cal"):
         return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
-    if system in ("measured", "measured-probe", "measured-beta", "measured-1s"):
+    if system in ("measured", "measured-probe", "measured-beta", "measured-depth", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
         return GainOverCostPolicy(recall_steps=0), "measured"
@@ -482,8 +487,10 @@ def _fit(
     from lightning_dynpipe.plan import ConvergenceModel
 
     adaptive, predictor = system_config(system, cfg)
-    # measured-beta plans with the convergence model calibrated on this model's cuts (benchmarks/beta_cuts.py)
-    convergence = ConvergenceModel(beta=cfg.beta) if system == "measured-beta" and cfg.beta is not None else None
+    # measured-beta plans with the convergence model calibrated on this model's cuts (benchmarks/beta_cuts.py);
+    # measured-depth too, and may change how many micro-batches are in flight
+    calibrated = system in ("measured-beta", "measured-depth") and cfg.beta is not None
+    convergence = ConvergenceModel(beta=cfg.beta) if calibrated else None
     strategy = DynPipeStrategy(
         num_microbatches=cfg.num_microbatches,
         schedule=schedule_of(system, cfg),
@@ -493,6 +500,7 @@ def _fit(
         calibrate=system == "forest-cal",
         lr_scale=cfg.lr_scale,
         convergence=convergence,
+        max_extra_in_flight=2 if system == "measured-depth" else 0,
         monitor_every_n_steps=cfg.monitor_every,
         timeout=cfg.timeout_s,
     )
@@ -564,6 +572,9 @@ def _run(
             }
             for d in rec.decisions
         ],
+        "schedule_changes": [
+            {"step": c.step, "old": c.old, "new": c.new, "pause_s": c.pause_s} for c in strategy.schedule_changes
+        ],
         "interference_events": [
             {
                 "action": e.action,
@@ -597,6 +608,7 @@ def _run(
         "calibration_s": last["calibration_s"],
         "evals": last["evals"],
         "migrations": last["migrations"],
+        "schedule_changes": last["schedule_changes"],
         "decisions": last["decisions"],
         "interference_events": [ev for g in per_stage for ev in g["interference_events"]],
         "steps": [g["steps"] for g in res["stages"]],  # per stage: per-step records
@@ -839,6 +851,8 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
                 "per_seed": {r["seed"]: r["time_to_acc_s"] for r in rs},
                 "steps": median([r["steps_to_acc"] for r in rs if r["reached"]]),
                 "migrations": [len(r["migrations"]) for r in rs],
+                # per seed, the live changes of schedule ("step:new"), for measured-depth
+                "schedule_changes": [[f"{c['step']}:{c['new']}" for c in r.get("schedule_changes", [])] for r in rs],
                 "ms_per_step": median([_ms_per_step_to_target(r) for r in rs if r["reached"]]),
                 "pauses_ms": [m["pause_s"] * 1e3 for r in rs for m in r["migrations"]],
                 "final_balances": [r["steps"][0][-1]["balance"] if r["steps"][0] else None for r in rs],
@@ -909,6 +923,14 @@ def _f(v: float | None, spec: str) -> str:
     return "-" if v is None or v != v else format(v, spec)
 
 
+def _depth_changes(system: dict[str, Any]) -> str:
+    """`` [11:async+1; -; ...]``: each seed's changes of schedule (``step:new``), or ``""`` when none changed."""
+    changes = system.get("schedule_changes", [])
+    if not any(changes):
+        return ""
+    return " [" + "; ".join("/".join(c) or "-" for c in changes) + "]"
+
+
 def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False) -> str:
     """One row per scenario and adaptive system, against the static run of the same seeds."""
     rows = []
@@ -936,7 +958,7 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
                     tta(s),
                     _f(ratio, ".2f") + ("x" if ratio == ratio else ""),
                     f"{_f(a.get('ms_per_step'), '.0f')}/{_f(s.get('ms_per_step'), '.0f')}",
-                    ",".join(str(m) for m in a.get("migrations", [])) or "-",
+                    (",".join(str(m) for m in a.get("migrations", [])) or "-") + _depth_changes(a),
                     ",".join("-" if x is None else str(x) for x in firsts) or "-",
                     (f"{median(pauses):.0f}" if pauses else "-"),
                     "-"
@@ -1298,8 +1320,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     if len(balance) != NUM_STAGES or sum(balance) != num_layers or min(balance) < 1:
         p.error(f"--balance needs {NUM_STAGES} positive entries summing to the {num_layers} layers; got {balance}")
     cfg = replace(cfg, balance=balance)
-    if "measured-beta" in cfg.systems and cfg.beta is None:
-        p.error("system measured-beta needs --beta (the convergence model's beta; benchmarks/beta_cuts.py fits one)")
+    if {"measured-beta", "measured-depth"} & set(cfg.systems) and cfg.beta is None:
+        p.error(
+            "systems measured-beta and measured-depth need --beta (the convergence model's beta; "
+            "benchmarks/beta_cuts.py fits one)"
+        )
     if cfg.batch_size % cfg.num_microbatches or cfg.seeds < 1 or cfg.max_steps < 1 or cfg.eval_every < 1:
         p.error("--batch-size must be divisible by -M, and --seeds, --max-steps, --eval-every must be >= 1")
     return cfg, a
@@ -1363,7 +1388,11 @@ def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
         f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}; "
         f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
         f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}"
-        + (f"; measured-beta plans with beta = {cfg.beta}" if "measured-beta" in cfg.systems else "")
+        + (
+            f"; measured-beta and measured-depth plan with beta = {cfg.beta}"
+            if {"measured-beta", "measured-depth"} & set(cfg.systems)
+            else ""
+        )
         + ("; fixed cuts trained to the target" if cfg.cuts_to_target else "")
     )
     dirty = machine.get("git_modified_files")
@@ -1412,7 +1441,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print()
     print(
         "time to accuracy (TTA: median over seeds of training seconds to the first evaluation >= target); "
-        "static/system: median of per-seed ratios; ms/step: TTA / steps, system/static; migrations: per seed; "
+        "static/system: median of per-seed ratios; ms/step: TTA / steps, system/static; migrations: per seed (in "
+        "brackets the changes of schedule, step:new, per seed); "
         "onset->move: steps from the interference onset to the first migration, per seed; "
         "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
         f"slowdowns (not measured), except for {', '.join(CUT_SCENARIOS)} ('cuts run'): every cut run fixed under "
