@@ -13,9 +13,12 @@ the current depth and of the best other depth on the current partition, and deci
 :class:`~lightning_dynpipe.repartition.GainOverCostPolicy` does for a partition: the lower end of the gain over a
 horizon must pay ``margin`` times the change's cost (a drain, about one step), be at least ``min_relative_gain`` of
 the step, persist ``patience`` checks (``explained_patience`` with a visible cause, such as a link measured slower
-than the set-up probe), and wait ``cooldown_steps`` after any change of partition or depth. The first window after
-a change is its outcome: the measured step time weighted by each depth's convergence factor; a change that made the
-pipeline slower to accuracy is undone, and that depth is refused for ``memory_steps`` steps.
+than the set-up probe), and wait ``cooldown_steps`` after any change of partition or depth. The current depth's
+predicted step must also explain the measured one (at least ``min_explained`` of it): a shorter round trip shows
+only where the round trip sets the pace, and where time the profile does not hold sets it (a small model's
+framework time per step), the predicted gain does not come. The first window after a change is its outcome: the
+measured step time weighted by each depth's convergence factor; a change that made the pipeline slower to accuracy
+is undone, and that depth is refused for ``memory_steps`` steps.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ class InFlightPolicy:
         explained_patience: the same with a visible cause; at most ``patience``.
         cooldown_steps: steps after any change (partition or depth) during which the depth stays.
         memory_steps: how long a depth that made the pipeline slower to accuracy is refused.
+        min_explained: the current depth's predicted step time (without the convergence factor) over the measured
+            one must be at least this for a change (0: no test).
     """
 
     horizon_steps: int = 200
@@ -130,6 +135,7 @@ class InFlightPolicy:
     explained_patience: int = 1
     cooldown_steps: int = 30
     memory_steps: int = 200
+    min_explained: float = 0.8
     _streak: int = field(default=0, init=False, repr=False)
     _streak_candidate: Schedule | None = field(default=None, init=False, repr=False)
     _last_change: int | None = field(default=None, init=False, repr=False)
@@ -145,12 +151,13 @@ class InFlightPolicy:
             or self.cooldown_steps < 0
             or self.memory_steps < 0
             or not self.min_relative_gain >= 0
+            or not self.min_explained >= 0
         ):
             raise ConfigurationError(
                 f"InFlightPolicy needs horizon_steps >= 1, margin >= 0, min_relative_gain >= 0, patience >= 1, "
-                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0; got "
-                f"{self.horizon_steps}, {self.margin}, {self.min_relative_gain}, {self.patience}, "
-                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}."
+                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0, min_explained >= 0; "
+                f"got {self.horizon_steps}, {self.margin}, {self.min_relative_gain}, {self.patience}, "
+                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.min_explained}."
             )
 
     def decide(self, inputs: DepthInputs) -> DepthDecision:
@@ -200,6 +207,14 @@ class InFlightPolicy:
             return no(f"gain (lower end) below {self.min_relative_gain:.0%} of the step time")
         if gain <= self.margin * inputs.change_cost_s:
             return no(f"gain (lower end) over {horizon} steps does not pay {self.margin:g}x the change's cost")
+        predicted = inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else math.nan
+        explained = predicted / inputs.measured_step_s if inputs.measured_step_s > 0 else math.nan
+        if not explained >= self.min_explained:
+            return no(
+                f"the predicted step ({predicted * 1e3:.1f} ms) explains {explained:.0%} of the measured one "
+                f"({inputs.measured_step_s * 1e3:.1f} ms), below {self.min_explained:.0%}: what sets the pace is not "
+                "priced, and a shorter round trip would not show"
+            )
         if inputs.candidate == self._streak_candidate:
             self._streak += 1
         else:
