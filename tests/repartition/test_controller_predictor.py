@@ -419,3 +419,35 @@ def test_without_a_flush_the_wait_for_a_slow_link_is_priced_once_as_the_round_tr
     d = flush.check(10, times, Partition((2, 3)), remaining_steps=2000)
     # stage 0 is charged its activation out and gradient back: 6 + 2 x 6 ms a micro-batch, M of them and the fill
     assert d is not None and d.inputs.current_step_s >= M * (0.006 + 2 * msg)
+
+
+def test_the_replicas_all_reduce_is_priced_on_the_set_up_link_not_on_a_slow_boundary() -> None:
+    """The windows measure the pipeline's boundaries; a boundary measured slower (here 800 KB in 40 ms, fitted as
+    20 MB/s) says nothing of the replicas' group, whose all-reduce of each stage's gradients stays priced on the
+    set-up probe's link."""
+    heavy = ModelCost.from_arrays(
+        [0.001] * 6,
+        [0.002] * 6,
+        param_bytes=[4_000_000] * 6,
+        activation_bytes=[800_000] * 3 + [100_000, 10_000, 10_000],
+    )
+    controller = AdaptiveController(
+        GainOverCostPolicy(patience=1, horizon_steps=500),
+        model_cost=heavy,
+        comm=QUIET_LINK,
+        schedule="async",
+        num_microbatches=M,
+        replicas=2,
+        convergence=ConvergenceModel(beta=0.0),
+        consider_stage_counts=False,
+    )
+    d = controller.check(10, _link_times(0.040), Partition((3, 3)), remaining_steps=2000)
+    assert d is not None and "link as measured: 0.10 ms + 20.1 MB/s" in str(d)
+    slow = controller.link.model()
+    per_stage = 3 * 4_000_000
+    # one update per micro-batch under async: each stage's all-reduce of 12 MB once per micro-batch
+    on_probe = float(QUIET_LINK.allreduce_time(per_stage, 2))
+    on_boundary = float(slow.allreduce_time(per_stage, 2))
+    assert on_boundary > 40 * on_probe
+    assert d.inputs.current_step_s < M * on_boundary / 2  # the boundary's link would price each step far above
+    assert d.inputs.current_step_s > M * on_probe / 2  # the probe's all-reduce is in it
