@@ -348,19 +348,21 @@ class AdaptiveController:
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
         current, best = priced[0], min(priced, key=lambda c: c.value.time_to_accuracy_s)  # ties: current, planner
         # a plan's time to accuracy over I0 is its seconds per micro-batch with the staleness's extra steps: the
-        # policy's per-step currency, whatever I0 a calibrated convergence model carries
+        # policy's per-step currency, whatever I0 a calibrated convergence model carries. A step is M micro-batches
+        # of every replica, and the plan's time per micro-batch is the replicas' together (a stage's time / dp)
         i0 = (self.convergence or ConvergenceModel()).i0
+        per_step = M * dp / i0
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
             candidate=best.partition,
-            current_step_s=current.value.time_to_accuracy_s * M / i0,
-            candidate_step_s=best.value.time_to_accuracy_s * M / i0,
+            current_step_s=current.value.time_to_accuracy_s * per_step,
+            candidate_step_s=best.value.time_to_accuracy_s * per_step,
             measured_step_s=window.mean_step_s,
             migration_cost_s=self._migration_cost(window, best.partition, comm, past_pauses_s),
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
-            candidate_step_high_s=best.high.time_to_accuracy_s * M / i0,
+            candidate_step_high_s=best.high.time_to_accuracy_s * per_step,
             details=self._details(window, current, best),
             stage_compute_s=tuple(t.compute_s for t in window.stages),
             convergence_factor=current.value.iterations / i0,
@@ -384,8 +386,8 @@ class AdaptiveController:
             chosen = best if decision.partition == best.partition else None
             self._moved = (
                 decision.partition,
-                chosen.value.iteration_time_s * M if chosen is not None else math.nan,
-                chosen.high.iteration_time_s * M if chosen is not None else math.nan,
+                chosen.value.iteration_time_s * M * dp if chosen is not None else math.nan,
+                chosen.high.iteration_time_s * M * dp if chosen is not None else math.nan,
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
@@ -411,7 +413,7 @@ class AdaptiveController:
         best_schedule, best = min(priced, key=lambda c: c[1].value.time_to_accuracy_s)  # ties: the shallowest
 
         def per_step(plan: Plan) -> float:
-            return plan.time_to_accuracy_s * M / i0
+            return plan.time_to_accuracy_s * M * self.replicas / i0
 
         details = "depths (ms/step x convergence factor): " + ", ".join(
             f"{s.name} {per_step(p.value) * 1e3:.1f}" for s, p in priced

@@ -451,3 +451,28 @@ def test_the_replicas_all_reduce_is_priced_on_the_set_up_link_not_on_a_slow_boun
     assert on_boundary > 40 * on_probe
     assert d.inputs.current_step_s < M * on_boundary / 2  # the boundary's link would price each step far above
     assert d.inputs.current_step_s > M * on_probe / 2  # the probe's all-reduce is in it
+
+
+def test_with_replicas_a_step_is_priced_as_each_pipeline_runs_it() -> None:
+    """With ``dp`` replicas a step is ``M`` micro-batches of every replica, and the plan's time per micro-batch is the
+    replicas' together (a stage's time over ``dp``): the step is priced at ``M x dp`` of those, what each pipeline
+    takes, as the window measures it (before, ``dp`` times too fast: gains were weighed against a migration's cost
+    at half their size, and a step prediction could not be compared with the measured one)."""
+    times = _link_times(0.0009)  # a quiet link: the same windows, nothing for the replicas' tiny all-reduce to add
+    steps = []
+    for dp in (1, 2):
+        controller = AdaptiveController(
+            GainOverCostPolicy(patience=1, horizon_steps=500),
+            model_cost=SHRINKING,
+            comm=QUIET_LINK,
+            schedule="async",
+            num_microbatches=M,
+            replicas=dp,
+            convergence=ConvergenceModel(beta=0.0),
+            consider_stage_counts=False,
+        )
+        d = controller.check(10, times, Partition((3, 3)), remaining_steps=2000)
+        assert d is not None
+        steps.append(d.inputs.current_step_s)
+    assert steps[1] == pytest.approx(steps[0], rel=0.01)
+    assert steps[0] == pytest.approx(times[0].step_s, rel=0.15)  # and the measured step is what it prices
