@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from pipeline_models import (
     TinyNet,
+    dataset,
     fit_three_stages_against_the_replay,
     loader,
     make_optimizer,
     plain_training,
     trainer_kwargs,
 )
+from torch.utils.data import DataLoader, Subset
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.calibration import replay_async
@@ -208,3 +210,57 @@ def test_choosing_the_depth_needs_async_the_loop_and_a_measured_price_of_stalene
     assert (
         DynPipeStrategy(max_extra_in_flight=2, convergence=ConvergenceModel(beta=0.1)).config.max_extra_in_flight == 2
     )
+
+
+DP_B, DP_N = 8, 8 * 2 * 40  # per-replica batch; samples: 40 global steps of 2 replicas
+
+
+class _Sharded(L.LightningDataModule):
+    """Pipeline replica r reads the samples with index % 2 == r, in order."""
+
+    def train_dataloader(self) -> Any:
+        r = self.trainer.strategy.dp_rank  # type: ignore[attr-defined]
+        return DataLoader(Subset(dataset(DP_N), list(range(r, DP_N, 2))), batch_size=DP_B)
+
+
+def _merged_batches() -> list[Any]:
+    """The global batches the two replicas train together, micro-batch by micro-batch (replica 0's rows first)."""
+    data = dataset(DP_N)
+    shards = [[data[i] for i in range(r, DP_N, 2)] for r in range(2)]
+    out, mb = [], DP_B // 4
+    for t in range(DP_N // (2 * DP_B)):
+        rows = [row for i in range(4) for r in range(2) for row in shards[r][t * DP_B + i * mb :][:mb]]
+        out.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+    return out
+
+
+def test_with_data_parallel_replicas_the_loop_changes_the_depth_of_every_pipeline_alike(tmp_path: Any) -> None:
+    """devices=4, num_stages=2, a 10 ms link on both pipelines' boundary: every rank takes the same depth decision,
+    and the run equals the replay with that staleness change on the merged global batches (1e-6)."""
+    record = tmp_path / "changes.json"
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    trainer = L.Trainer(
+        devices=4,
+        max_epochs=1,
+        strategy=DynPipeStrategy(
+            num_stages=2,
+            balance=[3, 2],
+            num_microbatches=4,
+            start_method="fork",
+            max_extra_in_flight=1,
+            convergence=ConvergenceModel(beta=0.05),
+            interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": 0.010}],
+        ),
+        **trainer_kwargs(callbacks=[_Changes(record)]),
+    )
+    trainer.fit(model, datamodule=_Sharded())
+    seen = json.loads(record.read_text())
+    assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
+    restaleness = {step - 1: [get_schedule(new).staleness(k, 2) for k in range(2)] for step, _, new in seen["changes"]}
+    replay_async(
+        ref.pipeline, [3, 2], make_optimizer, _merged_batches(), 4, lambda out, mb: F.cross_entropy(out, mb[1]),
+        restaleness=restaleness, repartitions={step - 1: b for step, b in seen["moves"]}, lr_scale=1 / 4,
+    )  # fmt: skip
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
