@@ -172,14 +172,17 @@ SHRINKING = ModelCost.from_arrays(
 QUIET_LINK = CommModel(latency_s=1e-4, bandwidth_Bps=1e9)  # the set-up probe: 0.9 ms for 800 KB
 
 
-def _measured_controller(cost: ModelCost, link: CommModel, patience: int = 1) -> AdaptiveController:
+def _measured_controller(
+    cost: ModelCost, link: CommModel, patience: int = 1, schedule: str = "async", replicas: int = 1
+) -> AdaptiveController:
     """The default (measured) predictor, throughput alone (``beta = 0``), no other stage counts."""
     return AdaptiveController(
         GainOverCostPolicy(patience=patience, horizon_steps=500),
         model_cost=cost,
         comm=link,
-        schedule="async",
+        schedule=schedule,
         num_microbatches=M,
+        replicas=replicas,
         convergence=ConvergenceModel(beta=0.0),
         consider_stage_counts=False,
     )
@@ -407,15 +410,7 @@ def test_without_a_flush_the_wait_for_a_slow_link_is_priced_once_as_the_round_tr
     assert (
         d.inputs.current_step_s == pytest.approx(M * 0.0135) == pytest.approx(_simulated_step_s((2, 3), 1.0, SLOW_LINK))
     )
-    flush = AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
-        model_cost=NARROWING,
-        comm=SLOW_LINK,
-        schedule="sync",
-        num_microbatches=M,
-        convergence=ConvergenceModel(beta=0.0),
-        consider_stage_counts=False,
-    )
+    flush = _measured_controller(NARROWING, SLOW_LINK, schedule="sync")
     d = flush.check(10, times, Partition((2, 3)), remaining_steps=2000)
     # stage 0 is charged its activation out and gradient back: 6 + 2 x 6 ms a micro-batch, M of them and the fill
     assert d is not None and d.inputs.current_step_s >= M * (0.006 + 2 * msg)
@@ -431,16 +426,7 @@ def test_the_replicas_all_reduce_is_priced_on_the_set_up_link_not_on_a_slow_boun
         param_bytes=[4_000_000] * 6,
         activation_bytes=[800_000] * 3 + [100_000, 10_000, 10_000],
     )
-    controller = AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
-        model_cost=heavy,
-        comm=QUIET_LINK,
-        schedule="async",
-        num_microbatches=M,
-        replicas=2,
-        convergence=ConvergenceModel(beta=0.0),
-        consider_stage_counts=False,
-    )
+    controller = _measured_controller(heavy, QUIET_LINK, replicas=2)
     d = controller.check(10, _link_times(0.040), Partition((3, 3)), remaining_steps=2000)
     assert d is not None and "link as measured: 0.10 ms + 20.1 MB/s" in str(d)
     slow = controller.link.model()
@@ -461,16 +447,7 @@ def test_with_replicas_a_step_is_priced_as_each_pipeline_runs_it() -> None:
     times = _link_times(0.0009)  # a quiet link: the same windows, nothing for the replicas' tiny all-reduce to add
     steps = []
     for dp in (1, 2):
-        controller = AdaptiveController(
-            GainOverCostPolicy(patience=1, horizon_steps=500),
-            model_cost=SHRINKING,
-            comm=QUIET_LINK,
-            schedule="async",
-            num_microbatches=M,
-            replicas=dp,
-            convergence=ConvergenceModel(beta=0.0),
-            consider_stage_counts=False,
-        )
+        controller = _measured_controller(SHRINKING, QUIET_LINK, replicas=dp)
         d = controller.check(10, times, Partition((3, 3)), remaining_steps=2000)
         assert d is not None
         steps.append(d.inputs.current_step_s)

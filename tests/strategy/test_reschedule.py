@@ -163,32 +163,33 @@ class _Changes(L.Callback):
             )
 
 
-def test_the_adaptive_loop_hides_a_slow_link_with_more_micro_batches_in_flight(tmp_path: Any) -> None:
-    """A 4 ms link on TinyNet's only boundary (from step 1; the set-up probe measured the fast one) makes async's
-    round trips bind, and every boundary carries the same 16 floats per sample, so no partition hides it: with
-    ``max_extra_in_flight=1`` and a measured price of staleness the loop changes to ``async+1`` at its first check,
-    and the run equals the replay with that staleness change (1e-6)."""
+def _fit_choosing_the_depth_against_the_replay(
+    tmp_path: Any, devices: int, delay_s: float, data: Any, batches: list[Any]
+) -> dict[str, Any]:
+    """Fits TinyNet on 2 async stages ``[3, 2]`` (``devices / 2`` replicas, M=4, fork) with ``max_extra_in_flight=1``,
+    ``beta = 0.05`` and a ``delay_s`` link on the boundary from step 1; asserts that the loop changed to ``async+1`` and
+    that the weights equal, to 1e-6, the PipeDream replay on ``batches`` with the run's staleness changes (and moves,
+    if any). Returns what rank 0 recorded."""
     record = tmp_path / "changes.json"
     model = TinyNet()
     ref = copy.deepcopy(model)
-    batches = list(loader(n=12 * 30))
     trainer = L.Trainer(
-        devices=2,
+        devices=devices,
         max_epochs=1,
         strategy=DynPipeStrategy(
+            num_stages=2,
             balance=[3, 2],
             num_microbatches=4,
             start_method="fork",
             max_extra_in_flight=1,
             convergence=ConvergenceModel(beta=0.05),
-            interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": 0.004}],
+            interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": delay_s}],
         ),
         **trainer_kwargs(callbacks=[_Changes(record)]),
     )
-    trainer.fit(model, loader(n=12 * 30))
-    seen = json.loads(record.read_text())
+    trainer.fit(model, data)
+    seen: dict[str, Any] = json.loads(record.read_text())
     assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
-    assert "reschedule async -> async+1" in seen["depths"][0], seen["depths"]
     restaleness = {step - 1: [get_schedule(new).staleness(k, 2) for k in range(2)] for step, _, new in seen["changes"]}
     replay_async(
         ref.pipeline, [3, 2], make_optimizer, batches, 4, lambda out, mb: F.cross_entropy(out, mb[1]),
@@ -196,6 +197,16 @@ def test_the_adaptive_loop_hides_a_slow_link_with_more_micro_batches_in_flight(t
     )  # fmt: skip
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+    return seen
+
+
+def test_the_adaptive_loop_hides_a_slow_link_with_more_micro_batches_in_flight(tmp_path: Any) -> None:
+    """A 4 ms link on TinyNet's only boundary (from step 1; the set-up probe measured the fast one) makes async's
+    round trips bind, and every boundary carries the same 16 floats per sample, so no partition hides it: with
+    ``max_extra_in_flight=1`` and a measured price of staleness the loop changes to ``async+1`` at its first check,
+    and the run equals the replay with that staleness change (1e-6)."""
+    seen = _fit_choosing_the_depth_against_the_replay(tmp_path, 2, 0.004, loader(n=12 * 30), list(loader(n=12 * 30)))
+    assert "reschedule async -> async+1" in seen["depths"][0], seen["depths"]
 
 
 def test_choosing_the_depth_needs_async_the_loop_and_a_measured_price_of_staleness() -> None:
@@ -237,30 +248,4 @@ def _merged_batches() -> list[Any]:
 def test_with_data_parallel_replicas_the_loop_changes_the_depth_of_every_pipeline_alike(tmp_path: Any) -> None:
     """devices=4, num_stages=2, a 10 ms link on both pipelines' boundary: every rank takes the same depth decision,
     and the run equals the replay with that staleness change on the merged global batches (1e-6)."""
-    record = tmp_path / "changes.json"
-    model = TinyNet()
-    ref = copy.deepcopy(model)
-    trainer = L.Trainer(
-        devices=4,
-        max_epochs=1,
-        strategy=DynPipeStrategy(
-            num_stages=2,
-            balance=[3, 2],
-            num_microbatches=4,
-            start_method="fork",
-            max_extra_in_flight=1,
-            convergence=ConvergenceModel(beta=0.05),
-            interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": 0.010}],
-        ),
-        **trainer_kwargs(callbacks=[_Changes(record)]),
-    )
-    trainer.fit(model, datamodule=_Sharded())
-    seen = json.loads(record.read_text())
-    assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
-    restaleness = {step - 1: [get_schedule(new).staleness(k, 2) for k in range(2)] for step, _, new in seen["changes"]}
-    replay_async(
-        ref.pipeline, [3, 2], make_optimizer, _merged_batches(), 4, lambda out, mb: F.cross_entropy(out, mb[1]),
-        restaleness=restaleness, repartitions={step - 1: b for step, b in seen["moves"]}, lr_scale=1 / 4,
-    )  # fmt: skip
-    for k, v in ref.state_dict().items():
-        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+    _fit_choosing_the_depth_against_the_replay(tmp_path, 4, 0.010, _Sharded(), _merged_batches())
