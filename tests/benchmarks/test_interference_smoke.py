@@ -179,3 +179,39 @@ def test_systems_with_more_micro_batches_in_flight() -> None:
     assert system_config("measured+1", cfg) == (True, "measured")
     with pytest.raises(SystemExit):
         main(["--systems", "static,static+1", "--schedule", "sync", "--no-plot"])
+
+
+def test_the_depth_choosing_system_needs_beta_and_the_table_shows_its_changes() -> None:
+    """``measured-depth`` (the loop may change the schedule) is refused without ``--beta``; the table lists each
+    seed's changes of schedule after its migrations ("-" for a seed without)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, main, render_table, summarise, system_config
+
+    with pytest.raises(SystemExit):
+        main(["--systems", "static,measured-depth", "--no-plot"])
+    cfg = Config(model="cnn", balance=(2, 3), scenarios=("none",), systems=("measured-depth", "static"), beta=0.31)
+    assert system_config("measured-depth", cfg) == (True, "measured")
+
+    def run(system: str, seed: int, changes: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "system": system,
+            "scenario": "none",
+            "seed": seed,
+            "reached": True,
+            "time_to_acc_s": 10.0,
+            "steps_to_acc": 100,
+            "migrations": [],
+            "schedule_changes": changes,
+            "schedule": [],
+            "steps": [[{"step": 0, "balance": [2, 3]}], []],
+        }
+
+    deeper = {"step": 41, "old": "async", "new": "async+2", "pause_s": 0.01}
+    runs = [run("static", s, []) for s in (0, 1)] + [run("measured-depth", 0, [deeper]), run("measured-depth", 1, [])]
+    summary = summarise(runs, None, cfg)
+    assert summary["none"]["systems"]["measured-depth"]["schedule_changes"] == [["41:async+2"], []]
+    table = render_table(summary, cfg)
+    assert "0,0 [41:async+2; -]" in table
