@@ -448,6 +448,10 @@ class DynPipeStrategy(DDPStrategy):
     interference = property(lambda self: self.config.interference, doc="The interference schedule, if any.")
     pipeline_attr = property(lambda self: self.config.pipeline_attr, doc="Where the ``nn.Sequential`` lives.")
     checkpoint_mode = property(lambda self: self.config.checkpoint, doc="``'full'`` or ``'sharded'``.")
+    max_extra_in_flight = property(
+        lambda self: self.config.max_extra_in_flight,
+        doc="How many more micro-batches per boundary the adaptive loop may keep in flight (0: it keeps the depth).",
+    )
 
     @property
     def monitor(self) -> StageMonitor | None:

@@ -218,9 +218,7 @@ def test_choosing_the_depth_needs_async_the_loop_and_a_measured_price_of_stalene
         DynPipeStrategy(max_extra_in_flight=1, adaptive=False, convergence=ConvergenceModel(beta=0.1))
     with pytest.raises(ConfigurationError, match="max_extra_in_flight must be an int >= 0"):
         DynPipeStrategy(max_extra_in_flight=-1)
-    assert (
-        DynPipeStrategy(max_extra_in_flight=2, convergence=ConvergenceModel(beta=0.1)).config.max_extra_in_flight == 2
-    )
+    assert DynPipeStrategy(max_extra_in_flight=2, convergence=ConvergenceModel(beta=0.1)).max_extra_in_flight == 2
 
 
 DP_B, DP_N = 8, 8 * 2 * 40  # per-replica batch; samples: 40 global steps of 2 replicas
