@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.repartition.policy import _gain_refusal, _Streak
 from lightning_dynpipe.schedule import Schedule
 
 __all__ = ["DepthDecision", "DepthInputs", "InFlightPolicy"]
@@ -136,8 +137,7 @@ class InFlightPolicy:
     cooldown_steps: int = 30
     memory_steps: int = 200
     min_explained: float = 0.8
-    _streak: int = field(default=0, init=False, repr=False)
-    _streak_candidate: Schedule | None = field(default=None, init=False, repr=False)
+    _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_change: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Change | None = field(default=None, init=False, repr=False)
     _refused: dict[Schedule, int] = field(default_factory=dict, init=False, repr=False)
@@ -170,7 +170,7 @@ class InFlightPolicy:
 
         def no(reason: str, *, streak: bool = True) -> DepthDecision:
             if streak:
-                self._streak, self._streak_candidate = 0, None
+                self._streak.reset()
             return DepthDecision(False, inputs.current, gain, reason, inputs)
 
         change, self._unjudged = self._unjudged, None
@@ -180,7 +180,7 @@ class InFlightPolicy:
                 self._refused[change.new] = inputs.step
                 loss = (after - change.before_tta_step_s) * horizon
                 if loss > self.margin * inputs.change_cost_s:
-                    self._streak, self._streak_candidate = 0, None
+                    self._streak.reset()
                     return DepthDecision(
                         True,
                         change.old,
@@ -202,11 +202,17 @@ class InFlightPolicy:
         if self._last_change is not None and inputs.step - self._last_change < self.cooldown_steps:
             since = inputs.step - self._last_change
             return no(f"cool-down: {since} < {self.cooldown_steps} steps since the last change")
-        relative = saving / inputs.current_step_s if inputs.current_step_s > 0 else math.nan
-        if not relative >= self.min_relative_gain:
-            return no(f"gain (lower end) below {self.min_relative_gain:.0%} of the step time")
-        if gain <= self.margin * inputs.change_cost_s:
-            return no(f"gain (lower end) over {horizon} steps does not pay {self.margin:g}x the change's cost")
+        refusal = _gain_refusal(
+            saving,
+            inputs.current_step_s,
+            horizon,
+            inputs.change_cost_s,
+            min_relative_gain=self.min_relative_gain,
+            margin=self.margin,
+            cost="change's cost",
+        )
+        if refusal is not None:
+            return no(refusal)
         predicted = inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else math.nan
         explained = predicted / inputs.measured_step_s if inputs.measured_step_s > 0 else math.nan
         if not explained >= self.min_explained:
@@ -215,14 +221,11 @@ class InFlightPolicy:
                 f"({inputs.measured_step_s * 1e3:.1f} ms), below {self.min_explained:.0%}: what sets the pace is not "
                 "priced, and a shorter round trip would not show"
             )
-        if inputs.candidate == self._streak_candidate:
-            self._streak += 1
-        else:
-            self._streak, self._streak_candidate = 1, inputs.candidate
+        agreed = self._streak.agree(inputs.candidate)
         patience = self.explained_patience if inputs.causes else self.patience
-        if self._streak < patience:
-            return no(f"waiting for {patience} checks in a row ({self._streak} so far)", streak=False)
-        self._streak, self._streak_candidate = 0, None
+        if agreed < patience:
+            return no(f"waiting for {patience} checks in a row ({agreed} so far)", streak=False)
+        self._streak.reset()
         self._unjudged = _Change(inputs.current, inputs.candidate, inputs.measured_tta_step_s)
         reason = "predicted gain in time to accuracy pays the change"
         if inputs.causes and patience < self.patience:
@@ -239,7 +242,7 @@ class InFlightPolicy:
 
     def reset(self) -> None:
         """Forgets everything learnt in a fit."""
-        self._streak, self._streak_candidate = 0, None
+        self._streak.reset()
         self._last_change = None
         self._unjudged = None
         self._refused = {}

@@ -137,6 +137,43 @@ class _Move:
     conditions: tuple[bool, ...] = ()
 
 
+@dataclass
+class _Streak:
+    """Consecutive checks that agreed on one candidate: the hysteresis of :class:`GainOverCostPolicy` and of the
+    depth policy (:class:`~lightning_dynpipe.repartition.inflight.InFlightPolicy`)."""
+
+    candidate: object = None
+    count: int = 0
+
+    def agree(self, candidate: object) -> int:
+        """Counts this check for ``candidate`` (a new candidate starts over); returns the checks in a row."""
+        self.count = self.count + 1 if candidate == self.candidate else 1
+        self.candidate = candidate
+        return self.count
+
+    def reset(self) -> None:
+        self.candidate, self.count = None, 0
+
+
+def _gain_refusal(
+    saving_s: float,
+    current_step_s: float,
+    horizon: int,
+    cost_s: float,
+    *,
+    min_relative_gain: float,
+    margin: float,
+    cost: str,
+) -> str | None:
+    """Why a lower-end saving per step does not pay (``None``: it pays): below ``min_relative_gain`` of the step, or
+    over ``horizon`` steps not above ``margin`` times ``cost_s`` (``cost`` names it in the reason)."""
+    if not (current_step_s > 0 and saving_s / current_step_s >= min_relative_gain):
+        return f"gain (lower end) below {min_relative_gain:.0%} of the step time"
+    if not saving_s * max(horizon, 0) > margin * cost_s:
+        return f"gain (lower end) over {horizon} steps does not pay {margin:g}x the {cost}"
+    return None
+
+
 def _boundaries(p: Partition) -> list[int]:
     """Index of the first layer of stages 1..S-1."""
     out, total = [], 0
@@ -331,8 +368,7 @@ class GainOverCostPolicy:
     memory_steps: int = 200
     recall_steps: int = 200
     max_overprediction: float = 0.10
-    _streak: int = field(default=0, init=False, repr=False)
-    _streak_candidate: Partition | None = field(default=None, init=False, repr=False)
+    _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Move | None = field(default=None, init=False, repr=False)
     _backfired: list[_Backfired] = field(default_factory=list, init=False, repr=False)
@@ -384,7 +420,7 @@ class GainOverCostPolicy:
             )
             loss = (after_s - move.before_s * move.before_factor) * max(horizon, 0)
             if self.rollback and loss > self.margin * inputs.migration_cost_s:
-                self._streak, self._streak_candidate = 0, None
+                self._streak.reset()
                 weighted = inputs.convergence_factor != 1.0 or move.before_factor != 1.0
                 after = f"{inputs.measured_step_s * 1e3:.1f} ms/step" + (
                     f" x {inputs.convergence_factor:.3f}" if weighted else ""
@@ -409,7 +445,7 @@ class GainOverCostPolicy:
         """The decision on the predictor's candidate."""
 
         def no(reason: str) -> Decision:
-            self._streak, self._streak_candidate = 0, None
+            self._streak.reset()
             return Decision(False, inputs.current, gain, reason, inputs)
 
         if inputs.candidate == inputs.current:
@@ -425,10 +461,17 @@ class GainOverCostPolicy:
             return no(
                 f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move"
             )
-        if inputs.current_step_s <= 0 or saving / inputs.current_step_s < self.min_relative_gain:
-            return no(f"gain (lower end) below {self.min_relative_gain:.0%} of the step time")
-        if gain <= self.margin * inputs.migration_cost_s:
-            return no(f"gain (lower end) over {horizon} steps does not pay {self.margin:g}x the migration cost")
+        refusal = _gain_refusal(
+            saving,
+            inputs.current_step_s,
+            horizon,
+            inputs.migration_cost_s,
+            min_relative_gain=self.min_relative_gain,
+            margin=self.margin,
+            cost="migration cost",
+        )
+        if refusal is not None:
+            return no(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
         if not inputs.causes and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             return no(
@@ -436,20 +479,17 @@ class GainOverCostPolicy:
                 f"show the slowdowns: {ratio * inputs.measured_step_s * 1e3:.1f} ms predicted for {inputs.current} "
                 f"under them ({ratio:.2f}x, usually {usual:.2f}x)"
             )
-        if inputs.candidate == self._streak_candidate:
-            self._streak += 1
-        else:
-            self._streak, self._streak_candidate = 1, inputs.candidate
+        agreed = self._streak.agree(inputs.candidate)
         patience = self.explained_patience if inputs.causes else self.patience
-        if self._streak < patience:
+        if agreed < patience:
             return Decision(
                 False,
                 inputs.current,
                 gain,
-                f"waiting for {patience} checks in a row ({self._streak} so far)",
+                f"waiting for {patience} checks in a row ({agreed} so far)",
                 inputs,
             )
-        self._streak, self._streak_candidate = 0, None
+        self._streak.reset()
         self._unjudged = _Move(
             inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor, inputs.conditions
         )
@@ -533,7 +573,7 @@ class GainOverCostPolicy:
             reason = f"{measured}; waiting for {self.explained_patience} checks in a row ({self._recall_streak} so far)"
             return Decision(False, inputs.current, gain, reason, inputs)
         self._recall_streak, self._recall_target = 0, None
-        self._streak, self._streak_candidate = 0, None
+        self._streak.reset()
         self._unjudged = _Move(
             inputs.current, target, inputs.measured_step_s, inputs.convergence_factor, inputs.conditions
         )
@@ -546,7 +586,7 @@ class GainOverCostPolicy:
     def reset(self) -> None:
         """Forgets everything learnt in a fit (streaks, cool-down, the move to judge, refusals, the recall's memory):
         the strategy calls it when a fit starts, so a policy object reused for another fit starts from scratch."""
-        self._streak, self._streak_candidate = 0, None
+        self._streak.reset()
         self._last_migration = None
         self._unjudged = None
         self._backfired = []
