@@ -122,7 +122,6 @@ class AdaptationWiring:
                 predictor=self.config.predictor,
                 max_extra_in_flight=self.config.max_extra_in_flight,
             )
-            self.controller.depth_policy.reset()
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
@@ -179,8 +178,6 @@ class AdaptationWiring:
             else:
                 self.controller.rescheduled(step, depth.schedule)
                 rank_zero_info(f"DynPipe adaptation: {depth}")
-        elif depth is not None:
-            log.info("DynPipe adaptation: %s", depth)
         if self.ladder is not None:
             if decision is not None and decision.repartition:
                 self.ladder.record(LadderDecision(step, "move_layers", f"a stage of every replica is slow: {decision}"))
