@@ -7,6 +7,9 @@ Two measurements, both on ``lightning_dynpipe.demos.CharGPT`` (the model of ``ex
   account every tensor autograd keeps for a backward: the peak of the bytes alive at once, per stage, with
   and without ``activation_checkpointing=True``. A stage keeps ``S-k`` micro-batches in flight, so its peak
   is about ``S-k`` times what one micro-batch keeps; with checkpointing a layer keeps only its input.
+* **The planner's memory model against it**: the same accounting counting each storage once and leaving out
+  the weights (the memory those tensors take), next to what the planner predicts from the set-up profile
+  (:func:`~lightning_dynpipe.plan.memory.activation_memory`).
 * **A real 2-process run**: ``Trainer(devices=2, strategy=DynPipeStrategy(activation_checkpointing=...))``
   spawned as in ``benchmarks/throughput.py``, interleaved repeats of the two settings; per stage the median
   step time (what the recomputation costs) and the process's peak resident memory (``VmHWM``; every run
@@ -61,7 +64,10 @@ from lightning_dynpipe.demos import CharGPT  # noqa: E402
 from lightning_dynpipe.engine.executor import StageExecutor  # noqa: E402
 from lightning_dynpipe.engine.loopback import loopback_channels, run_stages  # noqa: E402
 from lightning_dynpipe.engine.shard import StageShard  # noqa: E402
+from lightning_dynpipe.plan.memory import activation_memory  # noqa: E402
 from lightning_dynpipe.plan.partition import Partition  # noqa: E402
+from lightning_dynpipe.profiling import profile_layers  # noqa: E402
+from lightning_dynpipe.strategy.decision import recomputed  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -101,22 +107,47 @@ def _batches(cfg: Config, n: int) -> list[tuple[Tensor, Tensor]]:
 
 
 class _LiveBytes:
-    """Bytes of the tensors autograd holds for a backward, alive now and at the peak (one per stage thread)."""
+    """Bytes of the tensors autograd holds for a backward, alive now and at the peak (one per stage thread).
 
-    def __init__(self) -> None:
+    ``unique_of``: count each storage once, leaving out the storages of the given module's parameters (the memory
+    the saved tensors take beyond the weights); ``None``: count every saved tensor's bytes, each time it is saved.
+    """
+
+    def __init__(self, unique_of: nn.Module | None = None) -> None:
         self.now = self.peak = 0
         self._lock = threading.Lock()
+        self._unique_of = unique_of
+        self._refs: dict[int, int] = {}
 
     def _add(self, n: int) -> None:
         with self._lock:
             self.now += n
             self.peak = max(self.peak, self.now)
 
+    def _release(self, ptr: int, n: int) -> None:
+        with self._lock:
+            self._refs[ptr] -= 1
+            if self._refs[ptr] == 0:
+                del self._refs[ptr]
+                self.now -= n
+
     def pack(self, t: Tensor) -> Any:
         holder = _Held(t)
-        n = t.numel() * t.element_size()
-        self._add(n)
-        weakref.finalize(holder, self._add, -n)
+        if self._unique_of is None:
+            n = t.numel() * t.element_size()
+            self._add(n)
+            weakref.finalize(holder, self._add, -n)
+            return holder
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in {p.untyped_storage().data_ptr() for p in self._unique_of.parameters()}:
+            return holder  # a weight version: counted by the memory model's weight versions, not here
+        with self._lock:
+            self._refs[ptr] = self._refs.get(ptr, 0) + 1
+            first = self._refs[ptr] == 1
+        if first:
+            self._add(storage.nbytes())
+        weakref.finalize(holder, self._release, ptr, storage.nbytes())
         return holder
 
     @staticmethod
@@ -131,8 +162,9 @@ class _Held:
         self.t = t
 
 
-def exact_peaks(cfg: Config, checkpoint: bool) -> list[int]:
-    """Each stage's peak of bytes kept for the backward over ``cfg.steps`` async steps (one process)."""
+def exact_peaks(cfg: Config, checkpoint: bool, unique: bool = False) -> list[int]:
+    """Each stage's peak of bytes kept for the backward over ``cfg.steps`` async steps (one process); ``unique``:
+    each storage once, the stage's weights left out (see :class:`_LiveBytes`)."""
     model = _model(cfg)
     partition = Partition(cfg.balance)
     S = partition.num_stages
@@ -160,7 +192,7 @@ def exact_peaks(cfg: Config, checkpoint: bool) -> list[int]:
             holder.append(ex)
         executors.append(ex)
     batches = _batches(cfg, cfg.steps)
-    meters = [_LiveBytes() for _ in range(S)]
+    meters = [_LiveBytes(ex.stage_module if unique else None) for ex in executors]
 
     def run(k: int) -> None:
         with torch.autograd.graph.saved_tensors_hooks(meters[k].pack, meters[k].unpack):
@@ -170,6 +202,21 @@ def exact_peaks(cfg: Config, checkpoint: bool) -> list[int]:
 
     run_stages(run, S, timeout=600.0)
     return [m.peak for m in meters]
+
+
+def predicted_peaks(cfg: Config, checkpoint: bool) -> list[int]:
+    """Each stage's activation memory by the planner's model (:func:`~lightning_dynpipe.plan.memory.activation_memory`)
+    from the set-up profile of one micro-batch, as the strategy takes it (checkpointed layers keep their outputs)."""
+    model = _model(cfg)
+    micro = _batches(cfg, 1)[0][0][: cfg.batch_size // cfg.num_microbatches]
+    cost = profile_layers(model.pipeline, micro, warmup=0, repeats=1).to_model_cost()
+    cost = recomputed(cost, range(cost.num_layers) if checkpoint else ())
+    partition = Partition(cfg.balance)
+    S = partition.num_stages
+    return [
+        int(activation_memory(cost, [r.start], [r.stop], stage_idx=k, num_stages=S, schedule="async")[0])
+        for k, r in enumerate(partition.stage_layers(k) for k in range(S))
+    ]
 
 
 def _peak_rss_bytes() -> int:
@@ -247,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     t0 = time.time()
     exact = {str(c): exact_peaks(cfg, c) for c in (False, True)}
+    storages = {str(c): exact_peaks(cfg, c, unique=True) for c in (False, True)}
+    predicted = {str(c): predicted_peaks(cfg, c) for c in (False, True)}
     runs = real_runs(cfg, fresh_processes=not a.quick)
     S = len(cfg.balance)
     print(f"CharGPT d={cfg.d_model}, {cfg.n_layers} blocks, batch {cfg.batch_size} x {cfg.block_size} tokens, "
@@ -264,12 +313,23 @@ def main(argv: list[str] | None = None) -> int:
                      _mib(rss_off), _mib(rss_on)])  # fmt: skip
     print(format_table(["stage", "in flight", "activations MiB", "checkpointed MiB", "ratio", "step ms",
                         "checkpointed ms", "time ratio", "peak RSS MiB", "checkpointed RSS MiB"], rows))  # fmt: skip
+    model_rows = []
+    for k in range(S):
+        row = [str(k)]
+        for c in ("False", "True"):
+            got, pred = storages[c][k], predicted[c][k]
+            row += [_mib(got), _mib(pred), f"{pred / got:.2f}" if got else "-"]
+        model_rows.append(row)
+    print("\nthe planner's memory model against what the stages kept (each storage once, weights left out):")
+    print(format_table(["stage", "kept MiB", "predicted MiB", "predicted/kept", "checkpointed: kept MiB",
+                        "predicted MiB", "predicted/kept"], model_rows))  # fmt: skip
     print("\nactivations: peak bytes kept for the backward (exact, one process); step and RSS: medians of "
           f"{cfg.repeats} interleaved real 2-process runs ({cfg.run_steps - cfg.warmup} timed steps each), each in "
           "fresh processes; RSS is each process's high-water mark (interpreter, torch, weights included).")  # fmt: skip
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(t0))
     record = {"config": asdict(cfg), "machine": machine, "command": command_line(), "exact_peak_bytes": exact,
-              "runs": runs, "elapsed_s": time.time() - t0}  # fmt: skip
+              "storage_peak_bytes": storages, "predicted_bytes": predicted, "runs": runs,
+              "elapsed_s": time.time() - t0}  # fmt: skip
     path = out_dir / f"activation_memory-{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"\nresults: {path}")

@@ -66,6 +66,10 @@ class LayerCost:
         update_s: what the layer's parameters add to one optimizer update, seconds (0: not measured). A schedule
             without a flush updates after every micro-batch, so this is part of every micro-batch's cost there;
             with a flush it is paid once per ``M`` micro-batches.
+        held_bytes: bytes one micro-batch keeps for the layer from its forward to its backward: what autograd saves
+            (a transformer block's attention weights and intermediate tensors) and the output, each storage once,
+            the layer's input and parameters left out (0: not measured; ``activation_bytes`` stands in). Every
+            micro-batch in flight on a stage keeps this much per layer of the stage (:attr:`kept_bytes`).
     """
 
     forward_s: float
@@ -75,6 +79,7 @@ class LayerCost:
     optimizer_state_bytes: int = 0
     workspace_bytes: int = 0
     update_s: float = 0.0
+    held_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -86,8 +91,9 @@ class LayerCost:
             param_bytes=self.param_bytes,
             optimizer_state_bytes=self.optimizer_state_bytes,
             workspace_bytes=self.workspace_bytes,
+            held_bytes=self.held_bytes,
         )
-        for name in ("activation_bytes", "param_bytes", "optimizer_state_bytes", "workspace_bytes"):
+        for name in ("activation_bytes", "param_bytes", "optimizer_state_bytes", "workspace_bytes", "held_bytes"):
             value = getattr(self, name)
             if value != int(value):
                 raise ConfigurationError(
@@ -99,6 +105,12 @@ class LayerCost:
     def compute_s(self) -> float:
         """Forward plus backward time, seconds per micro-batch."""
         return self.forward_s + self.backward_s
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes one micro-batch in flight keeps for this layer: ``held_bytes``, or ``activation_bytes`` when not
+        measured."""
+        return self.held_bytes or self.activation_bytes
 
 
 def _prefix_float(values: Sequence[float]) -> FloatArray:
@@ -135,6 +147,7 @@ class ModelCost:
     _update: FloatArray = field(init=False, repr=False, compare=False)
     _params: IntArray = field(init=False, repr=False, compare=False)
     _activations: IntArray = field(init=False, repr=False, compare=False)
+    _kept: IntArray = field(init=False, repr=False, compare=False)
     _optimizer: IntArray = field(init=False, repr=False, compare=False)
     _workspace_table: IntArray = field(init=False, repr=False, compare=False)
     _log2: IntArray = field(init=False, repr=False, compare=False)
@@ -154,6 +167,7 @@ class ModelCost:
         object.__setattr__(self, "_update", _prefix_float([c.update_s for c in layers]))
         object.__setattr__(self, "_params", _prefix_int([c.param_bytes for c in layers]))
         object.__setattr__(self, "_activations", _prefix_int([c.activation_bytes for c in layers]))
+        object.__setattr__(self, "_kept", _prefix_int([c.kept_bytes for c in layers]))
         object.__setattr__(self, "_optimizer", _prefix_int([c.optimizer_state_bytes for c in layers]))
         # Sparse table: row l holds max(workspace[i : i + 2**l]); any range max is two lookups.
         work = np.asarray([c.workspace_bytes for c in layers], dtype=np.int64)
@@ -192,6 +206,7 @@ class ModelCost:
             "optimizer_state_bytes": [c.optimizer_state_bytes for c in self.layers],
             "workspace_bytes": [c.workspace_bytes for c in self.layers],
             "update_s": [c.update_s for c in self.layers],
+            "held_bytes": [c.held_bytes for c in self.layers],
         }
 
     @classmethod
@@ -205,6 +220,7 @@ class ModelCost:
         optimizer_state_bytes: Sequence[int] | int = 0,
         workspace_bytes: Sequence[int] | int = 0,
         update_s: Sequence[float] | float = 0.0,
+        held_bytes: Sequence[int] | int = 0,
     ) -> ModelCost:
         """Builds a model from per-layer columns; a scalar byte count or update time applies to every layer."""
         n = len(forward_s)
@@ -229,10 +245,11 @@ class ModelCost:
             column("workspace_bytes", workspace_bytes),
         )
         updates = [float(u) for u in column("update_s", update_s)]
+        held = column("held_bytes", held_bytes)
         return cls(
             tuple(
-                LayerCost(float(f), float(b), a, p, o, w, u)
-                for f, b, a, p, o, w, u in zip(forward_s, backward_s, *cols, updates, strict=True)
+                LayerCost(float(f), float(b), a, p, o, w, u, h)
+                for f, b, a, p, o, w, u, h in zip(forward_s, backward_s, *cols, updates, held, strict=True)
             )
         )
 
@@ -260,6 +277,12 @@ class ModelCost:
     def activation_prefix(self) -> IntArray:
         """``activation_prefix[i]`` = output activation bytes of layers ``[0, i)`` (read-only)."""
         return self._activations
+
+    @property
+    def kept_prefix(self) -> IntArray:
+        """``kept_prefix[i]`` = bytes one micro-batch in flight keeps for layers ``[0, i)``
+        (:attr:`LayerCost.kept_bytes`; read-only)."""
+        return self._kept
 
     @property
     def optimizer_prefix(self) -> IntArray:

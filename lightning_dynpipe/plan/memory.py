@@ -9,6 +9,8 @@ at most ``min(S - k, M)`` micro-batches are in flight; ``"gpipe"`` holds all ``M
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
@@ -16,7 +18,14 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
 from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 
-__all__ = ["ScheduleLike", "weight_versions", "in_flight_microbatches", "stage_memory"]
+__all__ = [
+    "ScheduleLike",
+    "weight_versions",
+    "in_flight_microbatches",
+    "stage_memory",
+    "activation_memory",
+    "format_bytes",
+]
 
 ScheduleLike = Schedule | str
 """A schedule object or its name (``"async"``, ``"sync"``, ``"gpipe"``)."""
@@ -61,8 +70,10 @@ def stage_memory(
 ) -> NDArray[np.int64]:
     """Peak bytes on each device of the stage owning layers ``[first, stop)``, vectorised over ranges.
 
-    ``versions * params + optimizer_state + in_flight * activations + max(workspace)``. Replicas do not
-    change it: each replica holds the whole stage.
+    ``versions * params + optimizer_state + in_flight * kept + max(workspace)``, where ``kept`` is what one
+    micro-batch in flight keeps for the stage's layers until its backward (:attr:`LayerCost.kept_bytes
+    <lightning_dynpipe.plan.costs.LayerCost.kept_bytes>`: the saved tensors and outputs the profile measured, else
+    the outputs). Replicas do not change it: each replica holds the whole stage.
 
     Example::
 
@@ -72,10 +83,44 @@ def stage_memory(
         [92]
     """
     versions = weight_versions(stage_idx, num_stages, schedule)
-    in_flight = in_flight_microbatches(stage_idx, num_stages, schedule, num_microbatches)
     i = np.asarray(first, dtype=np.int64)
     j = np.asarray(stop, dtype=np.int64)
     params = model.param_prefix[j] - model.param_prefix[i]
     optim = model.optimizer_prefix[j] - model.optimizer_prefix[i]
-    acts = model.activation_prefix[j] - model.activation_prefix[i]
-    return np.asarray(versions * params + optim + in_flight * acts + model.workspace_max(i, j), dtype=np.int64)
+    acts = activation_memory(
+        model, i, j, stage_idx=stage_idx, num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches
+    )
+    return np.asarray(versions * params + optim + acts, dtype=np.int64)
+
+
+def activation_memory(
+    model: ModelCost,
+    first: ArrayLike,
+    stop: ArrayLike,
+    *,
+    stage_idx: int,
+    num_stages: int,
+    schedule: ScheduleLike = "async",
+    num_microbatches: int | None = None,
+) -> NDArray[np.int64]:
+    """The activation part of :func:`stage_memory`: ``in_flight * kept + max(workspace)``, vectorised over ranges.
+
+    What the stage's micro-batches in flight keep for their backwards (each storage once; the stage's input, the
+    previous stage's output, is not counted), and the largest transient of one layer.
+    """
+    in_flight = in_flight_microbatches(stage_idx, num_stages, schedule, num_microbatches)
+    i = np.asarray(first, dtype=np.int64)
+    j = np.asarray(stop, dtype=np.int64)
+    kept = model.kept_prefix[j] - model.kept_prefix[i]
+    return np.asarray(in_flight * kept + model.workspace_max(i, j), dtype=np.int64)
+
+
+def format_bytes(num: float) -> str:
+    """``num`` bytes in binary units, e.g. ``format_bytes(1536)`` -> ``'1.5 KiB'`` (``'inf'`` for no cap)."""
+    if math.isinf(num):
+        return "inf"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -71,7 +71,13 @@ from numpy.typing import NDArray
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.convergence import ConvergenceModel, staleness_profile
 from lightning_dynpipe.plan.costs import CostModel, DefaultCostModel, DeviceSpec, ModelCost, PrefixCostModel
-from lightning_dynpipe.plan.memory import ScheduleLike, in_flight_microbatches, stage_memory, weight_versions
+from lightning_dynpipe.plan.memory import (
+    ScheduleLike,
+    format_bytes,
+    in_flight_microbatches,
+    stage_memory,
+    weight_versions,
+)
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule.kinds import Schedule, get_schedule
 
@@ -86,16 +92,6 @@ _RTOL = 1e-12  # prune a node whose lower bound is within this relative distance
 
 
 # --------------------------------------------------------------------------------------------------- Plan
-
-
-def _fmt_bytes(num: float) -> str:
-    if math.isinf(num):
-        return "inf"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num) < 1024 or unit == "TiB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _fmt_time(seconds: float) -> str:
@@ -184,8 +180,8 @@ class Plan:
                     f"{layers.start}-{layers.stop - 1}",
                     ",".join(str(d) for d in self.devices[k]),
                     _fmt_time(self.stage_times_s[k]),
-                    _fmt_bytes(self.stage_memory_bytes[k]),
-                    _fmt_bytes(self.stage_memory_caps[k]),
+                    format_bytes(self.stage_memory_bytes[k]),
+                    format_bytes(self.stage_memory_caps[k]),
                     str(self.staleness[k]),
                     f"{100 * self.param_shares[k]:.1f}%",
                 )
@@ -833,8 +829,8 @@ def _infeasible_message(prob: _Problem, pairs: Sequence[tuple[int, int]]) -> str
     return (
         f"No partition of the {prob.n} layers fits the memory cap: each stage needs weight versions x params "
         f"+ optimizer state + in-flight activations + workspace <= its device's cap (caps: "
-        f"{[_fmt_bytes(c) for c in caps]}). Tried (num_stages, dp) in {sorted(pairs)}; even the most favourable "
-        f"(num_stages={least[1]}, dp={least[2]}) needs at least {_fmt_bytes(least[0])} ({least[0]} bytes) on "
+        f"{[format_bytes(c) for c in caps]}). Tried (num_stages, dp) in {sorted(pairs)}; even the most favourable "
+        f"(num_stages={least[1]}, dp={least[2]}) needs at least {format_bytes(least[0])} ({least[0]} bytes) on "
         "one stage. Raise memory_cap, allow more stages or devices, use schedule='sync' (one weight version), "
         "or reduce activation memory (smaller micro-batches)."
     )

@@ -161,8 +161,9 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 1, STAGE_FEATURES, BOUNDARY_FEATURES)
-"""The schema this version builds."""
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 2, STAGE_FEATURES, BOUNDARY_FEATURES)
+"""The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
+layers' outputs)."""
 
 
 def _opt(value: float | None, scale: float = 1.0) -> float:
@@ -234,7 +235,7 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
         working = (
             params
             + model_cost.optimizer_state_bytes(first, stop)
-            + model_cost.activation_bytes(first, stop)
+            + int(model_cost.kept_prefix[stop] - model_cost.kept_prefix[first])  # one micro-batch's saved tensors
             + max(model_cost.layers[i].workspace_bytes for i in layers)
         )
         cand_duty = min(duty * ratio, 1.0)

@@ -80,6 +80,9 @@ class LayerStats:
             temporaries and gradients are not included. :attr:`LayerProfile.peak_measured` says which.
         update_s: what the layer's trainable parameters add to one optimizer update, seconds (median; 0 when no
             optimizer was given, or the layer has none); see ``profile_layers(optimizer=...)``.
+        held_bytes: what one micro-batch keeps for the layer until its backward: the saved tensors and the output,
+            each storage once (the layer's input and parameters left out); on CPU also :attr:`peak_bytes`. 0: not
+            measured.
     """
 
     layer_idx: int
@@ -95,6 +98,7 @@ class LayerStats:
     saved_bytes: int
     peak_bytes: int
     update_s: float = 0.0
+    held_bytes: int = 0
 
     @property
     def compute_s(self) -> float:
@@ -103,8 +107,9 @@ class LayerStats:
 
     @property
     def workspace_bytes(self) -> int:
-        """Peak memory beyond the output and the parameter gradients (what :class:`LayerCost` calls workspace)."""
-        return max(0, self.peak_bytes - self.activation_bytes - self.grad_bytes)
+        """Peak memory beyond what a micro-batch keeps (:attr:`held_bytes`, else the output) and the parameter
+        gradients: the temporaries (what :class:`LayerCost` calls workspace)."""
+        return max(0, self.peak_bytes - (self.held_bytes or self.activation_bytes) - self.grad_bytes)
 
     def to_layer_cost(self) -> LayerCost:
         """This layer as the planner's :class:`~lightning_dynpipe.plan.costs.LayerCost`.
@@ -119,6 +124,7 @@ class LayerStats:
             optimizer_state_bytes=self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes,
             workspace_bytes=self.workspace_bytes,
             update_s=self.update_s,
+            held_bytes=self.held_bytes,
         )
 
 
@@ -180,7 +186,8 @@ class LayerProfile:
         ``optimizer_state_bytes`` = gradient bytes + optimizer state + buffers (everything a stage stores
         once, whatever the number of weight versions; :class:`LayerCost` defines it as gradient plus
         optimizer state, and buffers are added here so that the memory caps see them);
-        ``workspace_bytes`` = :attr:`LayerStats.workspace_bytes`.
+        ``workspace_bytes`` = :attr:`LayerStats.workspace_bytes`; ``held_bytes`` as measured (what each micro-batch
+        in flight keeps until its backward).
         """
         return ModelCost(tuple(s.to_layer_cost() for s in self.layers))
 
@@ -707,5 +714,6 @@ def _profile_one(
         buffer_bytes=sum(_nbytes(b) for b in layer.buffers()),
         saved_bytes=it.saved_bytes,
         peak_bytes=peak,
+        held_bytes=it.held_bytes,
     )
     return stats, it.output

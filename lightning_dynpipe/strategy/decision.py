@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -125,6 +125,30 @@ def _profile(
     return profile.to_model_cost()
 
 
+def recomputed(cost: ModelCost, layers: Iterable[int]) -> ModelCost:
+    """``cost`` with ``layers`` under activation checkpointing: a micro-batch in flight keeps only their outputs,
+    and their saved tensors come back once, for the backward's recompute (workspace).
+
+    Example::
+
+        >>> cost = ModelCost.from_arrays([1.0], [2.0], activation_bytes=10, held_bytes=50, workspace_bytes=5)
+        >>> layer = recomputed(cost, [0]).layers[0]
+        >>> layer.kept_bytes, layer.workspace_bytes
+        (10, 50)
+    """
+    chosen = set(layers)
+    if not chosen:
+        return cost
+    return ModelCost(
+        tuple(
+            replace(c, held_bytes=c.activation_bytes, workspace_bytes=max(c.workspace_bytes, c.kept_bytes))
+            if i in chosen
+            else c
+            for i, c in enumerate(cost.layers)
+        )
+    )
+
+
 def _one_microbatch(x: Any, num_microbatches: int) -> Any:
     n = batch_len(x)
     micro, _ = split_microbatches(x, min(num_microbatches, n if n is not None and n > 0 else 1))
@@ -178,6 +202,7 @@ def decide(
                 copies = layer_copies(device) if layer_copies is not None else None
                 with forward_context():
                     cost = _profile(pipeline, sample, device, opt, copies)
+                cost = recomputed(cost, config.checkpoint_layers(len(pipeline)))
                 del opt, copies
                 balance, table = config.balance, None
                 if config.balance_mode == "auto":

@@ -20,3 +20,5 @@ def test_quick_run_prints_the_memory_table(run_benchmark_main: Callable[..., Any
     off, on = data["exact_peak_bytes"]["False"], data["exact_peak_bytes"]["True"]
     assert len(off) == len(on) == 2 and all(b < a for a, b in zip(off, on))
     assert {r["checkpoint"] for r in data["runs"]} == {False, True}
+    assert "predicted/kept" in out
+    assert all(len(data[key][c]) == 2 for key in ("storage_peak_bytes", "predicted_bytes") for c in ("False", "True"))

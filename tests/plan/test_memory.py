@@ -27,6 +27,19 @@ def test_stage_memory_by_hand() -> None:
     assert got.tolist() == [100 + 200 + 2 * 5 + 13, 130 + 260 + 2 * 23 + 50]
 
 
+def test_each_micro_batch_in_flight_keeps_the_held_bytes_where_measured() -> None:
+    # layer 1 keeps 40 bytes per micro-batch (its saved tensors and output); layers 0 and 2 were not measured, so
+    # their outputs stand in
+    model = ModelCost.from_arrays(
+        [1.0] * 3, [1.0] * 3, activation_bytes=[5, 7, 11], param_bytes=[100, 0, 30], held_bytes=[0, 40, 0]
+    )
+    assert [layer.kept_bytes for layer in model.layers] == [5, 40, 11]
+    assert stage_memory(model, [1], [3], stage_idx=1, num_stages=3).tolist() == [2 * 30 + 2 * (40 + 11)]
+    assert ModelCost.from_arrays(**model.to_arrays()) == model
+    with pytest.raises(ConfigurationError, match="held_bytes"):
+        ModelCost.from_arrays([1.0], [1.0], held_bytes=[-1])
+
+
 def test_stage_memory_errors() -> None:
     model = ModelCost.from_arrays([1.0], [1.0])
     with pytest.raises(ConfigurationError, match="num_microbatches"):

@@ -70,6 +70,7 @@ def test_to_model_cost_maps_every_field() -> None:
         param_bytes=(8 * 16 + 16) * F32,
         optimizer_state_bytes=2 * (8 * 16 + 16) * F32,  # gradient + SGD momentum
         workspace_bytes=profile.layers[0].workspace_bytes,
+        held_bytes=3 * 16 * F32,  # its output: Linear saves only its input and weight
     )
     assert model.compute_s(0, 3) == pytest.approx(profile.total_compute_s)
     assert model.param_bytes(0, 3) == sum(s.param_bytes for s in profile.layers)
@@ -392,3 +393,28 @@ def test_constant_sample_input_warns() -> None:
         profile_layers(pairs, (torch.zeros(3, 4), torch.randn(3, 4)), warmup=0, repeats=1)  # one varies
         embed = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
         profile_layers(embed, torch.zeros(3, 5, dtype=torch.long), warmup=0, repeats=1)  # token ids: not checked
+
+
+def test_a_transformer_micro_batch_keeps_what_the_held_bytes_say() -> None:
+    """What one micro-batch keeps for the backward of a nanoGPT-style model (dropout on) is the sum of the
+    profile's ``held_bytes`` less the last output (nothing inside the pipeline saves it), exactly; the outputs
+    alone (``activation_bytes``) count less than a tenth of it."""
+    from lightning_dynpipe.demos import CharGPT
+
+    torch.manual_seed(0)
+    model = CharGPT(block_size=64, d_model=128, n_layers=2, dropout=0.1)
+    x = torch.randint(0, 256, (8, 64))
+    cost = profile_layers(model.pipeline, x, warmup=0, repeats=1).to_model_cost()
+    skip = {t.untyped_storage().data_ptr() for t in (x, *model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.pipeline(x)
+    kept = sum(saved.values())
+    assert int(cost.kept_prefix[-1]) == kept + out.untyped_storage().nbytes()
+    assert int(cost.activation_prefix[-1]) < kept / 10
