@@ -19,6 +19,10 @@ applies it (a live migration at the next step). At every check:
    the depth policy (:class:`~lightning_dynpipe.repartition.inflight.InFlightPolicy`); its answer is in
    :attr:`AdaptiveController.depth_decision`.
 
+With a ``memory_cap``, a candidate partition or depth whose predicted peak memory on some stage exceeds it
+(:func:`~lightning_dynpipe.plan.memory.stage_memory`: its weight versions, optimizer state and the activations of
+its micro-batches in flight) is never chosen; the current one always stays a choice.
+
 Every decision is kept with its inputs, and its log line carries the predicted times with their intervals and
 the features that weighed most.
 """
@@ -33,9 +37,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
+from lightning_dynpipe.errors import PartitionError
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, DeviceSpec, ModelCost
+from lightning_dynpipe.plan.memory import format_bytes, stage_memory
 from lightning_dynpipe.plan.moves import plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.solver import Plan, evaluate
@@ -153,6 +159,13 @@ class _Priced:
     high: Plan
     round_trip_bound: bool = False
     """Whether a round trip through several stages, not a stage, sets the value's time per micro-batch."""
+    fits: bool = True
+    """Whether every stage's predicted peak memory fits the controller's ``memory_cap``."""
+
+
+def _peak(priced: _Priced) -> str:
+    """The largest predicted peak memory of the candidate's stages."""
+    return format_bytes(max(priced.value.stage_memory_bytes))
 
 
 @dataclass(frozen=True)
@@ -224,6 +237,8 @@ class AdaptiveController:
             micro-batches in flight per boundary on the current partition (0: the depth stays as configured). The
             choice is priced in time to accuracy, so it is only as good as ``convergence``'s ``beta``.
         depth_policy: decides whether another depth is worth a change; default :class:`InFlightPolicy`.
+        memory_cap: bytes each process may hold; a candidate partition or depth predicted to need more on some
+            stage is never chosen (``None``: no cap).
     """
 
     def __init__(
@@ -243,6 +258,7 @@ class AdaptiveController:
         stage_count_every: int = 10,
         max_extra_in_flight: int = 0,
         depth_policy: InFlightPolicy | None = None,
+        memory_cap: float | None = None,
     ) -> None:
         self.policy = policy
         self.model_cost = model_cost
@@ -263,10 +279,11 @@ class AdaptiveController:
         self.stage_count_gain = stage_count_gain
         self.stage_count_every = max(1, stage_count_every)
         self._checks = 0
-        self._last_solve: tuple[tuple[CommModel, tuple[float, ...]], Plan] | None = None
+        self._last_solve: tuple[tuple[CommModel, tuple[float, ...]], Plan | None] | None = None
         self.max_extra_in_flight = max_extra_in_flight
         self.depth_policy = depth_policy if depth_policy is not None else InFlightPolicy()
         self.depth_decisions: list[DepthDecision] = []
+        self.memory_cap = memory_cap
         self.depth_decision: DepthDecision | None = None
         """After a check: the depth policy's answer (``None`` when the depth was not considered: a partition move,
         ``max_extra_in_flight=0``, or a schedule that is not ``async``)."""
@@ -320,25 +337,32 @@ class AdaptiveController:
         # the current partition are priced at every check whatever the proposal).
         solve_inputs = (comm, tuple(slowdowns))
         last = self._last_solve
+        planned: Plan | None
         if last is not None and _close_inputs(last[0], solve_inputs):
             planned = last[1]
         else:
-            planned = best_plan(
-                cost,
-                partition.num_stages * dp,
-                num_stages=partition.num_stages,
-                schedule=self.schedule,
-                convergence=self.convergence,
-                comm=comm,
-                num_microbatches=M,
-                slowdowns=[slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)],
-            )
+            try:
+                planned = best_plan(
+                    cost,
+                    partition.num_stages * dp,
+                    num_stages=partition.num_stages,
+                    schedule=self.schedule,
+                    convergence=self.convergence,
+                    comm=comm,
+                    num_microbatches=M,
+                    slowdowns=[slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)],
+                    memory_cap=self.memory_cap,
+                )
+            except PartitionError as exc:  # no partition fits the memory cap: the neighbours are still priced
+                log.debug("DynPipe adaptation: no plan within the memory cap: %s", exc)
+                planned = None
             self._last_solve = (solve_inputs, planned)
         self.stage_count_hint = None
         self._checks += 1
-        if self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:
+        if planned is not None and self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:
             self.stage_count_hint = self._other_stage_count(planned, partition.num_stages * dp, comm, slowdowns)
-        others = [Partition(planned.partition.balance), *neighbours(window.partition, self.max_shift)]
+        proposal = [Partition(planned.partition.balance)] if planned is not None else []
+        others = [*proposal, *neighbours(window.partition, self.max_shift)]
         unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]
         many = getattr(self.predictor, "predict_many", None)
         if callable(many):
@@ -346,7 +370,9 @@ class AdaptiveController:
         else:
             predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
-        current, best = priced[0], min(priced, key=lambda c: c.value.time_to_accuracy_s)  # ties: current, planner
+        # ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice)
+        current = priced[0]
+        best = min((c for c in priced if c.fits or c is current), key=lambda c: c.value.time_to_accuracy_s)
         # a plan's time to accuracy over I0 is its seconds per micro-batch with the staleness's extra steps: the
         # policy's per-step currency, whatever I0 a calibrated convergence model carries. A step is M micro-batches
         # of every replica, and the plan's time per micro-batch is the replicas' together (a stage's time / dp)
@@ -363,7 +389,7 @@ class AdaptiveController:
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
             candidate_step_high_s=best.high.time_to_accuracy_s * per_step,
-            details=self._details(window, current, best),
+            details=self._details(window, current, best, priced),
             stage_compute_s=tuple(t.compute_s for t in window.stages),
             convergence_factor=current.value.iterations / i0,
             causes="; ".join(
@@ -372,6 +398,7 @@ class AdaptiveController:
                 + (["the link measured slower than the set-up probe"] if link != self.comm else [])
             ),
             conditions=tuple(bool(sign) for sign in stage_signs),
+            allowed=self._fits if self.memory_cap is not None else None,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
@@ -392,6 +419,16 @@ class AdaptiveController:
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
 
+    def _fits(self, partition: Partition) -> bool:
+        """Whether every stage of ``partition`` fits ``memory_cap`` under the running schedule."""
+        cap = self.memory_cap if self.memory_cap is not None else math.inf
+        S = partition.num_stages
+        return all(
+            int(stage_memory(self.model_cost, [r.start], [r.stop], stage_idx=k, num_stages=S, schedule=self.schedule,
+                             num_microbatches=self.num_microbatches)[0]) <= cap
+            for k, r in enumerate(partition.stage_layers(k) for k in range(S))
+        )  # fmt: skip
+
     def _depth(
         self,
         step: int,
@@ -410,13 +447,19 @@ class AdaptiveController:
             sched = AsyncSchedule(d)
             same = sched == self.schedule
             priced.append((sched, current if same else self._price(window.partition, prediction, comm, sched)))
-        best_schedule, best = min(priced, key=lambda c: c[1].value.time_to_accuracy_s)  # ties: the shallowest
+        # ties: the shallowest; a depth over the memory cap is never chosen (the current one stays a choice)
+        best_schedule, best = min(
+            (c for c in priced if c[1].fits or c[1] is current), key=lambda c: c[1].value.time_to_accuracy_s
+        )
 
         def per_step(plan: Plan) -> float:
             return plan.time_to_accuracy_s * M * self.replicas / i0
 
+        def over_cap(p: _Priced) -> str:
+            return "" if p.fits else f" (needs {_peak(p)}: over the memory cap)"
+
         details = "depths (ms/step x convergence factor): " + ", ".join(
-            f"{s.name} {per_step(p.value) * 1e3:.1f}" for s, p in priced
+            f"{s.name} {per_step(p.value) * 1e3:.1f}{over_cap(p)}" for s, p in priced
         )
         return self.depth_policy.decide(
             DepthInputs(
@@ -451,6 +494,7 @@ class AdaptiveController:
                 comm=comm,
                 num_microbatches=self.num_microbatches,
                 slowdowns=per_process,
+                memory_cap=self.memory_cap,
             )
         except ValueError as exc:  # no other S fits (memory, layers): nothing to report
             log.debug("DynPipe adaptation: no plan over other stage counts: %r", exc)
@@ -486,6 +530,7 @@ class AdaptiveController:
                 convergence=self.convergence,
                 cost_model=_PredictedStages(compute, messages, comm, update, link_on_stage=flush, allreduce=self.comm),
                 num_microbatches=self.num_microbatches,
+                memory_cap=self.memory_cap,
             )
             # the stages' own times miss the round trips through several stages that the micro-batches in
             # flight allow: a slow link can bind there (each replica runs its own round trips). A link whose
@@ -497,10 +542,11 @@ class AdaptiveController:
                 plan = replace(plan, iteration_time_s=trip, time_to_accuracy_s=plan.iterations * trip)
             plans.append(plan)
         # point predictions: the upper end is the value
-        return _Priced(partition, prediction, plans[0], plans[-1], bound[0])
+        return _Priced(partition, prediction, plans[0], plans[-1], bound[0], plans[0].fits_memory)
 
-    def _details(self, window: PipelineWindow, current: _Priced, best: _Priced) -> str:
-        """Predicted stage and boundary times of the candidate (ms, with intervals) and the top features."""
+    def _details(self, window: PipelineWindow, current: _Priced, best: _Priced, priced: Sequence[_Priced]) -> str:
+        """Predicted stage and boundary times of the candidate (ms, with intervals), the faster candidates left out
+        for the memory cap, and the top features."""
 
         def fmt(xs: Sequence[object]) -> str:
             parts = []
@@ -517,6 +563,10 @@ class AdaptiveController:
         if bound:
             trips = ", ".join(f"{list(p.partition.balance)} {p.value.iteration_time_s * 1e3:.2f}" for p in bound)
             text += f"; round trip through the stages binds (ms/micro-batch): {trips}"
+        capped = [p for p in priced if not p.fits and p.value.time_to_accuracy_s < best.value.time_to_accuracy_s]
+        if capped and self.memory_cap is not None:
+            needs = ", ".join(f"{list(p.partition.balance)} {_peak(p)}" for p in capped)
+            text += f"; faster but over the memory cap of {format_bytes(self.memory_cap)} (needed): {needs}"
         link = self.link.model()
         if link != self.comm:
             text += f"; link as measured: {link.latency_s * 1e3:.2f} ms + {link.bandwidth_Bps / 1e6:.3g} MB/s"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +56,9 @@ class PolicyInputs:
             comparing windows measured under different partitions (:class:`GainOverCostPolicy`'s recall). The link
             is not in it: whether it measures slower than the set-up probe depends on the bytes the partition's
             boundaries carry, not only on the network.
+        allowed: whether the policy may move to a partition of its own choosing (``None``: any); the controller's
+            memory cap. ``candidate`` is always allowed; the recall skips a partition it refuses (a rollback returns
+            to the partition that ran before the move, whatever this says).
     """
 
     step: int
@@ -72,6 +76,7 @@ class PolicyInputs:
     convergence_factor: float = 1.0
     causes: str = ""
     conditions: tuple[bool, ...] = ()
+    allowed: Callable[[Partition], bool] | None = None
 
     @property
     def measured_tta_step_s(self) -> float:
@@ -458,9 +463,8 @@ class GainOverCostPolicy:
                     "steps after that"
                 )
         if self._last_migration is not None and self._cooling(inputs.step):
-            return no(
-                f"cool-down: {inputs.step - self._last_migration} < {self.cooldown_steps} steps since the last move"
-            )
+            since = inputs.step - self._last_migration
+            return no(f"cool-down: {since} < {self.cooldown_steps} steps since the last move or change of depth")
         refusal = _gain_refusal(
             saving,
             inputs.current_step_s,
@@ -541,6 +545,8 @@ class GainOverCostPolicy:
             if partition == inputs.current:
                 continue
             if any(b.refuses(inputs.current, partition, inputs.conditions) for b in self._backfired):
+                continue
+            if inputs.allowed is not None and not inputs.allowed(partition):
                 continue
             seen = None if intermittent else memory.measured(partition, inputs.conditions)
             value = memory.expected(partition) if intermittent else None if seen is None else seen[1]

@@ -121,6 +121,7 @@ class AdaptationWiring:
                 convergence=self.config.convergence,
                 predictor=self.config.predictor,
                 max_extra_in_flight=self.config.max_extra_in_flight,
+                memory_cap=self.config.memory_cap,
             )
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree

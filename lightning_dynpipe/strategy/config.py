@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,6 +102,8 @@ class DynPipeConfig:
             system after every micro-batch (:mod:`lightning_dynpipe.engine.allocator`).
         max_extra_in_flight: how many more micro-batches per boundary the adaptive loop may keep in flight
             (``async+d`` with ``d`` up to it; 0: the depth stays as configured).
+        memory_cap: bytes each process may hold, which the set-up plan and the adaptive loop's partitions and depths
+            must fit by the planner's memory model (``None``: no cap).
     """
 
     num_stages: int | None
@@ -129,6 +132,7 @@ class DynPipeConfig:
     change_stages: ChangeStages = "report"
     keep_freed_cpu_memory: bool = True
     max_extra_in_flight: int = 0
+    memory_cap: float | None = None
 
     @classmethod
     def from_arguments(
@@ -156,6 +160,7 @@ class DynPipeConfig:
         change_stages: str = "report",
         keep_freed_cpu_memory: bool = True,
         max_extra_in_flight: int = 0,
+        memory_cap: float | None = None,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule):
@@ -248,6 +253,7 @@ class DynPipeConfig:
                 "alone). Use start_method='popen' (or torchrun/SLURM), or keep gather_after_fit=True."
             )
         _check_max_extra_in_flight(max_extra_in_flight, sched, convergence, policy)
+        _check_memory_cap(memory_cap, balance, policy)
         mode_checkpoint: CheckpointMode = "sharded" if checkpoint == "sharded" else "full"
         split_mode, weights, ladder = _replica_split(replica_split, monitor_every_n_steps)
         _check_change_stages(change_stages, policy, split_mode)
@@ -280,6 +286,7 @@ class DynPipeConfig:
             change_stages="restart" if change_stages == "restart" else "report",
             keep_freed_cpu_memory=keep_freed_cpu_memory,
             max_extra_in_flight=max_extra_in_flight,
+            memory_cap=float(memory_cap) if memory_cap is not None else None,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:
@@ -439,4 +446,21 @@ def _check_max_extra_in_flight(
             "deeper staleness on the models measured (a CNN's calibrated beta was 0.31). Pass "
             "convergence=ConvergenceModel(beta=...) measured with lightning_dynpipe.calibration.calibrate_beta "
             "(docs/convergence.md), or max_extra_in_flight=0."
+        )
+
+
+def _check_memory_cap(value: object, balance: object, policy: RepartitionPolicy | None) -> None:
+    """``memory_cap``: ``None`` or a finite number of bytes > 0, and something that chooses a partition."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigurationError(
+            f"memory_cap must be None (no cap) or the bytes each process may hold, a finite number > 0; got "
+            f"{value!r}, e.g. memory_cap=12 * 2**30 for 12 GiB."
+        )
+    if balance != "auto" and policy is None:
+        raise ConfigurationError(
+            f"memory_cap={value!r} bounds the partitions that the planner (balance='auto') and the adaptive loop "
+            f"choose, but balance={balance!r} with adaptive=False chooses none. Use balance='auto' or keep the "
+            "adaptive loop on, or drop memory_cap."
         )

@@ -4,7 +4,8 @@ When fitting with ``balance="auto"`` or with adaptation on, global rank 0 profil
 micro-batch of the first training batch, every rank joins a probe of the link between ranks 0 and 1, rank 0
 plans (for ``"auto"``), and one broadcast gives every rank the same decision, per-layer costs and link model.
 A failed profile or plan is not fatal: the run falls back to the given balance (or the parameter count) and
-says why.
+says why. The exception is a ``memory_cap`` that no partition fits: falling back could not honour it, so every
+rank raises :class:`~lightning_dynpipe.errors.ConfigurationError` with the planner's reason.
 
 With ``calibrate``, rank 0 then runs the calibration sweep (:mod:`lightning_dynpipe.sweep`) on the profiled
 micro-batch, and the same broadcast carries its rows: every rank fits its predictor on the same rows, so every rank
@@ -31,11 +32,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.microbatch import batch_len, split_microbatches
-from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.auto import best_plan
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
+from lightning_dynpipe.plan.memory import format_bytes
 from lightning_dynpipe.plan.partition import Partition, balance_by_weights
-from lightning_dynpipe.plan.solver import Plan
+from lightning_dynpipe.plan.solver import Plan, evaluate
 from lightning_dynpipe.predictor import LabelledSamples
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
@@ -214,20 +216,31 @@ def decide(
                         convergence=config.convergence,
                         comm=comm,
                         num_microbatches=config.num_microbatches,
+                        memory_cap=config.memory_cap,
                     )
                     balance, table = plan.partition.balance, plan.table()
+                elif config.memory_cap is not None and balance is not None:
+                    _warn_over_cap(config, cost, balance, world_size)
                 link = (comm.latency_s, comm.bandwidth_Bps)
                 stages = len(balance) if balance is not None else num_stages
                 sweep = None
                 if config.calibrate is not None:
                     autocast = _autocast_dtype(device, forward_context)
                     sweep = _calibrate(config, pipeline, sample, cost, stages, autocast)
-                decision[0] = (balance, table, cost.to_arrays(), link, None, sweep)
+                decision[0] = (balance, table, cost.to_arrays(), link, None, sweep, False)
             except Exception as exc:  # the run must not die because a heuristic failed; say why
-                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None)
+                # ... unless it is the memory cap: no fallback can honour it
+                fatal = isinstance(exc, PartitionError) and config.memory_cap is not None
+                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None, fatal)
         if world_size > 1:
             dist.broadcast_object_list(decision, src=0)
-        balance, table, arrays, link, error, sweep = decision[0]
+        balance, table, arrays, link, error, sweep, fatal = decision[0]
+        if fatal:
+            raise ConfigurationError(
+                f"DynPipe found no partition of the model that fits memory_cap={config.memory_cap:.0f} bytes "
+                f"({format_bytes(config.memory_cap or 0)}) per process ({error}). Raise memory_cap, use more "
+                "processes, or drop it."
+            )
         calibration = calibration_s = None
         if sweep is not None:
             rows, calibration, calibration_s = sweep
@@ -251,6 +264,28 @@ def decide(
     if config.balance is not None:
         return SetupDecision(Partition.from_balance(config.balance, len(pipeline)))
     return SetupDecision(_by_parameters(pipeline, num_stages))
+
+
+def _warn_over_cap(config: DynPipeConfig, cost: ModelCost, balance: tuple[int, ...], world_size: int) -> None:
+    """Warns when the balance the user gave is predicted to exceed ``memory_cap`` on some stage (rank 0)."""
+    cap = config.memory_cap
+    assert cap is not None
+    dp = max(1, world_size // len(balance))
+    plan = evaluate(
+        cost,
+        Partition(balance, (dp,) * len(balance)),
+        schedule=config.schedule,
+        convergence=config.convergence,
+        num_microbatches=config.num_microbatches,
+        memory_cap=cap,
+    )
+    if not plan.fits_memory:
+        over = [f"stage {k}: {format_bytes(m)}" for k, m in enumerate(plan.stage_memory_bytes) if m > cap]
+        rank_zero_warn(
+            f"balance={list(balance)} is predicted to need more than memory_cap={format_bytes(cap)} "
+            f"per process ({'; '.join(over)}). It runs as given (the adaptive loop only moves to partitions within "
+            "the cap); use balance='auto' to start within it."
+        )
 
 
 def _autocast_dtype(device: torch.device, forward_context: Callable[[], AbstractContextManager[Any]]) -> Any:

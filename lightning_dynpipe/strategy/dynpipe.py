@@ -315,6 +315,14 @@ class DynPipeStrategy(DDPStrategy):
             (:class:`~lightning_dynpipe.repartition.InFlightPolicy`). Needs ``schedule="async"`` (or
             ``"async+d"``), the adaptive loop, and ``convergence`` with a ``beta`` measured on the model: the choice
             is only as good as that price of staleness. Changes are in :attr:`schedule_changes`.
+        memory_cap: ``None`` (default): no cap. A number: the bytes each process may hold. The set-up plan
+            (``balance="auto"``) and the adaptive loop choose only partitions and depths whose every stage fits it by
+            the planner's memory model (weight versions, optimizer state, the activations of the micro-batches in
+            flight, the largest layer's workspace: :func:`~lightning_dynpipe.plan.stage_memory`); a faster choice
+            left out is named in the decision's log line, and a set-up plan that nothing fits raises
+            :class:`~lightning_dynpipe.errors.ConfigurationError`. The model leaves out the framework's own memory
+            (CUDA context, allocator caches): give the cap less than the device holds. Needs ``balance="auto"`` or
+            the adaptive loop.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -350,6 +358,7 @@ class DynPipeStrategy(DDPStrategy):
         change_stages: Literal["report", "restart"] = "report",
         keep_freed_cpu_memory: bool = True,
         max_extra_in_flight: int = 0,
+        memory_cap: float | None = None,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -374,6 +383,7 @@ class DynPipeStrategy(DDPStrategy):
             change_stages=change_stages,
             keep_freed_cpu_memory=keep_freed_cpu_memory,
             max_extra_in_flight=max_extra_in_flight,
+            memory_cap=memory_cap,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -451,6 +461,10 @@ class DynPipeStrategy(DDPStrategy):
     max_extra_in_flight = property(
         lambda self: self.config.max_extra_in_flight,
         doc="How many more micro-batches per boundary the adaptive loop may keep in flight (0: it keeps the depth).",
+    )
+    memory_cap = property(
+        lambda self: self.config.memory_cap,
+        doc="The bytes each process may hold by the planner's memory model (``None``: no cap).",
     )
 
     @property

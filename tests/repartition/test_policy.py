@@ -409,3 +409,19 @@ def test_a_rolled_back_window_is_remembered_and_averages_need_every_condition() 
     policy.decide(_inputs(70, current=CAND, candidate=CAND, current_s=39 * MS, cost=0.01, conditions=HOG))
     back = policy.decide(_inputs(80, current=CAND, candidate=CAND, current_s=38.5 * MS, cost=0.01, conditions=CLEAN))
     assert back.repartition and back.partition == CUR and "under the same conditions (clean)" in back.reason
+
+
+def test_recall_skips_a_partition_the_controller_does_not_allow() -> None:
+    """The controller's memory cap reaches the recall through ``PolicyInputs.allowed``: a partition measured faster
+    is not moved back to when it is not allowed (and is when it is)."""
+    from dataclasses import replace
+
+    for allowed, expected in ((None, True), (lambda p: p != CUR, False)):
+        policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, recall_steps=50)
+        policy.decide(_inputs(10, current_s=27 * MS, candidate=CUR, cost=0.01, conditions=CLEAN))
+        assert policy.decide(_inputs(20, current_s=40 * MS, candidate_s=30 * MS, cost=0.01, conditions=HOG)).repartition
+        policy.migrated(20)
+        now = _inputs(30, current=CAND, candidate=CAND, current_s=38 * MS, cost=0.01, conditions=CLEAN)
+        d = policy.decide(replace(now, allowed=allowed))
+        assert d.repartition is expected, d.reason
+        assert not expected or d.partition == CUR
