@@ -164,12 +164,12 @@ class _Changes(L.Callback):
 
 
 def _fit_choosing_the_depth_against_the_replay(
-    tmp_path: Any, devices: int, delay_s: float, data: Any, batches: list[Any]
+    tmp_path: Any, devices: int, delay_s: float, data: Any, batches: list[Any], memory_cap: float | None = None
 ) -> dict[str, Any]:
     """Fits TinyNet on 2 async stages ``[3, 2]`` (``devices / 2`` replicas, M=4, fork) with ``max_extra_in_flight=1``,
-    ``beta = 0.05`` and a ``delay_s`` link on the boundary from step 1; asserts that the loop changed to ``async+1`` and
-    that the weights equal, to 1e-6, the PipeDream replay on ``batches`` with the run's staleness changes (and moves,
-    if any). Returns what rank 0 recorded."""
+    ``beta = 0.05`` and a ``delay_s`` link on the boundary from step 1; asserts that the loop changed to ``async+1``
+    (with a ``memory_cap``: that it changed nothing) and that the weights equal, to 1e-6, the PipeDream replay on
+    ``batches`` with the run's staleness changes (and moves, if any). Returns what rank 0 recorded."""
     record = tmp_path / "changes.json"
     model = TinyNet()
     ref = copy.deepcopy(model)
@@ -184,12 +184,16 @@ def _fit_choosing_the_depth_against_the_replay(
             max_extra_in_flight=1,
             convergence=ConvergenceModel(beta=0.05),
             interference=[{"kind": "link_delay", "stage": 0, "start_step": 1, "delay_s": delay_s}],
+            memory_cap=memory_cap,
         ),
         **trainer_kwargs(callbacks=[_Changes(record)]),
     )
     trainer.fit(model, data)
     seen: dict[str, Any] = json.loads(record.read_text())
-    assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
+    if memory_cap is None:
+        assert seen["changes"] and seen["changes"][0][1:] == ["async", "async+1"], seen
+    else:
+        assert seen["changes"] == [], seen
     restaleness = {step - 1: [get_schedule(new).staleness(k, 2) for k in range(2)] for step, _, new in seen["changes"]}
     replay_async(
         ref.pipeline, [3, 2], make_optimizer, batches, 4, lambda out, mb: F.cross_entropy(out, mb[1]),
@@ -207,6 +211,26 @@ def test_the_adaptive_loop_hides_a_slow_link_with_more_micro_batches_in_flight(t
     and the run equals the replay with that staleness change (1e-6)."""
     seen = _fit_choosing_the_depth_against_the_replay(tmp_path, 2, 0.004, loader(n=12 * 30), list(loader(n=12 * 30)))
     assert "reschedule async -> async+1" in seen["depths"][0], seen["depths"]
+
+
+def test_a_deeper_pipeline_over_the_memory_cap_is_not_chosen(tmp_path: Any) -> None:
+    """The same run with a memory cap between what stage 0 of ``[3, 2]`` needs under ``async`` and under ``async+1``
+    (one more weight version and one more micro-batch's activations, by the set-up profile's sizes, computed here the
+    way the strategy does): the loop keeps ``async``, says why, and the run equals the plain async replay (1e-6)."""
+    from lightning_dynpipe.plan.memory import stage_memory
+    from lightning_dynpipe.strategy.decision import _profile
+
+    model = TinyNet()
+    cost = _profile(
+        model.pipeline, dataset(3)[:][0], torch.device("cpu"), make_optimizer(list(model.parameters())), None
+    )
+    need = [int(stage_memory(cost, [0], [3], stage_idx=0, num_stages=2, schedule=s)[0]) for s in ("async", "async+1")]
+    assert need[0] < need[1]
+    cap = (need[0] + need[1]) / 2
+    seen = _fit_choosing_the_depth_against_the_replay(
+        tmp_path, 2, 0.004, loader(n=12 * 30), list(loader(n=12 * 30)), memory_cap=cap
+    )
+    assert any("async+1" in d and "over the memory cap" in d for d in seen["depths"]), seen["depths"]
 
 
 def test_choosing_the_depth_needs_async_the_loop_and_a_measured_price_of_staleness() -> None:
