@@ -17,7 +17,11 @@ applies it (a live migration at the next step). At every check:
 5. with ``max_extra_in_flight > 0`` and the partition staying, the current partition is priced under ``async+d``
    for every ``d`` up to it (the convergence model charging each depth's staleness), and the best depth goes to
    the depth policy (:class:`~lightning_dynpipe.repartition.inflight.InFlightPolicy`); its answer is in
-   :attr:`AdaptiveController.depth_decision`.
+   :attr:`AdaptiveController.depth_decision`. With ``max_extra_in_flight > 0`` a move may also come with a depth:
+   each candidate is priced under every depth too, and keeps the best where it beats the current partition under
+   its own best depth by the depth policy's ``min_relative_gain`` (what a change of depth alone reaches); the policy
+   decides on the pair, the depth change is in :attr:`AdaptiveController.depth_decision` beside the move, and a
+   roll back of the move takes its depth back.
 
 With a ``memory_cap``, a candidate partition or depth whose predicted peak memory on some stage exceeds it
 (:func:`~lightning_dynpipe.plan.memory.stage_memory`: its weight versions, optimizer state and the activations of
@@ -284,6 +288,7 @@ class AdaptiveController:
         self.depth_policy = depth_policy if depth_policy is not None else InFlightPolicy()
         self.depth_decisions: list[DepthDecision] = []
         self.memory_cap = memory_cap
+        self._paired_undo: tuple[Partition, Partition, Schedule] | None = None  # (moved to, from, depth before)
         self.depth_decision: DepthDecision | None = None
         """After a check: the depth policy's answer (``None`` when the depth was not considered: a partition move,
         ``max_extra_in_flight=0``, or a schedule that is not ``async``)."""
@@ -370,6 +375,7 @@ class AdaptiveController:
         else:
             predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
+        paired = self._pair_depths(step, window, priced, comm)
         # ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice)
         current = priced[0]
         best = min((c for c in priced if c.fits or c is current), key=lambda c: c.value.time_to_accuracy_s)
@@ -389,7 +395,7 @@ class AdaptiveController:
             remaining_steps=remaining_steps,
             slowdowns=slowdowns,
             candidate_step_high_s=best.high.time_to_accuracy_s * per_step,
-            details=self._details(window, current, best, priced),
+            details=self._details(window, current, best, priced, paired.get(best.partition)),
             stage_compute_s=tuple(t.compute_s for t in window.stages),
             convergence_factor=current.value.iterations / i0,
             causes="; ".join(
@@ -403,8 +409,22 @@ class AdaptiveController:
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
         self.depth_decision = None
+        undo, self._paired_undo = self._paired_undo, None
         if decision.repartition:
             self.depth_policy.forget_change()  # the next window measures the new partition, not the depth
+            with_move = paired.get(decision.partition) if decision.partition == best.partition else None
+            if with_move is not None:  # the depth that made the move pay comes with it, judged with it
+                self.depth_decision = self._depth_with_move(
+                    window, decision, inputs, with_move, f"with the move {window.partition} -> {decision.partition}"
+                )
+                self._paired_undo = (decision.partition, window.partition, self.schedule)
+            elif undo is not None and (window.partition, decision.partition) == undo[:2] and undo[2] != self.schedule:
+                self.depth_decision = self._depth_with_move(  # a paired move rolled back takes its depth back
+                    window, decision, inputs, undo[2], f"with the roll back {window.partition} -> {decision.partition}"
+                )
+            if self.depth_decision is not None:
+                self.depth_decisions.append(self.depth_decision)
+                log.debug("DynPipe adaptation: %s", self.depth_decision)
         elif self.max_extra_in_flight > 0 and isinstance(self.schedule, AsyncSchedule):
             self.depth_decision = self._depth(step, window, current, current_prediction, comm, inputs)
             self.depth_decisions.append(self.depth_decision)
@@ -418,6 +438,62 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _pair_depths(
+        self, step: int, window: PipelineWindow, priced: list[_Priced], comm: CommModel
+    ) -> dict[Partition, Schedule]:
+        """With a depth to choose (``max_extra_in_flight > 0`` under ``async``), a move may come with another depth:
+        every candidate but the current one is also priced under every other depth the depth policy does not refuse,
+        and ``priced`` keeps its best (within the memory cap) where that beats, by the depth policy's
+        ``min_relative_gain``, the current partition under its own best depth (what a change of depth alone reaches
+        without a migration). Returns the depth each re-priced candidate pairs with. Not when the current depth's
+        prediction explains less of the measured step than the depth policy's ``min_explained`` (a shorter round
+        trip would not show)."""
+        if self.max_extra_in_flight <= 0 or not isinstance(self.schedule, AsyncSchedule) or len(priced) < 2:
+            return {}
+        M, dp = self.num_microbatches, self.replicas
+        explained = priced[0].value.iteration_time_s * M * dp / window.mean_step_s if window.mean_step_s > 0 else 0.0
+        if not explained >= self.depth_policy.min_explained:
+            return {}
+        depths = [AsyncSchedule(d) for d in range(self.max_extra_in_flight + 1)]
+        others = [d for d in depths if d != self.schedule and not self.depth_policy.refuses(d, step)]
+        current = priced[0]
+        alone = [self._price(current.partition, current.prediction, comm, d) for d in others]
+        base = min(p.value.time_to_accuracy_s for p in (current, *alone) if p.fits or p is current)
+        bar = base * (1.0 - self.depth_policy.min_relative_gain)
+        paired: dict[Partition, Schedule] = {}
+        for idx in range(1, len(priced)):
+            here = priced[idx]
+            for sched in others:
+                alt = self._price(here.partition, here.prediction, comm, sched)
+                better = alt.value.time_to_accuracy_s < min(bar, priced[idx].value.time_to_accuracy_s)
+                if alt.fits and better:
+                    priced[idx], paired[here.partition] = alt, sched
+        return paired
+
+    def _depth_with_move(
+        self, window: PipelineWindow, decision: Decision, inputs: PolicyInputs, schedule: Schedule, what: str
+    ) -> DepthDecision:
+        """The depth change that goes with a move (the partition policy decided on both: see :meth:`_pair_depths`)."""
+        return DepthDecision(
+            True,
+            schedule,
+            decision.predicted_gain_s,
+            what,
+            DepthInputs(
+                step=inputs.step,
+                current=self.schedule,
+                candidate=schedule,
+                current_step_s=inputs.current_step_s,
+                candidate_step_s=inputs.candidate_step_s,
+                candidate_step_high_s=inputs.candidate_step_upper_s,
+                measured_step_s=inputs.measured_step_s,
+                convergence_factor=inputs.convergence_factor,
+                change_cost_s=window.mean_step_s,
+                remaining_steps=inputs.remaining_steps,
+                causes=inputs.causes,
+            ),
+        )
 
     def _fits(self, partition: Partition) -> bool:
         """Whether every stage of ``partition`` fits ``memory_cap`` under the running schedule."""
@@ -544,7 +620,14 @@ class AdaptiveController:
         # point predictions: the upper end is the value
         return _Priced(partition, prediction, plans[0], plans[-1], bound[0], plans[0].fits_memory)
 
-    def _details(self, window: PipelineWindow, current: _Priced, best: _Priced, priced: Sequence[_Priced]) -> str:
+    def _details(
+        self,
+        window: PipelineWindow,
+        current: _Priced,
+        best: _Priced,
+        priced: Sequence[_Priced],
+        paired: Schedule | None = None,
+    ) -> str:
         """Predicted stage and boundary times of the candidate (ms, with intervals), the faster candidates left out
         for the memory cap, and the top features."""
 
@@ -557,6 +640,8 @@ class AdaptiveController:
 
         pred = best.prediction
         text = f"candidate stage ms/micro-batch {fmt(pred.stage_compute_s)}"
+        if paired is not None:
+            text = f"with {paired.name} (changed with the move); {text}"
         if pred.boundary_s:
             text += f", boundary ms/message {fmt(pred.boundary_s)}"
         bound = [p for p in ((current,) if best is current else (current, best)) if p.round_trip_bound]

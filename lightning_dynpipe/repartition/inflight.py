@@ -236,6 +236,12 @@ class InFlightPolicy:
         """Told when the partition or the depth changed (the cool-down starts)."""
         self._last_change = step
 
+    def refuses(self, schedule: Schedule, step: int) -> bool:
+        """Whether ``schedule`` is refused at ``step`` (it made the pipeline slower to accuracy within
+        ``memory_steps``); the controller asks before it pairs a move with a depth."""
+        at = self._refused.get(schedule)
+        return at is not None and step - at < self.memory_steps
+
     def forget_change(self) -> None:
         """The change to judge is not judged (the partition moved before its first window)."""
         self._unjudged = None

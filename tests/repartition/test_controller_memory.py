@@ -30,7 +30,9 @@ def _peak(balance: tuple[int, ...], schedule: str = "async") -> int:
     )
 
 
-def _controller(memory_cap: float | None, link: CommModel = QUIET, max_extra: int = 0) -> AdaptiveController:
+def _controller(
+    memory_cap: float | None, link: CommModel = QUIET, max_extra: int = 0, max_shift: int = 2
+) -> AdaptiveController:
     return AdaptiveController(
         GainOverCostPolicy(patience=1, horizon_steps=500),
         model_cost=UNIFORM,
@@ -42,6 +44,7 @@ def _controller(memory_cap: float | None, link: CommModel = QUIET, max_extra: in
         max_extra_in_flight=max_extra,
         depth_policy=InFlightPolicy(patience=1, horizon_steps=500),
         memory_cap=memory_cap,
+        max_shift=max_shift,
     )
 
 
@@ -93,7 +96,8 @@ def _slow_link_window() -> list[StageTimes]:
     ids=["no cap", "async+1 fits", "only async fits"],
 )
 def test_a_deeper_pipeline_over_the_cap_is_not_chosen(cap: float | None, chosen: AsyncSchedule | None) -> None:
-    controller = _controller(memory_cap=cap, link=SLOW, max_extra=2)
+    # the partition held (no neighbours priced; the planner proposes [2, 3] itself): the depth alone is chosen
+    controller = _controller(memory_cap=cap, link=SLOW, max_extra=2, max_shift=0)
     d = controller.check(10, _slow_link_window(), Partition((2, 3)), remaining_steps=2000)
     assert d is not None and not d.repartition, d
     depth = controller.depth_decision
@@ -104,3 +108,15 @@ def test_a_deeper_pipeline_over_the_cap_is_not_chosen(cap: float | None, chosen:
         assert "async+2 38.2 (needs 789.1 KiB: over the memory cap)" in str(depth)
     else:
         assert depth.change and depth.schedule == chosen, depth
+
+
+def test_under_the_cap_a_move_can_make_room_for_a_deeper_pipeline() -> None:
+    """With a cap of 500 KB, async+1 does not fit [2, 3] (stage 0 needs 606 KB) but fits [1, 4] (303 and 404 KB),
+    where it runs at 12 ms a micro-batch against [2, 3]'s 13.5 under async: the loop moves and deepens at once."""
+    assert _peak((1, 4), "async+1") == 404_000
+    controller = _controller(memory_cap=500_000, link=SLOW, max_extra=2)
+    d = controller.check(10, _slow_link_window(), Partition((2, 3)), remaining_steps=2000)
+    assert d is not None and d.repartition and d.partition == Partition((1, 4)), d
+    depth = controller.depth_decision
+    assert depth is not None and depth.change and depth.schedule == AsyncSchedule(1), depth
+    assert "with async+1 (changed with the move)" in str(d)

@@ -193,3 +193,42 @@ def test_the_depth_is_not_considered_when_off_or_when_the_partition_moves() -> N
     times = [StageTimes(M * 9 * 0.003, M * 0.0405, comm_s=M * 0.006), StageTimes(M * 6 * 0.001, M * 0.0405)]
     d = moving.check(10, times, Partition((3, 2)), remaining_steps=2000)
     assert d is not None and d.repartition and moving.depth_decision is None, d
+
+
+def _slow_link_and_stage_1_slowed(balance: tuple[int, int]) -> list[StageTimes]:
+    """``balance`` under async on SLOW (messages of 6 ms) with stage 1's process 2x slower: on [2, 3] stage 1 takes 18
+    ms a micro-batch and the round trip (6 + 18 + 2 x 6) / 2 = 18 as well."""
+    per_layer = (0.003, 0.006)
+    compute = [n * t for n, t in zip(balance, per_layer)]
+    step = M * max(max(compute), (sum(compute) + 2 * 0.006) / 2)
+    return [StageTimes(M * c, step, comm_s=M * 0.006) for c in compute]
+
+
+def test_a_move_that_pays_only_with_more_micro_batches_in_flight_takes_both_at_once() -> None:
+    """[2, 3] with stage 1 slowed 2x on the slow link (18 ms a micro-batch): async+1 alone leaves stage 1's 18 ms; the
+    best move under async is [4, 1], where the round trip binds at (12 + 6 + 12) / 2 = 15 ms; [3, 2] with async+1
+    runs at stage 1's 12 ms. The loop takes that move and the depth together, and a roll back of the move takes the
+    depth back."""
+    controller = _controller(beta=0.05, max_extra=1)
+    d = controller.check(10, _slow_link_and_stage_1_slowed((2, 3)), Partition((2, 3)), remaining_steps=2000)
+    assert d is not None and d.repartition and d.partition == Partition((3, 2)), d
+    assert "with async+1 (changed with the move)" in str(d)
+    depth = controller.depth_decision
+    assert depth is not None and depth.change and depth.schedule == AsyncSchedule(1), depth
+    assert depth.reason == "with the move [2, 3] -> [3, 2]" and controller.depth_decisions == [depth]
+    factor = {s: 1 + 0.05 * s * 3 / 5 for s in (1, 2)}  # stage 0 of [3, 2] holds 3 of 5 layers' parameters
+    assert d.inputs.candidate_step_s == pytest.approx(M * 0.012 * factor[2])
+    # without the depth to choose, the round trip caps what a move reaches
+    alone = _controller(beta=0.05, max_extra=0)
+    moved = alone.check(10, _slow_link_and_stage_1_slowed((2, 3)), Partition((2, 3)), remaining_steps=2000)
+    assert moved is not None and moved.repartition and moved.partition == Partition((4, 1)), moved
+    assert moved.inputs.candidate_step_s == pytest.approx(M * 0.015 * (1 + 0.05 * 4 / 5))
+    # applied as the strategy does; the first window after it measures the pair slower than before: both go back
+    controller.migrated(10)
+    controller.rescheduled(10, AsyncSchedule(1))
+    slower = [StageTimes(M * 0.009, M * 0.030, comm_s=M * 0.006), StageTimes(M * 0.012, M * 0.030, comm_s=M * 0.006)]
+    back = controller.check(20, slower, Partition((3, 2)), remaining_steps=2000)
+    assert back is not None and back.repartition and back.partition == Partition((2, 3)) and "roll back" in back.reason
+    undo = controller.depth_decision
+    assert undo is not None and undo.change and undo.schedule == AsyncSchedule(0), undo
+    assert undo.reason == "with the roll back [3, 2] -> [2, 3]"
