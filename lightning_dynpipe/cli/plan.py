@@ -54,10 +54,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=DEFAULT_BETA, help="the convergence model's staleness cost")
     p.add_argument("--latency-us", type=float, default=0.0, help="link latency between stages (microseconds)")
     p.add_argument("--bandwidth-gbps", type=float, default=math.inf, help="link bandwidth (GB/s)")
+    p.add_argument(
+        "--memory-cap",
+        type=_bytes,
+        default=None,
+        help="bytes each process may hold by the planner's memory model, e.g. 12GiB or 500MiB (default: no cap)",
+    )
     p.add_argument("--steps", type=int, default=6, help="steps to simulate")
     p.add_argument("--timeline", default="plan_timeline.png", help="where to write the simulated timeline")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (JSON) here")
     return p
+
+
+_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _bytes(text: str) -> float:
+    """``--memory-cap``: a number of bytes with an optional binary unit (``12GiB``, ``500 MiB``, ``1e9``)."""
+    number = text.strip().rstrip("".join(sorted({c for u in _UNITS for c in u}))).strip()
+    unit = text.strip()[len(number) :].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected bytes with an optional unit of {', '.join(u for u in _UNITS if u)} (e.g. 12GiB); got {text!r}"
+        ) from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of bytes > 0; got {text!r}")
+    return value
 
 
 def _load_model(spec: str, init_args: str) -> Any:
@@ -129,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         convergence=ConvergenceModel(beta=a.beta),
         comm=comm,
         num_microbatches=a.num_microbatches,
+        memory_cap=a.memory_cap,
     )
     print()
     print(plan.table())

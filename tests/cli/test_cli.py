@@ -31,6 +31,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 import lightning_dynpipe.__main__ as entry
 from lightning_dynpipe import ConfigurationError, DynPipeStrategy
 from lightning_dynpipe.cli.lightning_cli import main
+from lightning_dynpipe.errors import PartitionError
 
 # Lightning 2.6's LightningCLI calls jsonargparse APIs deprecated in jsonargparse 4.49; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning")
@@ -286,6 +287,18 @@ def test_plan_command_prints_the_plan_and_writes_the_timeline(
     assert "stages=2" in out and "partition=[" in out and "time to accuracy" in out
     assert "simulated async step" in out
     assert timeline.stat().st_size > 1000 and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_plan_command_plans_within_a_memory_cap(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["plan", "--model", "lightning_dynpipe.demos:MLP", "--init-args", '{"width": 64, "depth": 3}',
+            "--devices", "2", "--batch-size", "32", "--timeline", str(tmp_path / "t.png")]  # fmt: skip
+    assert entry.dispatch([*args, "--memory-cap", "1GiB"]) == 0
+    assert "1.0 GiB" in capsys.readouterr().out  # the cap column of the plan table
+    with pytest.raises(PartitionError, match="No partition of the .* layers fits the memory cap"):
+        entry.dispatch([*args, "--memory-cap", "1KiB"])
+    with pytest.raises(SystemExit):
+        entry.dispatch([*args, "--memory-cap", "12GB"])
+    assert "expected bytes with an optional unit of B, KiB, MiB, GiB, TiB" in capsys.readouterr().err
 
 
 class NoExampleInput(torch.nn.Module):
