@@ -375,7 +375,7 @@ class AdaptiveController:
         else:
             predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
-        paired = self._pair_depths(step, window, priced, comm)
+        paired, depths_here = self._pair_depths(step, window, priced, comm)
         # ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice)
         current = priced[0]
         best = min((c for c in priced if c.fits or c is current), key=lambda c: c.value.time_to_accuracy_s)
@@ -426,7 +426,7 @@ class AdaptiveController:
                 self.depth_decisions.append(self.depth_decision)
                 log.debug("DynPipe adaptation: %s", self.depth_decision)
         elif self.max_extra_in_flight > 0 and isinstance(self.schedule, AsyncSchedule):
-            self.depth_decision = self._depth(step, window, current, current_prediction, comm, inputs)
+            self.depth_decision = self._depth(step, window, current, current_prediction, comm, inputs, depths_here)
             self.depth_decisions.append(self.depth_decision)
             log.debug("DynPipe adaptation: %s", self.depth_decision)
         if decision.repartition:
@@ -441,20 +441,20 @@ class AdaptiveController:
 
     def _pair_depths(
         self, step: int, window: PipelineWindow, priced: list[_Priced], comm: CommModel
-    ) -> dict[Partition, Schedule]:
+    ) -> tuple[dict[Partition, Schedule], dict[Schedule, _Priced]]:
         """With a depth to choose (``max_extra_in_flight > 0`` under ``async``), a move may come with another depth:
         every candidate but the current one is also priced under every other depth the depth policy does not refuse,
         and ``priced`` keeps its best (within the memory cap) where that beats, by the depth policy's
         ``min_relative_gain``, the current partition under its own best depth (what a change of depth alone reaches
-        without a migration). Returns the depth each re-priced candidate pairs with. Not when the current depth's
-        prediction explains less of the measured step than the depth policy's ``min_explained`` (a shorter round
-        trip would not show)."""
+        without a migration). Returns the depth each re-priced candidate pairs with, and the current partition priced
+        under the other depths (for :meth:`_depth`). Not when the current depth's prediction explains less of the
+        measured step than the depth policy's ``min_explained`` (a shorter round trip would not show)."""
         if self.max_extra_in_flight <= 0 or not isinstance(self.schedule, AsyncSchedule) or len(priced) < 2:
-            return {}
+            return {}, {}
         M, dp = self.num_microbatches, self.replicas
         explained = priced[0].value.iteration_time_s * M * dp / window.mean_step_s if window.mean_step_s > 0 else 0.0
         if not explained >= self.depth_policy.min_explained:
-            return {}
+            return {}, {}
         depths = [AsyncSchedule(d) for d in range(self.max_extra_in_flight + 1)]
         others = [d for d in depths if d != self.schedule and not self.depth_policy.refuses(d, step)]
         current = priced[0]
@@ -469,7 +469,7 @@ class AdaptiveController:
                 better = alt.value.time_to_accuracy_s < min(bar, priced[idx].value.time_to_accuracy_s)
                 if alt.fits and better:
                     priced[idx], paired[here.partition] = alt, sched
-        return paired
+        return paired, dict(zip(others, alone))
 
     def _depth_with_move(
         self, window: PipelineWindow, decision: Decision, inputs: PolicyInputs, schedule: Schedule, what: str
@@ -513,8 +513,10 @@ class AdaptiveController:
         prediction: PartitionPrediction,
         comm: CommModel,
         inputs: PolicyInputs,
+        known: dict[Schedule, _Priced],
     ) -> DepthDecision:
-        """The current partition priced under every depth up to ``max_extra_in_flight``; the policy's answer."""
+        """The current partition priced under every depth up to ``max_extra_in_flight`` (``known``: those already
+        priced at this check); the policy's answer."""
         M, i0 = self.num_microbatches, (self.convergence or ConvergenceModel()).i0
         assert isinstance(self.schedule, AsyncSchedule)
         depths = sorted({*range(self.max_extra_in_flight + 1), self.schedule.extra_in_flight})
@@ -522,7 +524,10 @@ class AdaptiveController:
         for d in depths:
             sched = AsyncSchedule(d)
             same = sched == self.schedule
-            priced.append((sched, current if same else self._price(window.partition, prediction, comm, sched)))
+            if same:
+                priced.append((sched, current))
+            else:
+                priced.append((sched, known.get(sched) or self._price(window.partition, prediction, comm, sched)))
         # ties: the shallowest; a depth over the memory cap is never chosen (the current one stays a choice)
         best_schedule, best = min(
             (c for c in priced if c[1].fits or c[1] is current), key=lambda c: c[1].value.time_to_accuracy_s
