@@ -91,8 +91,8 @@ System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=-
 this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
 System ``measured-depth`` is ``measured-beta`` with ``max_extra_in_flight=2``: the adaptive loop may also change how
-many micro-batches are in flight (``async`` to ``async+2``), priced with that ``beta``; its changes are in each
-run's ``schedule_changes``.
+many micro-batches are in flight (``async`` to ``async+2``), alone or with a move, priced with that ``beta``; its
+changes are in each run's ``schedule_changes``.
 
 Systems ``static+1``, ``static+2`` and ``measured+1`` are ``static`` and ``measured`` with the schedule's ``d`` more
 micro-batches in flight over the boundary (``--schedule`` + ``"+d"``, e.g. ``async+1``: stage 0 forwards
