@@ -38,6 +38,7 @@ from lightning_dynpipe.engine.microbatch import iter_tensors as _tensors
 from lightning_dynpipe.engine.microbatch import tree_map as _tree_map
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import LayerCost, ModelCost
+from lightning_dynpipe.plan.memory import format_bytes
 
 __all__ = ["LayerStats", "LayerProfile", "profile_layers", "optimizer_state_factor"]
 
@@ -204,10 +205,10 @@ class LayerProfile:
                     f"{s.forward_s * 1e3:.3f}",
                     f"{s.backward_s * 1e3:.3f}",
                     f"{s.update_s * 1e3:.3f}",
-                    _fmt_bytes(s.activation_bytes),
-                    _fmt_bytes(s.param_bytes),
-                    _fmt_bytes(s.optimizer_state_bytes),
-                    _fmt_bytes(s.peak_bytes),
+                    format_bytes(s.activation_bytes),
+                    format_bytes(s.param_bytes),
+                    format_bytes(s.optimizer_state_bytes),
+                    format_bytes(s.peak_bytes),
                     shapes,
                 )
             )
@@ -218,10 +219,10 @@ class LayerProfile:
                 f"{sum(self.forward_s) * 1e3:.3f}",
                 f"{sum(self.backward_s) * 1e3:.3f}",
                 f"{sum(s.update_s for s in self.layers) * 1e3:.3f}",
-                _fmt_bytes(sum(s.activation_bytes for s in self.layers)),
-                _fmt_bytes(sum(s.param_bytes for s in self.layers)),
-                _fmt_bytes(sum(s.optimizer_state_bytes for s in self.layers)),
-                _fmt_bytes(max(s.peak_bytes for s in self.layers)) + " max",
+                format_bytes(sum(s.activation_bytes for s in self.layers)),
+                format_bytes(sum(s.param_bytes for s in self.layers)),
+                format_bytes(sum(s.optimizer_state_bytes for s in self.layers)),
+                format_bytes(max(s.peak_bytes for s in self.layers)) + " max",
                 "",
             )
         )
@@ -240,14 +241,6 @@ class LayerProfile:
             f"optimizer state {self.optimizer_state_factor:g} x params; peak memory {peak}"
         )
         return "\n".join([title, line(head), rule, *(line(r) for r in rows[:-1]), rule, line(rows[-1])])
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _shorten(text: str, width: int) -> str:

@@ -163,8 +163,11 @@ class _Priced:
     high: Plan
     round_trip_bound: bool = False
     """Whether a round trip through several stages, not a stage, sets the value's time per micro-batch."""
-    fits: bool = True
-    """Whether every stage's predicted peak memory fits the controller's ``memory_cap``."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage's predicted peak memory fits the controller's ``memory_cap`` (priced with it)."""
+        return self.value.fits_memory
 
 
 def _peak(priced: _Priced) -> str:
@@ -623,7 +626,7 @@ class AdaptiveController:
                 plan = replace(plan, iteration_time_s=trip, time_to_accuracy_s=plan.iterations * trip)
             plans.append(plan)
         # point predictions: the upper end is the value
-        return _Priced(partition, prediction, plans[0], plans[-1], bound[0], plans[0].fits_memory)
+        return _Priced(partition, prediction, plans[0], plans[-1], bound[0])
 
     def _details(
         self,
