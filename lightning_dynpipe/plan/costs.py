@@ -167,7 +167,16 @@ class ModelCost:
         object.__setattr__(self, "_update", _prefix_float([c.update_s for c in layers]))
         object.__setattr__(self, "_params", _prefix_int([c.param_bytes for c in layers]))
         object.__setattr__(self, "_activations", _prefix_int([c.activation_bytes for c in layers]))
-        object.__setattr__(self, "_kept", _prefix_int([c.kept_bytes for c in layers]))
+        # Each layer is charged at least what its output adds over its input: a stage keeps the message it
+        # received besides its layers' kept bytes (plan.memory.activation_memory), so with this floor a stage's
+        # memory never shrinks as it takes a layer on its left (the solver's searches over starts need that). Only
+        # a layer whose output is not in its held bytes and outweighs its input (one returning a buffer, say) is
+        # charged more than measured.
+        acts = [c.activation_bytes for c in layers]
+        floors = [acts[0], *(a - b for a, b in zip(acts[1:], acts[:-1], strict=True))]
+        object.__setattr__(
+            self, "_kept", _prefix_int([max(c.kept_bytes, f) for c, f in zip(layers, floors, strict=True)])
+        )
         object.__setattr__(self, "_optimizer", _prefix_int([c.optimizer_state_bytes for c in layers]))
         # Sparse table: row l holds max(workspace[i : i + 2**l]); any range max is two lookups.
         work = np.asarray([c.workspace_bytes for c in layers], dtype=np.int64)
@@ -280,8 +289,10 @@ class ModelCost:
 
     @property
     def kept_prefix(self) -> IntArray:
-        """``kept_prefix[i]`` = bytes one micro-batch in flight keeps for layers ``[0, i)``
-        (:attr:`LayerCost.kept_bytes`; read-only)."""
+        """``kept_prefix[i]`` = bytes one micro-batch in flight keeps for layers ``[0, i)`` (read-only):
+        :attr:`LayerCost.kept_bytes` per layer, and at least what the layer's output adds over its input
+        (``activation_bytes[l] - activation_bytes[l - 1]``), a floor that binds only for a layer whose output its
+        held bytes leave out."""
         return self._kept
 
     @property

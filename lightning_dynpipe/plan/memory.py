@@ -24,6 +24,7 @@ __all__ = [
     "in_flight_microbatches",
     "stage_memory",
     "activation_memory",
+    "stage_input_bytes",
     "format_bytes",
 ]
 
@@ -70,10 +71,11 @@ def stage_memory(
 ) -> NDArray[np.int64]:
     """Peak bytes on each device of the stage owning layers ``[first, stop)``, vectorised over ranges.
 
-    ``versions * params + optimizer_state + in_flight * kept + max(workspace)``, where ``kept`` is what one
-    micro-batch in flight keeps for the stage's layers until its backward (:attr:`LayerCost.kept_bytes
+    ``versions * params + optimizer_state + in_flight * (input + kept) + max(workspace)``, where ``kept`` is what
+    one micro-batch in flight keeps for the stage's layers until its backward (:attr:`LayerCost.kept_bytes
     <lightning_dynpipe.plan.costs.LayerCost.kept_bytes>`: the saved tensors and outputs the profile measured, else
-    the outputs). Replicas do not change it: each replica holds the whole stage.
+    the outputs) and ``input`` the message it received (see :func:`activation_memory`). Replicas do not change it:
+    each replica holds the whole stage.
 
     Example::
 
@@ -81,6 +83,8 @@ def stage_memory(
         ...                               optimizer_state_bytes=20)
         >>> stage_memory(model, [0], [2], stage_idx=0, num_stages=2).tolist()  # 2*20 + 40 + 2*6
         [92]
+        >>> stage_memory(model, [1], [2], stage_idx=1, num_stages=2).tolist()  # 1*10 + 20 + 1*(3 + 3)
+        [36]
     """
     versions = weight_versions(stage_idx, num_stages, schedule)
     i = np.asarray(first, dtype=np.int64)
@@ -103,16 +107,33 @@ def activation_memory(
     schedule: ScheduleLike = "async",
     num_microbatches: int | None = None,
 ) -> NDArray[np.int64]:
-    """The activation part of :func:`stage_memory`: ``in_flight * kept + max(workspace)``, vectorised over ranges.
+    """The activation part of :func:`stage_memory`: ``in_flight * (input + kept) + max(workspace)``, vectorised.
 
-    What the stage's micro-batches in flight keep for their backwards (each storage once; the stage's input, the
-    previous stage's output, is not counted), and the largest transient of one layer.
+    What the stage's micro-batches in flight keep for their backwards (each storage once), and the largest
+    transient of one layer. ``input`` is the message a stage after the first receives per micro-batch, the
+    previous layer's output (``activation_bytes[first - 1]``): the stage keeps it until the micro-batch's backward
+    has produced its gradient, whether or not the first layer saves it; the first stage's input (the user's batch)
+    is not counted.
     """
     in_flight = in_flight_microbatches(stage_idx, num_stages, schedule, num_microbatches)
     i = np.asarray(first, dtype=np.int64)
     j = np.asarray(stop, dtype=np.int64)
     kept = model.kept_prefix[j] - model.kept_prefix[i]
-    return np.asarray(in_flight * kept + model.workspace_max(i, j), dtype=np.int64)
+    return np.asarray(in_flight * (stage_input_bytes(model, i) + kept) + model.workspace_max(i, j), dtype=np.int64)
+
+
+def stage_input_bytes(model: ModelCost, first: ArrayLike) -> NDArray[np.int64]:
+    """Bytes of the message a stage starting at layer ``first`` receives per micro-batch (0 for ``first == 0``).
+
+    Example::
+
+        >>> model = ModelCost.from_arrays([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], activation_bytes=[5, 7, 2])
+        >>> stage_input_bytes(model, [0, 1, 2]).tolist()
+        [0, 5, 7]
+    """
+    i = np.asarray(first, dtype=np.int64)
+    acts = model.activation_prefix
+    return np.asarray(np.where(i > 0, acts[i] - acts[np.maximum(i - 1, 0)], 0), dtype=np.int64)
 
 
 def format_bytes(num: float) -> str:

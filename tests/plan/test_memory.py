@@ -20,9 +20,9 @@ def test_stage_memory_by_hand() -> None:
         [1.0] * 3, [1.0] * 3, activation_bytes=[5, 7, 11], param_bytes=[100, 0, 30],
         optimizer_state_bytes=[200, 0, 60], workspace_bytes=[13, 50, 17],
     )  # fmt: skip
-    # stage 1 of 3 owns layers 1..2: 2 versions, 2 micro-batches in flight
+    # stage 1 of 3 owns layers 1..2: 2 versions, 2 micro-batches in flight, each keeping the 5 bytes it received
     got = stage_memory(model, [1], [3], stage_idx=1, num_stages=3)
-    assert got.tolist() == [2 * 30 + 60 + 2 * (7 + 11) + 50]
+    assert got.tolist() == [2 * 30 + 60 + 2 * (5 + 7 + 11) + 50]
     got = stage_memory(model, [0, 0], [1, 3], stage_idx=0, num_stages=3, schedule="sync", num_microbatches=2)
     assert got.tolist() == [100 + 200 + 2 * 5 + 13, 130 + 260 + 2 * 23 + 50]
 
@@ -34,7 +34,7 @@ def test_each_micro_batch_in_flight_keeps_the_held_bytes_where_measured() -> Non
         [1.0] * 3, [1.0] * 3, activation_bytes=[5, 7, 11], param_bytes=[100, 0, 30], held_bytes=[0, 40, 0]
     )
     assert [layer.kept_bytes for layer in model.layers] == [5, 40, 11]
-    assert stage_memory(model, [1], [3], stage_idx=1, num_stages=3).tolist() == [2 * 30 + 2 * (40 + 11)]
+    assert stage_memory(model, [1], [3], stage_idx=1, num_stages=3).tolist() == [2 * 30 + 2 * (5 + 40 + 11)]
     assert ModelCost.from_arrays(**model.to_arrays()) == model
     with pytest.raises(ConfigurationError, match="held_bytes"):
         ModelCost.from_arrays([1.0], [1.0], held_bytes=[-1])

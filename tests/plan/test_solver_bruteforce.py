@@ -66,6 +66,8 @@ def random_model(rng: random.Random, n: int) -> ModelCost:
         workspace_bytes=[rng.randint(0, 40) for _ in range(n)],
         # optimizer updates: none for parameter-free layers, and up to a whole forward + backward
         update_s=[rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(n)],
+        # what a micro-batch keeps: unmeasured (the output stands in), or saved tensors above or below the output
+        held_bytes=[rng.choice([0, rng.randint(1, 150)]) for _ in range(n)],
     )
 
 
