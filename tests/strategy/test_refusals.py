@@ -177,3 +177,29 @@ def test_a_refused_model_built_on_meta_shows_the_refusal_not_a_teardown_error() 
     with pytest.raises(ConfigurationError, match=r"\['scale'\] outside `pipeline` are on the meta device"):
         trainer.fit(model, loader())
     assert model.scale.is_meta and model.pipeline[0].weight.is_meta
+
+
+class TwoOptimizers(TinyNet):
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:  # type: ignore[override]
+        params = list(self.pipeline.parameters())
+        return [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
+
+
+def test_more_than_one_optimizer() -> None:
+    """Lightning refuses several optimizers under automatic optimization itself, while it configures them (the
+    process group exists by then); manual optimization is refused before. The strategy's own check stays for the
+    optimizers Lightning hands it, with its message."""
+    from lightning_dynpipe.strategy.contract import check_optimizers
+
+    try:
+        with pytest.raises(RuntimeError, match="multiple optimizers is only supported with manual optimization"):
+            _fit(TwoOptimizers())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    optimizers = TwoOptimizers().configure_optimizers()
+    with pytest.raises(
+        ConfigurationError, match="configure_optimizers returned 2 optimizers; DynPipeStrategy supports one"
+    ):
+        check_optimizers(optimizers)
+    check_optimizers(optimizers[:1])
