@@ -54,6 +54,27 @@ def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
     )
 
 
+def _copy_received(value: Any) -> tuple[Any, list[Tensor]]:
+    """``value`` (a received activation: a tensor or a tuple) with a copy of each tensor that requires grad, and
+    the copies. A copy is a non-leaf: the layers may write it in place, and its backward passes the gradient to the
+    received tensor unchanged."""
+    if isinstance(value, Tensor):
+        if not value.requires_grad:
+            return value, []
+        copy = value.clone()
+        return copy, [copy]
+    if not isinstance(value, tuple):
+        return value, []
+    copies: list[Tensor] = []
+    out = []
+    for t in value:
+        if isinstance(t, Tensor) and t.requires_grad:
+            t = t.clone()
+            copies.append(t)
+        out.append(t)
+    return tuple(out), copies
+
+
 @dataclass
 class StageChannels:
     """The four channels a stage may have: activations in/out and gradients in/out."""
@@ -238,6 +259,12 @@ class StageExecutor:
         self._mb_samples: dict[int, int] = {}  # samples of every micro-batch not yet applied by an update
         self.update_samples = 0
         self._fresh_storage_updates = fresh_storage_updates
+        # Whether the stage's layers get a copy of the received activation: a stage after the first receives it
+        # as a leaf that requires grad, which autograd forbids writing in place, where the same layer in one
+        # process writes the previous layer's output (a non-leaf) in place, legally: nn.ReLU(inplace=True) first in
+        # a stage. Unknown (None) until the first micro-batch with gradients, which gets a copy; whether its version
+        # counter moved says whether the layers write their input, and so whether every later one needs a copy.
+        self._copy_input: bool | None = None if stage_idx > 0 else False
         self.update_stash: WeightStash | None = None  # see fresh_storage_updates
         self._step_base = 0
         self._step_losses: list[float] = []
@@ -385,16 +412,33 @@ class StageExecutor:
             )
         value = x if self.is_first else mb.input_value
         t0 = time.perf_counter()
+        copies: list[Tensor] = []
+        if self._copy_input is not False and torch.is_grad_enabled():
+            value, copies = _copy_received(value)
         params = None
         if mb.version is not None:
             assert self.stash is not None
             params = self.stash.params(mb.version)
-        if self._checkpointing and torch.is_grad_enabled():
-            out = self._checkpointed_forward(value, params)
-        elif params is not None:
-            out = self._forward_on(params, value)
-        else:
-            out = self.stage_module(value)
+        try:
+            if self._checkpointing and torch.is_grad_enabled():
+                out = self._checkpointed_forward(value, params)
+            elif params is not None:
+                out = self._forward_on(params, value)
+            else:
+                out = self.stage_module(value)
+        except RuntimeError as err:
+            if "leaf Variable that requires grad is being used in an in-place operation" not in str(err):
+                raise
+            raise ConfigurationError(
+                f"Stage {self.stage_idx}'s layers wrote their input in place, but not on the first micro-batch this "
+                "stage ran. A stage after the first receives its input as a leaf tensor, which autograd does not let "
+                "a layer write in place; the stage gives its layers a copy when they wrote the first micro-batch's "
+                "input, and the received tensor itself otherwise. Make the layer write its input in place on every "
+                "call or on none (e.g. nn.ReLU(inplace=False)), or put it after another layer of the same stage (a "
+                "balance that does not cut before it)."
+            ) from err
+        if copies and self._copy_input is None:
+            self._copy_input = any(c._version > 0 for c in copies)
         self._layers_forward_s += time.perf_counter() - t0
         mb.output = out
         return out

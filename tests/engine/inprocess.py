@@ -50,6 +50,7 @@ def build(
     input_fn: Callable[[Any], Any] = lambda batch: batch[0],
     checkpoint: bool = False,
     fresh_storage: bool = False,
+    timeout: float = 30.0,
 ) -> InProcessPipeline:
     """One executor per stage of a ``balance`` split of ``pipeline``.
 
@@ -59,13 +60,14 @@ def build(
     stages before each update, as the strategy does. ``fresh_storage``: the updates that a stashed version
     shares the weights of write fresh storage where the optimizer allows it, as the strategy's do
     (:func:`~lightning_dynpipe.engine.outofplace.stash_aware_step`), instead of the executor copying first.
+    ``timeout``: how long a stage waits for a message (a test of a failing stage shortens it).
     """
     copies = list(pipeline) if not isinstance(pipeline, nn.Sequential) else None
     first = copies[0] if copies is not None else pipeline
     assert isinstance(first, nn.Sequential)
     partition = Partition.from_balance(balance, len(first))
     S = partition.num_stages
-    channels = loopback_channels(S, timeout=30.0)
+    channels = loopback_channels(S, timeout=timeout)
     ties = split_ties(shared_parameters(first), partition) if copies is not None else []
     group = LoopbackGroup(list(range(S)))
     executors: list[StageExecutor] = []

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynpipe.calibration import replay_async
+from lightning_dynpipe.engine.loopback import run_stages
+from lightning_dynpipe.errors import ConfigurationError
 from tests.engine.inprocess import build
 
 M = 4
@@ -127,3 +129,68 @@ def test_stash_depth_is_bounded_by_s_minus_k() -> None:
     pipe.train(_batches(3))
     depths = [e.stats.max_stash_depth for e in pipe.executors]
     assert depths == [4, 3, 2, 0]
+
+
+def _inplace_model() -> nn.Sequential:
+    """Layers that write their input in place where one process lets them: the previous layer's output."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.Hardtanh(inplace=True), nn.Linear(16, 3)
+    )
+
+
+@pytest.mark.parametrize("balance", [[1, 4], [1, 1, 1, 2], [2, 3]])
+def test_a_stage_may_start_with_a_layer_that_writes_its_input_in_place(balance: list[int]) -> None:
+    """A stage after the first receives a leaf, which autograd forbids writing in place: the stage gives its layers
+    a copy when they wrote the first micro-batch's input, and the received tensor itself otherwise. async equals the
+    replay bit for bit; sync equals plain training."""
+    model, reference = _inplace_model(), _inplace_model()
+    pipe = build(model, balance, schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss)
+    pipe.train(_batches())
+    replay_async(reference, balance, _sgd, _batches(), M, _loss)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    bounds = [sum(balance[:k]) for k in range(len(balance))]
+    writes = [k > 0 and isinstance(_inplace_model()[b], (nn.ReLU, nn.Hardtanh)) for k, b in enumerate(bounds)]
+    assert [ex._copy_input for ex in pipe.executors] == writes
+
+    model, reference = _inplace_model(), _inplace_model()
+    pipe = build(model, balance, schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss)
+    pipe.train(_batches())
+    opt = _sgd(list(reference.parameters()))
+    for x, y in _batches():
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+class _SometimesInPlace(nn.Module):
+    """Writes its input in place from its second call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x.mul_(2.0) if self.calls > 1 else x * 2.0
+
+
+def test_a_layer_that_starts_writing_its_input_in_place_later_is_refused_with_the_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), _SometimesInPlace(), nn.Linear(16, 3))
+    pipe = build(model, [1, 2], schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss, timeout=2.0)
+
+    def run(k: int) -> BaseException | None:
+        try:
+            pipe.executors[k].train_step(_batches(1)[0])
+        except BaseException as err:  # stage 0 then waits for a gradient that never comes, until the timeout
+            return err
+        return None
+
+    errors = run_stages(run, 2)
+    assert isinstance(errors[1], ConfigurationError), errors
+    assert "Stage 1's layers wrote their input in place, but not on the first micro-batch" in str(errors[1])
+    assert "nn.ReLU(inplace=False)" in str(errors[1])
