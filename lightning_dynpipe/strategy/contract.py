@@ -30,6 +30,7 @@ from lightning_dynpipe.strategy.config import DynPipeConfig
 __all__ = [
     "find_pipeline",
     "check_model",
+    "check_batch_statistics",
     "check_setup",
     "check_batches",
     "check_ties",
@@ -338,6 +339,14 @@ def check_setup(
         num_stages=stages,
         checkpoint_layers=config.checkpoint_layers(len(pipeline)),
     )
+    if fitting:
+        check_batch_statistics(
+            pipeline,
+            schedule=config.schedule,
+            num_microbatches=config.num_microbatches,
+            accepted=config.microbatch_batchnorm,
+            pipeline_attr=config.pipeline_attr,
+        )
     if fitting:  # evaluation makes no updates: the copies of a shared parameter stay as they are
         partition = (
             Partition((len(pipeline),)) if stages == 1 else (Partition(config.balance) if config.balance else None)
@@ -351,6 +360,40 @@ def check_setup(
             pipeline_attr=config.pipeline_attr,
         )
     return pipeline
+
+
+def check_batch_statistics(
+    pipeline: nn.Sequential, *, schedule: Schedule, num_microbatches: int, accepted: bool, pipeline_attr: str
+) -> None:
+    """Refuses BatchNorm under a flush schedule with several micro-batches, unless the user accepted it.
+
+    ``sync`` and ``gpipe`` promise plain training's update on the whole batch. A BatchNorm layer in training mode
+    normalises by the statistics of the batch it sees, and under a pipeline that is one micro-batch (``B / M``
+    samples), so the outputs, the gradients and the running statistics (updated once per micro-batch) differ from
+    one device's. Under ``async`` each update is one micro-batch's by definition, and BatchNorm over that micro-batch
+    is part of it: not refused.
+
+    Raises:
+        ConfigurationError: BatchNorm layers, a flush schedule, ``num_microbatches > 1`` and not ``accepted``.
+    """
+    if accepted or not schedule.accumulates or num_microbatches == 1:
+        return
+    norms = [
+        f"{i}.{n}" if n else str(i)
+        for i, layer in enumerate(pipeline)
+        for n, m in layer.named_modules()
+        if isinstance(m, _BatchNorm)
+    ]
+    if norms:
+        raise ConfigurationError(
+            f"schedule={schedule.name!r} with num_microbatches={num_microbatches} trains on the whole batch, but "
+            f"`{pipeline_attr}` holds BatchNorm layers ({norms[:3]}), which in training normalise by the statistics "
+            f"of what they see: one micro-batch (1/{num_microbatches} of the batch). The outputs, the gradients and "
+            "the running statistics (updated once per micro-batch) would then differ from one device's. Use a "
+            "per-sample normalisation (LayerNorm, GroupNorm), or num_microbatches=1 (no pipelining within a step), "
+            "or DynPipeStrategy(microbatch_batchnorm=True) to train with each micro-batch's statistics, as "
+            "GPipe-style pipelines do (also right when those layers stay in eval mode: frozen statistics)."
+        )
 
 
 def check_optimizers(optimizers: Sequence[Any]) -> None:

@@ -323,6 +323,12 @@ class DynPipeStrategy(DDPStrategy):
             :class:`~lightning_dynpipe.errors.ConfigurationError`. The model leaves out the framework's own memory
             (CUDA context, allocator caches): give the cap less than the device holds. Needs ``balance="auto"`` or
             the adaptive loop.
+        microbatch_batchnorm: ``False`` (default): a fit under ``schedule="sync"`` or ``"gpipe"`` with
+            ``num_microbatches > 1`` refuses BatchNorm layers, which would normalise each micro-batch by its own
+            statistics where those schedules promise one device's update on the whole batch. ``True``: train with
+            each micro-batch's statistics (and running statistics updated once per micro-batch), as GPipe-style
+            pipelines do; also right when those layers stay in eval mode. ``async`` is not affected: each of its
+            updates is one micro-batch's.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
     """
@@ -359,6 +365,7 @@ class DynPipeStrategy(DDPStrategy):
         keep_freed_cpu_memory: bool = True,
         max_extra_in_flight: int = 0,
         memory_cap: float | None = None,
+        microbatch_batchnorm: bool = False,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -384,6 +391,7 @@ class DynPipeStrategy(DDPStrategy):
             keep_freed_cpu_memory=keep_freed_cpu_memory,
             max_extra_in_flight=max_extra_in_flight,
             memory_cap=memory_cap,
+            microbatch_batchnorm=microbatch_batchnorm,
         )
         super().__init__(
             cluster_environment=cluster_environment,

@@ -194,3 +194,28 @@ def test_a_layer_that_starts_writing_its_input_in_place_later_is_refused_with_th
     assert isinstance(errors[1], ConfigurationError), errors
     assert "Stage 1's layers wrote their input in place, but not on the first micro-batch" in str(errors[1])
     assert "nn.ReLU(inplace=False)" in str(errors[1])
+
+
+def test_batchnorm_under_sync_normalises_each_micro_batch_which_one_device_does_not() -> None:
+    """Why a fit refuses BatchNorm under a flush schedule with micro-batches unless asked: the update is not plain
+    training's on the whole batch (it is with one micro-batch)."""
+
+    def norm_model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+    def plain(model: nn.Sequential) -> nn.Sequential:
+        opt = _sgd(list(model.parameters()))
+        for x, y in _batches():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return model
+
+    reference = plain(norm_model())
+    for m, equal in ((M, False), (1, True)):
+        model = norm_model()
+        build(model, [2, 1], schedule="sync", num_microbatches=m, make_optimizer=_sgd, loss_fn=_loss).train(_batches())
+        close = all(torch.allclose(p, q, atol=1e-5) for p, q in zip(model.parameters(), reference.parameters()))
+        assert close == equal, m
+        assert torch.allclose(model[1].running_mean, reference[1].running_mean, atol=1e-6) == equal, m

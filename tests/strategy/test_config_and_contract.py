@@ -60,6 +60,7 @@ def test_values_are_normalised() -> None:
         ({"monitor_every_n_steps": None}, ConfigurationError, "Runtime adaptation needs the stage monitor"),
         ({"checkpoint": "dcp"}, ConfigurationError, r"checkpoint must be one of \['full', 'sharded'\]; got 'dcp'"),
         ({"gather_after_fit": 0}, ConfigurationError, "gather_after_fit must be True or False"),
+        ({"microbatch_batchnorm": "yes"}, ConfigurationError, "microbatch_batchnorm must be True or False"),
         (
             {"gather_after_fit": False, "start_method": "spawn"},
             ConfigurationError,
@@ -149,6 +150,37 @@ def test_checkpointing_a_layer_with_batchnorm_statistics_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="Layer 1 of `body.layers` contains BatchNorm"):
         _check(m, checkpoint_layers=frozenset({1}))
     _check(m, checkpoint_layers=frozenset({0}))
+
+
+@pytest.mark.parametrize(
+    "norm", [nn.BatchNorm1d(2), nn.BatchNorm1d(2, track_running_stats=False)], ids=["stats", "no-stats"]
+)
+def test_batchnorm_under_a_flush_schedule_with_micro_batches_is_refused_unless_accepted(norm: nn.Module) -> None:
+    from lightning_dynpipe.schedule import get_schedule
+    from lightning_dynpipe.strategy.contract import check_batch_statistics
+
+    pipeline = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), norm))
+
+    def check(schedule: str, M: int, accepted: bool = False) -> None:
+        check_batch_statistics(
+            pipeline, schedule=get_schedule(schedule), num_microbatches=M, accepted=accepted, pipeline_attr="net"
+        )
+
+    for schedule in ("sync", "gpipe"):
+        with pytest.raises(ConfigurationError) as err:
+            check(schedule, 4)
+        msg = str(err.value)
+        assert f"schedule='{schedule}' with num_microbatches=4 trains on the whole batch" in msg
+        assert "`net` holds BatchNorm layers (['1.1'])" in msg and "one micro-batch (1/4 of the batch)" in msg
+        assert "LayerNorm, GroupNorm" in msg and "microbatch_batchnorm=True" in msg
+        check(schedule, 4, accepted=True)
+        check(schedule, 1)  # one micro-batch: the whole batch, exactly one device's update
+    check("async", 4)  # each update is one micro-batch's: its statistics are that update's
+    check("async+1", 4)
+    check_batch_statistics(
+        nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), schedule=get_schedule("sync"), num_microbatches=4,
+        accepted=False, pipeline_attr="net",
+    )  # fmt: skip
 
 
 def test_layers_with_extra_state_are_refused() -> None:

@@ -203,3 +203,18 @@ def test_more_than_one_optimizer() -> None:
     ):
         check_optimizers(optimizers)
     check_optimizers(optimizers[:1])
+
+
+class NormNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def test_batchnorm_under_sync_with_micro_batches() -> None:
+    """Refused before any process group exists; accepted on request (then the fit runs)."""
+    _refused(
+        NormNet(), r"schedule='sync' with num_microbatches=4 .* BatchNorm layers \(\['1'\]\)",
+        DynPipeStrategy(schedule="sync", balance=[4], adaptive=False),
+    )  # fmt: skip
+    _fit(NormNet(), DynPipeStrategy(schedule="sync", balance=[4], adaptive=False, microbatch_batchnorm=True))
