@@ -36,7 +36,13 @@ from lightning_dynpipe.engine.outofplace import stash_aware_step
 from lightning_dynpipe.engine.p2p import FailureHandler
 from lightning_dynpipe.engine.replica import average_replica_gradients
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
-from lightning_dynpipe.engine.ties import SharedParameter, retie, split_ties, sum_shared_gradients
+from lightning_dynpipe.engine.ties import (
+    SharedParameter,
+    copies_counted_elsewhere,
+    retie,
+    split_ties,
+    sum_shared_gradients,
+)
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.engine.transfer import move_layers
 from lightning_dynpipe.engine.updates import scaled_lr
@@ -191,7 +197,8 @@ class PipelineStage:
         """The global rank of stage ``stage_idx`` in this process's pipeline."""
         return self.topology.rank_of(self.dp_rank, stage_idx)
 
-    def _pipeline_collectives(self) -> DistCollectives:
+    def pipeline_collectives(self) -> DistCollectives:
+        """Collectives over this pipeline's stages (every stage of the replica takes part)."""
         return DistCollectives(self.groups.pipeline, self.rank)
 
     # ------------------------------------------------------------------ running
@@ -232,11 +239,18 @@ class PipelineStage:
                 cover=cover,
             )
         if self.split_ties:  # every stage of the pipeline takes part, holder of a copy or not
-            sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self._pipeline_collectives())
+            sum_shared_gradients(self.shard.pipeline, self.split_ties, self.shard.owned, self.pipeline_collectives())
         self._before_update(opt)
         with scaled_lr(opt, self.lr_scale):
             step()
         opt.zero_grad(set_to_none=True)
+
+    def shared_copies_counted_elsewhere(self) -> set[int]:
+        """The ids of this stage's copies of parameters shared across stages that an earlier stage also holds: a
+        norm over the whole pipeline counts each shared parameter once, on the first stage that holds it."""
+        return copies_counted_elsewhere(
+            self.shard.pipeline, self.split_ties, self.shard.owned, self.partition, self.stage_idx
+        )
 
     def reschedule(self, schedule: Schedule) -> None:
         """Drains with the current schedule, then runs the next steps with ``schedule`` (every rank of the pipeline
@@ -278,7 +292,7 @@ class PipelineStage:
             return {}  # one pipeline replica writes the checkpoint
         return checkpoint.gather_layer_states(
             self.shard,
-            self._pipeline_collectives(),
+            self.pipeline_collectives(),
             rank_of_stage=self.rank_of_stage,
             device=self.device,
             root=root,
@@ -299,7 +313,7 @@ class PipelineStage:
             self.slots.canonical[idx],
             self.slots.group_sizes[idx],
             holders,
-            self._pipeline_collectives(),
+            self.pipeline_collectives(),
             device=self.device,
             root=self.rank if self.topology.num_stages == 1 else (None if everywhere else 0),
         )

@@ -28,7 +28,15 @@ from torch import Tensor, nn
 from lightning_dynpipe.engine.collectives import Collectives
 from lightning_dynpipe.plan.partition import Partition
 
-__all__ = ["SharedParameter", "shared_parameters", "split_ties", "retie", "sum_shared_gradients", "resolve"]
+__all__ = [
+    "SharedParameter",
+    "shared_parameters",
+    "split_ties",
+    "retie",
+    "sum_shared_gradients",
+    "copies_counted_elsewhere",
+    "resolve",
+]
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,30 @@ def retie(pipeline: nn.Sequential, ties: Iterable[SharedParameter], layers: Iter
         for i, n in mine[1:]:
             other, other_leaf = resolve(pipeline[i], n)
             other._parameters[other_leaf] = keep
+
+
+def copies_counted_elsewhere(
+    pipeline: nn.Sequential,
+    ties: Sequence[SharedParameter],
+    owned: Iterable[int],
+    partition: Partition,
+    stage_idx: int,
+) -> set[int]:
+    """The ids of stage ``stage_idx``'s copies of the shared parameters ``ties`` that an earlier stage also holds.
+
+    A norm over the whole pipeline's gradient counts each shared parameter once (its copies hold the same summed
+    gradient after :func:`sum_shared_gradients`): on the first stage that holds it.
+    """
+    owned_set = set(owned)
+    out: set[int] = set()
+    for tie in ties:
+        if tie.stages(partition)[0] == stage_idx:
+            continue
+        for i, name in tie.occurrences:
+            if i in owned_set:
+                owner, leaf = resolve(pipeline[i], name)
+                out.add(id(owner._parameters[leaf]))
+    return out
 
 
 def sum_shared_gradients(

@@ -25,6 +25,7 @@ from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters, sp
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
+from lightning_dynpipe.strategy.clipping import PipelineNormClipping
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 __all__ = [
@@ -272,13 +273,16 @@ def check_ties(
     gradient_clip_val: float | None,
     gradient_clip_algorithm: str | None,
     pipeline_attr: str,
+    pipeline_norm_clipping: bool = False,
 ) -> None:
     """Refuses parameters shared across stages where the copies could not stay one parameter.
 
     Under a schedule that accumulates a step's gradients the stages holding a copy sum their gradients before
     the one update, so the copies stay identical and equal plain tied training. Under ``"async"`` each stage
     updates after every micro-batch with its own staleness, and the two uses of the parameter would need
-    different weight versions: refused. Clipping by norm is per stage, so the copies would be scaled
+    different weight versions: refused. Clipping by norm scales every stage by one factor from the norm over the
+    whole pipeline when ``pipeline_norm_clipping`` (:mod:`~lightning_dynpipe.strategy.clipping`, with Lightning's
+    own precision plugins), which keeps the copies equal; otherwise it is per stage and the copies would be scaled
     differently: refused (clipping by value is element-wise and keeps them equal).
 
     ``partition=None`` (the planner will choose it) counts every shared parameter as split, so the refusal comes
@@ -304,11 +308,13 @@ def check_ties(
             "their gradients before each update, exactly like tied training on one device), or a list balance that "
             "puts those layers on one stage, or untie the weights."
         )
-    if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
+    if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm" and not pipeline_norm_clipping:
         raise ConfigurationError(
-            f"Gradient clipping by norm runs per stage, so the copies of a parameter shared across stages would be "
-            f"scaled by different factors and drift apart: {names}; {where}. Use gradient_clip_algorithm='value', "
-            "or a list balance that puts the sharing layers on one stage, or untie the weights."
+            f"Gradient clipping by norm runs per stage with this precision plugin (its own clip_grad_by_norm), so the "
+            f"copies of a parameter shared across stages would be scaled by different factors and drift apart: "
+            f"{names}; {where}. Use gradient_clip_algorithm='value', Lightning's own precision plugins (whose "
+            "clipping takes the norm over every stage), a list balance that puts the sharing layers on one stage, or "
+            "untie the weights."
         )
 
 
@@ -358,6 +364,7 @@ def check_setup(
             gradient_clip_val=gradient_clip_val,
             gradient_clip_algorithm=gradient_clip_algorithm,
             pipeline_attr=config.pipeline_attr,
+            pipeline_norm_clipping=PipelineNormClipping.supports(precision_plugin),
         )
     return pipeline
 

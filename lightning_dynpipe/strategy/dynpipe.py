@@ -72,6 +72,7 @@ from lightning_dynpipe.schedule import Schedule, get_schedule
 from lightning_dynpipe.strategy import summary
 from lightning_dynpipe.strategy.adaptation import AdaptationWiring
 from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
+from lightning_dynpipe.strategy.clipping import PipelineNormClipping
 from lightning_dynpipe.strategy.config import DynPipeConfig
 from lightning_dynpipe.strategy.contract import (
     check_batches,
@@ -411,6 +412,7 @@ class DynPipeStrategy(DDPStrategy):
         self.ties: list[SharedParameter] = []  # parameters shared by several layers of the pipeline
         self.migrations: list[MigrationRecord] = []
         self.cpu_memory_kept = False  # keep_freed_cpu_memory applied in this process (set-up, CPU, glibc)
+        self._clipping: PipelineNormClipping | None = None  # a flush schedule's clipping by the pipeline's norm
         # bound methods, not lambdas: the spawn launcher pickles the strategy
         self.adaptation = AdaptationWiring(
             self.config,
@@ -819,12 +821,39 @@ class DynPipeStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_callbacks(trainer, fitting)
+        self._start_clipping(trainer, fitting)
         rank_zero_info(
             f"DynPipe: {self.num_stages} stages x {self.topology.dp_size} pipeline(s), balance {partition}, "
             f"schedule={self.schedule}, num_microbatches={self.num_microbatches}"
         )
         if fitting:
             rank_zero_info(self.config.describe_updates())
+
+    def _start_clipping(self, trainer: Trainer, fitting: bool) -> None:
+        """Under a flush schedule, clipping by norm takes the norm over every stage (:mod:`.clipping`); under
+        ``async`` each stage clips by its own, which a fit that clips by norm is told once."""
+        self._clipping = None
+        if not fitting or self.num_stages < 2 or self.stage is None:
+            return
+        if self.config.schedule.accumulates:
+            if PipelineNormClipping.supports(self.precision_plugin):
+                on_device = self._get_process_group_backend() == "nccl"
+                stage = self.stage
+                self._clipping = PipelineNormClipping(
+                    self.precision_plugin,
+                    stage.pipeline_collectives,
+                    stage.shared_copies_counted_elsewhere,
+                    self.root_device if on_device else torch.device("cpu"),
+                )
+                self._clipping.install()
+        elif trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") == "norm":
+            rank_zero_warn(
+                f"gradient_clip_val={trainer.gradient_clip_val} clips each stage's gradient by that stage's norm "
+                f"under schedule={self.schedule!r}: each stage updates from one micro-batch at its own time, so there "
+                f"is no whole-model gradient to take the norm of, and the norm over the {self.num_stages} stages can "
+                f"reach sqrt({self.num_stages}) x gradient_clip_val. schedule='sync' clips by the whole model's norm, "
+                "as one device does; gradient_clip_algorithm='value' is the same everywhere."
+            )
 
     def _start_replica_split(self, pipeline: nn.Sequential, fitting: bool) -> None:
         """Refuses what an uneven split cannot train exactly; sets the starting split (collective-free)."""
@@ -1375,6 +1404,9 @@ class DynPipeStrategy(DDPStrategy):
                     "Training was interrupted: the LightningModule in this process keeps only this stage's layers "
                     "(other layers are placeholders). Load the last checkpoint for the full model."
                 )
+        if self._clipping is not None:
+            self._clipping.remove()
+            self._clipping = None
         self.additions.remove(trainer, self.lightning_module)
         self.adaptation.detach(trainer)
         self.stage = None

@@ -205,7 +205,7 @@ def _tied() -> nn.Sequential:
     [
         (Partition((2, 1)), "async", None, r"cannot be trained exactly by schedule='async': pipeline.0.weight = "),
         (None, "async", None, "balance='auto' may split them"),
-        (Partition((2, 1)), "sync", 1.0, "Gradient clipping by norm runs per stage"),
+        (Partition((2, 1)), "sync", 1.0, "Gradient clipping by norm runs per stage with this precision plugin"),
     ],
 )
 def test_split_ties_are_refused_where_the_copies_could_drift(
@@ -215,6 +215,9 @@ def test_split_ties_are_refused_where_the_copies_could_drift(
     with pytest.raises(ConfigurationError, match=match):
         check_ties(ties, partition, schedule=get_schedule(schedule), gradient_clip_val=clip,
                    gradient_clip_algorithm=None, pipeline_attr="pipeline")  # fmt: skip
+    if clip is not None:  # clipped by the norm over every stage, one factor for both copies: accepted
+        check_ties(ties, partition, schedule=get_schedule(schedule), gradient_clip_val=clip,
+                   gradient_clip_algorithm=None, pipeline_attr="pipeline", pipeline_norm_clipping=True)  # fmt: skip
 
 
 def test_set_up_refuses_a_tie_the_configured_balance_splits_under_async() -> None:

@@ -126,6 +126,40 @@ def test_flush_schedules_equal_plain_training(schedule: str, num_stages: int) ->
     _assert_close(model, ref, atol=1e-6)
 
 
+def _clipped_training(model: TinyNet, batches: list[Any], clip: float, per_stage: list[list[str]] | None) -> TinyNet:
+    """Plain training with Lightning's clipping by norm; ``per_stage``: each group of parameters clipped by its own
+    norm instead (what a pipeline that clips each stage alone would compute)."""
+    import torch
+
+    ref = copy.deepcopy(model)
+    opt = make_optimizer(list(ref.parameters()))
+    named = dict(ref.named_parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(ref.pipeline(x), y).backward()
+        for group in per_stage or [list(named)]:
+            torch.nn.utils.clip_grad_norm_([named[n] for n in group], clip)
+        opt.step()
+    return ref
+
+
+def test_sync_clips_by_the_norm_over_every_stage() -> None:
+    """gradient_clip_val under a flush schedule clips by the norm of the whole model's gradient, as on one device
+    (one all-reduce of a number over the stages per update), not each stage by its own."""
+    clip = 0.05  # below every step's gradient norm: every update is clipped
+    model = TinyNet()
+    batches = list(loader()) * 2
+    ref = _clipped_training(model, batches, clip, None)
+    stages = [["pipeline.0.weight", "pipeline.0.bias"], ["pipeline.2.weight", "pipeline.2.bias"]]
+    stages.append(["pipeline.4.weight", "pipeline.4.bias"])
+    per_stage = _clipped_training(model, batches, clip, [stages[0], stages[1] + stages[2]])
+    assert max((a - b).abs().max().item() for a, b in zip(ref.parameters(), per_stage.parameters())) > 1e-3
+    strategy = DynPipeStrategy(num_microbatches=4, schedule="sync", start_method="fork", balance=[2, 3], adaptive=False)
+    trainer = L.Trainer(devices=2, max_epochs=2, strategy=strategy, gradient_clip_val=clip, **trainer_kwargs())
+    trainer.fit(model, loader())
+    _assert_close(model, ref, atol=1e-6)
+
+
 @pytest.mark.parametrize(("schedule", "num_stages"), [("async", 2), ("async", 3), ("async+1", 2)])
 def test_async_equals_pipedream_replay(schedule: str, num_stages: int) -> None:
     """With 2 stages nothing runs before the updates (SGD's updates write fresh storage instead of a copy); with
