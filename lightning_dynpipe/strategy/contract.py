@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -32,6 +33,7 @@ __all__ = [
     "find_pipeline",
     "check_model",
     "check_batch_statistics",
+    "check_callbacks",
     "check_setup",
     "check_batches",
     "check_ties",
@@ -329,9 +331,12 @@ def check_setup(
     precision_plugin: Precision,
     sync_batchnorm: bool,
     num_stages: int,
+    callbacks: Sequence[Callback] = (),
 ) -> nn.Sequential:
     """Every refusal that needs the model and the Trainer but no process group (:func:`check_model` and, for a
-    fit, :func:`check_ties` with the partition the configuration fixes, if any); returns the pipeline."""
+    fit, :func:`check_batch_statistics`, :func:`check_callbacks` and :func:`check_ties` with the partition the
+    configuration fixes, if any); returns the pipeline. ``num_stages``: the configured count, or the process
+    count when the planner will choose it."""
     pipeline = find_pipeline(module, config.pipeline_attr)
     stages = None if config.stages_auto else num_stages
     check_model(
@@ -353,6 +358,7 @@ def check_setup(
             accepted=config.microbatch_batchnorm,
             pipeline_attr=config.pipeline_attr,
         )
+        check_callbacks(callbacks, num_stages=num_stages)
     if fitting:  # evaluation makes no updates: the copies of a shared parameter stay as they are
         partition = (
             Partition((len(pipeline),)) if stages == 1 else (Partition(config.balance) if config.balance else None)
@@ -400,6 +406,31 @@ def check_batch_statistics(
             "per-sample normalisation (LayerNorm, GroupNorm), or num_microbatches=1 (no pipelining within a step), "
             "or DynPipeStrategy(microbatch_batchnorm=True) to train with each micro-batch's statistics, as "
             "GPipe-style pipelines do (also right when those layers stay in eval mode: frozen statistics)."
+        )
+
+
+def check_callbacks(callbacks: Sequence[Callback], *, num_stages: int) -> None:
+    """Refuses callbacks that average the weights (``StochasticWeightAveraging``, ``WeightAveraging`` and its
+    ``EMAWeightAveraging``) when the model is split into stages.
+
+    They copy the whole LightningModule at set-up, before the strategy leaves each process only its stage's
+    layers, and then pair the copy's parameters with the module's by position. On a stage after the first the
+    pairs are different layers: a crash when the shapes differ, and when they match an averaged model whose layers
+    hold other layers' averages, which is what its checkpoints and its validation use (four equal linear layers on
+    two stages: checkpoints off by up to 0.48 from one device's). With one stage (data parallel only) each process
+    holds the whole model and they work as under DDP.
+
+    Raises:
+        ConfigurationError: a weight-averaging callback with ``num_stages > 1``.
+    """
+    averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, (WeightAveraging, StochasticWeightAveraging))]
+    if averaging and num_stages > 1:
+        raise ConfigurationError(
+            f"{', '.join(averaging)} cannot average a model split into {num_stages} stages: it copies the whole "
+            "LightningModule at set-up and pairs the copy's parameters with the module's by position, while each "
+            "stage's process holds only its own layers, so the averages would go to other layers or fail on their "
+            "shapes. Remove the callback, or train with num_stages=1 (data parallel only), or average the weights "
+            "after fit from the checkpoints (which hold the whole model)."
         )
 
 

@@ -650,6 +650,7 @@ class DynPipeStrategy(DDPStrategy):
                 precision_plugin=self.precision_plugin,
                 sync_batchnorm=self._layer_sync is not None,
                 num_stages=self.num_stages,
+                callbacks=getattr(trainer, "callbacks", []),
             )
             if trainer.state.fn == TrainerFn.FITTING and self.config.calibrate is not None:
                 self._check_calibration(is_on_meta(self._pipeline()))

@@ -21,7 +21,14 @@ from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.repartition import GainOverCostPolicy
 from lightning_dynpipe.schedule import SYNC, get_schedule
 from lightning_dynpipe.strategy.config import DEFAULT_TIMEOUT, DynPipeConfig
-from lightning_dynpipe.strategy.contract import check_batches, check_model, check_setup, check_ties, find_pipeline
+from lightning_dynpipe.strategy.contract import (
+    check_batches,
+    check_callbacks,
+    check_model,
+    check_setup,
+    check_ties,
+    find_pipeline,
+)
 from lightning_dynpipe.strategy.decision import first_stage_input
 
 
@@ -198,6 +205,33 @@ def _tied() -> nn.Sequential:
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
     head.weight = emb.weight
     return nn.Sequential(emb, nn.Linear(4, 4), head)
+
+
+def test_weight_averaging_callbacks_are_refused_on_a_split_model() -> None:
+    """They pair a copy of the whole module with the stage's parameters by position (see ``check_callbacks``)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+
+    class MyEMA(EMAWeightAveraging):
+        pass
+
+    for cb, name in [
+        (StochasticWeightAveraging(swa_lrs=0.1), "StochasticWeightAveraging"),
+        (EMAWeightAveraging(), "EMAWeightAveraging"),
+        (MyEMA(), "MyEMA"),
+    ]:
+        with pytest.raises(ConfigurationError) as err:
+            check_callbacks([ModelCheckpoint(), cb], num_stages=2)
+        msg = str(err.value)
+        assert f"{name} cannot average a model split into 2 stages" in msg and "num_stages=1" in msg
+        check_callbacks([cb], num_stages=1)  # the whole model in every process: as under DDP
+    check_callbacks([ModelCheckpoint()], num_stages=3)
+    model = TinyGPT()
+    trainer = dict(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None,
+                   precision_plugin=Precision(), sync_batchnorm=False, num_stages=2)  # fmt: skip
+    config = DynPipeConfig.from_arguments(balance=[2, 3])
+    with pytest.raises(ConfigurationError, match="EMAWeightAveraging cannot average"):
+        check_setup(model, config=config, fitting=True, callbacks=[EMAWeightAveraging()], **trainer)  # type: ignore[arg-type]
+    check_setup(model, config=config, fitting=False, callbacks=[EMAWeightAveraging()], **trainer)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -218,3 +218,23 @@ def test_batchnorm_under_sync_with_micro_batches() -> None:
         DynPipeStrategy(schedule="sync", balance=[4], adaptive=False),
     )  # fmt: skip
     _fit(NormNet(), DynPipeStrategy(schedule="sync", balance=[4], adaptive=False, microbatch_batchnorm=True))
+
+
+def test_weight_averaging_on_one_stage_equals_plain_lightning() -> None:
+    """Refused on a split model (``test_config_and_contract.py``); with one stage each process holds the whole model
+    and the callback averages it as without DynPipe."""
+    import copy
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    model = TinyNet()
+    plain = copy.deepcopy(model)
+    L.Trainer(devices=1, max_steps=6, callbacks=[EMAWeightAveraging(decay=0.5)], **trainer_kwargs()).fit(
+        plain, loader()
+    )
+    strategy = DynPipeStrategy(num_microbatches=1, balance=[5], adaptive=False)
+    L.Trainer(
+        devices=1, max_steps=6, strategy=strategy, callbacks=[EMAWeightAveraging(decay=0.5)], **trainer_kwargs()
+    ).fit(model, loader())
+    for k, v in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
