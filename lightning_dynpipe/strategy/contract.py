@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -410,27 +410,41 @@ def check_batch_statistics(
 
 
 def check_callbacks(callbacks: Sequence[Callback], *, num_stages: int) -> None:
-    """Refuses callbacks that average the weights (``StochasticWeightAveraging``, ``WeightAveraging`` and its
-    ``EMAWeightAveraging``) when the model is split into stages.
+    """Refuses Lightning's callbacks that rewrite the whole model's weights when the model is split into stages.
 
-    They copy the whole LightningModule at set-up, before the strategy leaves each process only its stage's
-    layers, and then pair the copy's parameters with the module's by position. On a stage after the first the
-    pairs are different layers: a crash when the shapes differ, and when they match an averaged model whose layers
-    hold other layers' averages, which is what its checkpoints and its validation use (four equal linear layers on
-    two stages: checkpoints off by up to 0.48 from one device's). With one stage (data parallel only) each process
-    holds the whole model and they work as under DDP.
+    - Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging`` and its ``EMAWeightAveraging``) copies
+      the whole LightningModule at set-up, before the strategy leaves each process only its stage's layers, and
+      then pairs the copy's parameters with the module's by position. On a stage after the first the pairs are
+      different layers: a crash when the shapes differ, and when they match an averaged model whose layers hold
+      other layers' averages, which is what its checkpoints and its validation use (four equal linear layers on
+      two stages: checkpoints off by up to 0.48 from one device's).
+    - ``ModelPruning`` prunes every module of the LightningModule it finds, which on a stage includes the other
+      stages' layers (placeholders without storage): it fails on them, and a global threshold would be taken over
+      one stage's weights only.
+
+    With one stage (data parallel only) each process holds the whole model and they work as without DynPipe.
 
     Raises:
-        ConfigurationError: a weight-averaging callback with ``num_stages > 1``.
+        ConfigurationError: one of those callbacks with ``num_stages > 1``.
     """
+    if num_stages == 1:
+        return
     averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, (WeightAveraging, StochasticWeightAveraging))]
-    if averaging and num_stages > 1:
+    if averaging:
         raise ConfigurationError(
             f"{', '.join(averaging)} cannot average a model split into {num_stages} stages: it copies the whole "
             "LightningModule at set-up and pairs the copy's parameters with the module's by position, while each "
             "stage's process holds only its own layers, so the averages would go to other layers or fail on their "
             "shapes. Remove the callback, or train with num_stages=1 (data parallel only), or average the weights "
             "after fit from the checkpoints (which hold the whole model)."
+        )
+    pruning = [type(cb).__name__ for cb in callbacks if isinstance(cb, ModelPruning)]
+    if pruning:
+        raise ConfigurationError(
+            f"{', '.join(pruning)} cannot prune a model split into {num_stages} stages: it prunes every module of "
+            "the LightningModule, while each stage's process holds only its own layers (the others are "
+            "placeholders without storage), and a global threshold would be one stage's. Remove the callback and "
+            "prune the trained model after fit, or train with num_stages=1 (data parallel only)."
         )
 
 

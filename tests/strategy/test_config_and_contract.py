@@ -207,9 +207,14 @@ def _tied() -> nn.Sequential:
     return nn.Sequential(emb, nn.Linear(4, 4), head)
 
 
-def test_weight_averaging_callbacks_are_refused_on_a_split_model() -> None:
-    """They pair a copy of the whole module with the stage's parameters by position (see ``check_callbacks``)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+def test_weight_averaging_and_pruning_callbacks_are_refused_on_a_split_model() -> None:
+    """They rewrite the whole module's weights, which a stage does not hold (see ``check_callbacks``)."""
+    from lightning.pytorch.callbacks import (
+        EMAWeightAveraging,
+        ModelCheckpoint,
+        ModelPruning,
+        StochasticWeightAveraging,
+    )
 
     class MyEMA(EMAWeightAveraging):
         pass
@@ -225,6 +230,10 @@ def test_weight_averaging_callbacks_are_refused_on_a_split_model() -> None:
         assert f"{name} cannot average a model split into 2 stages" in msg and "num_stages=1" in msg
         check_callbacks([cb], num_stages=1)  # the whole model in every process: as under DDP
     check_callbacks([ModelCheckpoint()], num_stages=3)
+    pruning = ModelPruning("l1_unstructured", amount=0.3)
+    with pytest.raises(ConfigurationError, match=r"ModelPruning cannot prune a model split into 3 stages.*after fit"):
+        check_callbacks([pruning], num_stages=3)
+    check_callbacks([pruning], num_stages=1)
     model = TinyGPT()
     trainer = dict(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None,
                    precision_plugin=Precision(), sync_batchnorm=False, num_stages=2)  # fmt: skip
