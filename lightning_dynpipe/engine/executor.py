@@ -197,6 +197,13 @@ class StageExecutor:
             (:mod:`~lightning_dynpipe.engine.outofplace`).
         checkpoint: per layer of ``stage_module``, whether its activations are recomputed in the backward
             instead of kept (activation checkpointing); default none.
+        microbatch_statistics: whether layers may update their buffers in every training forward (running
+            statistics, spectral norm's power iteration) under a schedule that promises one update from the whole
+            batch (``sync``, ``gpipe``) with ``num_microbatches > 1``, where such a forward runs once per
+            micro-batch instead of once per batch. ``False``: the first training micro-batch's forward checks the
+            stage's buffers and raises :class:`~lightning_dynpipe.errors.ConfigurationError` if it wrote any.
+            Default ``True`` (the strategy passes its ``microbatch_statistics`` argument).
+        first_layer: the pipeline index of the stage's first layer (errors name layers by pipeline index).
     """
 
     def __init__(
@@ -213,8 +220,11 @@ class StageExecutor:
         optimizer_step: Callable[[], None],
         checkpoint: Sequence[bool] = (),
         fresh_storage_updates: bool = False,
+        microbatch_statistics: bool = True,
+        first_layer: int = 0,
     ) -> None:
         self.stage_module = stage_module
+        self.first_layer = first_layer
         num_layers = len(list(stage_module.children()))
         self.checkpoint = tuple(checkpoint) or (False,) * num_layers
         self._checkpointing = any(self.checkpoint)
@@ -266,6 +276,8 @@ class StageExecutor:
         # counter moved says whether the layers write their input, and so whether every later one needs a copy.
         self._copy_input: bool | None = None if stage_idx > 0 else False
         self.update_stash: WeightStash | None = None  # see fresh_storage_updates
+        # checked once, at the first training forward (see microbatch_statistics)
+        self._check_buffer_writes = not microbatch_statistics and self.schedule.accumulates and num_microbatches > 1
         self._step_base = 0
         self._step_losses: list[float] = []
         self._eval_counter = 0
@@ -419,6 +431,10 @@ class StageExecutor:
         if mb.version is not None:
             assert self.stash is not None
             params = self.stash.params(mb.version)
+        buffers = None
+        if self._check_buffer_writes and self.stage_module.training and torch.is_grad_enabled():
+            self._check_buffer_writes = False
+            buffers = [(self._pipeline_name(name), b, b._version) for name, b in self.stage_module.named_buffers()]
         try:
             if self._checkpointing and torch.is_grad_enabled():
                 out = self._checkpointed_forward(value, params)
@@ -439,9 +455,30 @@ class StageExecutor:
             ) from err
         if copies and self._copy_input is None:
             self._copy_input = any(c._version > 0 for c in copies)
+        if buffers:
+            self._refuse_buffer_writes([name for name, b, version in buffers if b._version != version])
         self._layers_forward_s += time.perf_counter() - t0
         mb.output = out
         return out
+
+    def _pipeline_name(self, name: str) -> str:
+        """A name in the stage module (``"0.weight"``) as the pipeline names it (``"2.weight"``)."""
+        local, _, rest = name.partition(".")
+        return f"{self.first_layer + int(local)}.{rest}"
+
+    def _refuse_buffer_writes(self, written: list[str]) -> None:
+        if not written:
+            return
+        M = self.num_microbatches
+        raise ConfigurationError(
+            f"Stage {self.stage_idx}'s layers update buffers in every training forward ({written[:4]}): running "
+            "statistics or a power iteration such as spectral norm's. "
+            f"schedule={self.schedule.name!r} promises one device's update on the whole batch, but with "
+            f"num_microbatches={M} that forward runs {M} times per batch instead of once, so the buffers, and the "
+            "weights that depend on them, would differ from one device's. Use num_microbatches=1, or "
+            "schedule='async' (whose updates are each one micro-batch's), or "
+            "DynPipeStrategy(microbatch_statistics=True) to accept one buffer update per micro-batch."
+        )
 
     def _forward_on(self, params: dict[str, Tensor], value: Any) -> Any:
         """The stage's forward with its parameters replaced by ``params`` (a stashed version) for the call.

@@ -91,6 +91,7 @@ class PipelineStage:
         ties: Sequence[SharedParameter] = (),
         checkpoint_layers: Collection[int] = (),
         before_update_may_write: Callable[[], bool] | None = None,
+        microbatch_statistics: bool = True,
     ) -> None:
         self.shard = shard
         self.checkpoint_layers = frozenset(checkpoint_layers)
@@ -111,6 +112,7 @@ class PipelineStage:
         self._last_stage_loss = last_stage_loss
         self._before_update = before_update
         self._before_update_may_write = before_update_may_write or (lambda: True)
+        self.microbatch_statistics = microbatch_statistics
         self.failure = FailureHandler(self.stage_idx, rank)
         self.executor = self._executor(build_channels(groups, device, timeout_s, self.failure))
 
@@ -135,6 +137,7 @@ class PipelineStage:
         ties: Sequence[SharedParameter] = (),
         checkpoint_layers: Collection[int] = (),
         before_update_may_write: Callable[[], bool] | None = None,
+        microbatch_statistics: bool = True,
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
@@ -148,7 +151,8 @@ class PipelineStage:
         may run code that writes the weights in place (user hooks); ``None`` assumes it may. Where it may not,
         an update that a stashed weight version still shares the storage of writes the new weights to fresh
         storage instead of copying the old ones first, for the optimizers that
-        :mod:`~lightning_dynpipe.engine.outofplace` reproduces exactly.
+        :mod:`~lightning_dynpipe.engine.outofplace` reproduces exactly. ``microbatch_statistics``: whether layers
+        may update buffers once per micro-batch under a flush schedule (see :class:`StageExecutor`).
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -175,6 +179,7 @@ class PipelineStage:
             ties=ties,
             checkpoint_layers=checkpoint_layers,
             before_update_may_write=before_update_may_write,
+            microbatch_statistics=microbatch_statistics,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -215,6 +220,8 @@ class PipelineStage:
             optimizer_step=self._optimizer_step,
             checkpoint=[i in self.checkpoint_layers for i in self.shard.owned],
             fresh_storage_updates=True,
+            microbatch_statistics=self.microbatch_statistics,
+            first_layer=self.shard.owned[0] if self.shard.owned else 0,
         )
         # The user's self.pipeline(x) call is this stage's part of the pipeline.
         self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]

@@ -104,9 +104,10 @@ class DynPipeConfig:
             (``async+d`` with ``d`` up to it; 0: the depth stays as configured).
         memory_cap: bytes each process may hold, which the set-up plan and the adaptive loop's partitions and depths
             must fit by the planner's memory model (``None``: no cap).
-        microbatch_batchnorm: whether a fit under a flush schedule (``sync``, ``gpipe``) with more than one
+        microbatch_statistics: whether a fit under a flush schedule (``sync``, ``gpipe``) with more than one
             micro-batch accepts BatchNorm layers, which then normalise each micro-batch by its own statistics
-            (:func:`~lightning_dynpipe.strategy.contract.check_batch_statistics`).
+            (:func:`~lightning_dynpipe.strategy.contract.check_batch_statistics`), and layers that write buffers in
+            their training forward, which then update them once per micro-batch (checked by the executor).
     """
 
     num_stages: int | None
@@ -136,7 +137,7 @@ class DynPipeConfig:
     keep_freed_cpu_memory: bool = True
     max_extra_in_flight: int = 0
     memory_cap: float | None = None
-    microbatch_batchnorm: bool = False
+    microbatch_statistics: bool = False
 
     @classmethod
     def from_arguments(
@@ -165,7 +166,7 @@ class DynPipeConfig:
         keep_freed_cpu_memory: bool = True,
         max_extra_in_flight: int = 0,
         memory_cap: float | None = None,
-        microbatch_batchnorm: bool = False,
+        microbatch_statistics: bool = False,
     ) -> DynPipeConfig:
         """Validates the strategy's arguments; raises :class:`~lightning_dynpipe.errors.ConfigurationError`."""
         if not isinstance(schedule, Schedule):
@@ -251,8 +252,8 @@ class DynPipeConfig:
             raise ConfigurationError(f"gather_after_fit must be True or False; got {gather_after_fit!r}.")
         if not isinstance(keep_freed_cpu_memory, bool):
             raise ConfigurationError(f"keep_freed_cpu_memory must be True or False; got {keep_freed_cpu_memory!r}.")
-        if not isinstance(microbatch_batchnorm, bool):
-            raise ConfigurationError(f"microbatch_batchnorm must be True or False; got {microbatch_batchnorm!r}.")
+        if not isinstance(microbatch_statistics, bool):
+            raise ConfigurationError(f"microbatch_statistics must be True or False; got {microbatch_statistics!r}.")
         if not gather_after_fit and start_method in ("spawn", "fork", "forkserver"):
             raise ConfigurationError(
                 f"gather_after_fit=False leaves each process with its stage's layers only, but start_method="
@@ -294,7 +295,7 @@ class DynPipeConfig:
             keep_freed_cpu_memory=keep_freed_cpu_memory,
             max_extra_in_flight=max_extra_in_flight,
             memory_cap=float(memory_cap) if memory_cap is not None else None,
-            microbatch_batchnorm=microbatch_batchnorm,
+            microbatch_statistics=microbatch_statistics,
         )
 
     def checkpoint_layers(self, num_layers: int) -> frozenset[int]:

@@ -355,7 +355,7 @@ def check_setup(
             pipeline,
             schedule=config.schedule,
             num_microbatches=config.num_microbatches,
-            accepted=config.microbatch_batchnorm,
+            accepted=config.microbatch_statistics,
             pipeline_attr=config.pipeline_attr,
         )
         check_callbacks(callbacks, num_stages=num_stages)
@@ -404,7 +404,7 @@ def check_batch_statistics(
             f"of what they see: one micro-batch (1/{num_microbatches} of the batch). The outputs, the gradients and "
             "the running statistics (updated once per micro-batch) would then differ from one device's. Use a "
             "per-sample normalisation (LayerNorm, GroupNorm), or num_microbatches=1 (no pipelining within a step), "
-            "or DynPipeStrategy(microbatch_batchnorm=True) to train with each micro-batch's statistics, as "
+            "or DynPipeStrategy(microbatch_statistics=True) to train with each micro-batch's statistics, as "
             "GPipe-style pipelines do (also right when those layers stay in eval mode: frozen statistics)."
         )
 

@@ -324,11 +324,13 @@ class DynPipeStrategy(DDPStrategy):
             :class:`~lightning_dynpipe.errors.ConfigurationError`. The model leaves out the framework's own memory
             (CUDA context, allocator caches): give the cap less than the device holds. Needs ``balance="auto"`` or
             the adaptive loop.
-        microbatch_batchnorm: ``False`` (default): a fit under ``schedule="sync"`` or ``"gpipe"`` with
+        microbatch_statistics: ``False`` (default): a fit under ``schedule="sync"`` or ``"gpipe"`` with
             ``num_microbatches > 1`` refuses BatchNorm layers, which would normalise each micro-batch by its own
-            statistics where those schedules promise one device's update on the whole batch. ``True``: train with
-            each micro-batch's statistics (and running statistics updated once per micro-batch), as GPipe-style
-            pipelines do; also right when those layers stay in eval mode. ``async`` is not affected: each of its
+            statistics where those schedules promise one device's update on the whole batch, and the first
+            training forward of a stage refuses layers that write buffers in it (spectral norm's power iteration, a
+            running average), which would run once per micro-batch. ``True``: train with each micro-batch's
+            statistics (running statistics and other buffers updated once per micro-batch), as GPipe-style
+            pipelines do; also right when BatchNorm layers stay in eval mode. ``async`` is not affected: each of its
             updates is one micro-batch's.
         checkpoint_io: Lightning's checkpoint IO plugin.
         precision_plugin: Lightning's precision plugin.
@@ -366,7 +368,7 @@ class DynPipeStrategy(DDPStrategy):
         keep_freed_cpu_memory: bool = True,
         max_extra_in_flight: int = 0,
         memory_cap: float | None = None,
-        microbatch_batchnorm: bool = False,
+        microbatch_statistics: bool = False,
     ) -> None:
         self.config = DynPipeConfig.from_arguments(
             num_stages=num_stages,
@@ -392,7 +394,7 @@ class DynPipeStrategy(DDPStrategy):
             keep_freed_cpu_memory=keep_freed_cpu_memory,
             max_extra_in_flight=max_extra_in_flight,
             memory_cap=memory_cap,
-            microbatch_batchnorm=microbatch_batchnorm,
+            microbatch_statistics=microbatch_statistics,
         )
         super().__init__(
             cluster_environment=cluster_environment,
@@ -814,6 +816,7 @@ class DynPipeStrategy(DDPStrategy):
             lr_scale=self.config.lr_scale if fitting else 1.0,
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
+            microbatch_statistics=self.config.microbatch_statistics,
         )
         self._start_replica_split(pipeline, fitting)
         if meta:

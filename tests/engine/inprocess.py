@@ -51,6 +51,7 @@ def build(
     checkpoint: bool = False,
     fresh_storage: bool = False,
     timeout: float = 30.0,
+    microbatch_statistics: bool = True,
 ) -> InProcessPipeline:
     """One executor per stage of a ``balance`` split of ``pipeline``.
 
@@ -61,6 +62,7 @@ def build(
     shares the weights of write fresh storage where the optimizer allows it, as the strategy's do
     (:func:`~lightning_dynpipe.engine.outofplace.stash_aware_step`), instead of the executor copying first.
     ``timeout``: how long a stage waits for a message (a test of a failing stage shortens it).
+    ``microbatch_statistics``: as the executor's (``False``: buffers written by a training forward are refused).
     """
     copies = list(pipeline) if not isinstance(pipeline, nn.Sequential) else None
     first = copies[0] if copies is not None else pipeline
@@ -109,6 +111,8 @@ def build(
             optimizer_step=step,
             checkpoint=[checkpoint] * len(stage),
             fresh_storage_updates=fresh_storage,
+            microbatch_statistics=microbatch_statistics,
+            first_layer=shard.owned[0] if shard.owned else 0,
         )
         holder.append(executor)
         executors.append(executor)

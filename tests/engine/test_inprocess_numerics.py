@@ -219,3 +219,90 @@ def test_batchnorm_under_sync_normalises_each_micro_batch_which_one_device_does_
         close = all(torch.allclose(p, q, atol=1e-5) for p, q in zip(model.parameters(), reference.parameters()))
         assert close == equal, m
         assert torch.allclose(model[1].running_mean, reference[1].running_mean, atol=1e-6) == equal, m
+
+
+def _spectral(legacy: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    norm = nn.utils.spectral_norm if legacy else nn.utils.parametrizations.spectral_norm
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), norm(nn.Linear(16, 16)), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["parametrization", "hook"])
+def test_a_layer_that_updates_buffers_per_forward_is_refused_under_sync_with_micro_batches(legacy: bool) -> None:
+    """Spectral norm runs one power iteration per training forward, writing its ``u`` (and ``v``) buffers: under
+    ``sync`` with 4 micro-batches that is 4 iterations per step where one device runs one, and the weights differ
+    from plain training. The first training forward of the stage that holds it refuses it with the fix; accepted
+    with ``microbatch_statistics=True`` (and then not plain training); ``async`` equals the replay bit for bit."""
+    batches = _batches()
+
+    def plain() -> nn.Sequential:
+        ref = _spectral(legacy)
+        opt = _sgd(list(ref.parameters()))
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            opt.step()
+        return ref
+
+    pipe = build(_spectral(legacy), [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
+                 microbatch_statistics=False, timeout=2.0)  # fmt: skip
+
+    def run(k: int) -> BaseException | None:
+        try:
+            pipe.executors[k].train_step(batches[0])
+        except BaseException as err:  # stage 0 then waits for a gradient that never comes, until the timeout
+            return err
+        return None
+
+    errors = run_stages(run, 2)
+    assert isinstance(errors[1], ConfigurationError), errors
+    msg = str(errors[1])
+    written = "['2.weight_u'" if legacy else "['2.parametrizations.weight.0._u', '2.parametrizations.weight.0._v']"
+    assert f"Stage 1's layers update buffers in every training forward ({written}" in msg, msg
+    assert "num_microbatches=4 that forward runs 4 times per batch" in msg and "microbatch_statistics=True" in msg
+
+    model = _spectral(legacy)
+    build(model, [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
+          microbatch_statistics=True).train(batches)  # fmt: skip
+    assert (
+        max((p - q).abs().max().item() for p, q in zip(model.state_dict().values(), plain().state_dict().values()))
+        > 1e-3
+    )
+
+    model = _spectral(legacy)  # one micro-batch: one iteration per step, as on one device
+    build(model, [2, 2], schedule="sync", num_microbatches=1, make_optimizer=_sgd, loss_fn=_loss,
+          microbatch_statistics=False).train(batches)  # fmt: skip
+    for p, q in zip(model.state_dict().values(), plain().state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+    model, reference = _spectral(legacy), _spectral(legacy)
+    build(model, [2, 2], schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
+          microbatch_statistics=False).train(batches)  # fmt: skip
+    replay_async(reference, [2, 2], _sgd, batches, M, _loss)
+    for p, q in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_a_stage_whose_buffers_no_forward_writes_runs_under_sync_with_the_check_on() -> None:
+    """Buffers that a training forward only reads (a causal mask, a fixed scale) pass the check."""
+
+    class Scaled(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(16, 16)
+            self.register_buffer("scale", torch.full((16,), 0.5), persistent=False)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x) * self.scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), Scaled(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    build(model, [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
+          microbatch_statistics=False).train(_batches())  # fmt: skip
+    opt = _sgd(list(ref.parameters()))
+    for x, y in _batches():
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for p, q in zip(model.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

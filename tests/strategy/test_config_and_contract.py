@@ -67,7 +67,7 @@ def test_values_are_normalised() -> None:
         ({"monitor_every_n_steps": None}, ConfigurationError, "Runtime adaptation needs the stage monitor"),
         ({"checkpoint": "dcp"}, ConfigurationError, r"checkpoint must be one of \['full', 'sharded'\]; got 'dcp'"),
         ({"gather_after_fit": 0}, ConfigurationError, "gather_after_fit must be True or False"),
-        ({"microbatch_batchnorm": "yes"}, ConfigurationError, "microbatch_batchnorm must be True or False"),
+        ({"microbatch_statistics": "yes"}, ConfigurationError, "microbatch_statistics must be True or False"),
         (
             {"gather_after_fit": False, "start_method": "spawn"},
             ConfigurationError,
@@ -179,7 +179,7 @@ def test_batchnorm_under_a_flush_schedule_with_micro_batches_is_refused_unless_a
         msg = str(err.value)
         assert f"schedule='{schedule}' with num_microbatches=4 trains on the whole batch" in msg
         assert "`net` holds BatchNorm layers (['1.1'])" in msg and "one micro-batch (1/4 of the batch)" in msg
-        assert "LayerNorm, GroupNorm" in msg and "microbatch_batchnorm=True" in msg
+        assert "LayerNorm, GroupNorm" in msg and "microbatch_statistics=True" in msg
         check(schedule, 4, accepted=True)
         check(schedule, 1)  # one micro-batch: the whole batch, exactly one device's update
     check("async", 4)  # each update is one micro-batch's: its statistics are that update's

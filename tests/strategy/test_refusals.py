@@ -217,7 +217,7 @@ def test_batchnorm_under_sync_with_micro_batches() -> None:
         NormNet(), r"schedule='sync' with num_microbatches=4 .* BatchNorm layers \(\['1'\]\)",
         DynPipeStrategy(schedule="sync", balance=[4], adaptive=False),
     )  # fmt: skip
-    _fit(NormNet(), DynPipeStrategy(schedule="sync", balance=[4], adaptive=False, microbatch_batchnorm=True))
+    _fit(NormNet(), DynPipeStrategy(schedule="sync", balance=[4], adaptive=False, microbatch_statistics=True))
 
 
 def test_weight_averaging_on_one_stage_equals_plain_lightning() -> None:
