@@ -5,12 +5,15 @@ Lightning and gloo is ``tests/strategy/test_numerics.py::test_sync_clips_by_the_
 from __future__ import annotations
 
 import copy
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from torch import nn
 
+from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.engine.loopback import LoopbackGroup, run_stages
 from lightning_dynpipe.engine.ties import copies_counted_elsewhere, shared_parameters, split_ties
 from lightning_dynpipe.plan.partition import Partition
@@ -92,3 +95,20 @@ def test_it_replaces_only_lightning_s_own_clipping_and_only_for_the_fit() -> Non
     assert "clip_grad_by_norm" not in plugin.__dict__
     plugin.clip_gradients(optimizer, clip_val=0.01, gradient_clip_algorithm="norm")
     assert clipping.calls == 1
+
+
+@pytest.mark.parametrize(("algorithm", "warns"), [(None, True), ("norm", True), ("value", False)])
+def test_async_clipping_by_norm_is_per_stage_and_the_fit_is_told(algorithm: str | None, warns: bool) -> None:
+    """Under async no whole-model gradient exists: each stage clips by its own norm, nothing is installed, and a
+    fit that clips by norm is warned once (clipping by value is the same everywhere: no warning)."""
+    strategy = DynPipeStrategy(num_stages=2, schedule="async")
+    strategy.stage = object()  # type: ignore[assignment]
+    trainer = SimpleNamespace(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy._start_clipping(trainer, fitting=True)  # type: ignore[arg-type]
+    told = [str(w.message) for w in caught if "clips each stage's gradient by that stage's norm" in str(w.message)]
+    assert len(told) == int(warns), told
+    if warns:
+        assert "schedule='async'" in told[0] and "sqrt(2) x gradient_clip_val" in told[0]
+    assert strategy._clipping is None
