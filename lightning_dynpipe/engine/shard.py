@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 
 __all__ = ["Placeholder", "StageShard", "OptimizerSlots", "layer_tensors", "load_layer_tensors"]
@@ -242,6 +243,29 @@ class OptimizerSlots:
             for stale in [q for q in opt.state if id(q) not in live]:
                 del opt.state[stale]
             self.canonical.append(canon)
+
+    def check_unchanged(self, optimizers: Sequence[Optimizer], stage_idx: int) -> None:
+        """Refuses parameters added to the optimizers after the split (a new parameter group, a group that grew).
+
+        The split happened at set-up, from the groups ``configure_optimizers`` built on the whole model; parameters
+        added later exist on one stage only, and the checkpoint's optimizer state, the migrations and the other
+        stages know nothing of them (a checkpoint fails on them).
+
+        Raises:
+            ConfigurationError: an optimizer whose groups' sizes differ from the split's.
+        """
+        for opt, canon in zip(optimizers, self.canonical):
+            sizes, split = [len(g["params"]) for g in opt.param_groups], [len(c) for c in canon]
+            if sizes != split:
+                raise ConfigurationError(
+                    f"The optimizer's parameters changed during fit: on stage {stage_idx} its groups hold {sizes} "
+                    f"parameters, where the split across stages at set-up gave it {split}. Parameters added after "
+                    "set-up (BaseFinetuning.unfreeze_and_add_param_group, optimizer.add_param_group) are outside the "
+                    "split that checkpoints, layer moves and the other stages use. Put every parameter in the "
+                    "optimizer in configure_optimizers, frozen ones too (a parameter with requires_grad=False gets "
+                    "no gradient and no update, as on one device), in a group of their own if they need their own "
+                    "learning rate, and unfreeze them with requires_grad_(True) (BaseFinetuning.make_trainable)."
+                )
 
     def unfilter(self, optimizers: Sequence[Optimizer], pipeline: nn.Sequential, states: Sequence[Any]) -> None:
         r"""Gives each optimizer back every parameter of the whole model, in canonical order, with ``states``

@@ -231,6 +231,7 @@ class PipelineStage:
         if not self.optimizers:
             return
         opt = self.optimizers[0]
+        self.check_optimizers()
         stash = self.executor.update_stash  # set when a micro-batch in flight uses the live weights' storage
         step = stash_aware_step(opt, stash, user_code_first=stash is not None and self._before_update_may_write())
         if self.topology.dp_size > 1:
@@ -251,6 +252,12 @@ class PipelineStage:
         with scaled_lr(opt, self.lr_scale):
             step()
         opt.zero_grad(set_to_none=True)
+
+    def check_optimizers(self) -> None:
+        """Refuses parameters added to the optimizer since the split (:meth:`OptimizerSlots.check_unchanged`): before
+        every update, and at the start of every step (where a neighbour waiting for this stage learns of it)."""
+        if self.slots is not None and self.optimizers:
+            self.slots.check_unchanged(self.optimizers, self.stage_idx)
 
     def shared_copies_counted_elsewhere(self) -> set[int]:
         """The ids of this stage's copies of parameters shared across stages that an earlier stage also holds: a

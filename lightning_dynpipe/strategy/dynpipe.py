@@ -1101,7 +1101,8 @@ class DynPipeStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        assert self.executor is not None
+        assert self.executor is not None and self.stage is not None
+        self.stage.check_optimizers()  # a parameter group added since the split (a finetuning callback's)
         self._step_logs.reset()
         if self._split is not None:
             batch = self._replica_share(batch)

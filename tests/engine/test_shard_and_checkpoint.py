@@ -70,6 +70,29 @@ def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
     assert len(opt.state) == 4  # the other stage's state left with its layers
 
 
+def test_parameters_added_to_the_optimizer_after_the_split_are_refused() -> None:
+    """A finetuning callback's new group (or a group that grew) is outside the split: refused with the fix."""
+    net = Net()
+    opt = _adam(net)
+    slots = OptimizerSlots.record(net.pipeline, [opt])
+    shard = StageShard(net.pipeline, Partition((2, 2)), stage_idx=1)
+    shard.partition_module()
+    slots.refilter([opt], shard)
+    slots.check_unchanged([opt], stage_idx=1)  # as split
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.1})
+    with pytest.raises(ConfigurationError) as err:
+        slots.check_unchanged([opt], stage_idx=1)
+    msg = str(err.value)
+    assert (
+        "on stage 1 its groups hold [2, 2, 1] parameters, where the split across stages at set-up gave it [2, 2]" in msg
+    )
+    assert "requires_grad_(True)" in msg and "configure_optimizers" in msg
+    opt.param_groups.pop()
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2)))
+    with pytest.raises(ConfigurationError, match=r"groups hold \[3, 2\] parameters"):
+        slots.check_unchanged([opt], stage_idx=1)
+
+
 def _two_stage_states(net: Net, opt: torch.optim.Optimizer) -> tuple[list[dict], list[dict]]:
     """Runs both stages of a [2, 2] split of copies of ``net`` as threads; gathers layers and optimizer state."""
     nets = [copy.deepcopy(net) for _ in range(2)]

@@ -52,12 +52,20 @@ def _no_survivors(marker: str) -> None:
         ("last-exception-slow-exit", "Stage 1 (rank 0) failed first: ValueError: boom in training_step"),
         ("first-exception", "Stage 0 (rank 1) failed first: RuntimeError: boom in stage 0's layer"),
         ("first-sigkill", "stage 0 (rank 1)"),
+        # refused at the start of the step, before stage 0 sends anything: the last stage learns it from its receive
+        (
+            "finetune-group",
+            "Stage 0 (rank 1) failed first: ConfigurationError: The optimizer's parameters changed during fit: on "
+            "stage 0 its groups hold [0, 2] parameters",
+        ),
     ],
 )
 def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
     code, out, elapsed = _run(mode)
     assert code != 0
-    if mode.endswith("exception"):  # the process that called fit ends like any failed Python program
+    if (
+        mode.endswith("exception") or mode == "finetune-group"
+    ):  # the process that called fit ends like any failed Python program
         assert code == 1, f"exit code {code}: {out[-2000:]}"
         assert "terminate called" not in out and "Traceback" in out
     assert elapsed < 60, f"took {elapsed:.0f} s"

@@ -1,6 +1,10 @@
 """A 2-stage fit (popen launcher) in which one stage fails at step 3, or (``long``) that trains until interrupted.
 
-Usage: python failing_fit.py {last-exception,last-exception-slow-exit,first-exception,first-sigkill,long}
+Usage: python failing_fit.py {last-exception,last-exception-slow-exit,first-exception,first-sigkill,
+finetune-group,long}
+
+``finetune-group``: a finetuning callback adds stage 0's first layer to the optimizer as a new parameter group at
+the second epoch (refused: the optimizer was split at set-up).
 
 ``last-exception-slow-exit``: as ``last-exception``, and the script goes on after ``fit`` raised (as a script
 that cleans up or logs would) until the other rank has ended, plus 6 s, before it re-raises: Lightning's
@@ -17,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +53,9 @@ class FailingNet(TinyNet):
         if mode == "first-exception":
             self.pipeline.insert(0, Bomb())
 
+    def configure_optimizers(self) -> Any:  # the trainable parameters only, as a finetuning set-up does
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.mode.startswith("last-exception") and batch_idx == FAIL_STEP:
             raise ValueError("boom in training_step")
@@ -60,6 +68,17 @@ class KillStageZero(L.Callback):
     ) -> None:
         if batch_idx == FAIL_STEP and trainer.strategy.stage_idx == 0:  # type: ignore[attr-defined]
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class UnfreezeIntoNewGroup(BaseFinetuning):
+    """Freezes the first layer, and adds it to the optimizer as a group of its own at the second epoch."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.pipeline[0])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(modules=pl_module.pipeline[0], optimizer=optimizer, lr=0.05)
 
 
 class AnnounceTraining(L.Callback):
@@ -77,6 +96,7 @@ if __name__ == "__main__":
     callbacks: list[L.Callback] = {
         "first-sigkill": [KillStageZero()],
         "long": [AnnounceTraining()],
+        "finetune-group": [UnfreezeIntoNewGroup()],
     }.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
     epochs = 10_000 if mode == "long" else 2
