@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -33,6 +38,7 @@ __all__ = [
     "find_pipeline",
     "check_model",
     "check_batch_statistics",
+    "check_accumulation",
     "check_callbacks",
     "check_setup",
     "check_batches",
@@ -102,12 +108,7 @@ def check_model(
                 "manual optimization (automatic_optimization=False) is not supported. Remove "
                 "`self.automatic_optimization = False` and return the loss from training_step."
             )
-        if accumulate_grad_batches != 1:
-            raise ConfigurationError(
-                f"accumulate_grad_batches={accumulate_grad_batches} is not supported by DynPipeStrategy: "
-                "the pipeline already splits each batch. Use DynPipeStrategy(num_microbatches=N) with "
-                "schedule='sync' to accumulate gradients over N micro-batches, and accumulate_grad_batches=1."
-            )
+        check_accumulation(accumulate_grad_batches)
         if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
             raise ConfigurationError(
                 "training_step(dataloader_iter) is not supported by DynPipeStrategy: the pipeline splits each batch "
@@ -409,6 +410,26 @@ def check_batch_statistics(
         )
 
 
+def check_accumulation(accumulate_grad_batches: int, *, during_fit: bool = False) -> None:
+    """Refuses Lightning's gradient accumulation: the pipeline updates inside each training step (once per
+    micro-batch under ``async``, once per batch under ``sync``), so Lightning's skipped optimizer steps would not
+    skip its updates, and the weights would differ silently from what accumulation means. Checked at set-up and,
+    ``during_fit``, at every training step (a callback may change the setting between epochs).
+
+    Raises:
+        ConfigurationError: ``accumulate_grad_batches != 1``.
+    """
+    if accumulate_grad_batches != 1:
+        changed = " (it changed during fit: a GradientAccumulationScheduler or another callback set it)"
+        raise ConfigurationError(
+            f"accumulate_grad_batches={accumulate_grad_batches} is not supported by DynPipeStrategy"
+            f"{changed if during_fit else ''}: the pipeline already splits each batch and updates within the step, "
+            "so Lightning's accumulation would "
+            "not hold its updates back. Use DynPipeStrategy(num_microbatches=N) with schedule='sync' to accumulate "
+            "gradients over N micro-batches, and accumulate_grad_batches=1 (no GradientAccumulationScheduler)."
+        )
+
+
 def check_callbacks(callbacks: Sequence[Callback], *, num_stages: int) -> None:
     """Refuses Lightning's callbacks that rewrite the whole model's weights when the model is split into stages.
 
@@ -423,10 +444,17 @@ def check_callbacks(callbacks: Sequence[Callback], *, num_stages: int) -> None:
       one stage's weights only.
 
     With one stage (data parallel only) each process holds the whole model and they work as without DynPipe.
+    ``GradientAccumulationScheduler`` with a factor other than 1 is refused with any number of stages
+    (:func:`check_accumulation`).
 
     Raises:
-        ConfigurationError: one of those callbacks with ``num_stages > 1``.
+        ConfigurationError: one of those callbacks with ``num_stages > 1``; an accumulation schedule.
     """
+    for cb in callbacks:
+        if isinstance(cb, GradientAccumulationScheduler):
+            factors = sorted(set(cb.scheduling.values()) - {1})
+            if factors:
+                check_accumulation(factors[0])
     if num_stages == 1:
         return
     averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, (WeightAveraging, StochasticWeightAveraging))]

@@ -75,6 +75,7 @@ from lightning_dynpipe.strategy.callbacks import TrainerAdditions, bind_metrics
 from lightning_dynpipe.strategy.clipping import PipelineNormClipping
 from lightning_dynpipe.strategy.config import DynPipeConfig
 from lightning_dynpipe.strategy.contract import (
+    check_accumulation,
     check_batches,
     check_optimizers,
     check_replica_split,
@@ -1103,6 +1104,7 @@ class DynPipeStrategy(DDPStrategy):
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         assert self.executor is not None and self.stage is not None
         self.stage.check_optimizers()  # a parameter group added since the split (a finetuning callback's)
+        check_accumulation(self._lm.trainer.accumulate_grad_batches, during_fit=True)
         self._step_logs.reset()
         if self._split is not None:
             batch = self._replica_share(batch)

@@ -211,6 +211,7 @@ def test_weight_averaging_and_pruning_callbacks_are_refused_on_a_split_model() -
     """They rewrite the whole module's weights, which a stage does not hold (see ``check_callbacks``)."""
     from lightning.pytorch.callbacks import (
         EMAWeightAveraging,
+        GradientAccumulationScheduler,
         ModelCheckpoint,
         ModelPruning,
         StochasticWeightAveraging,
@@ -230,6 +231,10 @@ def test_weight_averaging_and_pruning_callbacks_are_refused_on_a_split_model() -
         assert f"{name} cannot average a model split into 2 stages" in msg and "num_stages=1" in msg
         check_callbacks([cb], num_stages=1)  # the whole model in every process: as under DDP
     check_callbacks([ModelCheckpoint()], num_stages=3)
+    for stages in (1, 2):  # Lightning's accumulation would not hold the pipeline's updates back, one stage or more
+        with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2 is not supported.*Scheduler"):
+            check_callbacks([GradientAccumulationScheduler({0: 1, 3: 2})], num_stages=stages)
+    check_callbacks([GradientAccumulationScheduler({0: 1})], num_stages=2)
     pruning = ModelPruning("l1_unstructured", amount=0.3)
     with pytest.raises(ConfigurationError, match=r"ModelPruning cannot prune a model split into 3 stages.*after fit"):
         check_callbacks([pruning], num_stages=3)
