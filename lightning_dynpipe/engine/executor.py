@@ -48,9 +48,14 @@ def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
         return [value], False
     if isinstance(value, (tuple, list)) and all(isinstance(v, Tensor) for v in value):
         return list(value), True
+    got = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        others = [f"{type(v).__name__} at position {i}" for i, v in enumerate(value) if not isinstance(v, Tensor)]
+        got += f" holding {', '.join(others)}"
     raise ConfigurationError(
-        f"{what} must be a Tensor or a tuple of Tensors to cross a stage boundary; got {type(value).__name__}. "
-        "Make the layers at the partition boundary return tensors."
+        f"{what} must be a Tensor or a tuple of Tensors to cross a stage boundary; got {got}. Make the layers at "
+        "the partition boundary return tensors (a number as a 0-d tensor, torch.tensor(x); a flag or an option "
+        "as an attribute of the next layer), or choose a balance that cuts elsewhere."
     )
 
 

@@ -53,6 +53,25 @@ def test_header_rejects_what_cannot_be_sent() -> None:
         decode(bad)
 
 
+def test_what_crosses_a_boundary_is_tensors_and_the_refusal_names_what_is_not() -> None:
+    from lightning_dynpipe.engine.executor import _flatten
+
+    x = torch.zeros(2)
+    assert _flatten(x, "out") == ([x], False)
+    assert _flatten((x, torch.tensor(0.5)), "out")[1] is True  # a number travels as a 0-d tensor
+    for value, got in [
+        ((x, 3), "got tuple holding int at position 1"),
+        ((x, None, "a"), "got tuple holding NoneType at position 1, str at position 2"),
+        ({"h": x}, "got dict"),
+    ]:
+        with pytest.raises(ConfigurationError) as err:
+            _flatten(value, "The output of stage 0")
+        assert f"The output of stage 0 must be a Tensor or a tuple of Tensors to cross a stage boundary; {got}." in str(
+            err.value
+        )
+        assert "torch.tensor(x)" in str(err.value)
+
+
 def test_stash_keeps_the_forward_weights_for_the_backward() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(3, 2)
