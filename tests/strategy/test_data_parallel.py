@@ -79,3 +79,33 @@ def test_two_replicas_equal_one_pipeline_on_the_same_global_batches(schedule: st
     )
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
+
+
+def test_sync_replicas_clip_by_the_whole_model_s_norm_of_the_averaged_gradient() -> None:
+    """Clipping by norm under ``sync`` with 2 replicas of 2 stages: each replica averages its stages' gradients with
+    the other replica's first, then takes the norm over its pipeline's stages; equals one device clipping the
+    gradient of the global batch (the clip is active: the norm stays far above it)."""
+    clip = 0.05
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    trainer = L.Trainer(
+        devices=4,
+        max_epochs=1,
+        gradient_clip_val=clip,
+        strategy=DynPipeStrategy(
+            num_stages=2, balance=[2, 3], num_microbatches=M, schedule="sync", start_method="fork", adaptive=False
+        ),
+        **trainer_kwargs(callbacks=[Checks()]),
+    )
+    trainer.fit(model, datamodule=ShardedData())
+    opt = make_optimizer(list(ref.parameters()))
+    norms = []
+    for x, y in _global_batches():
+        opt.zero_grad()
+        F.cross_entropy(ref.pipeline(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+    assert min(norms) > 5 * clip
+    assert not torch.equal(ref.pipeline[0].weight, TinyNet().pipeline[0].weight)  # it trained
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), k
