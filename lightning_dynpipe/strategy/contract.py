@@ -376,6 +376,16 @@ def check_setup(
     return pipeline
 
 
+def _batchnorm_layers(pipeline: nn.Sequential) -> list[str]:
+    """The pipeline's BatchNorm modules, named ``"<layer>.<path>"`` (``"<layer>"`` for a layer that is one)."""
+    return [
+        f"{i}.{n}" if n else str(i)
+        for i, layer in enumerate(pipeline)
+        for n, m in layer.named_modules()
+        if isinstance(m, _BatchNorm)
+    ]
+
+
 def check_batch_statistics(
     pipeline: nn.Sequential, *, schedule: Schedule, num_microbatches: int, accepted: bool, pipeline_attr: str
 ) -> None:
@@ -392,12 +402,7 @@ def check_batch_statistics(
     """
     if accepted or not schedule.accumulates or num_microbatches == 1:
         return
-    norms = [
-        f"{i}.{n}" if n else str(i)
-        for i, layer in enumerate(pipeline)
-        for n, m in layer.named_modules()
-        if isinstance(m, _BatchNorm)
-    ]
+    norms = _batchnorm_layers(pipeline)
     if norms:
         raise ConfigurationError(
             f"schedule={schedule.name!r} with num_microbatches={num_microbatches} trains on the whole batch, but "
@@ -510,12 +515,7 @@ def check_replica_split(
         )
     if num_replicas < 2:
         return
-    norms = [
-        f"{i}.{n}" if n else str(i)
-        for i, layer in enumerate(pipeline)
-        for n, m in layer.named_modules()
-        if isinstance(m, _BatchNorm)
-    ]
+    norms = _batchnorm_layers(pipeline)
     if norms:
         raise ConfigurationError(
             f"replica_split={mode!r} splits each global batch into shares whose sizes differ from replica to replica "

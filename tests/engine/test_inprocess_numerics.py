@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_dynpipe.calibration import replay_async
 from lightning_dynpipe.engine.loopback import run_stages
 from lightning_dynpipe.errors import ConfigurationError
-from tests.engine.inprocess import build
+from tests.engine.inprocess import InProcessPipeline, build
 
 M = 4
 
@@ -48,6 +48,29 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _plain_sgd(model: nn.Module, batches: list[tuple[Tensor, Tensor]] | None = None) -> nn.Module:
+    """Trains ``model`` in place as one process does, one SGD update per whole batch; returns it."""
+    opt = _sgd(list(model.parameters()))
+    for x, y in batches if batches is not None else _batches():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _errors_of_one_step(pipe: InProcessPipeline, batch: tuple[Tensor, Tensor]) -> list[BaseException | None]:
+    """Each stage's exception in one training step (stage 0 of a refused stage 1 waits until its timeout)."""
+
+    def run(k: int) -> BaseException | None:
+        try:
+            pipe.executors[k].train_step(batch)
+        except BaseException as err:
+            return err
+        return None
+
+    return run_stages(run, len(pipe.executors))
 
 
 @pytest.mark.parametrize("make_optimizer", [_sgd, _adamw], ids=["sgd", "adamw"])
@@ -154,14 +177,9 @@ def test_a_stage_may_start_with_a_layer_that_writes_its_input_in_place(balance: 
     writes = [k > 0 and isinstance(_inplace_model()[b], (nn.ReLU, nn.Hardtanh)) for k, b in enumerate(bounds)]
     assert [ex._copy_input for ex in pipe.executors] == writes
 
-    model, reference = _inplace_model(), _inplace_model()
+    model, reference = _inplace_model(), _plain_sgd(_inplace_model())
     pipe = build(model, balance, schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss)
     pipe.train(_batches())
-    opt = _sgd(list(reference.parameters()))
-    for x, y in _batches():
-        opt.zero_grad()
-        F.cross_entropy(reference(x), y).backward()
-        opt.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
@@ -183,14 +201,7 @@ def test_a_layer_that_starts_writing_its_input_in_place_later_is_refused_with_th
     model = nn.Sequential(nn.Linear(6, 16), _SometimesInPlace(), nn.Linear(16, 3))
     pipe = build(model, [1, 2], schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss, timeout=2.0)
 
-    def run(k: int) -> BaseException | None:
-        try:
-            pipe.executors[k].train_step(_batches(1)[0])
-        except BaseException as err:  # stage 0 then waits for a gradient that never comes, until the timeout
-            return err
-        return None
-
-    errors = run_stages(run, 2)
+    errors = _errors_of_one_step(pipe, _batches(1)[0])
     assert isinstance(errors[1], ConfigurationError), errors
     assert "Stage 1's layers wrote their input in place, but not on the first micro-batch" in str(errors[1])
     assert "nn.ReLU(inplace=False)" in str(errors[1])
@@ -204,15 +215,7 @@ def test_batchnorm_under_sync_normalises_each_micro_batch_which_one_device_does_
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
 
-    def plain(model: nn.Sequential) -> nn.Sequential:
-        opt = _sgd(list(model.parameters()))
-        for x, y in _batches():
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        return model
-
-    reference = plain(norm_model())
+    reference = _plain_sgd(norm_model())
     for m, equal in ((M, False), (1, True)):
         model = norm_model()
         build(model, [2, 1], schedule="sync", num_microbatches=m, make_optimizer=_sgd, loss_fn=_loss).train(_batches())
@@ -235,26 +238,11 @@ def test_a_layer_that_updates_buffers_per_forward_is_refused_under_sync_with_mic
     with ``microbatch_statistics=True`` (and then not plain training); ``async`` equals the replay bit for bit."""
     batches = _batches()
 
-    def plain() -> nn.Sequential:
-        ref = _spectral(legacy)
-        opt = _sgd(list(ref.parameters()))
-        for x, y in batches:
-            opt.zero_grad()
-            F.cross_entropy(ref(x), y).backward()
-            opt.step()
-        return ref
-
+    plain = _plain_sgd(_spectral(legacy), batches)
     pipe = build(_spectral(legacy), [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
                  microbatch_statistics=False, timeout=2.0)  # fmt: skip
 
-    def run(k: int) -> BaseException | None:
-        try:
-            pipe.executors[k].train_step(batches[0])
-        except BaseException as err:  # stage 0 then waits for a gradient that never comes, until the timeout
-            return err
-        return None
-
-    errors = run_stages(run, 2)
+    errors = _errors_of_one_step(pipe, batches[0])
     assert isinstance(errors[1], ConfigurationError), errors
     msg = str(errors[1])
     written = "['2.weight_u'" if legacy else "['2.parametrizations.weight.0._u', '2.parametrizations.weight.0._v']"
@@ -265,14 +253,13 @@ def test_a_layer_that_updates_buffers_per_forward_is_refused_under_sync_with_mic
     build(model, [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
           microbatch_statistics=True).train(batches)  # fmt: skip
     assert (
-        max((p - q).abs().max().item() for p, q in zip(model.state_dict().values(), plain().state_dict().values()))
-        > 1e-3
+        max((p - q).abs().max().item() for p, q in zip(model.state_dict().values(), plain.state_dict().values())) > 1e-3
     )
 
     model = _spectral(legacy)  # one micro-batch: one iteration per step, as on one device
     build(model, [2, 2], schedule="sync", num_microbatches=1, make_optimizer=_sgd, loss_fn=_loss,
           microbatch_statistics=False).train(batches)  # fmt: skip
-    for p, q in zip(model.state_dict().values(), plain().state_dict().values()):
+    for p, q in zip(model.state_dict().values(), plain.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
     model, reference = _spectral(legacy), _spectral(legacy)
@@ -296,13 +283,8 @@ def test_a_stage_whose_buffers_no_forward_writes_runs_under_sync_with_the_check_
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), Scaled(), nn.Linear(16, 3))
-    ref = copy.deepcopy(model)
+    ref = _plain_sgd(copy.deepcopy(model))
     build(model, [2, 2], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss,
           microbatch_statistics=False).train(_batches())  # fmt: skip
-    opt = _sgd(list(ref.parameters()))
-    for x, y in _batches():
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
     for p, q in zip(model.state_dict().values(), ref.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

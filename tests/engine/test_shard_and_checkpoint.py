@@ -57,13 +57,19 @@ def test_partition_module_keeps_owned_layers_and_meta_skeletons() -> None:
     assert shard.placeholders()[1].owner_stage == 0
 
 
-def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
+def _stage_one_of_two() -> tuple[torch.optim.Optimizer, OptimizerSlots]:
+    """Stage 1's optimizer and slots of a [2, 2] split of ``Net`` (the optimizer built on the whole model)."""
     net = Net()
     opt = _adam(net)
     slots = OptimizerSlots.record(net.pipeline, [opt])
     shard = StageShard(net.pipeline, Partition((2, 2)), stage_idx=1)
     shard.partition_module()
     slots.refilter([opt], shard)
+    return opt, slots
+
+
+def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
+    opt, slots = _stage_one_of_two()
     # group 0 (weights): layers 0..3 have weights -> canonical 0..3 (BN weight is layer 1); stage 1 holds 2, 3
     assert slots.canonical == [[[2, 3], [6, 7]]]  # per optimizer, per group
     assert slots.group_sizes == [[4, 4]]
@@ -72,12 +78,7 @@ def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
 
 def test_parameters_added_to_the_optimizer_after_the_split_are_refused() -> None:
     """A finetuning callback's new group (or a group that grew) is outside the split: refused with the fix."""
-    net = Net()
-    opt = _adam(net)
-    slots = OptimizerSlots.record(net.pipeline, [opt])
-    shard = StageShard(net.pipeline, Partition((2, 2)), stage_idx=1)
-    shard.partition_module()
-    slots.refilter([opt], shard)
+    opt, slots = _stage_one_of_two()
     slots.check_unchanged([opt], stage_idx=1)  # as split
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.1})
     with pytest.raises(ConfigurationError) as err:
