@@ -939,15 +939,7 @@ class DynPipeStrategy(DDPStrategy):
             raise ConfigurationError("repartition() needs a running pipeline: call it during fit.")
         new = balance if isinstance(balance, Partition) else Partition.from_balance(balance, self.partition.num_layers)
         plan_moves(self.partition, new)  # validates the shape of the new partition
-        trainer = self._lm.trainer
-        check_ties(
-            self.ties,
-            new,
-            schedule=self._running_schedule or self.config.schedule,
-            gradient_clip_val=trainer.gradient_clip_val,
-            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-            pipeline_attr=self.config.pipeline_attr,
-        )
+        self._check_ties(new, self._running_schedule or self.config.schedule)
         self._pending_partition = new
 
     def reschedule(self, schedule: str | Schedule) -> None:
@@ -987,16 +979,22 @@ class DynPipeStrategy(DDPStrategy):
                 f"{new.name!r} {'once per step' if new.accumulates else 'after every micro-batch'}. Pass "
                 f"schedule={new.name!r} to DynPipeStrategy to train with it."
             )
+        self._check_ties(self.partition, new)
+        self._pending_schedule = new if new != self._running_schedule else None
+
+    def _check_ties(self, partition: Partition, schedule: Schedule) -> None:
+        """The set-up's refusal of parameters shared across stages (:func:`.contract.check_ties`), for a partition
+        or a schedule the run is about to change to."""
         trainer = self._lm.trainer
         check_ties(
             self.ties,
-            self.partition,
-            schedule=new,
+            partition,
+            schedule=schedule,
             gradient_clip_val=trainer.gradient_clip_val,
             gradient_clip_algorithm=trainer.gradient_clip_algorithm,
             pipeline_attr=self.config.pipeline_attr,
+            pipeline_norm_clipping=PipelineNormClipping.supports(self.precision_plugin),
         )
-        self._pending_schedule = new if new != self._running_schedule else None
 
     def _reschedule_now(self, new: Schedule, step: int) -> ScheduleChange:
         """Drains with the running schedule and continues with ``new`` (every rank at the same step)."""

@@ -20,6 +20,7 @@ from lightning_dynpipe import DynPipeStrategy
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).parent / "scripts" / "real_models.py"
+CLIP = 0.5  # the gradient_clip_val of scripts/real_models.py's tied-sync fit
 
 
 def _run(mode: str, ckpt: Path) -> list[dict[str, Any]]:
@@ -58,15 +59,17 @@ def test_tied_weights_stay_one_parameter_through_a_migration_checkpoint_and_resu
     for r in results:
         assert r["finite"] and r["equals_fresh"] and r["tied"], r
         assert r["summary_total"] == r["plain_total"], r  # the tied matrix counted once
-    assert results[0]["max_diff"] <= 1e-5  # equals plain tied training on one device
+    assert results[0]["max_diff"] <= 1e-5  # equals plain tied training on one device, clipped by norm as it is
+    assert results[0]["min_norm_over_clip"] > 1.0  # the clip acted on every step
     data = _plain_optimizer_loads(ckpt, tie=True)
     sd = data["state_dict"]
     assert sd["pipeline.0.tok.weight"].data_ptr() == sd["pipeline.4.out.weight"].data_ptr()  # saved once
 
-    # Resume the file written after fit under 3 stages (the tie split between stages 0 and 2) and in plain
-    # Lightning: both must continue exactly as plain Lightning continues a file that plain Lightning wrote.
+    # Resume the file written after fit under 3 stages (the tie split between stages 0 and 2, clipped by the norm
+    # over the three) and in plain Lightning: both must continue exactly as plain Lightning continues a file that
+    # plain Lightning wrote (every run clipped by norm at CLIP, as the fit that wrote the file was).
     plain_first = TinyGPT(tie=True)
-    plain_trainer = L.Trainer(devices=1, max_steps=6, **trainer_kwargs())
+    plain_trainer = L.Trainer(devices=1, max_steps=6, gradient_clip_val=CLIP, **trainer_kwargs())
     plain_trainer.fit(plain_first, token_loader())
     plain_trainer.save_checkpoint(tmp_path / "plain.ckpt")
     reference = _resume(tmp_path / "plain.ckpt", 1, "auto")
@@ -81,7 +84,7 @@ def test_tied_weights_stay_one_parameter_through_a_migration_checkpoint_and_resu
 
 def _resume(ckpt: Path, devices: int, strategy: Any) -> TinyGPT:
     model = TinyGPT(tie=True)
-    trainer = L.Trainer(devices=devices, max_steps=12, strategy=strategy, **trainer_kwargs())
+    trainer = L.Trainer(devices=devices, max_steps=12, strategy=strategy, gradient_clip_val=CLIP, **trainer_kwargs())
     trainer.fit(model, token_loader(), ckpt_path=str(ckpt))
     assert devices > 1 or trainer.global_step == 12  # (spawn does not bring global_step back to this process)
     return model

@@ -5,7 +5,8 @@ Usage: python real_models.py {async,async+1,tied-sync} CHECKPOINT_PATH
 ``async``: TinyGPT (non-persistent causal mask and rotary table, a tuple with an int64 tensor across the
 boundary), async, a block moved to stage 0 at step 3. ``async+1``: the same with one more micro-batch in flight
 (stage 0 two updates stale). ``tied-sync``: TinyGPT with GPT-2 tying (embedding and
-head on different stages), sync, the same move. After fit every rank checks that the module it holds computes
+head on different stages), sync, clipped by the whole model's norm at ``CLIP`` on every step, the same move. After
+fit every rank checks that the module it holds computes
 what a freshly built model with the same weights computes (so every buffer is right), rank 0 compares the weights
 with the single-process reference, and ``trainer.save_checkpoint(CHECKPOINT_PATH)`` writes the file the test reads.
 Prints ``REAL_MODELS_OK {json}`` per rank.
@@ -32,6 +33,7 @@ from lightning_dynpipe.calibration import replay_async  # noqa: E402
 
 M = 4
 MOVE_AT, NEW_BALANCE = 3, [3, 2]
+CLIP = 0.5  # below the tied model's gradient norm at every step of the run
 
 
 class MoveABlock(L.Callback):
@@ -51,14 +53,17 @@ class SummaryCount(L.Callback):
         self.total = cb._summary(trainer, pl_module).total_parameters
 
 
-def plain_tied(model: TinyGPT, batches: list[Any]) -> TinyGPT:
+def plain_tied(model: TinyGPT, batches: list[Any]) -> tuple[TinyGPT, list[float]]:
+    """Plain tied training clipped by norm as Lightning clips it; returns the model and each step's norm."""
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    norms = []
     for x, y in batches:
         opt.zero_grad()
         gpt_loss(ref.pipeline(x), (x, y)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)))
         opt.step()
-    return ref
+    return ref, norms
 
 
 if __name__ == "__main__":
@@ -71,6 +76,7 @@ if __name__ == "__main__":
         devices=2,
         max_steps=6,
         strategy=DynPipeStrategy(balance=[2, 3], num_microbatches=M, schedule="sync" if tie else mode, adaptive=False),
+        gradient_clip_val=CLIP if tie else None,
         **trainer_kwargs(callbacks=[MoveABlock(), summary, ModelSummary()], enable_model_summary=True),
     )
     trainer.fit(model, token_loader())
@@ -89,7 +95,8 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         batches = list(token_loader())
         if tie:
-            ref = plain_tied(before, batches)
+            ref, norms = plain_tied(before, batches)
+            result["min_norm_over_clip"] = min(norms) / CLIP
         else:
             ref = before
             replay_async(
