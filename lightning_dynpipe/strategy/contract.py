@@ -429,9 +429,9 @@ def check_accumulation(accumulate_grad_batches: int, *, during_fit: bool = False
         raise ConfigurationError(
             f"accumulate_grad_batches={accumulate_grad_batches} is not supported by DynPipeStrategy"
             f"{changed if during_fit else ''}: the pipeline already splits each batch and updates within the step, "
-            "so Lightning's accumulation would "
-            "not hold its updates back. Use DynPipeStrategy(num_microbatches=N) with schedule='sync' to accumulate "
-            "gradients over N micro-batches, and accumulate_grad_batches=1 (no GradientAccumulationScheduler)."
+            "so Lightning's accumulation would not hold its updates back. Use DynPipeStrategy(num_microbatches=N) "
+            "with schedule='sync' to accumulate gradients over N micro-batches, and accumulate_grad_batches=1 (no "
+            "GradientAccumulationScheduler)."
         )
 
 
