@@ -3,6 +3,7 @@ empty one (the same wire format as checkpoints, engine/optstate.py). Two threads
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -54,3 +55,44 @@ def test_a_moved_layer_keeps_every_optimizer_state_value_with_its_type() -> None
         moved["momentum_buffer"], opt.state[ln_b]["momentum_buffer"]
     )
     assert type(moved["scale"]) is float and moved["scale"] == 0.1 + 1e-17
+
+
+@pytest.mark.parametrize("kind", ["spectral", "spectral-hook", "weight-norm"])
+def test_a_parametrized_layer_moves_with_its_parametrization_buffers_and_optimizer_state(kind: str) -> None:
+    """Spectral norm's ``u``/``v`` buffers and weight norm's two ``original`` parameters travel under their names;
+    the moved layer computes what the sender's did, and Adam's state arrives for every parameter."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 4)
+        if kind == "spectral":
+            return nn.utils.parametrizations.spectral_norm(layer)
+        if kind == "spectral-hook":
+            return nn.utils.spectral_norm(layer)
+        return nn.utils.parametrizations.weight_norm(layer)
+
+    sender = make()
+    opt = torch.optim.Adam(sender.parameters(), lr=0.1)
+    for _ in range(2):  # power iterations move u; Adam gets state
+        opt.zero_grad()
+        sender(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    receiver = make().to("meta")
+    recv_opt = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=0.1)
+    group = LoopbackGroup([0, 1])
+
+    def rank(k: int) -> int:
+        coll = LoopbackCollectives(group, k)
+        if k == 0:
+            return send_layer(sender, opt, 1, coll, CPU)
+        recv_layer(receiver, recv_opt, 0, coll, CPU)
+        return 0
+
+    run_stages(rank, 2)
+    assert list(receiver.state_dict()) == list(sender.state_dict())
+    for (name, a), b in zip(sender.state_dict().items(), receiver.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.randn(2, 3)
+    sender.eval(), receiver.eval()
+    assert torch.equal(receiver(x), sender(x))
+    assert len(recv_opt.state) == len(list(sender.parameters()))
