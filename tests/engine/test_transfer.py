@@ -20,15 +20,8 @@ def _layer() -> nn.Module:
     return layer
 
 
-def test_a_moved_layer_keeps_every_optimizer_state_value_with_its_type() -> None:
-    sender = _layer()
-    w, b, ln_w, ln_b = sender.parameters()
-    opt = torch.optim.SGD(sender.parameters(), lr=0.1)
-    opt.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.randn(4, 3), "count": 3, "flag": True, "buf": None}
-    opt.state[b] = {}  # an empty state is not "no state"
-    opt.state[ln_b] = {"momentum_buffer": torch.randn(4, dtype=torch.float64), "scale": 0.1 + 1e-17}
-    receiver = _layer().to("meta")
-    recv_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+def _move(sender: nn.Module, opt: torch.optim.Optimizer, receiver: nn.Module, recv_opt: torch.optim.Optimizer) -> int:
+    """Sends ``sender`` (with its state in ``opt``) from rank 0 into ``receiver`` on rank 1; the bytes sent."""
     group = LoopbackGroup([0, 1])
 
     def rank(k: int) -> int:
@@ -38,8 +31,19 @@ def test_a_moved_layer_keeps_every_optimizer_state_value_with_its_type() -> None
         recv_layer(receiver, recv_opt, 0, coll, CPU)
         return 0
 
-    sent, _ = run_stages(rank, 2)
-    assert sent > 0
+    return run_stages(rank, 2)[0]
+
+
+def test_a_moved_layer_keeps_every_optimizer_state_value_with_its_type() -> None:
+    sender = _layer()
+    w, b, ln_w, ln_b = sender.parameters()
+    opt = torch.optim.SGD(sender.parameters(), lr=0.1)
+    opt.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.randn(4, 3), "count": 3, "flag": True, "buf": None}
+    opt.state[b] = {}  # an empty state is not "no state"
+    opt.state[ln_b] = {"momentum_buffer": torch.randn(4, dtype=torch.float64), "scale": 0.1 + 1e-17}
+    receiver = _layer().to("meta")
+    recv_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert _move(sender, opt, receiver, recv_opt) > 0
     assert torch.equal(receiver.get_buffer("mask"), sender.get_buffer("mask"))  # non-persistent buffers travel
     for (name, a), b_ in zip(sender.state_dict().items(), receiver.state_dict().values()):
         assert torch.equal(a, b_), name
@@ -79,16 +83,7 @@ def test_a_parametrized_layer_moves_with_its_parametrization_buffers_and_optimiz
         opt.step()
     receiver = make().to("meta")
     recv_opt = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=0.1)
-    group = LoopbackGroup([0, 1])
-
-    def rank(k: int) -> int:
-        coll = LoopbackCollectives(group, k)
-        if k == 0:
-            return send_layer(sender, opt, 1, coll, CPU)
-        recv_layer(receiver, recv_opt, 0, coll, CPU)
-        return 0
-
-    run_stages(rank, 2)
+    _move(sender, opt, receiver, recv_opt)
     assert list(receiver.state_dict()) == list(sender.state_dict())
     for (name, a), b in zip(sender.state_dict().items(), receiver.state_dict().values()):
         assert torch.equal(a, b), name

@@ -243,21 +243,25 @@ def test_batchnorm_under_sync_with_micro_batches() -> None:
     _fit(NormNet(), DynPipeStrategy(schedule="sync", balance=[4], adaptive=False, microbatch_statistics=True))
 
 
-def test_weight_averaging_on_one_stage_equals_plain_lightning() -> None:
+@pytest.mark.parametrize("callback", ["ema", "pruning"])
+def test_weight_rewriting_callbacks_on_one_stage_equal_plain_lightning(callback: str) -> None:
     """Refused on a split model (``test_config_and_contract.py``); with one stage each process holds the whole model
-    and the callback averages it as without DynPipe."""
+    and the callback rewrites it as without DynPipe (EMA of the weights; global L1 pruning every epoch)."""
     import copy
 
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
+
+    def make() -> L.Callback:
+        if callback == "ema":
+            return EMAWeightAveraging(decay=0.5)
+        return ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=True, verbose=0)
 
     model = TinyNet()
     plain = copy.deepcopy(model)
-    L.Trainer(devices=1, max_steps=6, callbacks=[EMAWeightAveraging(decay=0.5)], **trainer_kwargs()).fit(
-        plain, loader()
-    )
+    L.Trainer(devices=1, max_epochs=2, callbacks=[make()], **trainer_kwargs()).fit(plain, loader())
     strategy = DynPipeStrategy(num_microbatches=1, balance=[5], adaptive=False)
-    L.Trainer(
-        devices=1, max_steps=6, strategy=strategy, callbacks=[EMAWeightAveraging(decay=0.5)], **trainer_kwargs()
-    ).fit(model, loader())
+    L.Trainer(devices=1, max_epochs=2, strategy=strategy, callbacks=[make()], **trainer_kwargs()).fit(model, loader())
     for k, v in plain.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+    if callback == "pruning":
+        assert int((model.pipeline[2].weight == 0).sum()) > 0  # it pruned
