@@ -7,6 +7,7 @@ Both take plain arguments and are testable without a Trainer.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -482,16 +483,28 @@ def check_callbacks(callbacks: Sequence[Callback], *, num_stages: int) -> None:
 
 
 def check_optimizers(optimizers: Sequence[Any]) -> None:
-    """One optimizer (with any number of parameter groups): each stage steps its share of it.
+    """One optimizer (with any number of parameter groups): each stage steps its share of it, from the gradients the
+    pipeline computed, without a closure.
 
     Raises:
-        ConfigurationError: several optimizers.
+        ConfigurationError: several optimizers; an optimizer whose ``step`` needs a closure (``LBFGS``), which would
+            re-run the forward and backward of the whole model inside the update.
     """
     if len(optimizers) > 1:
         raise ConfigurationError(
             f"configure_optimizers returned {len(optimizers)} optimizers; DynPipeStrategy supports one (with any "
             "number of parameter groups). Use parameter groups instead."
         )
+    for opt in optimizers:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ConfigurationError(
+                f"{type(opt).__name__}.step needs a closure that re-evaluates the loss, which a pipeline cannot give "
+                "it: each stage updates its own layers from the gradients the pipeline computed once per "
+                "micro-batch (or per batch under schedule='sync'), and re-running the whole model's forward and "
+                "backward inside one stage's update is not possible. Use an optimizer that steps from gradients "
+                "(SGD, Adam, AdamW, ...)."
+            )
 
 
 def check_replica_split(

@@ -226,6 +226,10 @@ def test_more_than_one_optimizer() -> None:
     ):
         check_optimizers(optimizers)
     check_optimizers(optimizers[:1])
+    params = list(TinyNet().parameters())
+    with pytest.raises(ConfigurationError, match=r"LBFGS.step needs a closure that re-evaluates the loss.*Adam"):
+        check_optimizers([torch.optim.LBFGS(params)])
+    check_optimizers([torch.optim.AdamW(params)])
 
 
 class NormNet(TinyNet):
