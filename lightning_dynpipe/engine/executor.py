@@ -23,7 +23,7 @@ from lightning_dynpipe.engine.microbatch import check_batch_size, microbatch_siz
 from lightning_dynpipe.engine.p2p import Message, Receiver, Sender
 from lightning_dynpipe.engine.stash import WeightStash
 from lightning_dynpipe.engine.wire import MessageKind
-from lightning_dynpipe.errors import ConfigurationError, ScheduleError
+from lightning_dynpipe.errors import ConfigurationError, PeerFailure, ScheduleError
 from lightning_dynpipe.schedule import (
     Backward,
     Forward,
@@ -88,6 +88,17 @@ class StageChannels:
     send_activation: Sender | None = None
     recv_grad: Receiver | None = None
     send_grad: Sender | None = None
+
+    def arrived_failure(self) -> PeerFailure | None:
+        """A neighbour's failure that a receive channel knows or holds as its next message (its ``ABORT``;
+        :meth:`~lightning_dynpipe.engine.p2p.RecvChannel.arrived_failure`); ``None`` if none has. For a failed
+        run's way out only: it consumes what it reads."""
+        for ch in (self.recv_activation, self.recv_grad):
+            peek = getattr(ch, "arrived_failure", None)
+            failure = peek() if callable(peek) else None
+            if isinstance(failure, PeerFailure):
+                return failure
+        return None
 
     def flush(self) -> None:
         """Waits for all outstanding sends."""

@@ -463,6 +463,21 @@ class RecvChannel:
         if self._thread.is_alive():
             log.warning("Receiver thread of channel %s did not stop within %.0f s.", self.name, timeout)
 
+    def arrived_failure(self, wait_s: float = 0.5) -> PeerFailure | None:
+        """The peer's failure if this channel knows it or its next message is the peer's ``ABORT`` (waiting at most
+        ``wait_s`` for that message): for a rank whose collective broke because the peer's process ended, which
+        sends its ``ABORT`` first. Consumes what it reads: call it only on the way out of a failed run."""
+        if self._failure is not None or not self.packed:
+            return self._failure
+        try:
+            buf, header, _, _ = self._next_packed(time.monotonic() + wait_s)
+        except (RuntimeError, IndexError):  # nothing came, or the connection is gone
+            return None
+        if header.kind != MessageKind.ABORT:
+            return None
+        text = unpack(buf, header)[0]
+        return _peer_abort(header, decode_text(text)) if text is not None else None
+
     def _timeout_error(self, kind: MessageKind, mb_idx: int) -> PipelineTimeoutError:
         return PipelineTimeoutError(
             f"Waited {self.timeout:.0f} s for {kind.name.lower()} of micro-batch {mb_idx} on channel "
@@ -650,17 +665,28 @@ class FailureHandler:
 
     def peer_failed(self, failure: PeerFailure, source: SendChannel | None = None) -> None:
         """Called by the receive that learnt of the failure (the stage's thread; a receiver thread on CUDA)."""
+        if not self._record_and_pass_on(failure, source):
+            return
+        timer = threading.Timer(self.grace_s, self._hard_exit, args=(failure,))
+        timer.daemon = True
+        timer.start()
+
+    def relay(self, failure: PeerFailure) -> None:
+        """Records and passes on a peer's failure found after this rank's own error (a collective that broke when
+        the peer's process ended), without the watchdog: this process is already ending through its error path."""
+        self._record_and_pass_on(failure, None)
+
+    def _record_and_pass_on(self, failure: PeerFailure, source: SendChannel | None) -> bool:
+        """The first failure learnt of: logged and forwarded to the other neighbours; ``False`` if one was known."""
         with self._lock:
             if self.failure is not None:
-                return
+                return False
             self.failure = failure
         log.error("DynPipe stage %d (rank %d): %s", self.stage_idx, self.rank, failure)
         for ch in self.channels:
             if ch.peer != failure.rank and ch is not source:
                 ch.abort(failure.stage_idx, failure.rank, str(failure).split("failed first: ", 1)[-1])
-        timer = threading.Timer(self.grace_s, self._hard_exit, args=(failure,))
-        timer.daemon = True
-        timer.start()
+        return True
 
     def local_failure(self, exc: BaseException) -> None:
         """This stage failed first: tell the neighbours (bounded wait), unless it only reacts to a peer's failure."""

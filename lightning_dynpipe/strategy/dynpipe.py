@@ -56,7 +56,7 @@ from lightning_dynpipe.engine.shares import IssuedShare, ShareBatchSampler, shar
 from lightning_dynpipe.engine.stage import PipelineStage
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters
 from lightning_dynpipe.engine.topology import PipelineTopology
-from lightning_dynpipe.errors import ConfigurationError, ScheduleError
+from lightning_dynpipe.errors import ConfigurationError, PeerFailure, ScheduleError
 from lightning_dynpipe.monitor.callback import StageMonitor
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
@@ -1386,7 +1386,17 @@ class DynPipeStrategy(DDPStrategy):
         # Tell the other stages at once, so they end with an error naming this stage instead of waiting.
         # (Not on Ctrl-C: Lightning's launcher kills the other processes itself.)
         if self.stage is not None and not isinstance(exception, KeyboardInterrupt):
-            self.stage.failure.local_failure(exception)
+            # An error here may be the consequence of another stage's failure: a collective of Lightning's (the
+            # metrics mirror, the sigterm broadcast) breaks when that stage's process ends. Its ABORT then already
+            # sits in a receive channel: say so on this rank's traceback, and pass it on instead of claiming it.
+            known = self.stage.failure.failure
+            if known is None and _lost_connection(exception):
+                known = self.stage.executor.channels.arrived_failure()
+            if known is not None and not isinstance(exception, PeerFailure) and known.rank != self.global_rank:
+                self.stage.failure.relay(known)
+                _note(exception, f"DynPipe: this error followed another stage's failure. {known}")
+            else:
+                self.stage.failure.local_failure(exception)
             # the launching process ends with its traceback and exit code 1, not Lightning's SIGKILL
             _let_the_launching_process_fail(getattr(self._launcher, "procs", None) or [])
         super().on_exception(exception)
@@ -1479,6 +1489,21 @@ class _ReplicaShares:
         split = s._pending_split or s._split
         assert split is not None
         return split.shares(batch_size, s.num_microbatches), split
+
+
+def _lost_connection(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective's error for a peer process that went away (gloo's and NCCL's words)."""
+    text = str(exception).lower()
+    return isinstance(exception, RuntimeError) and any(
+        words in text for words in ("connection closed", "connection reset", "broken pipe", "remote process exited")
+    )
+
+
+def _note(exception: BaseException, text: str) -> None:
+    """Adds ``text`` to the traceback ``exception`` will print (Python >= 3.11), and logs it (every version)."""
+    if hasattr(exception, "add_note"):
+        exception.add_note(text)
+    log.error(text)
 
 
 def _user_code_before_update(module: LightningModule, precision: Precision) -> bool:

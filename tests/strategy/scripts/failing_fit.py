@@ -1,7 +1,11 @@
 """A 2-stage fit (popen launcher) in which one stage fails at step 3, or (``long``) that trains until interrupted.
 
 Usage: python failing_fit.py {last-exception,last-exception-slow-exit,first-exception,first-sigkill,
-finetune-group,long}
+first-update-exception,finetune-group,long}
+
+``first-update-exception``: under ``sync``, stage 0 raises in ``on_before_optimizer_step`` at FAIL_STEP, when the
+last stage has finished that step and waits in one of Lightning's collectives (the metrics mirror), not on a
+pipeline receive.
 
 ``finetune-group``: a finetuning callback adds stage 0's first layer to the optimizer as a new parameter group at
 the second epoch (refused: the optimizer was split at set-up).
@@ -70,6 +74,12 @@ class KillStageZero(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class FailStageZerosUpdate(L.Callback):
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == FAIL_STEP and trainer.strategy.stage_idx == 0:  # type: ignore[attr-defined]
+            raise RuntimeError("boom in stage 0's update")
+
+
 class UnfreezeIntoNewGroup(BaseFinetuning):
     """Freezes the first layer, and adds it to the optimizer as a group of its own at the second epoch."""
 
@@ -97,13 +107,15 @@ if __name__ == "__main__":
         "first-sigkill": [KillStageZero()],
         "long": [AnnounceTraining()],
         "finetune-group": [UnfreezeIntoNewGroup()],
+        "first-update-exception": [FailStageZerosUpdate()],
     }.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
     epochs = 10_000 if mode == "long" else 2
+    schedule = "sync" if mode == "first-update-exception" else "async"  # sync: stage 0 updates after the last stage
     trainer = L.Trainer(
         devices=2,
         max_epochs=epochs,
-        strategy=DynPipeStrategy(num_microbatches=4, balance=balance),
+        strategy=DynPipeStrategy(num_microbatches=4, balance=balance, schedule=schedule),
         **trainer_kwargs(callbacks=callbacks),
     )
     try:
