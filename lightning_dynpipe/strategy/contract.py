@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from lightning_dynpipe.engine.ties import SharedParameter, shared_parameters, split_ties
 from lightning_dynpipe.errors import ConfigurationError, PartitionError
@@ -43,6 +43,7 @@ __all__ = [
     "check_callbacks",
     "check_setup",
     "check_batches",
+    "check_sample_order",
     "check_ties",
     "check_optimizers",
     "check_replica_split",
@@ -223,6 +224,34 @@ def check_batches(
         f"Pass drop_last=True to the training DataLoader, or choose a batch size that leaves 0 or at least {M} "
         f"samples for the last batch, or use DynPipeStrategy(num_microbatches={last}) or fewer."
     )
+
+
+def check_sample_order(loader: Any, *, num_stages: int) -> None:
+    """Refuses, before the first step, a training dataloader whose order could differ between the stages.
+
+    Stage 0 reads each batch's inputs and the last stage its targets, in their own processes, so every stage must
+    draw the same samples in the same order. A random sampler without its own ``generator`` (``shuffle=True``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``) draws its order from the process's global torch RNG, which
+    the stages consume differently (the planner's profile runs on one rank, for one): the inputs of one sample
+    would then train against the targets of another, silently. Lightning's own sampler
+    (``use_distributed_sampler=True``, the default) is seeded alike everywhere and passes.
+
+    Raises:
+        ConfigurationError: such a sampler with ``num_stages > 1``.
+    """
+    if num_stages < 2 or not isinstance(loader, DataLoader):
+        return
+    batch_sampler = loader.batch_sampler
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else loader.sampler
+    random = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+    if isinstance(sampler, random) and getattr(sampler, "generator", None) is None:
+        raise ConfigurationError(
+            f"The training dataloader's {type(sampler).__name__} has no generator, so it draws its order from each "
+            f"process's own torch RNG, and the {num_stages} stages would read different samples: stage 0 the inputs "
+            "of some, the last stage the targets of others. Give the DataLoader a seeded generator "
+            "(DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(0))), or let Lightning replace "
+            "the sampler (Trainer(use_distributed_sampler=True), the default)."
+        )
 
 
 def _short_last_batch(

@@ -79,6 +79,7 @@ from lightning_dynpipe.strategy.contract import (
     check_batches,
     check_optimizers,
     check_replica_split,
+    check_sample_order,
     check_setup,
     check_ties,
     find_pipeline,
@@ -1220,6 +1221,7 @@ class DynPipeStrategy(DDPStrategy):
             max_steps=trainer.max_steps,
             replicas=self._split.num_replicas if self._split is not None else 1,
         )
+        check_sample_order(trainer.train_dataloader, num_stages=self.num_stages)
 
     @override
     def on_train_end(self) -> None:

@@ -410,3 +410,32 @@ def test_a_whole_checkpoint_read_after_partitioning_is_loaded_strictly() -> None
         strategy.load_model_state_dict({"state_dict": partial})
     strategy.load_model_state_dict({"state_dict": partial}, strict=False)  # what the user asked for
     strategy.stage = None
+
+
+def test_a_random_sampler_without_a_generator_is_refused_on_a_split_model() -> None:
+    """Measured before: with balance='auto' the planner's profile on rank 0 consumed the global RNG, and
+    ``DataLoader(shuffle=True)`` gave the two stages different orders from the first batch (stage 0 trained on the
+    inputs of other samples than the last stage's targets). Lightning's own sampler and a seeded generator pass."""
+    from torch.utils.data import DistributedSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    from lightning_dynpipe.strategy.contract import check_sample_order
+
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+    refused = [
+        DataLoader(data, batch_size=4, shuffle=True),
+        DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(6))),
+        DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8)),
+    ]
+    for loader, name in zip(refused, ["RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"]):
+        with pytest.raises(ConfigurationError) as err:
+            check_sample_order(loader, num_stages=2)
+        assert f"The training dataloader's {name} has no generator" in str(err.value)
+        assert "the 2 stages would read different samples" in str(err.value) and "manual_seed" in str(err.value)
+        check_sample_order(loader, num_stages=1)  # one stage reads inputs and targets alike
+    accepted = [
+        DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)),
+        DataLoader(data, batch_size=4),
+        DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)),
+    ]
+    for loader in accepted:
+        check_sample_order(loader, num_stages=2)
