@@ -59,6 +59,30 @@ def _flatten(value: Any, what: str) -> tuple[list[Tensor], bool]:
     )
 
 
+def _same_input(given: Any, expected: Any) -> bool:
+    """Whether the step's pipeline argument is stage 0's input: the same tensors (shape, dtype, values) in the
+    same structure."""
+    if isinstance(given, Tensor) or isinstance(expected, Tensor):
+        return (
+            isinstance(given, Tensor)
+            and isinstance(expected, Tensor)
+            and given.shape == expected.shape
+            and given.dtype == expected.dtype
+            and torch.equal(given, expected)
+        )
+    if isinstance(given, (tuple, list)) and isinstance(expected, (tuple, list)):
+        return len(given) == len(expected) and all(_same_input(g, e) for g, e in zip(given, expected))
+    return given is expected
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(_describe(v) for v in value[:3])})"
+    return f"a {type(value).__name__}"
+
+
 def _copy_received(value: Any) -> tuple[Any, list[Tensor]]:
     """``value`` (a received activation: a tensor or a tuple) with a copy of each tensor that requires grad, and
     the copies. A copy is a non-leaf: the layers may write it in place, and its backward passes the gradient to the
@@ -220,6 +244,10 @@ class StageExecutor:
             stage's buffers and raises :class:`~lightning_dynpipe.errors.ConfigurationError` if it wrote any.
             Default ``True`` (the strategy passes its ``microbatch_statistics`` argument).
         first_layer: the pipeline index of the stage's first layer (errors name layers by pipeline index).
+        step_input: on the last stage of several, what the user's step must pass to ``self.pipeline(...)``,
+            computed from the micro-batch as stage 0 computes its input (``None``: not checked). The first call
+            compares the two: a step that changed the input before the call (preprocessing that stage 0 never
+            runs) raises :class:`~lightning_dynpipe.errors.ConfigurationError`.
     """
 
     def __init__(
@@ -238,6 +266,7 @@ class StageExecutor:
         fresh_storage_updates: bool = False,
         microbatch_statistics: bool = True,
         first_layer: int = 0,
+        step_input: Callable[[Any], Any] | None = None,
     ) -> None:
         self.stage_module = stage_module
         self.first_layer = first_layer
@@ -292,6 +321,7 @@ class StageExecutor:
         # counter moved says whether the layers write their input, and so whether every later one needs a copy.
         self._copy_input: bool | None = None if stage_idx > 0 else False
         self.update_stash: WeightStash | None = None  # see fresh_storage_updates
+        self._step_input = step_input if self.is_last and not self.is_first else None  # checked once
         # checked once, at the first training forward (see microbatch_statistics)
         self._check_buffer_writes = not microbatch_statistics and self.schedule.accumulates and num_microbatches > 1
         self._step_base = 0
@@ -438,6 +468,19 @@ class StageExecutor:
                 "e.g. put two views of a batch in one call with torch.cat along the batch dimension and split the "
                 "output."
             )
+        if self._step_input is not None and mb.batch is not None:
+            expected, self._step_input = self._step_input(mb.batch), None
+            if not _same_input(x, expected):
+                given, fed = _describe(x), _describe(expected)
+                raise ConfigurationError(
+                    f"The step called self.pipeline(...) with {given}, but stage 0 feeds the pipeline "
+                    f"{'the same shapes with other values' if given == fed else fed} from the same micro-batch "
+                    "(batch[0] of a tuple or list batch, or a tensor batch itself). With more than one stage, stage "
+                    "0 never runs your step: what the step does to the input before the call (a reshape, a "
+                    "normalisation, an augmentation) is not applied. Move it into `def pipeline_input(self, batch)` "
+                    "on your LightningModule and call self.pipeline(self.pipeline_input(batch)) in the step, or into "
+                    "the first layer."
+                )
         value = x if self.is_first else mb.input_value
         t0 = time.perf_counter()
         copies: list[Tensor] = []

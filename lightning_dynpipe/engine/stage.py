@@ -92,6 +92,7 @@ class PipelineStage:
         checkpoint_layers: Collection[int] = (),
         before_update_may_write: Callable[[], bool] | None = None,
         microbatch_statistics: bool = True,
+        step_input: Callable[[Any], Any] | None = None,
     ) -> None:
         self.shard = shard
         self.checkpoint_layers = frozenset(checkpoint_layers)
@@ -113,6 +114,7 @@ class PipelineStage:
         self._before_update = before_update
         self._before_update_may_write = before_update_may_write or (lambda: True)
         self.microbatch_statistics = microbatch_statistics
+        self._step_input = step_input
         self.failure = FailureHandler(self.stage_idx, rank)
         self.executor = self._executor(build_channels(groups, device, timeout_s, self.failure))
 
@@ -138,6 +140,7 @@ class PipelineStage:
         checkpoint_layers: Collection[int] = (),
         before_update_may_write: Callable[[], bool] | None = None,
         microbatch_statistics: bool = True,
+        step_input: Callable[[Any], Any] | None = None,
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
@@ -152,7 +155,8 @@ class PipelineStage:
         an update that a stashed weight version still shares the storage of writes the new weights to fresh
         storage instead of copying the old ones first, for the optimizers that
         :mod:`~lightning_dynpipe.engine.outofplace` reproduces exactly. ``microbatch_statistics``: whether layers
-        may update buffers once per micro-batch under a flush schedule (see :class:`StageExecutor`).
+        may update buffers once per micro-batch under a flush schedule, and ``step_input`` what the last stage's
+        step must pass to the pipeline (see :class:`StageExecutor`).
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -180,6 +184,7 @@ class PipelineStage:
             checkpoint_layers=checkpoint_layers,
             before_update_may_write=before_update_may_write,
             microbatch_statistics=microbatch_statistics,
+            step_input=step_input,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -222,6 +227,7 @@ class PipelineStage:
             fresh_storage_updates=True,
             microbatch_statistics=self.microbatch_statistics,
             first_layer=self.shard.owned[0] if self.shard.owned else 0,
+            step_input=self._step_input,
         )
         # The user's self.pipeline(x) call is this stage's part of the pipeline.
         self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]

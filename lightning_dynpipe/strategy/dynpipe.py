@@ -799,6 +799,10 @@ class DynPipeStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)  # on the whole model: the other layers' parameters are on meta
                 check_optimizers(self.optimizers)
         module = self._lm
+
+        def stage_zero_input(batch: Any) -> Any:
+            return first_stage_input(module, batch)
+
         self._running_schedule, self._pending_schedule = self.config.schedule, None
         self.stage = PipelineStage.start(
             pipeline=pipeline,
@@ -811,7 +815,7 @@ class DynPipeStrategy(DDPStrategy):
             schedule=self.config.schedule,
             num_microbatches=self.num_microbatches,
             optimizers=self.optimizers if fitting else [],
-            first_stage_input=lambda batch: first_stage_input(module, batch),
+            first_stage_input=stage_zero_input,
             last_stage_loss=self._last_stage_loss,
             before_update=self._before_update,
             before_update_may_write=self._before_update_may_write,
@@ -819,6 +823,9 @@ class DynPipeStrategy(DDPStrategy):
             ties=self.ties,
             checkpoint_layers=self.config.checkpoint_layers(len(pipeline)) if fitting else (),
             microbatch_statistics=self.config.microbatch_statistics,
+            # the step's pipeline argument is checked against batch[0] once, unless the module says what stage 0
+            # feeds (a pipeline_input hook may draw random numbers: calling it again would change the run)
+            step_input=None if callable(getattr(module, "pipeline_input", None)) else stage_zero_input,
         )
         self._start_replica_split(pipeline, fitting)
         if meta:

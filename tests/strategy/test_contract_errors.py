@@ -1,5 +1,6 @@
 """The user contract fails loudly in a real 2-stage run: a second pipeline call (raised on the last stage in the
-middle of a step) and a last batch that cannot be split (before the first step). Spawned processes: the first
+middle of a step), a step that changes the pipeline's input before the call (which stage 0 would not do), and a
+last batch that cannot be split (before the first step). Spawned processes: the first
 rank's error reaches the caller.
 
 The other contract errors are raised by functions with unit tests of their own, on paths real runs already
@@ -41,3 +42,35 @@ def test_a_last_batch_too_small_to_split_is_refused_before_the_first_step() -> N
     s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
     with pytest.raises(Exception, match=r"last training batch of each epoch holds 2 samples .*drop_last=True"):
         L.Trainer(devices=2, max_epochs=1, strategy=s, **trainer_kwargs()).fit(TinyNet(), loader(n=98))
+
+
+class NormalisedInTheStep(TinyNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = (x - x.mean()) / (x.std() + 1e-6)  # stage 0 never runs this: it would train on raw inputs
+        return F.cross_entropy(self.pipeline(x), y)
+
+
+class NormalisedInPipelineInput(TinyNet):
+    def pipeline_input(self, batch: Any) -> torch.Tensor:
+        x = batch[0]
+        return (x - x.mean()) / (x.std() + 1e-6)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.pipeline(self.pipeline_input(batch)), batch[1])
+
+
+def test_preprocessing_in_the_step_that_stage_0_would_skip_is_refused() -> None:
+    """The last stage compares its step's pipeline argument with batch[0] at the first call: a normalisation written
+    in the step is refused with the fix; the same normalisation in ``pipeline_input`` (not checked: the hook says
+    what stage 0 feeds) trains."""
+    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
+    with pytest.raises(
+        Exception, match=r"stage 0 feeds the pipeline the same shapes with other values.*pipeline_input"
+    ):
+        L.Trainer(devices=2, max_steps=2, strategy=s, **trainer_kwargs()).fit(NormalisedInTheStep(), loader())
+
+    model = NormalisedInPipelineInput()
+    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
+    L.Trainer(devices=2, max_steps=2, strategy=s, **trainer_kwargs()).fit(model, loader())
+    assert not torch.equal(model.pipeline[0].weight, TinyNet().pipeline[0].weight)  # it trained
