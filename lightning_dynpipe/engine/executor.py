@@ -19,7 +19,12 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_dynpipe.engine.microbatch import check_batch_size, microbatch_sizes, split_microbatches
+from lightning_dynpipe.engine.microbatch import (
+    check_batch_size,
+    microbatch_sizes,
+    sample_identity,
+    split_microbatches,
+)
 from lightning_dynpipe.engine.p2p import Message, Receiver, Sender
 from lightning_dynpipe.engine.stash import WeightStash
 from lightning_dynpipe.engine.wire import MessageKind
@@ -200,6 +205,7 @@ class _MicroBatch:
     out_grads: list[Tensor | None] | None = None
     scale: float = 1.0
     calls: int = 0  # how often the user's step called the pipeline on this micro-batch (the rule: once)
+    sample_id: float = math.nan  # stage 0's sample_identity of the micro-batch, carried to the last stage
 
 
 class StageExecutor:
@@ -620,6 +626,7 @@ class StageExecutor:
         mb = self._mb(instr.mb_idx)
         mb.inputs = inputs
         mb.input_value = self._rebuild(inputs, msg.header.is_tuple)
+        mb.sample_id = msg.header.aux  # stage 0's checksum of the micro-batch's samples, passed on by every stage
 
     def _stash_weights(self, instr: StashWeights) -> None:
         assert self.stash is not None, "StashWeights on a stage without staleness"
@@ -632,6 +639,8 @@ class StageExecutor:
         mb = self._mb(instr.mb_idx)
         if self.is_first or self.is_last:
             mb.batch = self._step_batches[mb.slot]
+            if mb.slot == 0 and not (self.is_first and self.is_last):  # once per step
+                self._check_same_samples(mb, instr.mb_idx)
         with torch.enable_grad():
             self._current = mb
             try:
@@ -661,12 +670,31 @@ class StageExecutor:
         self.stats.user_s += time.perf_counter() - t0 - self._layers_forward_s
         self.stats.num_forward += 1
 
+    def _check_same_samples(self, mb: _MicroBatch, mb_idx: int) -> None:
+        """Stage 0 records the first micro-batch's :func:`sample_identity` (its message carries it); the last stage
+        compares its own with it. Each reads the batch in its own process, so a sampler or a dataset whose order
+        depends on the process would pair one sample's inputs with another's targets."""
+        ident = sample_identity(mb.batch)
+        if self.is_first:
+            mb.sample_id = ident
+        elif not (math.isnan(ident) or math.isnan(mb.sample_id)) and ident != mb.sample_id:
+            raise ConfigurationError(
+                f"Stage 0 and the last stage read different samples for micro-batch {mb_idx}: the integer tensors of "
+                f"their batches (labels, token ids) differ (checksums {mb.sample_id:.6g} and {ident:.6g}). Each "
+                "stage reads the batch in its own process, so every process must draw the same batches in the same "
+                "order: Lightning's sampler does (Trainer(use_distributed_sampler=True), the default); a sampler or "
+                "an iterable dataset of yours must not depend on the process (its RNG, its rank): seed it with a "
+                "fixed torch.Generator."
+            )
+
     def _send_activation(self, instr: SendActivation) -> None:
         t0 = time.perf_counter()
         mb = self._mbs[instr.mb_idx]
         tensors, is_tuple = _flatten(mb.output, f"The output of stage {self.stage_idx}")
         assert self.channels.send_activation is not None
-        self.channels.send_activation.send(MessageKind.ACTIVATION, instr.mb_idx, tensors, is_tuple=is_tuple)
+        self.channels.send_activation.send(
+            MessageKind.ACTIVATION, instr.mb_idx, tensors, aux=mb.sample_id, is_tuple=is_tuple
+        )
         self.stats.send_s += time.perf_counter() - t0
 
     def _recv_grad(self, instr: RecvGrad) -> None:

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_batch_size",
     "take_share",
     "batch_fingerprint",
+    "sample_identity",
 ]
 
 
@@ -147,6 +149,23 @@ def batch_fingerprint(batch: Any) -> float:
     for t in iter_tensors(batch):
         if t.dim() == 0 or t.is_complex() or t.shape[0] == 0:
             continue
-        per_sample = t.detach().reshape(t.shape[0], -1).double().sum(1)
-        total += float((per_sample * torch.arange(1, t.shape[0] + 1, dtype=torch.float64)).sum())
+        total += _positional_sum(t)
     return total
+
+
+def sample_identity(batch: Any) -> float:
+    """:func:`batch_fingerprint` of the batch's integer and boolean tensors only (labels, token ids, indices):
+    what identifies its samples, whatever a random augmentation did to their float inputs. ``nan`` when the batch
+    holds none. Stage 0 and the last stage compare it: each reads the batch in its own process."""
+    ints = [
+        t
+        for t in iter_tensors(batch)
+        if not (t.is_floating_point() or t.is_complex()) and t.dim() > 0 and t.shape[0] > 0
+    ]
+    return float(sum(_positional_sum(t) for t in ints)) if ints else math.nan
+
+
+def _positional_sum(t: Tensor) -> float:
+    """Each sample's values summed in float64 and weighted by its position (1, 2, ...)."""
+    per_sample = t.detach().reshape(t.shape[0], -1).double().sum(1)
+    return float((per_sample * torch.arange(1, t.shape[0] + 1, dtype=torch.float64, device=t.device)).sum())

@@ -74,3 +74,28 @@ def test_preprocessing_in_the_step_that_stage_0_would_skip_is_refused() -> None:
     s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
     L.Trainer(devices=2, max_steps=2, strategy=s, **trainer_kwargs()).fit(model, loader())
     assert not torch.equal(model.pipeline[0].weight, TinyNet().pipeline[0].weight)  # it trained
+
+
+class RankDependentOrder(torch.utils.data.Sampler[int]):
+    """A sampler of the user's whose order depends on the process (here its rank; in practice its own RNG)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        order = list(range(self.n))
+        return iter(order if torch.distributed.get_rank() == 0 else order[::-1])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_stages_that_read_different_samples_are_stopped_at_the_first_step() -> None:
+    """Stage 0 sends the integer tensors' checksum of each step's first micro-batch with its activation; the last
+    stage compares it with its own. A sampler the static check cannot judge (the user's own) is caught there."""
+    data = loader().dataset
+    s = DynPipeStrategy(num_microbatches=4, balance=[2, 3], start_method="fork", adaptive=False)
+    with pytest.raises(Exception, match=r"Stage 0 and the last stage read different samples for micro-batch 0"):
+        L.Trainer(devices=2, max_steps=2, strategy=s, **trainer_kwargs()).fit(
+            TinyNet(), torch.utils.data.DataLoader(data, batch_size=12, sampler=RankDependentOrder(len(data)))
+        )
