@@ -684,7 +684,8 @@ class StageExecutor:
                 "stage reads the batch in its own process, so every process must draw the same batches in the same "
                 "order: Lightning's sampler does (Trainer(use_distributed_sampler=True), the default); a sampler or "
                 "an iterable dataset of yours must not depend on the process (its RNG, its rank): seed it with a "
-                "fixed torch.Generator."
+                "fixed torch.Generator, and so a collate_fn or dataset that draws random numbers for integer "
+                "tensors (token masking)."
             )
 
     def _send_activation(self, instr: SendActivation) -> None:
