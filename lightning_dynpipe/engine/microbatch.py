@@ -154,9 +154,10 @@ def batch_fingerprint(batch: Any) -> float:
 
 
 def sample_identity(batch: Any) -> float:
-    """:func:`batch_fingerprint` of the batch's integer and boolean tensors only (labels, token ids, indices):
-    what identifies its samples, whatever a random augmentation did to their float inputs. ``nan`` when the batch
-    holds none. Stage 0 and the last stage compare it: each reads the batch in its own process."""
+    """The position-weighted checksum :func:`batch_fingerprint` sums, over the batch's integer and boolean tensors
+    only (labels, token ids, indices): what identifies its samples, whatever a random augmentation did to their
+    float inputs. ``nan`` when the batch holds none. Stage 0 and the last stage compare it: each reads the batch
+    in its own process."""
     ints = [
         t
         for t in iter_tensors(batch)

@@ -221,8 +221,11 @@ class OptimizerSlots:
         """Puts exactly the owned layers' parameters in the optimizer groups, in canonical order.
 
         Groups are edited in place and never removed, so LR schedulers and ``LightningOptimizer`` wrappers keep
-        working; the state of parameters that left this stage is dropped (they travelled with their layer).
+        working; the state of parameters that left this stage is dropped (they travelled with their layer). A
+        re-split refuses groups changed since the last split (:meth:`check_unchanged`): it would drop them.
         """
+        if self.canonical:
+            self.check_unchanged(optimizers, shard.stage_idx)
         pipeline = shard.pipeline
         self.canonical = []
         for opt, slots in zip(optimizers, self.slots):

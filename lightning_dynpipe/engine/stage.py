@@ -237,7 +237,6 @@ class PipelineStage:
         if not self.optimizers:
             return
         opt = self.optimizers[0]
-        self.check_optimizers()
         stash = self.executor.update_stash  # set when a micro-batch in flight uses the live weights' storage
         step = stash_aware_step(opt, stash, user_code_first=stash is not None and self._before_update_may_write())
         if self.topology.dp_size > 1:
@@ -260,8 +259,10 @@ class PipelineStage:
         opt.zero_grad(set_to_none=True)
 
     def check_optimizers(self) -> None:
-        """Refuses parameters added to the optimizer since the split (:meth:`OptimizerSlots.check_unchanged`): before
-        every update, and at the start of every step (where a neighbour waiting for this stage learns of it)."""
+        """Refuses parameters added to the optimizer since the split (:meth:`OptimizerSlots.check_unchanged`). The
+        strategy calls it at the start of every training step, where a neighbour waiting for this stage's message
+        learns of the refusal; a re-split (:meth:`migrate`) and a checkpoint check it too, since both use the
+        split."""
         if self.slots is not None and self.optimizers:
             self.slots.check_unchanged(self.optimizers, self.stage_idx)
 
@@ -324,6 +325,7 @@ class PipelineStage:
         elsewhere. Collective over the pipeline; each parameter's state travels as tensors, to rank 0 only
         unless ``everywhere``."""
         assert self.slots is not None
+        self.check_optimizers()
         if not everywhere and self.dp_rank != 0:
             return {}  # one pipeline replica writes the checkpoint; the others hold the same state
         idx = self.optimizers.index(optimizer)
@@ -343,6 +345,7 @@ class PipelineStage:
         (:meth:`~lightning_dynpipe.engine.shard.OptimizerSlots.holders`), by canonical index, and the whole
         model's ``param_groups``. Local: nothing is gathered. ``{}`` on pipeline replicas other than the first."""
         assert self.slots is not None
+        self.check_optimizers()
         if self.dp_rank != 0:
             return {}
         idx = self.optimizers.index(optimizer)

@@ -1509,10 +1509,11 @@ def _lost_connection(exception: BaseException) -> bool:
 
 
 def _note(exception: BaseException, text: str) -> None:
-    """Adds ``text`` to the traceback ``exception`` will print (Python >= 3.11), and logs it (every version)."""
+    """Adds ``text`` to the traceback ``exception`` will print (Python >= 3.11; logged on older versions)."""
     if hasattr(exception, "add_note"):
         exception.add_note(text)
-    log.error(text)
+    else:
+        log.error(text)
 
 
 def _user_code_before_update(module: LightningModule, precision: Precision) -> bool:

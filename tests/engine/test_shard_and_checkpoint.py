@@ -57,19 +57,19 @@ def test_partition_module_keeps_owned_layers_and_meta_skeletons() -> None:
     assert shard.placeholders()[1].owner_stage == 0
 
 
-def _stage_one_of_two() -> tuple[torch.optim.Optimizer, OptimizerSlots]:
-    """Stage 1's optimizer and slots of a [2, 2] split of ``Net`` (the optimizer built on the whole model)."""
+def _stage_one_of_two() -> tuple[torch.optim.Optimizer, OptimizerSlots, StageShard]:
+    """Stage 1's optimizer, slots and shard of a [2, 2] split of ``Net`` (the optimizer built on the whole model)."""
     net = Net()
     opt = _adam(net)
     slots = OptimizerSlots.record(net.pipeline, [opt])
     shard = StageShard(net.pipeline, Partition((2, 2)), stage_idx=1)
     shard.partition_module()
     slots.refilter([opt], shard)
-    return opt, slots
+    return opt, slots, shard
 
 
 def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
-    opt, slots = _stage_one_of_two()
+    opt, slots, _ = _stage_one_of_two()
     # group 0 (weights): layers 0..3 have weights -> canonical 0..3 (BN weight is layer 1); stage 1 holds 2, 3
     assert slots.canonical == [[[2, 3], [6, 7]]]  # per optimizer, per group
     assert slots.group_sizes == [[4, 4]]
@@ -78,9 +78,11 @@ def test_optimizer_slots_keep_the_canonical_order_per_group() -> None:
 
 def test_parameters_added_to_the_optimizer_after_the_split_are_refused() -> None:
     """A finetuning callback's new group (or a group that grew) is outside the split: refused with the fix."""
-    opt, slots = _stage_one_of_two()
+    opt, slots, shard = _stage_one_of_two()
     slots.check_unchanged([opt], stage_idx=1)  # as split
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.1})
+    with pytest.raises(ConfigurationError, match="changed during fit"):
+        slots.refilter([opt], shard)  # a re-split (a layer move) would drop the new group's parameters
     with pytest.raises(ConfigurationError) as err:
         slots.check_unchanged([opt], stage_idx=1)
     msg = str(err.value)
