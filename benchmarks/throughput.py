@@ -449,10 +449,11 @@ def _step_timer(warmup: int, steps: int) -> Any:
             self.param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
             self.predicted_versions = trainer.strategy.config.schedule.max_stash(self.stage_idx, NUM_STAGES)
 
-        def _refits(self, trainer: Any) -> tuple[float, float, float]:
-            """A learning predictor's refits' CPU seconds (in its own process), refits adopted and skipped."""
+        def _refits(self, trainer: Any) -> tuple[float, float, float, float]:
+            """A learning predictor's refits' CPU seconds (in its own process), refits adopted and skipped, and the
+            seconds spent receiving or sending rank 0's refits (the broadcast at each switch)."""
             p = trainer.strategy.config.predictor
-            return float(p.refit_cpu_s), float(p.refits), float(p.refits_skipped)
+            return float(p.refit_cpu_s), float(p.refits), float(p.refits_skipped), float(getattr(p, "share_s", 0.0))
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == warmup:
@@ -468,8 +469,13 @@ def _step_timer(warmup: int, steps: int) -> Any:
                 self.end = time.perf_counter()
                 self.probe.stop()
                 if hasattr(trainer.strategy.config.predictor, "refit_cpu_s"):
-                    cpu, adopted, skipped = (b - a for a, b in zip(self.refits0, self._refits(trainer)))
-                    self.probe.result |= {"refit_cpu_s": cpu, "refits": adopted, "refits_skipped": skipped}
+                    cpu, adopted, skipped, share = (b - a for a, b in zip(self.refits0, self._refits(trainer)))
+                    self.probe.result |= {
+                        "refit_cpu_s": cpu,
+                        "refits": adopted,
+                        "refits_skipped": skipped,
+                        "refit_share_s": share,
+                    }
 
     return StepTimer()
 
@@ -785,6 +791,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
                 entry["refit_cpu_per_step_s"] = median([c["refit_cpu_s"] / per_step for c in samples])
                 entry["refits"] = median([c["refits"] for c in samples])
                 entry["refits_skipped"] = median([c["refits_skipped"] for c in samples])
+                entry["refit_share_per_step_s"] = median([c.get("refit_share_s", 0.0) / per_step for c in samples])
             if all("main_runqueue_wait_s" in c for c in samples):
                 entry["main_runqueue_wait_share"] = median([c["main_runqueue_wait_s"] / c["wall_s"] for c in samples])
                 entry["main_run_share"] = median([c["main_run_s"] / c["wall_s"] for c in samples])
@@ -1000,7 +1007,7 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
     Python's garbage collector took per step (with the median number of full collections in a run), the minor page
     faults per step (memory the system had to hand the process again) and, with a
     learning predictor, its refits' CPU per step in their own process (refits adopted, skipped; not in the
-    process's CPU)."""
+    process's CPU) and the time per step of the broadcasts that bring rank 0's refits to the other ranks."""
     refits = any("refit_cpu_per_step_s" in st for stages in summary["cpu"].values() for st in stages)
     rows = []
     for s, stages in summary["cpu"].items():
@@ -1017,11 +1024,13 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
             if refits:
                 r = st.get("refit_cpu_per_step_s")
                 cells.append("-" if r is None else f"{r * 1e3:.2f} ({st['refits']:g}, {st['refits_skipped']:g})")
+                b = st.get("refit_share_per_step_s")
+                cells.append("-" if b is None else f"{b * 1e3:.3f}")
         rows.append(cells)
     headers = ["system"]
     for k in range(NUM_STAGES):
         headers += [f"stage {k} CPU ms/step", "cores", "run-queue wait", "GC ms/step (full runs)", "page faults/step"]
-        headers += ["refit process ms/step (refits, skipped)"] if refits else []
+        headers += ["refit process ms/step (refits, skipped)", "refit broadcast ms/step"] if refits else []
     return format_table(headers, rows, markdown=markdown)
 
 

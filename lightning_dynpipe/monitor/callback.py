@@ -164,6 +164,19 @@ class StageMonitor(Callback):
         """Stops calling ``fn``."""
         self._listeners.remove(fn)
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled), over the CPU process group of the monitor's gathers.
+
+        A collective: every rank calls it at the same point of the fit (a snapshot listener runs on every rank with
+        the same snapshot). The other ranks' ``obj`` is ignored. Outside a fit of several processes it returns
+        ``obj``.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
+
     @property
     def accumulator(self) -> StageStatsAccumulator | None:
         """This process's rolling window (None outside a fit)."""

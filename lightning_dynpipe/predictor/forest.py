@@ -40,6 +40,14 @@ check without waiting for it:
 * used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, waiting for
   the refit there if it is still running (logged).
 
+**One rank refits.** In a fit of several processes the strategy calls :meth:`ForestPredictor.share_refits`: rank 0
+alone runs the refits (the others start no refit process), and at the switch every rank receives rank 0's forests
+in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
+<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`). The other ranks report every refit as
+finished, so the switch comes when rank 0's is done, at the same check on every rank as before; their forests are
+rank 0's, byte for byte. Without it every rank fitted the same forest from the same rows: the same answer for
+``S x R`` times the CPU, on a machine whose cores the stages use.
+
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
 from the rows (deterministic, well under a second for calibration-sized data). Nothing executable is ever
@@ -57,7 +65,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,6 +249,7 @@ class _Refit:
     thread: threading.Thread | None = None
     result: _Pair | None = None
     done: bool = False
+    remote: bool = False  # another rank fits it; this rank receives its forests at the switch
 
 
 class ForestPredictor:
@@ -321,6 +330,10 @@ class ForestPredictor:
         self.refits = 0
         """Refits adopted so far."""
         self._refit_cpu_s = 0.0  # refits' CPU of closed refit processes and of refit threads
+        self._fits_here = True
+        self._broadcast: Callable[[Any], Any] | None = None
+        self.share_s = 0.0
+        """Seconds spent in the broadcasts of shared refits (:meth:`share_refits`), waits for rank 0 included."""
 
     # ------------------------------------------------------------------ training
     def _forest(self) -> QuantileForest:
@@ -462,8 +475,41 @@ class ForestPredictor:
                 time.perf_counter() - t0,
             )
 
+    def share_refits(self, *, fits_here: bool, broadcast: Callable[[Any], Any] | None) -> None:
+        """Refits on one rank only, the others receiving its forests (the strategy calls it at set-up).
+
+        Args:
+            fits_here: whether this rank runs the refits (exactly one rank of the job should).
+            broadcast: a collective that every rank calls with the same refit at the same observation: the fitting
+                rank passes its forests (``None`` when its refit failed), the others ``None``, and each gets the
+                fitting rank's object back. ``None``: every rank fits its own refits (one process, the default).
+
+        Raises:
+            ConfigurationError: a rank other than the fitting one without a ``broadcast`` (it would never get a forest).
+        """
+        if not fits_here and broadcast is None:
+            raise ConfigurationError(
+                "ForestPredictor.share_refits(fits_here=False) needs a broadcast that brings the fitting rank's "
+                "forests; got broadcast=None. Pass fits_here=True to refit on this rank."
+            )
+        if self._refit is not None:
+            raise ConfigurationError(
+                f"ForestPredictor.share_refits while refit {self._refit.number} is in flight; call it before the fit "
+                "(close() ends a fit's refit)."
+            )
+        self._fits_here, self._broadcast = fits_here, broadcast
+        if not fits_here:
+            self._close_worker()
+
+    @property
+    def fits_here(self) -> bool:
+        """Whether this rank runs the refits (see :meth:`share_refits`)."""
+        return self._fits_here
+
     def _ensure_worker(self) -> RefitProcess | None:
-        """The refit process (started if needed), or ``None`` when refits run in a thread."""
+        """The refit process (started if needed), or ``None`` when refits run in a thread or on another rank."""
+        if not self._fits_here:
+            return None
         if self.refit_in_process and self._worker is None:
             try:
                 self._worker = RefitProcess()
@@ -490,6 +536,8 @@ class ForestPredictor:
         return self._refit_cpu_s + (self._worker.cpu_s if self._worker is not None else 0.0)
 
     def _finished(self, pending: _Refit) -> bool:
+        if pending.remote:  # nothing to wait for here: the switch waits for the fitting rank's number
+            return True
         if pending.thread is not None:
             return pending.done
         if not pending.done and self._worker is not None:
@@ -500,15 +548,20 @@ class ForestPredictor:
         return pending.done
 
     def _adopt(self, pending: _Refit) -> None:
-        """Switches to the refit's forests (waiting for it if it is still running)."""
+        """Switches to the refit's forests (waiting for it if it is still running; with shared refits, every rank
+        calls it at the same observation and receives the fitting rank's forests)."""
         if pending.thread is not None:
             pending.thread.join()
-        elif self._worker is not None:
+        elif self._worker is not None and not pending.remote:
             try:
                 pending.result = self._worker.result()
             except RuntimeError as exc:  # keep the current forest; the next refit tries again
                 log.error("DynPipe forest: a refit failed; the current forest stays in use: %s", exc)
                 self._close_worker()
+        if self._broadcast is not None:
+            t0 = time.perf_counter()
+            pending.result = self._broadcast(None if pending.remote else pending.result)
+            self.share_s += time.perf_counter() - t0
         if pending.result is not None:
             self._stage, self._boundary = pending.result
             self.refits += 1
@@ -536,6 +589,9 @@ class ForestPredictor:
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
         self._refit = refit
+        if not self._fits_here:
+            refit.remote = refit.done = True
+            return
         worker = self._ensure_worker()
         if worker is not None:
             try:

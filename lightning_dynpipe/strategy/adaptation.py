@@ -126,6 +126,9 @@ class AdaptationWiring:
             ready = getattr(self.config.predictor, "ready_refit", None)
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
+            share = getattr(self.config.predictor, "share_refits", None)
+            if callable(share) and getattr(trainer, "world_size", 1) > 1:  # rank 0 refits; the others receive
+                share(fits_here=getattr(trainer, "global_rank", 0) == 0, broadcast=monitor.broadcast_object)
             prepare = getattr(self.config.predictor, "prepare", None)
             if callable(prepare):  # a learning predictor's imports and helper process start before the first step
                 prepare()
@@ -245,6 +248,9 @@ class AdaptationWiring:
         close = getattr(self.config.predictor, "close", None)
         if callable(close):  # a background refit of a learning predictor ends with the fit
             close()
+        share = getattr(self.config.predictor, "share_refits", None)
+        if callable(share) and self.controller is not None:  # a later fit in one process refits on its own
+            share(fits_here=True, broadcast=None)
         callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)

@@ -31,19 +31,20 @@ def _snapshot(count: int) -> Any:
     return SimpleNamespace(stages=[stage, stage], replicas=[StageReport(0, 0, stage), StageReport(0, 1, stage)])
 
 
-def _attached(cfg: DynPipeConfig) -> tuple[AdaptationWiring, Any]:
-    """A wiring of ``cfg`` attached to a (fake) trainer with a stage monitor, for a 4-layer model in 2 stages."""
+def _attached(cfg: DynPipeConfig, **trainer: Any) -> tuple[AdaptationWiring, Any]:
+    """A wiring of ``cfg`` attached to a (fake) trainer with a stage monitor, for a 4-layer model in 2 stages
+    (``trainer``: more attributes of the fake trainer, e.g. ``world_size``)."""
     from lightning_dynpipe.monitor.callback import StageMonitor
     from lightning_dynpipe.plan.costs import CommModel, ModelCost
 
     wiring = AdaptationWiring(
         cfg, partition=lambda: Partition((2, 2)), pending=lambda: False, repartition=print, past_pauses=lambda: []
     )
-    trainer = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)])
+    fake = SimpleNamespace(callbacks=[StageMonitor(every_n_steps=10)], **trainer)
     wiring.attach(
-        trainer, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
+        fake, model_cost=ModelCost.from_arrays([1.0] * 4, [2.0] * 4), comm=CommModel(), num_stages=2, replicas=1
     )  # type: ignore[arg-type]
-    return wiring, trainer
+    return wiring, fake
 
 
 def _wiring(repartition: Any) -> tuple[AdaptationWiring, _Controller]:
@@ -154,6 +155,27 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
     assert forest._worker is None  # the fit's end closes it
+
+
+def test_in_a_fit_of_several_processes_only_rank_0_refits_and_the_others_start_no_refit_process() -> None:
+    from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.predictor import ForestPredictor
+
+    forest = ForestPredictor(n_estimators=8)
+    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=forest), world_size=2, global_rank=1)
+    try:
+        assert not forest.fits_here and forest._worker is None  # prepare() started nothing on this rank
+        monitor = trainer.callbacks[0]
+        assert isinstance(monitor, StageMonitor) and forest._broadcast == monitor.broadcast_object
+        assert monitor.broadcast_object("rank 0's forests") == "rank 0's forests"  # one process: no collective
+    finally:
+        wiring.detach(trainer)  # type: ignore[arg-type]
+    assert forest.fits_here and forest._broadcast is None  # a later fit in one process refits on its own
+    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=forest), world_size=2, global_rank=0)
+    try:
+        assert forest.fits_here and forest._worker is not None and forest._broadcast is not None
+    finally:
+        wiring.detach(trainer)  # type: ignore[arg-type]
 
 
 def test_each_fit_starts_the_policy_from_scratch() -> None:

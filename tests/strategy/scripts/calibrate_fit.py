@@ -7,7 +7,9 @@ block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``cali
    travel with the set-up decision), as many as the sweep measures: every ordered pair of partitions under each
    scenario, per stage;
 2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
-   weights equal plain single-process training with Adam to 1e-6, and the tie holds.
+   weights equal plain single-process training with Adam to 1e-6, and the tie holds;
+3. the run's refits (one per window here) ran on rank 0 only: rank 1 spent no CPU on them, and every rank switched
+   to the same forests (rank 0's, received in the broadcast at each switch).
 
 Usage: python calibrate_fit.py
 """
@@ -20,6 +22,7 @@ import os
 import sys
 
 import lightning.pytorch as L
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +34,7 @@ from lightning_dynpipe.predictor import ForestPredictor  # noqa: E402
 from lightning_dynpipe.sweep import SweepSettings  # noqa: E402
 
 SETTINGS = SweepSettings(scenarios=("none", "delay1"), partitions=3, steps=2)
+EPOCHS = 5  # 30 steps: windows every 3 steps, refits adopted during the fit
 
 
 def digest(forest: ForestPredictor) -> str:
@@ -44,7 +48,7 @@ def digest(forest: ForestPredictor) -> str:
 if __name__ == "__main__":
     model = TinyGPT(tie=True)
     ref = copy.deepcopy(model)
-    forest = ForestPredictor(n_estimators=8)
+    forest = ForestPredictor(n_estimators=8, refit_on="every", refit_every=1)
     fitted_at_start: list[bool] = []
 
     class FittedAtStart(L.Callback):
@@ -59,7 +63,7 @@ if __name__ == "__main__":
         calibrate=SETTINGS,
         monitor_every_n_steps=3,
     )
-    trainer = L.Trainer(devices=2, strategy=strategy, max_epochs=1, **trainer_kwargs(callbacks=[FittedAtStart()]))  # type: ignore[arg-type]
+    trainer = L.Trainer(devices=2, strategy=strategy, max_epochs=EPOCHS, **trainer_kwargs(callbacks=[FittedAtStart()]))  # type: ignore[arg-type]
     trainer.fit(model, token_loader())
 
     # 1. fitted before the first step, on the same rows everywhere, as many as the sweep measures
@@ -73,15 +77,25 @@ if __name__ == "__main__":
     assert len(forest.samples) >= pairs * 2, len(forest.samples)  # 2 stages per window (then the run's own)
     # 2. the model is what plain training gives
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for x, y in token_loader():
-        opt.zero_grad()
-        gpt_loss(ref.pipeline(x), (x, y)).backward()
-        opt.step()
+    for _ in range(EPOCHS):
+        for x, y in token_loader():
+            opt.zero_grad()
+            gpt_loss(ref.pipeline(x), (x, y)).backward()
+            opt.step()
     assert model.pipeline[-1].out.weight is model.pipeline[0].tok.weight
     for k, v in ref.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), (
             f"{k}: {(model.state_dict()[k] - v).abs().max():.3g}"
         )
+    # 3. refits on rank 0 only, the same forests everywhere
+    refits: list[tuple[int, float, str] | None] = [None] * dist.get_world_size()
+    stage = forest._stage
+    assert stage is not None
+    answer = hashlib.sha256(np.concatenate(stage.predict(forest.samples.stage_x)).tobytes()).hexdigest()
+    dist.all_gather_object(refits, (forest.refits, forest.refit_cpu_s, answer))
+    assert refits[0] is not None and refits[0][0] >= 1 and refits[0][1] > 0.0, refits
+    assert all(r is not None and r[0] == refits[0][0] and r[2] == refits[0][2] for r in refits), refits
+    assert all(r is not None and r[1] == 0.0 for r in refits[1:]), refits
     if dist.get_rank() == 0:
-        print(f"rows: {len(forest.samples)}; sweep {strategy.calibration_s:.1f} s", flush=True)
+        print(f"rows: {len(forest.samples)}; sweep {strategy.calibration_s:.1f} s; refits {refits}", flush=True)
         print("CALIBRATE_FIT_OK", flush=True)
