@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -314,7 +314,8 @@ class StageMonitor(Callback):
         assert pending is not None
         if pending.work is not None:
             pending.work.wait()
-        reports = [StageReport.from_vector(p.tolist()) for p in pending.parts]
+        # the gather's order is the group's, whose ranks are the global ranks (WORLD, or a new group of every rank)
+        reports = [replace(StageReport.from_vector(p.tolist()), rank=i) for i, p in enumerate(pending.parts)]
         snapshot = PipelineSnapshot.from_reports(pending.step, reports, balance=_balance(pending.partition))
         self.latest = snapshot
         self.snapshots_taken += 1

@@ -500,6 +500,8 @@ class StageReport:
     stage_idx: int
     summary: StageSummary
     token: float = 0.0
+    rank: int = -1
+    """The process's global rank: its place in the gather (not in the vector); ``-1``: not known."""
 
     def to_vector(self) -> list[float]:
         """``[dp_rank, stage_idx, count, <summary fields>, token]``; None travels as NaN."""

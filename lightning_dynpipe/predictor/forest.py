@@ -40,13 +40,16 @@ check without waiting for it:
 * used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, waiting for
   the refit there if it is still running (logged).
 
-**One rank refits.** In a fit of several processes the strategy calls :meth:`ForestPredictor.share_refits`: rank 0
-alone runs the refits (the others start no refit process), and at the switch every rank receives rank 0's forests
-in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
-<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`). The other ranks report every refit as
-finished, so the switch comes when rank 0's is done, at the same check on every rank as before; their forests are
-rank 0's, byte for byte. Without it every rank fitted the same forest from the same rows: the same answer for
-``S x R`` times the CPU, on a machine whose cores the stages use.
+**One rank refits.** In a fit of several processes the strategy calls :meth:`ForestPredictor.share_refits`: each
+refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the strategy sets at every check to the process
+with the most spare CPU in the snapshot (every rank sees the same snapshot, so all name the same rank; a stage
+under a CPU limit refits only when every stage is limited, because its refit process's CPU would come out of its
+limit). The other ranks report the refit as finished, so the switch comes when the fitting rank's is done, at the
+same check on every rank as before, and at the switch every rank receives its forests in one broadcast on the
+monitor's CPU process group (:meth:`StageMonitor.broadcast_object
+<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere.
+Before, every rank fitted the same forest from the same rows: the same answer for ``S x R`` times the CPU, on cores
+the stages use, and on a limited stage out of its limit.
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -250,6 +253,7 @@ class _Refit:
     result: _Pair | None = None
     done: bool = False
     remote: bool = False  # another rank fits it; this rank receives its forests at the switch
+    src: int = 0  # with shared refits, the rank that fits it
 
 
 class ForestPredictor:
@@ -329,9 +333,13 @@ class ForestPredictor:
         self._refits_started = 0
         self.refits = 0
         """Refits adopted so far."""
+        self.refits_fitted = 0
+        """Refits started on this rank (all of them unless refits are shared: :meth:`share_refits`)."""
         self._refit_cpu_s = 0.0  # refits' CPU of closed refit processes and of refit threads
-        self._fits_here = True
-        self._broadcast: Callable[[Any], Any] | None = None
+        self._rank: int | None = None  # this process's global rank when refits are shared
+        self._broadcast: Callable[[Any, int], Any] | None = None
+        self.refit_rank = 0
+        """With shared refits (:meth:`share_refits`), the global rank that runs the next refit."""
         self.share_s = 0.0
         """Seconds spent in the broadcasts of shared refits (:meth:`share_refits`), waits for rank 0 included."""
 
@@ -475,41 +483,39 @@ class ForestPredictor:
                 time.perf_counter() - t0,
             )
 
-    def share_refits(self, *, fits_here: bool, broadcast: Callable[[Any], Any] | None) -> None:
-        """Refits on one rank only, the others receiving its forests (the strategy calls it at set-up).
+    def share_refits(self, *, rank: int | None, broadcast: Callable[[Any, int], Any] | None) -> None:
+        """Runs each refit on one rank, :attr:`refit_rank`, the others receiving its forests (the strategy calls it
+        at set-up, and sets :attr:`refit_rank` at every check from the snapshot, the same on every rank).
 
         Args:
-            fits_here: whether this rank runs the refits (exactly one rank of the job should).
-            broadcast: a collective that every rank calls with the same refit at the same observation: the fitting
-                rank passes its forests (``None`` when its refit failed), the others ``None``, and each gets the
-                fitting rank's object back. ``None``: every rank fits its own refits (one process, the default).
+            rank: this process's global rank; ``None``: every refit runs here (one process, the default).
+            broadcast: a collective that every rank calls with the same refit at the same observation,
+                ``broadcast(obj, src)``: rank ``src`` passes its forests (``None`` when its refit failed), the others
+                ``None``, and each gets rank ``src``'s object back.
 
         Raises:
-            ConfigurationError: a rank other than the fitting one without a ``broadcast`` (it would never get a forest).
+            ConfigurationError: a ``rank`` without a ``broadcast``, or a refit in flight.
         """
-        if not fits_here and broadcast is None:
+        if rank is not None and broadcast is None:
             raise ConfigurationError(
-                "ForestPredictor.share_refits(fits_here=False) needs a broadcast that brings the fitting rank's "
-                "forests; got broadcast=None. Pass fits_here=True to refit on this rank."
+                f"ForestPredictor.share_refits(rank={rank}) needs a broadcast that brings the fitting rank's forests; "
+                "got broadcast=None. Pass rank=None to refit on this rank."
             )
         if self._refit is not None:
             raise ConfigurationError(
                 f"ForestPredictor.share_refits while refit {self._refit.number} is in flight; call it before the fit "
                 "(close() ends a fit's refit)."
             )
-        self._fits_here, self._broadcast = fits_here, broadcast
-        if not fits_here:
-            self._close_worker()
+        self._rank, self._broadcast = rank, broadcast
+        self.refit_rank = 0
 
     @property
     def fits_here(self) -> bool:
-        """Whether this rank runs the refits (see :meth:`share_refits`)."""
-        return self._fits_here
+        """Whether the next refit runs on this rank (see :meth:`share_refits`)."""
+        return self._rank is None or self._rank == self.refit_rank
 
     def _ensure_worker(self) -> RefitProcess | None:
         """The refit process (started if needed), or ``None`` when refits run in a thread or on another rank."""
-        if not self._fits_here:
-            return None
         if self.refit_in_process and self._worker is None:
             try:
                 self._worker = RefitProcess()
@@ -560,7 +566,7 @@ class ForestPredictor:
                 self._close_worker()
         if self._broadcast is not None:
             t0 = time.perf_counter()
-            pending.result = self._broadcast(None if pending.remote else pending.result)
+            pending.result = self._broadcast(None if pending.remote else pending.result, pending.src)
             self.share_s += time.perf_counter() - t0
         if pending.result is not None:
             self._stage, self._boundary = pending.result
@@ -589,9 +595,11 @@ class ForestPredictor:
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
         self._refit = refit
-        if not self._fits_here:
+        refit.src = self.refit_rank
+        if not self.fits_here:
             refit.remote = refit.done = True
             return
+        self.refits_fitted += 1
         worker = self._ensure_worker()
         if worker is not None:
             try:

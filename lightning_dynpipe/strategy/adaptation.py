@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
-from lightning_dynpipe.monitor.stats import PipelineSnapshot, interference_excess
+from lightning_dynpipe.monitor.stats import PipelineSnapshot, StageReport, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.replicas import ReplicaSplit
@@ -89,6 +89,7 @@ class AdaptationWiring:
         self.monitor: StageMonitor | None = None
         self.controller: AdaptiveController | None = None
         self._own_monitor: StageMonitor | None = None
+        self._shares_refits = False  # the predictor's refits run on one rank (set at attach)
 
     def attach(
         self, trainer: Trainer, *, model_cost: ModelCost | None, comm: CommModel, num_stages: int, replicas: int
@@ -127,8 +128,10 @@ class AdaptationWiring:
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
             share = getattr(self.config.predictor, "share_refits", None)
-            if callable(share) and getattr(trainer, "world_size", 1) > 1:  # rank 0 refits; the others receive
-                share(fits_here=getattr(trainer, "global_rank", 0) == 0, broadcast=monitor.broadcast_object)
+            if callable(share) and getattr(trainer, "world_size", 1) > 1:
+                # one rank refits (the one with CPU to spare at each check), the others receive its forests
+                share(rank=int(getattr(trainer, "global_rank", 0)), broadcast=monitor.broadcast_object)
+                self._shares_refits = True
             prepare = getattr(self.config.predictor, "prepare", None)
             if callable(prepare):  # a learning predictor's imports and helper process start before the first step
                 prepare()
@@ -156,6 +159,9 @@ class AdaptationWiring:
         step = trainer.global_step
         remaining = max(0, int(trainer.estimated_stepping_batches) - step)
         agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
+        if self._shares_refits:
+            predictor: Any = self.config.predictor
+            predictor.refit_rank = spare_cpu_rank(snapshot)
         decision = self.controller.check(
             step,
             times,
@@ -248,13 +254,37 @@ class AdaptationWiring:
         close = getattr(self.config.predictor, "close", None)
         if callable(close):  # a background refit of a learning predictor ends with the fit
             close()
-        share = getattr(self.config.predictor, "share_refits", None)
-        if callable(share) and self.controller is not None:  # a later fit in one process refits on its own
-            share(fits_here=True, broadcast=None)
+        if self._shares_refits:  # a later fit in one process refits on its own
+            predictor: Any = self.config.predictor
+            predictor.share_refits(rank=None, broadcast=None)
+            self._shares_refits = False
         callbacks: list[Any] = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)
         self.monitor = self._own_monitor = None
+
+
+def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
+    """The global rank of the process with the most CPU to spare in ``snapshot``: where background work (a forest
+    refit at the lowest priority, in the process's cgroup and on its cores) costs the pipeline least.
+
+    In order: the highest cgroup CPU limit (none is highest: a limited process's refit CPU comes out of its
+    limit); the least other processes' load on its cores (in quarter cores: a hog leaves an idle-priority refit
+    nothing); the least CPU used by the process itself (in tenths of a core: a stage that waits leaves its core
+    idle); the lowest rank. Every rank sees the same snapshot, so every rank names the same process.
+    """
+    known = [r for r in snapshot.replicas if r.rank >= 0]
+    if not known:
+        return 0
+
+    def key(r: StageReport) -> tuple[float, float, float, int]:
+        s = r.summary
+        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
+        other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
+        used = s.cpu_share if math.isfinite(s.cpu_share) else 0.0
+        return (-limit, round(other * 4), round(used * 10), r.rank)
+
+    return min(known, key=key).rank
 
 
 def _stage_signs(snapshot: PipelineSnapshot) -> list[str]:

@@ -247,69 +247,77 @@ def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_bu
 
 
 def test_with_shared_refits_one_rank_fits_and_every_rank_switches_to_its_forests() -> None:
-    """In a fit of several processes only rank 0 refits: the others start no refit process and spend no CPU on
-    refits, report every refit as finished (the switch waits for rank 0's), and receive rank 0's forests in the
-    broadcast at the switch. A refit that fails on rank 0 leaves every rank on its current forest."""
-    ranks = [ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40) for _ in range(3)]
-    sent: list[object] = []
+    """In a fit of several processes each refit runs on one rank (``refit_rank``, which the strategy sets from the
+    snapshot): the others spend no CPU on it, report it as finished (the switch waits for the fitting rank's), and
+    receive the fitting rank's forests in the broadcast at the switch. A refit that fails there leaves every rank on
+    its current forest."""
+    ranks = [
+        ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40, refit_on="every")
+        for _ in range(3)
+    ]
+    sent: dict[int, list[object]] = {0: [], 1: []}
 
     def broadcast(rank: int) -> Any:
-        def share(obj: object) -> object:  # rank 0 calls first in this loop; a real collective does not care
-            if rank == 0:
-                sent.append(obj)
-            return sent[-1]
+        def send(obj: object, src: int) -> object:  # the fitting rank calls first in this loop; a collective waits
+            if rank == src:
+                sent[src].append(obj)
+            return sent[src][-1]
 
-        return share
+        return send
 
     for r, f in enumerate(ranks):
-        f.share_refits(fits_here=r == 0, broadcast=broadcast(r))
-    assert [f.fits_here for f in ranks] == [True, False, False]
+        f.share_refits(rank=r, broadcast=broadcast(r))
     rng = np.random.default_rng(8)
     env = sim.Env(quota=(0.5, None))
     history = []
     deadline = time.monotonic() + 120.0  # the child's start can take seconds on a loaded machine
     plan = iter([PARTS[3]] * 6 + [PARTS[5]] * 12)
-    while (p := next(plan, None)) is not None or (history[-1] < 2 and time.monotonic() < deadline):
+    while (p := next(plan, None)) is not None or (history[-1] < 3 and time.monotonic() < deadline):
         window = sim.window(COST, p if p is not None else PARTS[5], env, M, rng)
         agreed = min(f.ready_refit() for f in ranks)
-        for f in ranks:
+        pending = ranks[0]._refit
+        src = pending.src if pending is not None else 0
+        chosen = 0 if ranks[0].refits < 1 else 1  # the strategy's choice from the snapshot: rank 0, then rank 1
+        for f in sorted(ranks, key=lambda f: f._rank != src):  # the fitting rank first (see broadcast)
+            f.refit_rank = chosen
             f.observe(COST, sim.LINK, window, agreed_refit=agreed)
         assert len({f.refits for f in ranks}) == 1
         history.append(ranks[0].refits)
         answers = [f.predict_many(COST, sim.LINK, window, PARTS) for f in ranks]
         assert answers[0] == answers[1] == answers[2]
         time.sleep(0.05)
-    assert history[-1] >= 2, history
-    assert ranks[0]._worker is not None and ranks[0].refit_cpu_s > 0.0
-    assert all(f._worker is None and f.refit_cpu_s == 0.0 for f in ranks[1:])
-    assert len(sent) == ranks[0].refits and all(f.share_s >= 0.0 for f in ranks)
+    assert history[-1] >= 3, history
+    assert ranks[0].refit_cpu_s > 0.0 and ranks[1].refit_cpu_s > 0.0 and ranks[2].refit_cpu_s == 0.0
+    assert sent[0] and sent[1] and len(sent[0]) + len(sent[1]) == ranks[0].refits
+    assert all(f.share_s >= 0.0 for f in ranks)
     refits = ranks[0].refits
     for f in ranks:
         f.close()
 
-    # a refit that fails on rank 0 (its thread raises): rank 0 sends None and nobody switches
+    # a refit that fails on the fitting rank (its thread raises): it sends None and nobody switches
     def broken(rows: LabelledSamples) -> Any:
         raise RuntimeError("out of memory")
 
-    ranks[0].refit_in_process = False
-    ranks[0].fit_pair = broken  # type: ignore[method-assign]
+    ranks[1].refit_in_process = False
+    ranks[1].fit_pair = broken  # type: ignore[method-assign]
     for f in ranks:
-        f.refit_on, f.refit_every = "every", 1
+        f.refit_every = 1
     deadline = time.monotonic() + 60.0
-    while sent[-1] is not None and time.monotonic() < deadline:  # a window to pair, a refit, its switch
+    while sent[1][-1] is not None and time.monotonic() < deadline:  # a window to pair, a refit, its switch
         window = sim.window(COST, PARTS[5], env, M, rng)
         agreed = min(f.ready_refit() for f in ranks)
-        for f in ranks:
+        for f in sorted(ranks, key=lambda f: f._rank != 1):
             f.observe(COST, sim.LINK, window, agreed_refit=agreed)
         time.sleep(0.02)
-    assert sent[-1] is None and all(f.refits == refits for f in ranks)
+    assert sent[1][-1] is None and all(f.refits == refits for f in ranks)
     answers = [f.predict_many(COST, sim.LINK, window, PARTS) for f in ranks]
     assert answers[0] == answers[1] == answers[2]
     for f in ranks:
         f.close()
-        f.share_refits(fits_here=True, broadcast=None)
-    with pytest.raises(ConfigurationError, match=r"share_refits\(fits_here=False\) needs a broadcast"):
-        ranks[1].share_refits(fits_here=False, broadcast=None)
+        f.share_refits(rank=None, broadcast=None)
+        assert f.fits_here
+    with pytest.raises(ConfigurationError, match=r"share_refits\(rank=1\) needs a broadcast"):
+        ranks[1].share_refits(rank=1, broadcast=None)
 
 
 def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends() -> None:

@@ -3,6 +3,7 @@ not train exactly (the strategy refuses it) is skipped, not a crash in the middl
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring
+from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring, spare_cpu_rank
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 
@@ -157,25 +158,56 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
     assert forest._worker is None  # the fit's end closes it
 
 
-def test_in_a_fit_of_several_processes_only_rank_0_refits_and_the_others_start_no_refit_process() -> None:
+def test_in_a_fit_of_several_processes_refits_are_shared_and_run_where_cpu_is_spare() -> None:
     from lightning_dynpipe.monitor.callback import StageMonitor
     from lightning_dynpipe.predictor import ForestPredictor
 
     forest = ForestPredictor(n_estimators=8)
-    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=forest), world_size=2, global_rank=1)
+    wiring, trainer = _attached(
+        DynPipeConfig.from_arguments(predictor=forest),
+        world_size=2,
+        global_rank=1,
+        global_step=40,
+        estimated_stepping_batches=100,
+    )
     try:
-        assert not forest.fits_here and forest._worker is None  # prepare() started nothing on this rank
         monitor = trainer.callbacks[0]
         assert isinstance(monitor, StageMonitor) and forest._broadcast == monitor.broadcast_object
-        assert monitor.broadcast_object("rank 0's forests") == "rank 0's forests"  # one process: no collective
+        assert forest._rank == 1 and forest.refit_rank == 0 and not forest.fits_here
+        assert monitor.broadcast_object("rank 0's forests", 0) == "rank 0's forests"  # one process: no collective
+        # each check names the rank with spare CPU: here rank 0 runs the last stage under a CPU limit of a quarter
+        free = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+        limited = dataclasses.replace(free, cpu_limit=0.25)
+        snapshot = SimpleNamespace(
+            stages=[free, limited],
+            replicas=[StageReport(0, 0, free, rank=1), StageReport(0, 1, limited, rank=0)],
+            agreed_token=0.0,
+            step=40,
+        )
+        wiring.controller = _Controller()  # type: ignore[assignment]
+        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+        assert forest.refit_rank == 1 and forest.fits_here
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
     assert forest.fits_here and forest._broadcast is None  # a later fit in one process refits on its own
-    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=forest), world_size=2, global_rank=0)
-    try:
-        assert forest.fits_here and forest._worker is not None and forest._broadcast is not None
-    finally:
-        wiring.detach(trainer)  # type: ignore[arg-type]
+
+
+def test_the_rank_with_spare_cpu_is_the_least_limited_then_least_loaded_then_least_busy() -> None:
+    base = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+
+    def snap(*summaries: StageSummary) -> Any:
+        return SimpleNamespace(replicas=[StageReport(0, k, s, rank=k) for k, s in enumerate(summaries)])
+
+    def with_(**kw: Any) -> StageSummary:
+        return dataclasses.replace(base, **kw)
+
+    assert spare_cpu_rank(snap(base, base)) == 0  # a tie: the lowest rank
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.5), base)) == 1  # a limit: its refit CPU comes out of it
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.5), with_(cpu_limit=0.25))) == 0  # the looser limit
+    assert spare_cpu_rank(snap(with_(other_cpu_load=1.0), base)) == 1  # a hog on its core
+    assert spare_cpu_rank(snap(with_(other_cpu_load=0.05), base)) == 0  # within a quarter core: no difference
+    assert spare_cpu_rank(snap(with_(cpu_share=0.95), with_(cpu_share=0.6))) == 1  # the stage that waits more
+    assert spare_cpu_rank(SimpleNamespace(replicas=[StageReport(0, 0, base)])) == 0  # ranks unknown
 
 
 def test_each_fit_starts_the_policy_from_scratch() -> None:

@@ -8,8 +8,9 @@ block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``cali
    scenario, per stage;
 2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
    weights equal plain single-process training with Adam to 1e-6, and the tie holds;
-3. the run's refits (one per window here) ran on rank 0 only: rank 1 spent no CPU on them, and every rank switched
-   to the same forests (rank 0's, received in the broadcast at each switch).
+3. each of the run's refits (one per window here) ran on one rank, the one with CPU to spare at its check: a rank
+   that fitted none spent no CPU on refits, and every rank switched to the same forests (the fitting rank's,
+   received in the broadcast at each switch).
 
 Usage: python calibrate_fit.py
 """
@@ -20,6 +21,7 @@ import copy
 import hashlib
 import os
 import sys
+from typing import Any
 
 import lightning.pytorch as L
 import numpy as np
@@ -87,15 +89,20 @@ if __name__ == "__main__":
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), (
             f"{k}: {(model.state_dict()[k] - v).abs().max():.3g}"
         )
-    # 3. refits on rank 0 only, the same forests everywhere
-    refits: list[tuple[int, float, str] | None] = [None] * dist.get_world_size()
+    # 3. each refit on one rank, the same forests everywhere
+    gathered: list[Any] = [None] * dist.get_world_size()
     stage = forest._stage
     assert stage is not None
     answer = hashlib.sha256(np.concatenate(stage.predict(forest.samples.stage_x)).tobytes()).hexdigest()
-    dist.all_gather_object(refits, (forest.refits, forest.refit_cpu_s, answer))
-    assert refits[0] is not None and refits[0][0] >= 1 and refits[0][1] > 0.0, refits
-    assert all(r is not None and r[0] == refits[0][0] and r[2] == refits[0][2] for r in refits), refits
-    assert all(r is not None and r[1] == 0.0 for r in refits[1:]), refits
+    dist.all_gather_object(gathered, (forest.refits, forest._refits_started, forest.refits_fitted, forest.refit_cpu_s))
+    answers: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, answer)
+    refits = [tuple(r) for r in gathered]
+    assert refits[0][0] >= 1 and len({r[:2] for r in refits}) == 1, refits  # adopted and started: the same
+    assert sum(r[2] for r in refits) == refits[0][1], refits  # each started refit fitted on exactly one rank
+    assert all(r[3] == 0.0 for r in refits if r[2] == 0), refits  # no refit CPU where none was fitted
+    assert sum(r[3] for r in refits) > 0.0, refits
+    assert len(set(answers)) == 1, answers
     if dist.get_rank() == 0:
         print(f"rows: {len(forest.samples)}; sweep {strategy.calibration_s:.1f} s; refits {refits}", flush=True)
         print("CALIBRATE_FIT_OK", flush=True)
