@@ -85,6 +85,7 @@ EXTRA_SYSTEMS: tuple[str, ...] = (
     "async-forest",
     "async-forest-nowait",
     "async-forest-norefit",
+    "async-forest-unshared",
     "async-bare",
     "async-copy",
 )
@@ -94,7 +95,9 @@ the adaptive loop on, still starting from the same balance), the same with the m
 random forest learning online from every window, its refits in a child process: what the forest costs against the
 default measured predictor), the same without waiting at set-up for the refit process's imports
 (``ForestPredictor.prepare(timeout_s=0)``: they then run beside the first steps) and the same never refitting
-(its rows and pricing only: an untrained forest prices with its prior), ``async`` with both off, and ``async`` whose
+(its rows and pricing only: an untrained forest prices with its prior), the same with every rank fitting every refit
+itself instead of one rank fitting it and broadcasting its forests (``ForestPredictor.share_refits`` not called),
+``async`` with both off, and ``async`` whose
 weight
 stash copies the live weights before each update instead of letting SGD write fresh storage
 (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
@@ -112,6 +115,7 @@ LABELS = {
     "async-forest": "DynPipe async, defaults, forest predictor",
     "async-forest-nowait": "DynPipe async, defaults, forest, imports beside the first steps",
     "async-forest-norefit": "DynPipe async, defaults, forest never refitting",
+    "async-forest-unshared": "DynPipe async, defaults, forest refitting on every rank",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
 }
@@ -498,6 +502,10 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         options = {"predictor": forest}
     elif system == "async-forest-norefit":
         options = {"predictor": ForestPredictor(refit_every=2**31)}
+    elif system == "async-forest-unshared":
+        forest = ForestPredictor()
+        forest.share_refits = _refit_on_every_rank  # type: ignore[method-assign]
+        options = {"predictor": forest}
     elif system == "async-bare":
         options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
@@ -511,6 +519,10 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
     with stash_updates(system):
         return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
+
+
+def _refit_on_every_rank(**kwargs: Any) -> None:
+    """``async-forest-unshared``'s ``ForestPredictor.share_refits``: ignored, so every rank fits every refit."""
 
 
 @contextmanager
@@ -720,12 +732,13 @@ _SIM_MODEL = {
     "async-forest": ("async", "last_stage_broadcast"),
     "async-forest-nowait": ("async", "last_stage_broadcast"),
     "async-forest-norefit": ("async", "last_stage_broadcast"),
+    "async-forest-unshared": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
 }
 
 
-_FORESTS = ("async-forest", "async-forest-nowait", "async-forest-norefit")
+_FORESTS = ("async-forest", "async-forest-nowait", "async-forest-norefit", "async-forest-unshared")
 
 
 def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
