@@ -85,7 +85,7 @@ EXTRA_SYSTEMS: tuple[str, ...] = (
     "async-forest",
     "async-forest-nowait",
     "async-forest-norefit",
-    "async-forest-unshared",
+    "async-forest-one-rank",
     "async-bare",
     "async-copy",
 )
@@ -95,8 +95,9 @@ the adaptive loop on, still starting from the same balance), the same with the m
 random forest learning online from every window, its refits in a child process: what the forest costs against the
 default measured predictor), the same without waiting at set-up for the refit process's imports
 (``ForestPredictor.prepare(timeout_s=0)``: they then run beside the first steps) and the same never refitting
-(its rows and pricing only: an untrained forest prices with its prior), the same with every rank fitting every refit
-itself instead of one rank fitting it and broadcasting its forests (``ForestPredictor.share_refits`` not called),
+(its rows and pricing only: an untrained forest prices with its prior), the same with each refit fitted on one
+rank and broadcast to the others (``ForestPredictor(one_rank_refits=True)``; by default every rank fits every
+refit itself),
 ``async`` with both off, and ``async`` whose
 weight
 stash copies the live weights before each update instead of letting SGD write fresh storage
@@ -115,7 +116,7 @@ LABELS = {
     "async-forest": "DynPipe async, defaults, forest predictor",
     "async-forest-nowait": "DynPipe async, defaults, forest, imports beside the first steps",
     "async-forest-norefit": "DynPipe async, defaults, forest never refitting",
-    "async-forest-unshared": "DynPipe async, defaults, forest refitting on every rank",
+    "async-forest-one-rank": "DynPipe async, defaults, forest refitting on one rank",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
 }
@@ -502,10 +503,8 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
         options = {"predictor": forest}
     elif system == "async-forest-norefit":
         options = {"predictor": ForestPredictor(refit_every=2**31)}
-    elif system == "async-forest-unshared":
-        forest = ForestPredictor()
-        forest.share_refits = _refit_on_every_rank  # type: ignore[method-assign]
-        options = {"predictor": forest}
+    elif system == "async-forest-one-rank":
+        options = {"predictor": ForestPredictor(one_rank_refits=True)}
     elif system == "async-bare":
         options = {"adaptive": False, "monitor_every_n_steps": None}
     strategy = DynPipeStrategy(
@@ -519,10 +518,6 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
     # batches holds warmup + steps batches, so the fit runs exactly those steps and the timer clocks the last.
     with stash_updates(system):
         return fit_dynpipe(_model(cfg), batches, strategy, _step_timer(cfg.warmup, cfg.steps), world_size=WORLD_SIZE)
-
-
-def _refit_on_every_rank(**kwargs: Any) -> None:
-    """``async-forest-unshared``'s ``ForestPredictor.share_refits``: ignored, so every rank fits every refit."""
 
 
 @contextmanager
@@ -732,13 +727,13 @@ _SIM_MODEL = {
     "async-forest": ("async", "last_stage_broadcast"),
     "async-forest-nowait": ("async", "last_stage_broadcast"),
     "async-forest-norefit": ("async", "last_stage_broadcast"),
-    "async-forest-unshared": ("async", "last_stage_broadcast"),
+    "async-forest-one-rank": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
 }
 
 
-_FORESTS = ("async-forest", "async-forest-nowait", "async-forest-norefit", "async-forest-unshared")
+_FORESTS = ("async-forest", "async-forest-nowait", "async-forest-norefit", "async-forest-one-rank")
 
 
 def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:

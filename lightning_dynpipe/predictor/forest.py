@@ -40,7 +40,8 @@ check without waiting for it:
 * used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, waiting for
   the refit there if it is still running (logged).
 
-**One rank refits.** In a fit of several processes the strategy calls :meth:`ForestPredictor.share_refits`: each
+**One rank refits** (``one_rank_refits=True``, opt-in). In a fit of several processes the strategy then calls
+:meth:`ForestPredictor.share_refits`: each
 refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the strategy sets at every check to the process
 with the most spare CPU in the snapshot (every rank sees the same snapshot, so all name the same rank; a stage
 under a CPU limit refits only when every stage is limited, because its refit process's CPU would come out of its
@@ -48,8 +49,10 @@ limit). The other ranks report the refit as finished, so the switch comes when t
 same check on every rank as before, and at the switch every rank receives its forests in one broadcast on the
 monitor's CPU process group (:meth:`StageMonitor.broadcast_object
 <lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere.
-Before, every rank fitted the same forest from the same rows: the same answer for ``S x R`` times the CPU, on cores
-the stages use, and on a limited stage out of its limit.
+By default every rank fits the same forest from the same rows: the same answer for ``S x R`` times the CPU, on
+cores the stages use, and on a limited stage out of its limit; yet on the 2-core benchmark machine the shared
+refits measured about 2% fewer samples/s than that (the cause not located) and no gain under a CPU quota, so they
+are not the default.
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -278,6 +281,10 @@ class ForestPredictor:
         refit_on: ``"miss"``: a fitted forest refits only when the rows observed since its last refit fall outside
             their intervals more often than ``1 - coverage`` explains (a binomial test at 5%); ``"every"``: every
             ``refit_every`` windows.
+        one_rank_refits: in a fit of several processes, run each refit on one rank only, the one with the most
+            CPU to spare, and send its forests to the others (see "One rank refits" in the module). Off by default:
+            on the 2-core benchmark machine it saved the other ranks' refit CPU but measured about 2% fewer
+            samples/s than every rank refitting (benchmarks/results/2026-12-04-one-rank-refits.md).
     """
 
     def __init__(
@@ -292,6 +299,7 @@ class ForestPredictor:
         refit_every: int = 5,
         adopt_after: int = 2,
         refit_on: str = "miss",
+        one_rank_refits: bool = False,
     ) -> None:
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
@@ -313,6 +321,7 @@ class ForestPredictor:
         self.refit_every = refit_every
         self.adopt_after = adopt_after
         self.refit_on = refit_on
+        self.one_rank_refits = bool(one_rank_refits)
         self.schema: FeatureSchema = FEATURE_SCHEMA
         self._base = LabelledSamples.empty()
         self._online: deque[LabelledSamples] = deque()

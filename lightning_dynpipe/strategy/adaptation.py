@@ -128,7 +128,8 @@ class AdaptationWiring:
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
             share = getattr(self.config.predictor, "share_refits", None)
-            if callable(share) and getattr(trainer, "world_size", 1) > 1:
+            wanted = bool(getattr(self.config.predictor, "one_rank_refits", False))
+            if callable(share) and wanted and getattr(trainer, "world_size", 1) > 1:
                 # one rank refits (the one with CPU to spare at each check), the others receive its forests
                 share(rank=int(getattr(trainer, "global_rank", 0)), broadcast=monitor.broadcast_object)
                 self._shares_refits = True

@@ -158,11 +158,15 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
     assert forest._worker is None  # the fit's end closes it
 
 
-def test_in_a_fit_of_several_processes_refits_are_shared_and_run_where_cpu_is_spare() -> None:
+def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spare() -> None:
     from lightning_dynpipe.monitor.callback import StageMonitor
     from lightning_dynpipe.predictor import ForestPredictor
 
-    forest = ForestPredictor(n_estimators=8)
+    every = ForestPredictor(n_estimators=8)  # the default: every rank fits every refit
+    wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=every), world_size=2, global_rank=1)
+    wiring.detach(trainer)  # type: ignore[arg-type]
+    assert every._rank is None and every._broadcast is None and every.fits_here
+    forest = ForestPredictor(n_estimators=8, one_rank_refits=True)
     wiring, trainer = _attached(
         DynPipeConfig.from_arguments(predictor=forest),
         world_size=2,

@@ -8,9 +8,9 @@ block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``cali
    scenario, per stage;
 2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
    weights equal plain single-process training with Adam to 1e-6, and the tie holds;
-3. each of the run's refits (one per window here) ran on one rank, the one with CPU to spare at its check: a rank
-   that fitted none spent no CPU on refits, and every rank switched to the same forests (the fitting rank's,
-   received in the broadcast at each switch).
+3. with ``one_rank_refits=True``, each of the run's refits (one per window here) ran on one rank, the one with
+   CPU to spare at its check: a rank that fitted none spent no CPU on refits, and every rank switched to the same
+   forests (the fitting rank's, received in the broadcast at each switch).
 
 Usage: python calibrate_fit.py
 """
@@ -50,7 +50,7 @@ def digest(forest: ForestPredictor) -> str:
 if __name__ == "__main__":
     model = TinyGPT(tie=True)
     ref = copy.deepcopy(model)
-    forest = ForestPredictor(n_estimators=8, refit_on="every", refit_every=1)
+    forest = ForestPredictor(n_estimators=8, refit_on="every", refit_every=1, one_rank_refits=True)
     fitted_at_start: list[bool] = []
 
     class FittedAtStart(L.Callback):
