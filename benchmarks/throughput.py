@@ -94,15 +94,12 @@ the adaptive loop on, still starting from the same balance), the same with the m
 (``monitor_every_n_steps=50``: what the snapshot's cadence costs), the defaults with ``predictor="forest"`` (the
 random forest learning online from every window, its refits in a child process: what the forest costs against the
 default measured predictor), the same without waiting at set-up for the refit process's imports
-(``ForestPredictor.prepare(timeout_s=0)``: they then run beside the first steps) and the same never refitting
-(its rows and pricing only: an untrained forest prices with its prior), the same with each refit fitted on one
-rank and broadcast to the others (``ForestPredictor(one_rank_refits=True)``; by default every rank fits every
-refit itself),
-``async`` with both off, and ``async`` whose
-weight
-stash copies the live weights before each update instead of letting SGD write fresh storage
-(:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the monitor on and the adaptive
-loop off (it compares schedules on one fixed partition)."""
+(``ForestPredictor.prepare(timeout_s=0)``: they then run beside the first steps) and the same never refitting (its
+rows and pricing only: an untrained forest prices with its prior), the same with each refit fitted on one rank and
+broadcast to the others (``ForestPredictor(one_rank_refits=True)``; by default every rank fits every refit itself),
+``async`` with both off, and ``async`` whose weight stash copies the live weights before each update instead of
+letting SGD write fresh storage (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the
+monitor on and the adaptive loop off (it compares schedules on one fixed partition)."""
 ALL_SYSTEMS = SYSTEMS + EXTRA_SYSTEMS
 
 LABELS = {
@@ -456,7 +453,7 @@ def _step_timer(warmup: int, steps: int) -> Any:
 
         def _refits(self, trainer: Any) -> tuple[float, float, float, float]:
             """A learning predictor's refits' CPU seconds (in its own process), refits adopted and skipped, and the
-            seconds spent receiving or sending rank 0's refits (the broadcast at each switch)."""
+            seconds spent sending or receiving the fitting rank's forests (one-rank refits: a broadcast per switch)."""
             p = trainer.strategy.config.predictor
             return float(p.refit_cpu_s), float(p.refits), float(p.refits_skipped), float(getattr(p, "share_s", 0.0))
 
@@ -1015,7 +1012,7 @@ def render_cpu(summary: dict[str, Any], *, markdown: bool = False) -> str:
     Python's garbage collector took per step (with the median number of full collections in a run), the minor page
     faults per step (memory the system had to hand the process again) and, with a
     learning predictor, its refits' CPU per step in their own process (refits adopted, skipped; not in the
-    process's CPU) and the time per step of the broadcasts that bring rank 0's refits to the other ranks."""
+    process's CPU) and, with one-rank refits, the time per step of the broadcasts of the fitting rank's forests."""
     refits = any("refit_cpu_per_step_s" in st for stages in summary["cpu"].values() for st in stages)
     rows = []
     for s, stages in summary["cpu"].items():

@@ -41,18 +41,17 @@ check without waiting for it:
   the refit there if it is still running (logged).
 
 **One rank refits** (``one_rank_refits=True``, opt-in). In a fit of several processes the strategy then calls
-:meth:`ForestPredictor.share_refits`: each
-refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the strategy sets at every check to the process
-with the most spare CPU in the snapshot (every rank sees the same snapshot, so all name the same rank; a stage
-under a CPU limit refits only when every stage is limited, because its refit process's CPU would come out of its
-limit). The other ranks report the refit as finished, so the switch comes when the fitting rank's is done, at the
-same check on every rank as before, and at the switch every rank receives its forests in one broadcast on the
-monitor's CPU process group (:meth:`StageMonitor.broadcast_object
-<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere.
-By default every rank fits the same forest from the same rows: the same answer for ``S x R`` times the CPU, on
-cores the stages use, and on a limited stage out of its limit; yet on the 2-core benchmark machine the shared
-refits measured about 2% fewer samples/s than that (the cause not located) and no gain under a CPU quota, so they
-are not the default.
+:meth:`ForestPredictor.share_refits`: each refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the
+strategy sets at every check to the process with the most spare CPU in the snapshot (every rank sees the same
+snapshot, so all name the same rank; a stage under a CPU limit refits only when every stage is limited, because its
+refit process's CPU would come out of its limit). The other ranks report the refit as finished, so the switch comes
+when the fitting rank's is done, at the same check on every rank as before, and at the switch every rank receives
+its forests in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
+<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere. By
+default every rank fits the same forest from the same rows: the same answer for ``S x R`` times the CPU, on cores
+the stages use, and on a limited stage out of its limit; yet on the 2-core benchmark machine the shared refits
+measured about 2% fewer samples/s than that (the cause not located) and no gain under a CPU quota, so they are not
+the default.
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -350,7 +349,8 @@ class ForestPredictor:
         self.refit_rank = 0
         """With shared refits (:meth:`share_refits`), the global rank that runs the next refit."""
         self.share_s = 0.0
-        """Seconds spent in the broadcasts of shared refits (:meth:`share_refits`), waits for rank 0 included."""
+        """Seconds spent in the broadcasts of shared refits (:meth:`share_refits`), waits for the fitting rank
+        included."""
 
     # ------------------------------------------------------------------ training
     def _forest(self) -> QuantileForest:
@@ -493,8 +493,9 @@ class ForestPredictor:
             )
 
     def share_refits(self, *, rank: int | None, broadcast: Callable[[Any, int], Any] | None) -> None:
-        """Runs each refit on one rank, :attr:`refit_rank`, the others receiving its forests (the strategy calls it
-        at set-up, and sets :attr:`refit_rank` at every check from the snapshot, the same on every rank).
+        """Runs each refit on one rank, :attr:`refit_rank`, the others receiving its forests (with
+        ``one_rank_refits=True`` the strategy calls it at set-up, and sets :attr:`refit_rank` at every check from the
+        snapshot, the same on every rank).
 
         Args:
             rank: this process's global rank; ``None``: every refit runs here (one process, the default).
@@ -524,7 +525,7 @@ class ForestPredictor:
         return self._rank is None or self._rank == self.refit_rank
 
     def _ensure_worker(self) -> RefitProcess | None:
-        """The refit process (started if needed), or ``None`` when refits run in a thread or on another rank."""
+        """The refit process (started if needed), or ``None`` when refits run in a thread."""
         if self.refit_in_process and self._worker is None:
             try:
                 self._worker = RefitProcess()
@@ -599,16 +600,16 @@ class ForestPredictor:
             self._online_rows -= len(self._online.popleft())
 
     def _start_refit(self) -> None:
-        rows = self.samples  # a copy: later windows do not change what this refit sees
         self._since_refit = self._rows_since_refit = self._misses_since_refit = 0
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
-        self._refit = refit
         refit.src = self.refit_rank
-        if not self.fits_here:
+        self._refit = refit
+        if not self.fits_here:  # another rank fits it: nothing to copy or run here
             refit.remote = refit.done = True
             return
         self.refits_fitted += 1
+        rows = self.samples  # a copy: later windows do not change what this refit sees
         worker = self._ensure_worker()
         if worker is not None:
             try:
