@@ -552,8 +552,6 @@ class ForestPredictor:
         return self._refit_cpu_s + (self._worker.cpu_s if self._worker is not None else 0.0)
 
     def _finished(self, pending: _Refit) -> bool:
-        if pending.remote:  # nothing to wait for here: the switch waits for the fitting rank's number
-            return True
         if pending.thread is not None:
             return pending.done
         if not pending.done and self._worker is not None:
@@ -605,7 +603,7 @@ class ForestPredictor:
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
         refit.src = self.refit_rank
         self._refit = refit
-        if not self.fits_here:  # another rank fits it: nothing to copy or run here
+        if not self.fits_here:  # another rank fits it: nothing to copy, run or wait for here
             refit.remote = refit.done = True
             return
         self.refits_fitted += 1
