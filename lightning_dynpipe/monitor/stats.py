@@ -112,6 +112,9 @@ class SystemReading:
         gpu_sm_clock_mhz: the SM clock from NVML (None without CUDA or ``pynvml``).
         gpu_throttled: 1 when NVML reports a clock throttle reason other than idle, else 0 (None likewise).
         gpu_other_mem_bytes: device memory used by other processes, from NVML's process list (None likewise).
+        step_cpu_s: CPU time of this process since the previous reading (all threads): a whole training step's cycle,
+            the work between the batch hooks included (``cpu_s`` starts at the batch's start). Under a cgroup CPU
+            limit this is what the quota must pay for every step.
     """
 
     wall_s: float = 0.0
@@ -130,6 +133,7 @@ class SystemReading:
     gpu_sm_clock_mhz: float | None = None
     gpu_throttled: float | None = None
     gpu_other_mem_bytes: int | None = None
+    step_cpu_s: float = 0.0
 
 
 def idle_time(step_s: float, compute_s: float, recv_wait_s: float, send_s: float) -> float:
@@ -148,7 +152,8 @@ class StageSample:
 
     Times are in seconds. ``idle_s`` is derived (:func:`idle_time`); build samples with :meth:`from_step`
     so that it is consistent with the other times. ``num_forward``, ``num_backward`` and ``num_updates``
-    count the micro-batch forwards, backwards and optimizer steps the stage ran in the step.
+    count the micro-batch forwards, backwards and optimizer steps the stage ran in the step. ``cpu_s`` is the
+    process's CPU time over the step's whole cycle (:attr:`SystemReading.step_cpu_s`).
     """
 
     step_s: float
@@ -179,6 +184,7 @@ class StageSample:
     gpu_sm_clock_mhz: float | None = None
     gpu_throttled: float | None = None
     gpu_other_mem_bytes: int | None = None
+    cpu_s: float = 0.0
 
     @classmethod
     def from_step(cls, step: StepTimes, system: SystemReading | None = None) -> StageSample:
@@ -214,6 +220,7 @@ class StageSample:
             gpu_sm_clock_mhz=sys_.gpu_sm_clock_mhz,
             gpu_throttled=sys_.gpu_throttled,
             gpu_other_mem_bytes=sys_.gpu_other_mem_bytes,
+            cpu_s=sys_.step_cpu_s,
         )
 
     @property
@@ -289,6 +296,10 @@ class StageSummary:
     is the spread of the per-step transfer time (90th minus 10th percentile): the link's jitter as the stage
     saw it.
 
+    ``mean_cpu_s`` is the mean of the per-step CPU time of the process (``cpu_s``: a step's whole cycle, every
+    thread) without the window's largest (0 in a summary built without it): the CPU a step costs, which a cgroup
+    CPU limit of ``q`` cores stretches to at least ``mean_cpu_s / q`` per step.
+
     ``mean_step_s`` is the mean step time without the window's slowest step (:func:`mean_step_time`; 0 in a
     summary built without it): the stage's throughput. The median is not when step times are bimodal, as under
     a CPU quota, which stops a process for the rest of its period once it used its share: some steps fit in the
@@ -328,6 +339,8 @@ class StageSummary:
     gpu_other_mem_bytes: float | None = None
     comm_spread_s: float = 0.0
     mean_step_s: float = 0.0
+    cpu_s: float = 0.0
+    mean_cpu_s: float = 0.0
 
     @classmethod
     def of(cls, samples: Iterable[StageSample]) -> StageSummary:
@@ -344,6 +357,7 @@ class StageSummary:
             values[name] = float(statistics.median(per_step)) if items else math.nan
         values["comm_spread_s"] = _spread([s.comm_s for s in items]) if items else math.nan
         values["mean_step_s"] = mean_step_time([s.step_s for s in items])
+        values["mean_cpu_s"] = mean_step_time([s.cpu_s for s in items])
         return cls(count=len(items), **values)  # type: ignore[arg-type]
 
     @classmethod
@@ -359,7 +373,7 @@ class StageSummary:
         if len(summaries) == 1:
             return summaries[0]
         values: dict[str, float | None] = {}
-        for name in (*_SAMPLE_FIELDS, "compute_s", "busy_s", "comm_spread_s", "mean_step_s"):
+        for name in (*_SAMPLE_FIELDS, "compute_s", "busy_s", "comm_spread_s", "mean_step_s", "mean_cpu_s"):
             got = [getattr(s, name) for s in summaries]
             present = [v for v in got if v is not None and not math.isnan(v)]
             if present:
@@ -539,6 +553,7 @@ REPORT_LENGTH = 3 + len(_SUMMARY_FIELDS) + 1
 _METRICS: tuple[tuple[str, str, float], ...] = (
     ("step_ms", "step_s", 1e3),
     ("mean_step_ms", "mean_step_s", 1e3),
+    ("mean_cpu_ms", "mean_cpu_s", 1e3),
     ("compute_ms", "compute_s", 1e3),
     ("busy_ms", "busy_s", 1e3),
     ("forward_ms", "forward_s", 1e3),
@@ -578,7 +593,7 @@ def _summary_metrics(prefix: str, summary: StageSummary) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, attr, scale in _METRICS:
         value = getattr(summary, attr)
-        if value is None or (attr == "mean_step_s" and not value > 0):  # 0: a summary built without it
+        if value is None or (attr in ("mean_step_s", "mean_cpu_s") and not value > 0):  # 0: a summary built without it
             continue
         out[f"{prefix}/{name}"] = float(value) * scale
     return out

@@ -142,7 +142,8 @@ class ProcessSampler:
         reading.cpu_share, reading.rss_bytes
         sampler.close()
 
-    :meth:`sample` measures since the last :meth:`mark` or :meth:`sample` (or the construction).
+    :meth:`sample` measures since the last :meth:`mark` or :meth:`sample` (or the construction), and its
+    ``step_cpu_s`` since the last :meth:`sample` (a whole step's cycle, whatever was marked in between).
 
     Args:
         device: the stage's device; CUDA readings are taken only for a ``cuda`` device.
@@ -191,6 +192,7 @@ class ProcessSampler:
         self._limit = CpuLimitReader()
         self._cpu_limit = self._limit.read()
         self.mark()
+        self._cpu_sampled = self._cpu0  # the previous sample's CPU time (a whole step's cycle starts there)
 
     # ------------------------------------------------------------------ windows
     def mark(self) -> None:
@@ -209,6 +211,7 @@ class ProcessSampler:
         wait, switches = self._run_queue_wait_s(), self._involuntary_switches()
         wait_s, switched = wait - self._wait0, switches - self._switches0
         self._t0, self._cpu0, self._wait0, self._switches0 = now, cpu, wait, switches
+        step_cpu_s, self._cpu_sampled = cpu - self._cpu_sampled, cpu
         if now - self._steal_at >= self.steal_interval_s:
             self._update_other_load(now, cpu)
             self._update_steal(now)
@@ -236,6 +239,7 @@ class ProcessSampler:
             gpu_sm_clock_mhz=self._gpu_clock,
             gpu_throttled=self._gpu_throttled,
             gpu_other_mem_bytes=self._gpu_other_mem,
+            step_cpu_s=step_cpu_s,
         )
 
     def set_siblings(self, pids: Sequence[int]) -> None:

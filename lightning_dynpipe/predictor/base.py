@@ -20,7 +20,14 @@ from lightning_dynpipe.monitor.stats import StageSummary, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 
-__all__ = ["StageTimes", "PipelineWindow", "Interval", "PartitionPrediction", "InterferencePredictor"]
+__all__ = [
+    "StageTimes",
+    "PipelineWindow",
+    "Interval",
+    "PartitionPrediction",
+    "InterferencePredictor",
+    "check_same_pipeline",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,9 @@ class StageTimes:
         mean_step_s: the mean step time over the window without its slowest step (the stage's throughput,
             which the median ``step_s`` misjudges when step times are bimodal, as under a CPU quota); 0 when
             not measured, and ``step_s`` stands in.
+        cpu_s: the stage process's mean CPU time per step (every thread, the step's whole cycle); 0 when not
+            measured.
+        num_updates: optimizer updates per step on the stage; 0 when not measured.
 
     The fields from ``cpu_limit`` to ``gpu_other_mem_bytes`` describe the stage's environment; they are the
     forest's features (:mod:`lightning_dynpipe.predictor.features`) and default to "nothing measured".
@@ -69,6 +79,8 @@ class StageTimes:
     gpu_throttled: float | None = None
     gpu_other_mem_bytes: float | None = None
     mean_step_s: float = 0.0
+    cpu_s: float = 0.0
+    num_updates: float = 0.0
 
     @property
     def throughput_step_s(self) -> float:
@@ -96,6 +108,8 @@ class StageTimes:
             gpu_throttled=summary.gpu_throttled,
             gpu_other_mem_bytes=summary.gpu_other_mem_bytes,
             mean_step_s=summary.mean_step_s,
+            cpu_s=summary.mean_cpu_s if summary.mean_cpu_s > 0 else 0.0,
+            num_updates=summary.num_updates if summary.num_updates > 0 else 0.0,
         )
 
 
@@ -218,3 +232,14 @@ class InterferencePredictor(Protocol):
     ) -> PartitionPrediction:
         """Each stage's compute and each boundary's message time under ``candidate``."""
         ...
+
+
+def check_same_pipeline(window: PipelineWindow, candidate: Partition) -> None:
+    """Raises :class:`ConfigurationError` unless ``candidate`` has the window's stage and layer counts."""
+    if candidate.num_stages != window.partition.num_stages or candidate.num_layers != window.partition.num_layers:
+        raise ConfigurationError(
+            f"A candidate is priced from a window of the same pipeline: the window ran {window.partition} "
+            f"({window.partition.num_stages} stages, {window.partition.num_layers} layers), the candidate is "
+            f"{candidate} ({candidate.num_stages} stages, {candidate.num_layers} layers). Give a candidate with "
+            "the window's stage and layer counts."
+        )

@@ -42,7 +42,7 @@ import numpy.typing as npt
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes
+from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline
 from lightning_dynpipe.predictor.measured import measured_slowdowns
 
 __all__ = [
@@ -210,14 +210,14 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
 
 def stage_priors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
     """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds)."""
-    _check_same_stages(window, candidate)
+    check_same_pipeline(window, candidate)
     slow = prior_slowdowns(model_cost, window)
     return np.asarray([slow[k] * _profile_s(model_cost, candidate, k) for k in range(candidate.num_stages)])
 
 
 def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
     """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``."""
-    _check_same_stages(window, candidate)
+    check_same_pipeline(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
     priors = stage_priors(model_cost, window, candidate)
@@ -299,7 +299,7 @@ def _boundary_bytes(model_cost: ModelCost, partition: Partition) -> list[int]:
 
 def boundary_priors(model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition) -> FloatArray:
     """Per boundary of ``candidate``, the analytic prior of its time per message (seconds)."""
-    _check_same_stages(window, candidate)
+    check_same_pipeline(window, candidate)
     measured = measured_message_s(window)
     old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
     out = []
@@ -312,7 +312,7 @@ def boundary_priors(model_cost: ModelCost, comm: CommModel, window: PipelineWind
 
 def boundary_rows(model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition) -> FloatArray:
     """One row of :data:`BOUNDARY_FEATURES` per boundary of ``candidate``, shape ``(S-1, len(BOUNDARY_FEATURES))``."""
-    _check_same_stages(window, candidate)
+    check_same_pipeline(window, candidate)
     measured = measured_message_s(window)
     old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
     per_mib = _MIB / comm.bandwidth_Bps if math.isfinite(comm.bandwidth_Bps) else 0.0
@@ -399,13 +399,3 @@ def samples_from_windows(
     bkeep = (bprior > _FLOOR_S) & (bmeasured > _FLOOR_S)
     by = np.log(np.where(bkeep, bmeasured, 1.0) / np.where(bkeep, bprior, 1.0))
     return LabelledSamples(sx[keep], sy[keep], bx[bkeep], by[bkeep])
-
-
-def _check_same_stages(window: PipelineWindow, candidate: Partition) -> None:
-    if candidate.num_stages != window.partition.num_stages or candidate.num_layers != window.partition.num_layers:
-        raise ConfigurationError(
-            f"A candidate is priced from a window of the same pipeline: the window ran {window.partition} "
-            f"({window.partition.num_stages} stages, {window.partition.num_layers} layers), the candidate is "
-            f"{candidate} ({candidate.num_stages} stages, {candidate.num_layers} layers). Give a candidate with "
-            "the window's stage and layer counts."
-        )

@@ -8,16 +8,32 @@ its waits too), which hid the better partition. The slowdown belongs to the stag
 beside it), so a candidate partition's stage ``k`` is predicted as its layers' profile times stage ``k``'s
 slowdown, and a boundary's message as the link model's time for the activation that crosses it.
 
+**The CPU a limited stage spends besides its layers.** A quota throttles the whole process: the framework's work
+around the layers (the training loop, messages, the optimizer's glue) comes out of it too, and on a stage with few
+layers that is most of its CPU. So where the window measured the stage's CPU per step (``StageTimes.cpu_s``), a
+stage under a limit of ``q`` cores is predicted at no less than ``(other + M * layers) / q`` per step: ``layers``
+the candidate's layers' profile, ``other`` the measured CPU per step less the profile of the layers (and updates)
+it ran, both in the profile's units (the measured CPU over the least slowed stage's speed against its profile).
+The layers moved in or out change the stage's CPU by their profile; the rest stays with the process.
+
 It has no spread model: its intervals are points.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor.base import Interval, PartitionPrediction, PipelineWindow, StageTimes
+from lightning_dynpipe.predictor.base import (
+    Interval,
+    PartitionPrediction,
+    PipelineWindow,
+    StageTimes,
+    check_same_pipeline,
+)
 
-__all__ = ["MeasuredSlowdownPredictor", "measured_slowdowns"]
+__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns"]
 
 
 def measured_slowdowns(
@@ -36,15 +52,54 @@ def measured_slowdowns(
         >>> measured_slowdowns(cost, Partition((2, 2)), limited, 2)
         (1.0, 4.0)
     """
-    ratios = []
-    for k, t in enumerate(times):
-        expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
-        ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else 1.0)
+    ratios = _ratios(model_cost, partition, times, num_microbatches)
     base = min(ratios)
     return tuple(
         max(r / base, 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0)
         for r, t in zip(ratios, times)
     )
+
+
+def _ratios(
+    model_cost: ModelCost, partition: Partition, times: Sequence[StageTimes], num_microbatches: int
+) -> list[float]:
+    """Each stage's measured compute over its layers' profile (1 where either is missing)."""
+    ratios = []
+    for k, t in enumerate(times):
+        expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
+        ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else 1.0)
+    return ratios
+
+
+def cpu_limited_floors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> tuple[float | None, ...]:
+    """Per stage of ``candidate``, the least compute per micro-batch its CPU limit allows, in the profile's units
+    (the module's "CPU a limited stage spends besides its layers"); ``None`` for a stage without a limit below one
+    core or without a measured CPU per step.
+
+    Example (the profile: 1 ms per layer; the unlimited stage runs at its profile; the limited one, a quarter of a
+    core, used 5 ms of CPU per step of 2 micro-batches, of which its layers 2 ms)::
+
+        >>> cost = ModelCost.from_arrays([1e-3] * 4, [0.0] * 4)
+        >>> times = (StageTimes(0.006, 0.02), StageTimes(0.008, 0.02, cpu_limit=0.25, cpu_s=0.005))
+        >>> window = PipelineWindow(Partition((3, 1)), times, 2)
+        >>> [round(f * 1e3, 3) if f else f for f in cpu_limited_floors(cost, window, Partition((2, 2)))]
+        [None, 14.0]
+    """
+    check_same_pipeline(window, candidate)
+    M = window.num_microbatches
+    base = min(_ratios(model_cost, window.partition, window.stages, M))
+    floors: list[float | None] = []
+    for k, t in enumerate(window.stages):
+        q = t.cpu_limit
+        if q is None or not 0 < q < 1 or not t.cpu_s > 0 or not base > 0:
+            floors.append(None)
+            continue
+        ran = window.partition.stage_layers(k)
+        own = M * model_cost.compute_s(ran.start, ran.stop) + t.num_updates * model_cost.update_s(ran.start, ran.stop)
+        other = max(0.0, t.cpu_s / base - own)
+        layers = candidate.stage_layers(k)
+        floors.append((other / M + model_cost.compute_s(layers.start, layers.stop)) / q)
+    return tuple(floors)
 
 
 class MeasuredSlowdownPredictor:
@@ -64,8 +119,14 @@ class MeasuredSlowdownPredictor:
     ) -> PartitionPrediction:
         """See the module docstring."""
         slowdowns = measured_slowdowns(model_cost, window.partition, window.stages, window.num_microbatches)
+        floors = cpu_limited_floors(model_cost, window, candidate)
         compute = tuple(
-            Interval.point(slowdowns[k] * sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k)))
+            Interval.point(
+                max(
+                    slowdowns[k] * sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k)),
+                    floors[k] or 0.0,
+                )
+            )
             for k in range(candidate.num_stages)
         )
         boundaries = []

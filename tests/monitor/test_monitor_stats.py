@@ -91,6 +91,7 @@ def test_from_step_reads_executor_stats_and_system_reading() -> None:
         cuda_reserved_bytes=20,
         gpu_util=0.5,
         gpu_mem_used_bytes=30,
+        step_cpu_s=0.06,
     )
     s = StageSample.from_step(stats, system)
     assert (s.step_s, s.forward_s, s.backward_s, s.optimizer_s) == (0.07, 0.01, 0.02, 0.005)
@@ -101,6 +102,7 @@ def test_from_step_reads_executor_stats_and_system_reading() -> None:
     assert (s.num_forward, s.num_backward, s.num_updates) == (4, 4, 4)
     assert (s.rss_bytes, s.cpu_share, s.steal_share) == (123, 0.7, 0.01)
     assert (s.cuda_allocated_bytes, s.cuda_reserved_bytes, s.gpu_util, s.gpu_mem_used_bytes) == (10, 20, 0.5, 30)
+    assert s.cpu_s == 0.06  # the step's whole cycle, not the batch's cpu_s
 
 
 def test_from_step_without_system_reading_leaves_gpu_fields_none() -> None:
@@ -193,6 +195,22 @@ def test_the_mean_step_follows_bimodal_steps_and_ignores_one_spike() -> None:
     assert few.summary().mean_step_s == pytest.approx(0.3)  # fewer than four: nothing left out
     both = StageSummary.combine([s, acc.summary()])  # replicas: the slowest one's
     assert both.mean_step_s == pytest.approx(max(s.mean_step_s, acc.summary().mean_step_s))
+
+
+def test_the_mean_cpu_per_step_leaves_out_the_largest() -> None:
+    acc = StageStatsAccumulator(window=5)
+    for v in (0.01, 0.02, 0.03, 0.02, 0.5):  # the last step wrote a checkpoint
+        acc.add(StageSample(step_s=0.05, cpu_s=v))
+    s = acc.summary()
+    assert s.mean_cpu_s == pytest.approx(0.02) and s.cpu_s == pytest.approx(0.02)
+    report = StageReport.from_vector(StageReport(0, 0, s).to_vector())
+    assert report.summary.mean_cpu_s == pytest.approx(0.02)  # it travels in the gather
+    m = PipelineSnapshot.from_reports(0, [StageReport(0, 0, s)]).to_metrics()
+    assert m["dynpipe/stage0/mean_cpu_ms"] == pytest.approx(20.0)
+    assert (
+        "dynpipe/stage0/mean_cpu_ms"
+        not in PipelineSnapshot.from_reports(0, [StageReport(0, 0, _summary(1.0))]).to_metrics()
+    )
 
 
 def test_reset_forgets_everything() -> None:

@@ -55,6 +55,20 @@ def test_sample_measures_since_the_last_mark() -> None:
     assert first.wall_s < 0.05
 
 
+def test_step_cpu_counts_the_whole_cycle_between_samples() -> None:
+    """``cpu_s`` starts at the mark (the batch's start); ``step_cpu_s`` at the previous sample, so the work between
+    two batches (Lightning's loop, the data fetch) is in it: a quota pays for that too."""
+    sampler = ProcessSampler()
+    sampler.sample()
+    _spin(0.1)  # between the batch hooks
+    sampler.mark()
+    _spin(0.1)  # the batch
+    reading = sampler.sample()
+    sampler.close()
+    assert reading.step_cpu_s >= reading.cpu_s + 0.05, reading  # the spin before the mark, on a shared machine
+    assert reading.step_cpu_s <= reading.cpu_s + 0.15, reading
+
+
 def test_rss_agrees_with_psutil() -> None:
     reading = ProcessSampler().sample()
     rss = psutil.Process().memory_info().rss

@@ -18,6 +18,7 @@ from lightning_dynpipe.predictor import (
     PipelineWindow,
     StageTimes,
 )
+from lightning_dynpipe.predictor.measured import cpu_limited_floors
 
 COST = ModelCost.from_arrays([1.0] * 4, [2.0] * 4, activation_bytes=[100, 200, 300, 400])
 
@@ -38,6 +39,54 @@ def test_baseline_carries_each_stage_slowdown_to_any_partition() -> None:
     assert p.boundary_s[0].value == pytest.approx(1e-3 + 100 / 1e5)  # the activation of layer 0 crosses
     assert all(i.low == i.value == i.high for i in (*p.stage_compute_s, *p.boundary_s))  # no spread model
     assert isinstance(MeasuredSlowdownPredictor(), InterferencePredictor)
+
+
+def test_a_limited_stage_pays_its_framework_cpu_out_of_its_quota() -> None:
+    """A stage under a quarter core that used 20 s of CPU per step for layers that profile at 2 x 2 x 1 s: 16 s of
+    its CPU is not its layers' and stays with it whichever layers it holds; the stage is priced at no less than
+    all its CPU over the quota (the slowdown alone, 4x the layers, missed the 16 s)."""
+    cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4)
+    limited = StageTimes(12.0, 80.0, cpu_limit=0.25, cpu_s=20.0)
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(4.0, 80.0), limited), 2)
+    predictor = MeasuredSlowdownPredictor()
+    here = predictor.predict(cost, CommModel(), window, Partition((2, 2)))
+    assert here.slowdowns == (1.0, 4.0)  # the slowdowns (updates, the planner's solve) are unchanged
+    assert here.stage_compute_s[1].value == pytest.approx((16.0 / 2 + 2.0) / 0.25)  # 2 micro-batches: 40 s each
+    assert 2 * here.stage_compute_s[1].value == pytest.approx(20.0 / 0.25)  # the step the quota allows
+    there = predictor.predict(cost, CommModel(), window, Partition((3, 1)))
+    assert there.stage_compute_s[1].value == pytest.approx((8.0 + 1.0) / 0.25)  # one layer less: 4 s, not half
+    assert there.stage_compute_s[0].value == pytest.approx(3.0)
+    # updates the window ran come out of the other CPU (the controller adds the candidate's own)
+    upd = ModelCost.from_arrays([1.0] * 4, [0.0] * 4, update_s=[0.5] * 4)
+    with_updates = PipelineWindow(
+        Partition((2, 2)), (StageTimes(4.0, 80.0), StageTimes(12.0, 80.0, cpu_limit=0.25, cpu_s=20.0, num_updates=2)), 2
+    )
+    assert cpu_limited_floors(upd, with_updates, Partition((2, 2)))[1] == pytest.approx((14.0 / 2 + 2.0) / 0.25)
+    # in the profile's units: a machine twice as slow as its profile doubles every measured time
+    slow = PipelineWindow(
+        Partition((2, 2)), (StageTimes(8.0, 160.0), StageTimes(24.0, 160.0, cpu_limit=0.25, cpu_s=40.0)), 2
+    )
+    assert cpu_limited_floors(cost, slow, Partition((3, 1)))[1] == pytest.approx((8.0 + 1.0) / 0.25)
+
+
+def test_the_cpu_floor_needs_a_limit_and_a_measured_cpu() -> None:
+    cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4)
+    for limited in (
+        StageTimes(12.0, 80.0, cpu_s=20.0),  # no limit
+        StageTimes(12.0, 80.0, cpu_limit=1.5, cpu_s=20.0),  # a limit of more than one core: the stage is not slowed
+        StageTimes(12.0, 80.0, cpu_limit=0.25),  # the CPU per step not measured: the 1/q slowdown alone
+    ):
+        window = PipelineWindow(Partition((2, 2)), (StageTimes(4.0, 80.0), limited), 2)
+        assert cpu_limited_floors(cost, window, Partition((3, 1))) == (None, None)
+    # a stage whose CPU is all its layers' is priced by its slowdown (the floor is below it)
+    lean = PipelineWindow(
+        Partition((2, 2)), (StageTimes(4.0, 80.0), StageTimes(16.0, 80.0, cpu_limit=0.25, cpu_s=4.0)), 2
+    )
+    assert MeasuredSlowdownPredictor().predict(cost, CommModel(), lean, Partition((3, 1))).stage_compute_s[
+        1
+    ].value == pytest.approx(4.0)
+    with pytest.raises(ConfigurationError, match="same pipeline"):
+        cpu_limited_floors(cost, lean, Partition((1, 1, 2)))
 
 
 def test_window_measures_overlap_and_the_pipeline_step() -> None:
