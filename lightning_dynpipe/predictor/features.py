@@ -17,7 +17,9 @@ The forest predicts the **residual** over an analytic prior, as a log ratio:
 
 * stage: ``prior = slowdown * profiled compute of the candidate's layers`` per micro-batch, where the slowdown is
   the stage's measured compute over the profile of the layers it held (:func:`prior_slowdowns`), at least
-  ``1/q`` under a CPU limit of ``q`` cores;
+  ``1/q`` under a CPU limit of ``q`` cores, and there at least all the stage's measured CPU per step over ``q``,
+  with the layers it gains or gives away priced by their profile (the framework's CPU around the layers stays with
+  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`);
 * boundary: ``prior = max(link(candidate bytes), measured message time - link(measured bytes) + link(candidate
   bytes))`` with ``link(x) = latency + x / bandwidth``: the measured extra latency (delay, jitter, contention)
   carries over and the bandwidth term follows the bytes.
@@ -43,7 +45,7 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline
-from lightning_dynpipe.predictor.measured import measured_slowdowns
+from lightning_dynpipe.predictor.measured import cpu_limited_floors, measured_slowdowns
 
 __all__ = [
     "FeatureSchema",
@@ -161,9 +163,10 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 2, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 3, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
-layers' outputs)."""
+layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
+beside a limited stage is measured on its other side)."""
 
 
 def _opt(value: float | None, scale: float = 1.0) -> float:
@@ -209,10 +212,16 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
 
 
 def stage_priors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
-    """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds)."""
+    """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds): its layers' profile
+    times the stage's :func:`prior_slowdowns`, and under a CPU limit no less than all the stage's CPU per step over
+    the limit, the layers it gains or gives away priced by their profile
+    (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`)."""
     check_same_pipeline(window, candidate)
     slow = prior_slowdowns(model_cost, window)
-    return np.asarray([slow[k] * _profile_s(model_cost, candidate, k) for k in range(candidate.num_stages)])
+    floors = cpu_limited_floors(model_cost, window, candidate, seconds=True)
+    return np.asarray(
+        [max(slow[k] * _profile_s(model_cost, candidate, k), floors[k] or 0.0) for k in range(candidate.num_stages)]
+    )
 
 
 def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
@@ -282,15 +291,24 @@ def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...
     reports the time its incoming transfers took per step; boundary ``b``'s message time is the mean of the
     per-message times of the two stages beside it (exact for two stages; an average of both sides of an
     interior stage otherwise).
+
+    A stage under a CPU limit below one core sees a message that arrives while its process is throttled only when it
+    runs again (under a quarter core, three quarters of the time), which is not the link's time: where one side of a
+    boundary is limited and the other is not, the other side's times alone stand for the boundary.
     """
     S, M = window.partition.num_stages, window.num_microbatches
     per_msg = []
     for k, t in enumerate(window.stages):
         n = M * ((k > 0) + (k < S - 1))
         per_msg.append((t.comm_s / n, t.comm_spread_s / n) if n > 0 else (0.0, 0.0))
-    return tuple(
-        ((per_msg[b][0] + per_msg[b + 1][0]) / 2.0, (per_msg[b][1] + per_msg[b + 1][1]) / 2.0) for b in range(S - 1)
-    )
+    limited = [t.cpu_limit is not None and 0 < t.cpu_limit < 1 for t in window.stages]
+    out = []
+    for b in range(S - 1):
+        if limited[b] != limited[b + 1]:
+            out.append(per_msg[b + 1] if limited[b] else per_msg[b])
+        else:
+            out.append(((per_msg[b][0] + per_msg[b + 1][0]) / 2.0, (per_msg[b][1] + per_msg[b + 1][1]) / 2.0))
+    return tuple(out)
 
 
 def _boundary_bytes(model_cost: ModelCost, partition: Partition) -> list[int]:

@@ -71,10 +71,13 @@ def _ratios(
     return ratios
 
 
-def cpu_limited_floors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> tuple[float | None, ...]:
+def cpu_limited_floors(
+    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, *, seconds: bool = False
+) -> tuple[float | None, ...]:
     """Per stage of ``candidate``, the least compute per micro-batch its CPU limit allows, in the profile's units
-    (the module's "CPU a limited stage spends besides its layers"); ``None`` for a stage without a limit below one
-    core or without a measured CPU per step.
+    (the module's "CPU a limited stage spends besides its layers"; ``seconds=True``: in seconds at the machine's
+    present speed, the least slowed stage's measured compute over its profile); ``None`` for a stage without a
+    limit below one core or without a measured CPU per step.
 
     Example (the profile: 1 ms per layer; the unlimited stage runs at its profile; the limited one, a quarter of a
     core, used 5 ms of CPU per step of 2 micro-batches, of which its layers 2 ms)::
@@ -98,7 +101,8 @@ def cpu_limited_floors(model_cost: ModelCost, window: PipelineWindow, candidate:
         own = M * model_cost.compute_s(ran.start, ran.stop) + t.num_updates * model_cost.update_s(ran.start, ran.stop)
         other = max(0.0, t.cpu_s / base - own)
         layers = candidate.stage_layers(k)
-        floors.append((other / M + model_cost.compute_s(layers.start, layers.stop)) / q)
+        floor = (other / M + model_cost.compute_s(layers.start, layers.stop)) / q
+        floors.append(floor * base if seconds else floor)
     return tuple(floors)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -82,6 +83,23 @@ def test_stage_prior_is_the_measured_stretch_floored_at_one_over_the_quota() -> 
     assert prior[1] == pytest.approx(4.0 * 9e-3)  # 1.25x measured, but a quarter core means at least 4x
 
 
+def test_a_limited_stages_prior_keeps_the_cpu_spent_around_its_layers() -> None:
+    """Stage 1 under a quarter core used 40 ms of CPU per step; at the machine's present speed (stage 1 measured
+    1.25x its profile, the least slowed) its two layers' 4 micro-batches are 30 ms of it. Giving one layer away
+    saves that layer's CPU only: (10 ms / 4 + 1.25 x 3 ms) / 0.25 per micro-batch, not a quarter core's 4x of the
+    one layer (12 ms)."""
+    limited = StageTimes(compute_s=30e-3, step_s=160e-3, cpu_limit=0.25, cpu_s=40e-3)
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(compute_s=48e-3, step_s=160e-3), limited), 4)
+    prior = stage_priors(COST, window, Partition((3, 1)))
+    assert prior[1] == pytest.approx((10e-3 / 4 + 1.25 * 3e-3) / 0.25)
+    assert prior[0] == pytest.approx(2.0 * 9e-3)  # the unlimited stage: its stretch, as before
+    # without the CPU measured, the stretch floored at 1/q alone
+    unmeasured = PipelineWindow(
+        Partition((2, 2)), (window.stages[0], StageTimes(compute_s=30e-3, step_s=160e-3, cpu_limit=0.25)), 4
+    )
+    assert stage_priors(COST, unmeasured, Partition((3, 1)))[1] == pytest.approx(4.0 * 3e-3)
+
+
 def test_gpu_readings_reach_the_rows_from_the_monitor() -> None:
     reading = SystemReading(gpu_util=0.8, gpu_sm_clock_mhz=1200.0, gpu_throttled=1.0, gpu_other_mem_bytes=1 << 30)
 
@@ -117,6 +135,25 @@ def test_boundary_prior_carries_the_measured_extra_latency_and_follows_the_bytes
     assert rows.shape == (1, len(BOUNDARY_FEATURES)) and rows[0, BOUNDARY_FEATURES.index("candidate_mib")] == 3.0
     idle = PipelineWindow(Partition((2, 2)), (StageTimes(0.024, 0.06), StageTimes(0.024, 0.06)), M)
     assert boundary_priors(COST, LINK, idle, Partition((1, 3)))[0] == pytest.approx(link(1 << 20))
+
+
+def test_a_boundary_beside_a_throttled_stage_is_measured_on_its_other_side() -> None:
+    """Under a quarter core the limited stage sees most arrivals late (its process is stopped when they come): its
+    times are its throttling, not the link's."""
+    M = 4
+    free = StageTimes(0.024, 0.1, comm_s=M * 1e-3, comm_spread_s=M * 0.2e-3)
+    limited = StageTimes(0.024, 0.1, comm_s=M * 30e-3, comm_spread_s=M * 40e-3, cpu_limit=0.25)
+    ((median, spread),) = measured_message_s(PipelineWindow(Partition((2, 2)), (free, limited), M))
+    assert (median, spread) == (pytest.approx(1e-3), pytest.approx(0.2e-3))
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (limited, free), M))
+    assert median == pytest.approx(1e-3)
+    both = replace(free, cpu_limit=0.5)  # both limited: nothing better than both sides' mean
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (both, limited), M))
+    assert median == pytest.approx((1e-3 + 30e-3) / 2)
+    # three stages, the middle one limited: each boundary from its free side (the middle's times span both)
+    mid = replace(limited, comm_s=2 * M * 30e-3)
+    times = measured_message_s(PipelineWindow(Partition((1, 2, 1)), (free, mid, free), M))
+    assert [m for m, _ in times] == [pytest.approx(1e-3), pytest.approx(1e-3)]
 
 
 def test_samples_pair_the_environment_before_with_the_times_after() -> None:
