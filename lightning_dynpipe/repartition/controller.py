@@ -8,6 +8,9 @@ applies it (a live migration at the next step). At every check:
    a labelled sample, and after a migration its measured outcome is one);
 2. the planner re-solves the partition with the slowdowns the predictor gives the current one (a window whose
    link and slowdowns are within 10% of the last solve's reuses its plan: the solve only proposes a candidate);
+   where the predictor prices a stage of the current partition above its slowdown times its layers' profile (under
+   a CPU limit the measured predictor keeps the CPU the process spends around its layers), a second solve under
+   each stage's multiplier as priced proposes a second candidate;
 3. the candidates (the current partition, the planner's, and every shift of one boundary by one or two layers)
    are priced by the predictor: each stage's compute and each boundary's message time, with intervals; a
    candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
@@ -59,6 +62,18 @@ from lightning_dynpipe.schedule import AsyncSchedule, Schedule, get_schedule
 __all__ = ["AdaptiveController", "Outcome", "neighbours", "measured_slowdowns", "StageTimes"]
 
 log = logging.getLogger(__name__)
+
+
+def _priced_multipliers(
+    model_cost: ModelCost, partition: Partition, prediction: PartitionPrediction
+) -> tuple[float, ...]:
+    """Per stage, its predicted compute under ``partition`` over its layers' profile (else its slowdown)."""
+    out = []
+    for k, interval in enumerate(prediction.stage_compute_s):
+        layers = partition.stage_layers(k)
+        profile = model_cost.compute_s(layers.start, layers.stop)
+        out.append(interval.value / profile if profile > 0 and interval.value > 0 else prediction.slowdowns[k])
+    return tuple(out)
 
 
 def neighbours(partition: Partition, max_shift: int = 2) -> list[Partition]:
@@ -286,7 +301,7 @@ class AdaptiveController:
         self.stage_count_gain = stage_count_gain
         self.stage_count_every = max(1, stage_count_every)
         self._checks = 0
-        self._last_solve: tuple[tuple[CommModel, tuple[float, ...]], Plan | None] | None = None
+        self._last_solves: dict[int, tuple[tuple[CommModel, tuple[float, ...]], Plan | None]] = {}
         self.max_extra_in_flight = max_extra_in_flight
         self.depth_policy = depth_policy if depth_policy is not None else InFlightPolicy()
         self.depth_decisions: list[DepthDecision] = []
@@ -343,33 +358,22 @@ class AdaptiveController:
         # The planner's re-solve only proposes a candidate (every candidate is then priced by the predictor): a
         # window whose link and slowdowns are each within 10% of the last solve's reuses its plan (the neighbours of
         # the current partition are priced at every check whatever the proposal).
-        solve_inputs = (comm, tuple(slowdowns))
-        last = self._last_solve
-        planned: Plan | None
-        if last is not None and _close_inputs(last[0], solve_inputs):
-            planned = last[1]
-        else:
-            try:
-                planned = best_plan(
-                    cost,
-                    partition.num_stages * dp,
-                    num_stages=partition.num_stages,
-                    schedule=self.schedule,
-                    convergence=self.convergence,
-                    comm=comm,
-                    num_microbatches=M,
-                    slowdowns=[slowdowns[k] for k in range(partition.num_stages) for _ in range(dp)],
-                    memory_cap=self.memory_cap,
-                )
-            except PartitionError as exc:  # no partition fits the memory cap: the neighbours are still priced
-                log.debug("DynPipe adaptation: no plan within the memory cap: %s", exc)
-                planned = None
-            self._last_solve = (solve_inputs, planned)
+        planned = self._solve(0, comm, slowdowns, partition.num_stages)
+        # A predictor may price a stage above its slowdown times its layers' profile (under a CPU limit, the CPU its
+        # process spends around the layers stays with it), which a per-layer slowdown cannot carry into the solve:
+        # a second solve under each stage's multiplier as priced now proposes the cut that moves more layers away
+        # from such a stage; the predictor prices both proposals.
+        priced_as = _priced_multipliers(cost, window.partition, current_prediction)
+        second = (
+            self._solve(1, comm, priced_as, partition.num_stages)
+            if not _close_inputs((comm, tuple(slowdowns)), (comm, priced_as))
+            else None
+        )
         self.stage_count_hint = None
         self._checks += 1
         if planned is not None and self.consider_stage_counts and (self._checks - 1) % self.stage_count_every == 0:
             self.stage_count_hint = self._other_stage_count(planned, partition.num_stages * dp, comm, slowdowns)
-        proposal = [Partition(planned.partition.balance)] if planned is not None else []
+        proposal = [Partition(p.partition.balance) for p in (planned, second) if p is not None]
         others = [*proposal, *neighbours(window.partition, self.max_shift)]
         unique = [p for i, p in enumerate(others) if p != window.partition and p not in others[:i]]
         many = getattr(self.predictor, "predict_many", None)
@@ -441,6 +445,33 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _solve(self, key: int, comm: CommModel, slowdowns: Sequence[float], num_stages: int) -> Plan | None:
+        """The planner's best partition under ``slowdowns`` (``None`` where none fits the memory cap); a solve whose
+        inputs are within 10% of the last one under the same ``key`` reuses its plan."""
+        inputs = (comm, tuple(slowdowns))
+        last = self._last_solves.get(key)
+        if last is not None and _close_inputs(last[0], inputs):
+            return last[1]
+        dp = self.replicas
+        planned: Plan | None
+        try:
+            planned = best_plan(
+                self.model_cost,
+                num_stages * dp,
+                num_stages=num_stages,
+                schedule=self.schedule,
+                convergence=self.convergence,
+                comm=comm,
+                num_microbatches=self.num_microbatches,
+                slowdowns=[slowdowns[k] for k in range(num_stages) for _ in range(dp)],
+                memory_cap=self.memory_cap,
+            )
+        except PartitionError as exc:  # no partition fits the memory cap: the neighbours are still priced
+            log.debug("DynPipe adaptation: no plan within the memory cap: %s", exc)
+            planned = None
+        self._last_solves[key] = (inputs, planned)
+        return planned
 
     def _pair_depths(
         self, step: int, window: PipelineWindow, priced: list[_Priced], comm: CommModel

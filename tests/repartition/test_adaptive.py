@@ -78,3 +78,18 @@ def test_a_cpu_limited_stage_counts_as_at_least_one_over_its_limit_slowed() -> N
     d = c.check(10, mild, PART, remaining_steps=1000)
     assert d is not None and d.repartition and d.inputs.slowdowns == pytest.approx((1.0, 4.0))
     assert d.partition == Partition((7, 1))  # a 4x slower stage keeps an eighth of the work
+
+
+def test_a_limited_stages_cpu_around_its_layers_moves_the_proposal_further() -> None:
+    """Under half a core, stage 1 spends 40 ms per step besides its layers' 48: priced per layer (2x), [5, 3] or
+    [6, 2] balance it; priced as all its CPU over the limit, [7, 1] is faster (26 against 32 ms per micro-batch for
+    [6, 2]), and two layers away from [4, 4] only the second solve, under the stages' multipliers as priced, finds
+    it."""
+    measured = [StageTimes(0.048, 0.2), StageTimes(0.048, 0.2, cpu_limit=0.5, cpu_s=0.088)]
+    d = _controller(GainOverCostPolicy(patience=1, horizon_steps=500)).check(10, measured, PART, remaining_steps=1000)
+    assert d is not None and d.repartition and d.inputs.slowdowns == pytest.approx((1.0, 2.0))
+    assert d.partition == Partition((7, 1))
+    assert d.inputs.current_step_s == pytest.approx(M * (0.040 / M + 0.012) / 0.5, rel=0.05)  # the quota's step
+    unmeasured = [measured[0], StageTimes(0.048, 0.2, cpu_limit=0.5)]  # the CPU not measured: the slowdown alone
+    d = _controller(GainOverCostPolicy(patience=1, horizon_steps=500)).check(10, unmeasured, PART, remaining_steps=1000)
+    assert d is not None and d.repartition and d.partition in (Partition((5, 3)), Partition((6, 2)))
