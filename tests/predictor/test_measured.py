@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import pytest
 
@@ -87,6 +88,19 @@ def test_the_cpu_floor_needs_a_limit_and_a_measured_cpu() -> None:
     ].value == pytest.approx(4.0)
     with pytest.raises(ConfigurationError, match="same pipeline"):
         cpu_limited_floors(cost, lean, Partition((1, 1, 2)))
+
+
+def test_the_mean_step_is_never_below_what_a_cpu_limit_allows() -> None:
+    """A window of bimodal steps under a quarter core measured 60 ms; the stage's 21 ms of CPU per step need 84 ms
+    at a quarter core over many periods."""
+    free, limited = StageTimes(0.02, 0.06, mean_step_s=0.06), StageTimes(0.02, 0.06, mean_step_s=0.06, cpu_limit=0.25)
+    assert PipelineWindow(Partition((2, 2)), (free, limited), 4).mean_step_s == pytest.approx(0.06)  # CPU unmeasured
+    lucky = replace(limited, cpu_s=0.021)
+    assert PipelineWindow(Partition((2, 2)), (free, lucky), 4).mean_step_s == pytest.approx(0.084)
+    slow = replace(lucky, mean_step_s=0.1)  # a window that waited longer: the measurement stands
+    assert PipelineWindow(Partition((2, 2)), (free, slow), 4).mean_step_s == pytest.approx(0.1)
+    roomy = replace(lucky, cpu_limit=1.5)  # a limit above one core bounds nothing here
+    assert PipelineWindow(Partition((2, 2)), (free, roomy), 4).mean_step_s == pytest.approx(0.06)
 
 
 def test_window_measures_overlap_and_the_pipeline_step() -> None:
