@@ -157,7 +157,9 @@ class PipelineWindow:
         when it made it faster.
 
         Never below the step a stage's CPU limit allows over many periods, its CPU per step over the limit
-        (:attr:`StageTimes.cpu_s` over ``cpu_limit`` below one core): under a quota steps are bimodal (some fit in what
+        (:attr:`StageTimes.cpu_s` over ``cpu_limit`` below one core; the CPU of a step's whole cycle, so this bounds the
+        cycle, the work between two batches included, which the stages' own step times leave out): under a quota steps
+        are bimodal (some fit in what
         is left of the period's quota, the others wait for the next period), and a window of ten steps that caught
         more of the fast ones measured a partition at 60 ms per step that averaged 80-107 ms over whole runs.
         """
