@@ -83,6 +83,11 @@ class StageTimes:
     num_updates: float = 0.0
 
     @property
+    def binding_cpu_limit(self) -> float | None:
+        """``cpu_limit`` where it is below one core (the stage's process then cannot keep one core busy), else None."""
+        return self.cpu_limit if self.cpu_limit is not None and 0 < self.cpu_limit < 1 else None
+
+    @property
     def throughput_step_s(self) -> float:
         """``mean_step_s`` where measured (> 0), else ``step_s``."""
         return self.mean_step_s if self.mean_step_s > 0 else self.step_s
@@ -157,16 +162,13 @@ class PipelineWindow:
         when it made it faster.
 
         Never below the step a stage's CPU limit allows over many periods, its CPU per step over the limit
-        (:attr:`StageTimes.cpu_s` over ``cpu_limit`` below one core; the CPU of a step's whole cycle, so this bounds the
-        cycle, the work between two batches included, which the stages' own step times leave out): under a quota steps
-        are bimodal (some fit in what
-        is left of the period's quota, the others wait for the next period), and a window of ten steps that caught
-        more of the fast ones measured a partition at 60 ms per step that averaged 80-107 ms over whole runs.
+        (:attr:`StageTimes.cpu_s` over :attr:`StageTimes.binding_cpu_limit`; the CPU of a step's whole cycle, so this
+        bounds the cycle, the work between two batches included, which the stages' own step times leave out): under a
+        quota steps are bimodal (some fit in what is left of the period's quota, the others wait for the next period),
+        and a window of ten steps that caught more of the fast ones measured a partition at 60 ms per step that
+        averaged 80-107 ms over whole runs.
         """
-        bound = max(
-            (t.cpu_s / t.cpu_limit for t in self.stages if t.cpu_limit is not None and 0 < t.cpu_limit < 1),
-            default=0.0,
-        )
+        bound = max((t.cpu_s / q for t in self.stages if (q := t.binding_cpu_limit) is not None), default=0.0)
         return max(max(t.throughput_step_s for t in self.stages), bound)
 
     def signs(self) -> tuple[str, ...]:

@@ -182,8 +182,9 @@ def effective_compute_s(t: StageTimes) -> float:
         >>> effective_compute_s(StageTimes(compute_s=0.012, step_s=0.080, cpu_share=0.2, cpu_limit=0.25))
         0.064
     """
-    if t.cpu_limit is not None and 0 < t.cpu_limit < 1 and t.step_s > 0:
-        return max(t.compute_s, t.cpu_share * t.step_s / t.cpu_limit)
+    q = t.binding_cpu_limit
+    if q is not None and t.step_s > 0:
+        return max(t.compute_s, t.cpu_share * t.step_s / q)
     return t.compute_s
 
 
@@ -206,7 +207,8 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
         profile = _profile_s(model_cost, window.partition, k)
         c = effective_compute_s(t)
         raw = c / (M * profile) if profile > 0 and c > 0 else 1.0
-        floor = 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0
+        q = t.binding_cpu_limit
+        floor = 1.0 / q if q is not None else 1.0
         out.append(max(raw, floor))
     return tuple(out)
 
@@ -250,7 +252,8 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
         cand_duty = min(duty * ratio, 1.0)
         limit = t.cpu_limit
         pace = max((float(priors[j]) for j in range(len(priors)) if j != k), default=0.0)
-        raw_clean = min(raw, 1.0 / limit) if limit is not None and 0 < limit < 1 else raw
+        binding = t.binding_cpu_limit
+        raw_clean = min(raw, 1.0 / binding) if binding is not None else raw
         rows.append(
             [
                 t.cpu_share,
@@ -301,7 +304,7 @@ def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...
     for k, t in enumerate(window.stages):
         n = M * ((k > 0) + (k < S - 1))
         per_msg.append((t.comm_s / n, t.comm_spread_s / n) if n > 0 else (0.0, 0.0))
-    limited = [t.cpu_limit is not None and 0 < t.cpu_limit < 1 for t in window.stages]
+    limited = [t.binding_cpu_limit is not None for t in window.stages]
     out = []
     for b in range(S - 1):
         if limited[b] != limited[b + 1]:

@@ -55,8 +55,7 @@ def measured_slowdowns(
     ratios = _ratios(model_cost, partition, times, num_microbatches)
     base = min(ratios)
     return tuple(
-        max(r / base, 1.0 / t.cpu_limit if t.cpu_limit is not None and 0 < t.cpu_limit < 1 else 1.0)
-        for r, t in zip(ratios, times)
+        max(r / base, 1.0 / q if (q := t.binding_cpu_limit) is not None else 1.0) for r, t in zip(ratios, times)
     )
 
 
@@ -93,8 +92,8 @@ def cpu_limited_floors(
     base = min(_ratios(model_cost, window.partition, window.stages, M))
     floors: list[float | None] = []
     for k, t in enumerate(window.stages):
-        q = t.cpu_limit
-        if q is None or not 0 < q < 1 or not t.cpu_s > 0 or not base > 0:
+        q = t.binding_cpu_limit
+        if q is None or not t.cpu_s > 0 or not base > 0:
             floors.append(None)
             continue
         ran = window.partition.stage_layers(k)

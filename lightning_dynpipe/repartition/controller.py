@@ -220,7 +220,7 @@ def _floored_limits(times: Sequence[StageTimes], stage_signs: Sequence[str]) -> 
     return [
         f"stage {k}: cgroup CPU limit {t.cpu_limit:.2f} cores"
         for k, t in enumerate(times)
-        if t.cpu_limit is not None and 0 < t.cpu_limit < 1 and not (stage_signs[k] if k < len(stage_signs) else "")
+        if t.binding_cpu_limit is not None and not (stage_signs[k] if k < len(stage_signs) else "")
     ]
 
 
