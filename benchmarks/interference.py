@@ -83,7 +83,8 @@ more steps). With one run per cut and seed it is as noisy as the systems' own st
 not a bound.
 
 Beside the time-to-accuracy ratio the table shows the **speed alone**: ``per step`` is the median over seeds of
-static's milliseconds per step over the system's (each up to its own target), and ``of limit per step`` its share
+static's milliseconds per step over the system's (each up to its own target; over the whole runs in a seed where
+either did not reach it), and ``of limit per step`` its share
 of the limit over the run. Near a plateau of the accuracy curve the steps to the target vary by seed far more than
 the step time does, and the adaptation controls only the latter.
 
@@ -870,13 +871,17 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
             ]
             ratios = [st["time_to_acc_s"] / sys_["time_to_acc_s"] for st, sys_ in pairs]
             rq1, rq3 = quartiles(ratios)
+            # the speed alone, over every seed both ran: up to each run's target where both reached it, else over
+            # the whole runs (a model that does not learn at its settings still shows the adaptation's speed)
+            both = [
+                (by[("static", seed)], r) for (sy, seed), r in by.items() if sy == system and ("static", seed) in by
+            ]
             row["ratios"][system] = {
                 "median": median(ratios),
                 "q1": rq1,
                 "q3": rq3,
                 "per_seed": ratios,
-                # the speed alone: static's seconds per step over the system's, each up to its own target
-                "per_step": median([_ms_per_step_to_target(st) / _ms_per_step_to_target(sys_) for st, sys_ in pairs]),
+                "per_step": median([_step_ratio(st, sys_) for st, sys_ in both]),
             }
             first = [_first_migration(r) for (sy, _), r in sorted(by.items()) if sy == system]
             row["systems"][system]["onset_to_migration"] = first
@@ -906,6 +911,14 @@ def summarise(runs: list[dict[str, Any]], costs: dict[str, list[float]] | None, 
 def _ms_per_step_to_target(run: dict[str, Any]) -> float:
     """A run's training milliseconds per step up to the target (its time to accuracy over its steps)."""
     return float(run["time_to_acc_s"]) / int(run["steps_to_acc"]) * 1e3
+
+
+def _step_ratio(static: dict[str, Any], system: dict[str, Any]) -> float:
+    """Static's milliseconds per step over the system's: each up to its own target where both reached it, else
+    each over its whole run after the first steps (:func:`_ms_per_step`)."""
+    if static["reached"] and system["reached"]:
+        return _ms_per_step_to_target(static) / _ms_per_step_to_target(system)
+    return _ms_per_step(static) / _ms_per_step(system)
 
 
 def _first_migration(run: dict[str, Any]) -> int | None:

@@ -159,6 +159,38 @@ def test_the_table_separates_the_speed_from_the_steps_to_the_target() -> None:
     assert "per step" in table and "2.50x" in table and "1.25x" in table
 
 
+def test_the_speed_of_runs_that_miss_the_target_is_their_whole_runs() -> None:
+    """A seed where a run did not reach the target still has its speed: ``per step`` then compares the two runs'
+    mean step times over the whole run (here 100 ms against 40, 2.5x), and the time-to-accuracy ratio stays empty."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import Config, render_table, summarise
+
+    cfg = Config(model="cnn", balance=(2, 3), scenarios=("quota25",), systems=("measured", "static"))
+
+    def run(system: str, ms: float) -> dict[str, Any]:
+        times = [0.1 * i for i in range(5)] + [0.5 + (i + 1) * ms / 1e3 for i in range(40)]
+        return {
+            "system": system,
+            "scenario": "quota25",
+            "seed": 0,
+            "reached": False,
+            "time_to_acc_s": None,
+            "steps_to_acc": None,
+            "migrations": [],
+            "schedule": [],
+            "steps": [[{"step": 0, "balance": [2, 3]}], [{"step": i, "t": t} for i, t in enumerate(times)]],
+        }
+
+    summary = summarise([run("static", 100.0), run("measured", 40.0)], None, cfg)
+    ratios = summary["quota25"]["ratios"]["measured"]
+    assert ratios["median"] != ratios["median"]  # NaN: no time to accuracy to compare
+    assert ratios["per_step"] == pytest.approx(2.5)
+    assert "2.50x" in render_table(summary, cfg)
+
+
 def test_systems_with_more_micro_batches_in_flight() -> None:
     """``static+d`` and ``measured+d`` train with ``async+d`` and otherwise as ``static`` and ``measured``; under
     another ``--schedule`` they are refused before anything runs."""
