@@ -370,6 +370,7 @@ def _patch_dynpipe(s: Sections) -> None:
     from lightning_dynpipe.engine.stage import PipelineStage
     from lightning_dynpipe.engine.stash import WeightStash
     from lightning_dynpipe.monitor.callback import StageMonitor
+    from lightning_dynpipe.monitor.system import ProcessSampler
     from lightning_dynpipe.predictor.forest import ForestPredictor
     from lightning_dynpipe.repartition import controller
     from lightning_dynpipe.strategy.callbacks import MetricsMirror
@@ -392,6 +393,8 @@ def _patch_dynpipe(s: Sections) -> None:
     s.patch(ForestPredictor, "predict_many", "DynPipe forest predict")
     for hook in [h for h in vars(StageMonitor) if h.startswith("on_")]:
         s.patch(StageMonitor, hook, "DynPipe stage monitor")
+    for fn in ("mark", "sample"):  # its readings of /proc and the cgroup, inside the monitor's hooks
+        s.patch(ProcessSampler, fn, "DynPipe stage monitor: process readings")
     s.patch(DynPipeStrategy, "training_step", "DynPipe strategy.training_step")
     s.patch(DynPipeStrategy, "_before_update", "Lightning on_before_optimizer_step + clipping")
     s.patch(ex.StageExecutor, "train_step", "DynPipe executor (dispatch, stats)")
