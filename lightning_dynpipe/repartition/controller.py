@@ -301,7 +301,7 @@ class AdaptiveController:
         self.stage_count_gain = stage_count_gain
         self.stage_count_every = max(1, stage_count_every)
         self._checks = 0
-        self._last_solves: dict[int, tuple[tuple[CommModel, tuple[float, ...]], Plan | None]] = {}
+        self._last_solves: dict[str, tuple[tuple[CommModel, tuple[float, ...]], Plan | None]] = {}
         self.max_extra_in_flight = max_extra_in_flight
         self.depth_policy = depth_policy if depth_policy is not None else InFlightPolicy()
         self.depth_decisions: list[DepthDecision] = []
@@ -358,14 +358,14 @@ class AdaptiveController:
         # The planner's re-solve only proposes a candidate (every candidate is then priced by the predictor): a
         # window whose link and slowdowns are each within 10% of the last solve's reuses its plan (the neighbours of
         # the current partition are priced at every check whatever the proposal).
-        planned = self._solve(0, comm, slowdowns, partition.num_stages)
+        planned = self._solve("slowdowns", comm, slowdowns, partition.num_stages)
         # A predictor may price a stage above its slowdown times its layers' profile (under a CPU limit, the CPU its
         # process spends around the layers stays with it), which a per-layer slowdown cannot carry into the solve:
         # a second solve under each stage's multiplier as priced now proposes the cut that moves more layers away
         # from such a stage; the predictor prices both proposals.
         priced_as = _priced_multipliers(cost, window.partition, current_prediction)
         second = (
-            self._solve(1, comm, priced_as, partition.num_stages)
+            self._solve("priced", comm, priced_as, partition.num_stages)
             if not _close_inputs((comm, tuple(slowdowns)), (comm, priced_as))
             else None
         )
@@ -446,7 +446,7 @@ class AdaptiveController:
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
 
-    def _solve(self, key: int, comm: CommModel, slowdowns: Sequence[float], num_stages: int) -> Plan | None:
+    def _solve(self, key: str, comm: CommModel, slowdowns: Sequence[float], num_stages: int) -> Plan | None:
         """The planner's best partition under ``slowdowns`` (``None`` where none fits the memory cap); a solve whose
         inputs are within 10% of the last one under the same ``key`` reuses its plan."""
         inputs = (comm, tuple(slowdowns))
