@@ -411,6 +411,11 @@ class AdaptiveController:
                 + (["the link measured slower than the set-up probe"] if link != self.comm else [])
             ),
             conditions=tuple(bool(sign) for sign in stage_signs),
+            cause_stages=tuple(
+                bool(stage_signs[k] if k < len(stage_signs) else "") or t.binding_cpu_limit is not None
+                for k, t in enumerate(times)
+            ),
+            link_cause=link != self.comm,
             allowed=self._fits if self.memory_cap is not None else None,
         )
         decision = self.policy.decide(inputs)

@@ -59,6 +59,9 @@ class PolicyInputs:
         allowed: whether the policy may move to a partition of its own choosing (``None``: any); the controller's
             memory cap. ``candidate`` is always allowed; the recall skips a partition it refuses (a rollback returns
             to the partition that ran before the move, whatever this says).
+        cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
+            not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
+        link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
     """
 
     step: int
@@ -77,6 +80,24 @@ class PolicyInputs:
     causes: str = ""
     conditions: tuple[bool, ...] = ()
     allowed: Callable[[Partition], bool] | None = None
+    cause_stages: tuple[bool, ...] = ()
+    link_cause: bool = False
+
+    @property
+    def explained(self) -> bool:
+        """Whether a lasting cause the window shows explains the move to ``candidate``: the link is slower, or a
+        stage that ``candidate`` gives fewer layers shows a cause (a stage slowed without one, beside a stage under a
+        quota, is not explained by the quota). Where the causes' stages are not known, any cause explains it."""
+        if not self.causes:
+            return False
+        if self.link_cause or len(self.cause_stages) != self.current.num_stages:
+            return True
+        if self.candidate.num_stages != self.current.num_stages:
+            return any(self.cause_stages)
+        return any(
+            cause and new < old
+            for cause, new, old in zip(self.cause_stages, self.candidate.balance, self.current.balance, strict=True)
+        )
 
     @property
     def measured_tta_step_s(self) -> float:
@@ -307,8 +328,9 @@ class GainOverCostPolicy:
     value itself for a predictor without intervals). A move needs
     ``gain > margin * migration_cost_s`` and a relative step-time improvement of at least
     ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate (``explained_patience`` when
-    the window shows a lasting cause, :attr:`PolicyInputs.causes`: a passing spike has none), and not within
-    ``cooldown_steps`` of the previous migration.
+    the window shows a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a
+    stage the move gives layers away from; a passing spike has none), and not within ``cooldown_steps`` of the
+    previous migration.
 
     **A slowdown the step time does not show.** With no visible cause, a move also needs the measurement to agree
     with the prediction it rests on: the predicted step time of the current partition under the measured slowdowns
@@ -320,9 +342,10 @@ class GainOverCostPolicy:
     path), and a partition priced from it is priced wrong. The predictions of clean windows mostly sit below the
     measured step time (the framework's own time per step is not in the profile); where a run's predictions sit
     above it, they do so steadily, and the usual value absorbs that. So the test passes whenever a slowdown is real
-    enough to slow the pipeline. A window with a cause is not tested: the CPU-limit floor prices a stage under a
+    enough to slow the pipeline. A move a cause explains is not tested: the CPU-limit floor prices a stage under a
     quota deliberately above what its current share of the work measures, and a slower link's priced round trips
-    sit above the measured step too.
+    sit above the measured step too. A move towards a stage under a quota, made for a slowdown of another stage that
+    shows no cause, is tested (and waits ``patience`` checks): a spike on the other stage is not the quota.
 
     **Outcome check.** The planner predicts a candidate's step time from slowdowns measured under the current
     partition, and those are not always transferable: under a CPU quota, a stage that gives layers away may fit
@@ -353,14 +376,15 @@ class GainOverCostPolicy:
         min_relative_gain: ignore improvements smaller than this fraction of the step time.
         patience: consecutive checks that must agree (hysteresis).
         explained_patience: the same when the window shows a cause of the slowdown that lasts (a cgroup limit,
-            another process on a stage's cores, a slower link); at most ``patience``.
+            another process on a stage's cores, a slower link) and explains the move; at most ``patience``.
         cooldown_steps: steps after a migration during which nothing moves.
         rollback: undo a move whose measured outcome is a slower pipeline (see above).
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
         recall_steps: how long a partition's measured step time under a set of conditions is remembered for a move
             back to it (0: never; see above).
-        max_overprediction: with no visible cause, how far the current partition's predicted step time over the
-            measured one may exceed its usual value for a move (see above; ``math.inf``: no test).
+        max_overprediction: with no visible cause explaining the move, how far the current partition's predicted
+            step time over the measured one may exceed its usual value for a move (see above; ``math.inf``: no
+            test).
     """
 
     horizon_steps: int = 200
@@ -477,14 +501,16 @@ class GainOverCostPolicy:
         if refusal is not None:
             return no(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
-        if not inputs.causes and ratio is not None and ratio > usual * (1 + self.max_overprediction):
+        explained = inputs.explained
+        if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
+            where = " on the stages it relieves" if inputs.causes else ""
             return no(
-                f"no visible cause, and the measured step time ({inputs.measured_step_s * 1e3:.1f} ms) does not "
+                f"no visible cause{where}, and the measured step time ({inputs.measured_step_s * 1e3:.1f} ms) does not "
                 f"show the slowdowns: {ratio * inputs.measured_step_s * 1e3:.1f} ms predicted for {inputs.current} "
                 f"under them ({ratio:.2f}x, usually {usual:.2f}x)"
             )
         agreed = self._streak.agree(inputs.candidate)
-        patience = self.explained_patience if inputs.causes else self.patience
+        patience = self.explained_patience if explained else self.patience
         if agreed < patience:
             return Decision(
                 False,
@@ -498,7 +524,7 @@ class GainOverCostPolicy:
             inputs.current, inputs.candidate, inputs.measured_step_s, inputs.convergence_factor, inputs.conditions
         )
         reason = "predicted gain pays the migration"
-        if inputs.causes and patience < self.patience:
+        if explained and patience < self.patience:
             reason += f" (after {patience} check{'s' if patience > 1 else ''}: {inputs.causes})"
         return Decision(True, inputs.candidate, gain, reason, inputs)
 

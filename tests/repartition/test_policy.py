@@ -26,6 +26,8 @@ def _inputs(
     factor: float = 1.0,
     causes: str = "",
     conditions: tuple[bool, ...] = (),
+    cause_stages: tuple[bool, ...] = (),
+    link_cause: bool = False,
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -40,6 +42,8 @@ def _inputs(
         convergence_factor=factor,
         causes=causes,
         conditions=conditions,
+        cause_stages=cause_stages,
+        link_cause=link_cause,
     )
 
 
@@ -71,6 +75,29 @@ def test_a_slowdown_with_a_visible_cause_moves_at_the_first_check() -> None:
     assert patient.decide(_inputs(20, causes="the link measured slower")).repartition
     with pytest.raises(ConfigurationError, match="1 <= explained_patience <= patience"):
         GainOverCostPolicy(patience=2, explained_patience=3)
+
+
+def test_a_cause_explains_only_a_move_away_from_its_stage_or_any_move_for_the_link() -> None:
+    """[3, 3] -> [4, 2] relieves stage 1. A quota on stage 1 explains it; a quota on stage 0 does not (the move was
+    priced from a slowdown of stage 1 that shows no cause: a spike?), so it waits ``patience`` checks and the
+    measurement must show the slowdown; a slower link explains any move."""
+    quota = "stage 0: cgroup CPU limit 0.25 cores"
+    on_other = _inputs(10, causes=quota, cause_stages=(True, False))
+    assert not on_other.explained
+    assert _inputs(10, causes="stage 1: cgroup CPU limit 0.25 cores", cause_stages=(False, True)).explained
+    assert _inputs(10, causes="the link", cause_stages=(False, False), link_cause=True).explained
+    assert _inputs(10, causes=quota).explained  # the causes' stages not known: any cause explains the move
+    assert not _inputs(10, cause_stages=(True, True)).explained  # no causes at all
+    policy = GainOverCostPolicy(patience=2)
+    assert "waiting for 2 checks in a row (1 so far)" in policy.decide(on_other).reason
+    moved = policy.decide(_inputs(20, causes=quota, cause_stages=(True, False)))
+    assert moved.repartition and moved.reason == "predicted gain pays the migration"
+    # the measurement must agree: predicted 1.5x the measured step at a first check, with the quota on stage 0
+    contradicted = GainOverCostPolicy(patience=1).decide(
+        _inputs(10, current_s=1.5, measured_s=1.0, causes=quota, cause_stages=(True, False))
+    )
+    assert not contradicted.repartition
+    assert contradicted.reason.startswith("no visible cause on the stages it relieves, and the measured step time")
 
 
 def test_a_spike_does_not_move() -> None:
