@@ -1,12 +1,23 @@
 """The baseline predictor: each stage's slowdown measured against its profile, carried over to any partition.
 
 A stage's slowdown is its measured compute over what the set-up profile predicts for its layers, relative to
-the least slowed stage (so a uniformly slower machine does not look like interference). A stage whose process
-runs under a cgroup CPU limit of ``q < 1`` core is at least ``1/q`` slowed, whatever its compute looked like:
-under a quota the measured stretch shrinks as the stage's share of the work shrinks (the throttling lands in
-its waits too), which hid the better partition. The slowdown belongs to the stage (its device and what runs
-beside it), so a candidate partition's stage ``k`` is predicted as its layers' profile times stage ``k``'s
-slowdown, and a boundary's message as the link model's time for the activation that crosses it.
+the least slowed speed the pipeline shows (so a profile taken by another clock or on a quieter machine does not
+look like interference). A stage whose process runs under a cgroup CPU limit of ``q < 1`` core is at least
+``1/q`` slowed, whatever its compute looked like: under a quota the measured stretch shrinks as the stage's share
+of the work shrinks (the throttling lands in its waits too), which hid the better partition. The slowdown belongs
+to the stage (its device and what runs beside it), so a candidate partition's stage ``k`` is predicted as its
+layers' profile times stage ``k``'s slowdown, and a boundary's message as the link model's time for the
+activation that crosses it.
+
+**The least slowed speed.** Without history it is the least slowed stage of the window. The predictor also
+remembers the windows it is given (``observe``, which the adaptive loop calls at every check): the speed the
+pipeline showed (the second lowest of the earlier windows' least slowed stages, so one window that read fast does
+not set it), with a tolerance for the windows' noise (10%). A window's least slowed stage that reads slower than
+that counts as slowed by the excess. This matters when interference lands on the stage that was the least slowed:
+a stage with a small share of the work reads as slowed when nothing interferes (its compute per micro-batch is
+mostly fixed costs the per-layer profile does not hold), so under a hog on the large stage, taken relative to the
+window alone, the hogged stage would read 1.0 and its compute would be priced at its unloaded speed, against the
+link's times, which are seconds.
 
 **The CPU a limited stage spends besides its layers.** A quota throttles the whole process: the framework's work
 around the layers (the training loop, messages, the optimizer's glue) comes out of it too, and on a stage with few
@@ -23,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import (
@@ -37,9 +49,15 @@ __all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdown
 
 
 def measured_slowdowns(
-    model_cost: ModelCost, partition: Partition, times: list[StageTimes] | tuple[StageTimes, ...], num_microbatches: int
+    model_cost: ModelCost,
+    partition: Partition,
+    times: list[StageTimes] | tuple[StageTimes, ...],
+    num_microbatches: int,
+    *,
+    reference: float | None = None,
 ) -> tuple[float, ...]:
-    """Each stage's measured compute over the profile's prediction, relative to the least slowed stage.
+    """Each stage's measured compute over the profile's prediction, relative to the least slowed stage (or to
+    ``reference``, a measured compute over profile the pipeline showed before, where that is lower).
 
     A stage under a CPU limit of ``q < 1`` core (``StageTimes.cpu_limit``) counts as at least ``1/q`` slowed.
 
@@ -51,9 +69,11 @@ def measured_slowdowns(
         >>> limited = [StageTimes(12.0, 0), StageTimes(18.0, 0, cpu_limit=0.25)]
         >>> measured_slowdowns(cost, Partition((2, 2)), limited, 2)
         (1.0, 4.0)
+        >>> measured_slowdowns(cost, Partition((2, 2)), [StageTimes(24.0, 0), StageTimes(48.0, 0)], 2, reference=1.0)
+        (2.0, 4.0)
     """
     ratios = _ratios(model_cost, partition, times, num_microbatches)
-    base = min(ratios)
+    base = _base(ratios, reference)
     return tuple(
         max(r / base, 1.0 / q if (q := t.binding_cpu_limit) is not None else 1.0) for r, t in zip(ratios, times)
     )
@@ -70,13 +90,41 @@ def _ratios(
     return ratios
 
 
+def _base(ratios: Sequence[float], reference: float | None) -> float:
+    """The least slowed speed: the least ratio, or ``reference`` where that is lower."""
+    least = min(ratios)
+    return min(least, reference) if reference is not None and reference > 0 else least
+
+
+def _least_ratio(model_cost: ModelCost, window: PipelineWindow) -> float | None:
+    """The least measured compute over profile among the window's stages that measured both (``None``: none)."""
+    M = window.num_microbatches
+    ratios = [
+        t.compute_s / (M * profile)
+        for k, t in enumerate(window.stages)
+        if t.compute_s > 0 and (profile := model_cost.compute_s(*_bounds(window.partition, k))) > 0
+    ]
+    return min(ratios) if ratios else None
+
+
+def _bounds(partition: Partition, k: int) -> tuple[int, int]:
+    layers = partition.stage_layers(k)
+    return layers.start, layers.stop
+
+
 def cpu_limited_floors(
-    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, *, seconds: bool = False
+    model_cost: ModelCost,
+    window: PipelineWindow,
+    candidate: Partition,
+    *,
+    seconds: bool = False,
+    reference: float | None = None,
 ) -> tuple[float | None, ...]:
     """Per stage of ``candidate``, the least compute per micro-batch its CPU limit allows, in the profile's units
     (the module's "CPU a limited stage spends besides its layers"; ``seconds=True``: in seconds at the machine's
-    present speed, the least slowed stage's measured compute over its profile); ``None`` for a stage without a
-    limit below one core or without a measured CPU per step.
+    present speed, the least slowed stage's measured compute over its profile, or ``reference`` where lower, as in
+    :func:`measured_slowdowns`); ``None`` for a stage without a limit below one core or without a measured CPU per
+    step.
 
     Example (the profile: 1 ms per layer; the unlimited stage runs at its profile; the limited one, a quarter of a
     core, used 5 ms of CPU per step of 2 micro-batches, of which its layers 2 ms)::
@@ -89,7 +137,7 @@ def cpu_limited_floors(
     """
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
-    base = min(_ratios(model_cost, window.partition, window.stages, M))
+    base = _base(_ratios(model_cost, window.partition, window.stages, M), reference)
     floors: list[float | None] = []
     for k, t in enumerate(window.stages):
         q = t.binding_cpu_limit
@@ -112,17 +160,75 @@ class MeasuredSlowdownPredictor:
 
         >>> cost = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
         >>> window = PipelineWindow(Partition((2, 2)), (StageTimes(12.0, 30.0), StageTimes(48.0, 50.0)), 2)
-        >>> p = MeasuredSlowdownPredictor().predict(cost, CommModel(), window, Partition((3, 1)))
+        >>> predictor = MeasuredSlowdownPredictor()
+        >>> p = predictor.predict(cost, CommModel(), window, Partition((3, 1)))
         >>> p.slowdowns, [i.value for i in p.stage_compute_s]
         ((1.0, 4.0), [9.0, 12.0])
+
+    After it has seen a window in which stage 0 ran at its profile, a window where stage 0 runs 2.2 times as slow
+    reads as 2x slowed (what exceeds the 10% tolerance), not as stage 0 at the unloaded speed::
+
+        >>> predictor.observe(cost, CommModel(), window)
+        >>> hogged = PipelineWindow(Partition((2, 2)), (StageTimes(26.4, 50.0), StageTimes(48.0, 50.0)), 2)
+        >>> [round(s, 3) for s in predictor.predict(cost, CommModel(), hogged, Partition((2, 2))).slowdowns]
+        [2.0, 3.636]
+
+    Args:
+        remember: how many of the lowest least slowed speeds of the observed windows it keeps (the remembered speed
+            is the second lowest of them, the lowest with one); ``0``: every window's slowdowns are relative to that
+            window alone.
+        tolerance: how much slower than the remembered speed a window's least slowed stage may read and still count
+            as unslowed (the windows' noise); beyond it, the stage is slowed by what it reads over
+            ``remembered * (1 + tolerance)``.
     """
+
+    def __init__(self, remember: int = 3, tolerance: float = 0.1) -> None:
+        if isinstance(remember, bool) or not isinstance(remember, int) or remember < 0:
+            raise ConfigurationError(
+                f"MeasuredSlowdownPredictor(remember=...) takes a whole number of windows >= 0; got {remember!r}. "
+                "Use 0 for slowdowns relative to each window alone, or the default 3."
+            )
+        if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and 0 <= tolerance < 10):
+            raise ConfigurationError(
+                f"MeasuredSlowdownPredictor(tolerance=...) is a share of the remembered speed, >= 0 and < 10; got "
+                f"{tolerance!r}. Use the default 0.1 (a window's least slowed stage counts as slowed by what it reads "
+                "beyond 10% over the remembered speed)."
+            )
+        self.remember = remember
+        self.tolerance = float(tolerance)
+        self._cost: ModelCost | None = None
+        self._least: list[float] = []
+
+    @property
+    def reference(self) -> float | None:
+        """The speed (measured compute over profile) a window's least slowed stage is measured against: the second
+        lowest least slowed stage of the observed windows (the lowest with one window, robust to one window that
+        read fast) times ``1 + tolerance``; ``None`` before any window."""
+        if not self._least:
+            return None
+        return self._least[min(1, len(self._least) - 1)] * (1.0 + self.tolerance)
+
+    def observe(
+        self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, *, agreed_refit: int | None = None
+    ) -> None:
+        """Remembers the window's least slowed speed (the adaptive loop gives every window; see the module
+        docstring). A window priced with another profile (another fit) starts the memory afresh; ``comm`` and
+        ``agreed_refit`` are not used."""
+        if model_cost is not self._cost:
+            self._cost, self._least = model_cost, []
+        least = _least_ratio(model_cost, window)
+        if least is not None:
+            self._least = sorted([*self._least, least])[: self.remember]
 
     def predict(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
     ) -> PartitionPrediction:
         """See the module docstring."""
-        slowdowns = measured_slowdowns(model_cost, window.partition, window.stages, window.num_microbatches)
-        floors = cpu_limited_floors(model_cost, window, candidate)
+        reference = self.reference if model_cost is self._cost else None
+        slowdowns = measured_slowdowns(
+            model_cost, window.partition, window.stages, window.num_microbatches, reference=reference
+        )
+        floors = cpu_limited_floors(model_cost, window, candidate, reference=reference)
         compute = tuple(
             Interval.point(
                 max(

@@ -115,3 +115,87 @@ def test_interval_must_contain_its_value() -> None:
     assert Interval.point(2.0) == Interval(2.0, 2.0, 2.0)
     with pytest.raises(ConfigurationError, match="low <= value <= high"):
         Interval(1.0, 2.0, 3.0)
+
+
+def _two_stage(c0: float, c1: float) -> PipelineWindow:
+    """[2, 2] of COST (6 s of profile per stage and micro-batch), stage compute ``c0`` and ``c1`` per step of 2."""
+    return PipelineWindow(Partition((2, 2)), (StageTimes(c0, 50.0), StageTimes(c1, 50.0)), 2)
+
+
+def test_a_slowed_least_slowed_stage_reads_slowed_once_a_window_showed_it_faster() -> None:
+    """Stage 1 reads 3x its profile throughout (its fixed costs, say); a hog then doubles stage 0. Relative to the
+    window alone stage 0 would stay at 1.0 and its compute be priced at its unloaded speed; relative to the speed
+    the pipeline showed before, it reads 2x and is priced at twice its profile."""
+    predictor = MeasuredSlowdownPredictor(tolerance=0.0)
+    for _ in range(2):  # two windows: the reference is the second lowest speed seen
+        predictor.observe(COST, CommModel(), _two_stage(12.0, 36.0))
+    hogged = _two_stage(24.0, 36.0)
+    predictor.observe(COST, CommModel(), hogged)  # the adaptive loop gives the window before it asks
+    p = predictor.predict(COST, CommModel(), hogged, Partition((3, 1)))
+    assert p.slowdowns == (2.0, 3.0)
+    assert [i.value for i in p.stage_compute_s] == [18.0, 9.0]
+    alone = MeasuredSlowdownPredictor(remember=0)
+    alone.observe(COST, CommModel(), _two_stage(12.0, 36.0))
+    assert alone.reference is None
+    assert alone.predict(COST, CommModel(), hogged, Partition((3, 1))).slowdowns == (1.0, 1.5)
+    # a window faster than any before sets the speed itself
+    assert predictor.predict(COST, CommModel(), _two_stage(6.0, 36.0), Partition((2, 2))).slowdowns == (1.0, 6.0)
+
+
+def test_a_least_slowed_stage_within_the_tolerance_reads_unslowed() -> None:
+    """The windows' noise: stage 0 reading up to 10% over the remembered speed is the window alone's answer; beyond,
+    only the excess counts (continuous in the reading)."""
+    predictor = MeasuredSlowdownPredictor()
+    for _ in range(2):
+        predictor.observe(COST, CommModel(), _two_stage(12.0, 36.0))
+    for c0, expected in ((12.6, (1.0, 36 / 12.6)), (13.2, (1.0, 36 / 13.2)), (26.4, (2.0, 36 / 13.2))):
+        window = _two_stage(c0, 36.0)
+        assert predictor.predict(COST, CommModel(), window, Partition((2, 2))).slowdowns == pytest.approx(expected)
+
+
+def test_the_reference_is_robust_to_one_fast_window_and_starts_afresh_with_another_profile() -> None:
+    predictor = MeasuredSlowdownPredictor()
+    assert predictor.reference is None
+    for c0 in (12.0, 13.2, 6.0, 14.4):  # ratios 1.0, 1.1, 0.5 (a timer hiccup), 1.2
+        predictor.observe(COST, CommModel(), _two_stage(c0, 36.0))
+    # the second lowest (the one fast window does not set it) with the 10% tolerance
+    assert predictor.reference == pytest.approx(1.0 * 1.1)
+    assert predictor._least == pytest.approx([0.5, 1.0, 1.1])  # bounded: the lowest `remember`
+    other = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)  # another fit's profile: another object
+    assert predictor.predict(other, CommModel(), _two_stage(24.0, 36.0), Partition((2, 2))).slowdowns == (1.0, 1.5)
+    predictor.observe(other, CommModel(), _two_stage(24.0, 36.0))
+    assert predictor.reference == pytest.approx(2.0 * 1.1)
+    no_compute = PipelineWindow(Partition((2, 2)), (StageTimes(0.0, 50.0), StageTimes(0.0, 50.0)), 2)
+    predictor.observe(other, CommModel(), no_compute)  # nothing measured: nothing remembered
+    assert predictor.reference == pytest.approx(2.0 * 1.1)
+
+
+@pytest.mark.parametrize("remember", [-1, 1.5, True, "3"])
+def test_remember_must_be_a_whole_number_of_windows(remember: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"remember=\.\.\.\) takes a whole number of windows >= 0"):
+        MeasuredSlowdownPredictor(remember=remember)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, 10.0, float("nan"), True, "0.1"])
+def test_the_tolerance_is_a_share_of_the_remembered_speed(tolerance: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"tolerance=\.\.\.\) is a share of the remembered speed"):
+        MeasuredSlowdownPredictor(tolerance=tolerance)  # type: ignore[arg-type]
+
+
+def test_the_cpu_floor_converts_seconds_at_the_remembered_speed() -> None:
+    """The floor's CPU seconds become profile units at the least slowed speed: with a remembered speed below the
+    window's, the same CPU is more of the profile's units, and the floor in seconds is the same CPU over the quota."""
+    cost = ModelCost.from_arrays([1e-3] * 4, [0.0] * 4)
+    times = (StageTimes(0.012, 0.05), StageTimes(0.008, 0.05, cpu_limit=0.25, cpu_s=0.005))  # stage 0 at 6x
+    window = PipelineWindow(Partition((3, 1)), times, 2)
+    window_only = cpu_limited_floors(cost, window, Partition((2, 2)))[1]
+    remembered = cpu_limited_floors(cost, window, Partition((2, 2)), reference=1.0)[1]
+    assert window_only is not None and remembered is not None
+    # the window alone: base 2 (stage 0 ran 12 ms for 6 ms of profile), so the 5 ms of CPU are 2.5 ms of profile,
+    # 2 ms of them the layer it ran: 0.5 ms other; two layers and a quarter of it per micro-batch, over the quota
+    assert window_only == pytest.approx((0.00025 + 0.002) / 0.25)
+    # base 1: the 5 ms are 5 ms of profile, 3 ms of them other: 1.5 ms per micro-batch besides the two layers
+    assert remembered == pytest.approx((0.0015 + 0.002) / 0.25)
+    # in seconds at the speed each assumes: 18 ms against 14 ms (7 ms of CPU per micro-batch's step share)
+    assert cpu_limited_floors(cost, window, Partition((2, 2)), seconds=True)[1] == pytest.approx(0.018)
+    assert cpu_limited_floors(cost, window, Partition((2, 2)), seconds=True, reference=1.0)[1] == pytest.approx(0.014)

@@ -12,7 +12,13 @@ import lightning_dynpipe.repartition.controller
 from lightning_dynpipe.plan.convergence import ConvergenceModel
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor import Interval, PartitionPrediction, PipelineWindow, StageTimes
+from lightning_dynpipe.predictor import (
+    Interval,
+    MeasuredSlowdownPredictor,
+    PartitionPrediction,
+    PipelineWindow,
+    StageTimes,
+)
 from lightning_dynpipe.repartition.controller import AdaptiveController, neighbours
 from lightning_dynpipe.repartition.policy import GainOverCostPolicy
 
@@ -453,3 +459,61 @@ def test_with_replicas_a_step_is_priced_as_each_pipeline_runs_it() -> None:
         steps.append(d.inputs.current_step_s)
     assert steps[1] == pytest.approx(steps[0], rel=0.01)
     assert steps[0] == pytest.approx(times[0].step_s, rel=0.15)  # and the measured step is what it prices
+
+
+# The demo CNN (channels 16, micro-batches of 16) as profiled at set-up in a scenario of benchmarks/interference.py:
+# conv blocks of 0.84, 6.25 and 2.60 ms (forward + backward), a linear layer of 0.45 ms holding 800 KB of weights and
+# the classifier of 0.06 ms. Its activations shrink from 800 KB to 640 bytes; the link measured 5.44 ms + 50.4 MB/s.
+CNN = ModelCost.from_arrays(
+    forward_s=[0.356e-3, 3.234e-3, 1.172e-3, 0.159e-3, 0.015e-3],
+    backward_s=[0.483e-3, 3.015e-3, 1.428e-3, 0.295e-3, 0.046e-3],
+    param_bytes=[640, 18560, 36992, 803328, 5160],
+    activation_bytes=[802816, 401408, 100352, 8192, 640],
+)
+CNN_LINK = CommModel(latency_s=5.44e-3, bandwidth_Bps=50.4e6)
+
+
+def _cnn_window(compute_ms: tuple[float, float], step_ms: tuple[float, float]) -> list[StageTimes]:
+    """[4, 1] of CNN with the medians measured in that run (per micro-batch compute, per step wall time)."""
+    comm = M * float(CNN_LINK.transfer_time(8192))
+    return [
+        StageTimes(M * c * 1e-3, s * 1e-3, comm_s=comm, exposed_comm_s=comm * k)
+        for k, (c, s) in enumerate(zip(compute_ms, step_ms))
+    ]
+
+
+def test_a_hog_on_the_large_stage_is_priced_at_its_speed_not_relative_to_a_small_stage() -> None:
+    """Measured in a run of the CNN at [4, 1] over the slow link: without interference stage 0 computed 10.61 ms
+    per micro-batch (1.05x its profile) and stage 1, the classifier alone, 0.37 ms (6x its profile: fixed costs);
+    then a hog on stage 0's core made it 23.39 ms. Relative to that window alone stage 0 is the least slowed
+    (2.3x against 7.7x) and reads 1.0: the loop priced [4, 1] at 43 ms per step against 107.5 measured and found
+    it the best. Relative to the speed the earlier windows showed, stage 0 reads 2.0x (2.2x, less the predictor's 10%
+    tolerance for noise), [4, 1] is priced at 81 ms, and the best candidate moves the linear layer off the hogged
+    stage ([3, 2] measured 96 ms per step under the same hog)."""
+    clean = _cnn_window((10.61, 0.37), (49.3, 48.5))
+    hogged = _cnn_window((23.39, 0.47), (107.5, 96.0))
+    signs = ("other processes busy on its cores (1.00 cores)", "")
+    decisions = {}
+    for remember in (0, 3):
+        controller = AdaptiveController(
+            GainOverCostPolicy(patience=1, horizon_steps=500),
+            model_cost=CNN,
+            comm=CNN_LINK,
+            schedule="async",
+            num_microbatches=M,
+            convergence=ConvergenceModel(beta=0.0),
+            consider_stage_counts=False,
+            predictor=MeasuredSlowdownPredictor(remember=remember),
+        )
+        for step in (101, 111, 121):
+            controller.check(step, clean, Partition((4, 1)), remaining_steps=400, stage_signs=("", ""))
+        decisions[remember] = controller.check(151, hogged, Partition((4, 1)), remaining_steps=400, stage_signs=signs)
+    alone, remembered = decisions[0], decisions[3]
+    assert alone is not None and remembered is not None
+    assert alone.inputs.slowdowns == pytest.approx((1.0, 3.34), abs=0.01)
+    assert alone.inputs.candidate == Partition((4, 1)) and alone.reason == "the current partition is already the best"
+    assert alone.inputs.current_step_s < 0.45 * alone.inputs.measured_step_s
+    assert remembered.inputs.slowdowns == pytest.approx((2.0, 6.7), abs=0.01)
+    assert remembered.inputs.candidate == Partition((3, 2))
+    assert remembered.inputs.current_step_s == pytest.approx(alone.inputs.measured_step_s, rel=0.25)
+    assert remembered.inputs.candidate_step_s < remembered.inputs.current_step_s

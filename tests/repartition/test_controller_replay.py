@@ -21,14 +21,14 @@ QUOTA = [(0, Env(noise=0.03)), (50, Env(noise=0.03, quota=(None, 0.25)))]
 
 
 def _replay(
-    policy: RepartitionPolicy, timeline: list[tuple[int, Env]], seed: int = 0, signs: bool = True
+    policy: RepartitionPolicy, timeline: list[tuple[int, Env]], seed: int = 0, signs: bool = True, steps: int = 150
 ) -> tuple[ReplayResult, SyntheticPipeline, AdaptiveController]:
     pipe = SyntheticPipeline(COST, timeline, seed=seed)
     controller = AdaptiveController(
         policy, model_cost=COST, comm=pipe.link, schedule="async", num_microbatches=4,
         convergence=ConvergenceModel(beta=0.0),
     )  # fmt: skip
-    result = replay(controller, pipe.window, START, steps=150, every=10, signs=signs)
+    result = replay(controller, pipe.window, START, steps=steps, every=10, signs=signs)
     return result, pipe, controller
 
 
@@ -107,3 +107,15 @@ def test_bad_timelines_and_lengths_are_refused() -> None:
     controller = _replay(GainOverCostPolicy(), QUOTA)[2]
     with pytest.raises(ConfigurationError, match="steps >= 1"):
         replay(controller, SyntheticPipeline(COST, QUOTA).window, START, steps=0)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_spike_beside_a_quota_does_not_move_layers_back_to_the_limited_stage(seed: int) -> None:
+    """Quota 25% on stage 1 from step 100, and the 1.5x readings of a spike (5% of windows and stages): the loop
+    moves once, layers off the limited stage. A spike on stage 0 later reads as stage 0 slowed (the predictor
+    remembers its speed), but the quota on stage 1 does not explain moving a layer back there: that waits for
+    patience, and a spike lasts one window."""
+    timeline = [(0, Env(noise=0.03, spike=0.05)), (100, Env(noise=0.03, spike=0.05, quota=(None, 0.25)))]
+    result, _, controller = _replay(GainOverCostPolicy(), timeline, seed=seed, steps=400)
+    assert [(m.step, m.new) for m in result.moves] == [(110, Partition((9, 1)))]
+    assert any(d.inputs.slowdowns[0] > 1.2 for d in controller.decisions[12:])  # the spikes were seen
