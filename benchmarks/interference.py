@@ -23,6 +23,9 @@ default the parameter-balanced split, given to all), the same initial weights an
 * ``measured-norecall``: ``measured`` with the policy's recall off (``GainOverCostPolicy(recall_steps=0)``: no move
   back to a partition measured faster under the same conditions, no averaging over conditions that come and go);
   opt-in through ``--systems``;
+* ``measured-window``: ``measured`` with each window's slowdowns relative to that window alone
+  (``MeasuredSlowdownPredictor(remember=0)``: a hog on the least slowed stage reads as no slowdown); opt-in through
+  ``--systems``;
 * ``measured-1s``: ``measured`` with the stage monitor's sampler computing the other processes' load on each stage's
   cores (and the steal share) over spans of a second instead of a quarter (its earlier default): what the faster
   reading is worth for detecting a hog's start and end; opt-in through ``--systems``;
@@ -175,6 +178,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured-beta",
     "measured-depth",
     "measured-norecall",
+    "measured-window",
     "measured-1s",
     "varuna",
     "dynpipe-2x",
@@ -413,7 +417,7 @@ def _recorder(target: float) -> Any:
 def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     """``(adaptive, predictor)`` of :class:`~lightning_dynpipe.DynPipeStrategy` for ``system`` (``static+d`` and
     ``measured+d`` as ``static`` and ``measured``: the ``+d`` is their schedule's, :func:`schedule_of`)."""
-    from lightning_dynpipe.predictor import ForestPredictor
+    from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy
     from lightning_dynpipe.repartition.rules import DynPipeThresholdRule, VarunaRule
 
@@ -426,6 +430,8 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return True, "measured"
     if system == "measured-norecall":
         return GainOverCostPolicy(recall_steps=0), "measured"
+    if system == "measured-window":
+        return True, MeasuredSlowdownPredictor(remember=0)
     if system == "varuna":
         return VarunaRule(), "measured"
     if system == "dynpipe-2x":  # the original scores the cuts with its forest
