@@ -359,7 +359,10 @@ class GainOverCostPolicy:
     ``memory_steps`` steps it refuses that partition, and, from the partition it came back to, any candidate that
     shifts the same stage boundaries further the same way, as long as the window's conditions
     (:attr:`PolicyInputs.conditions`) are those it was judged under. A rollback is not itself judged, so two moves
-    cannot ping-pong.
+    cannot ping-pong. A move is judged only when the window after it shows the conditions of the window before it
+    (:attr:`PolicyInputs.conditions`, where both are known): a window before the move that straddled a hog's onset
+    (no sign of it yet, a step time between the two) is no measure of the old partition under the hog, and judged
+    against it a move to the faster cut under the hog was rolled back.
 
     **Recall.** Predictions carry each stage's slowdown over to layer sets it has not run, and a small stage's fixed
     costs make it look slowed when nothing interferes; after a move made for a cause that has gone (a co-located job
@@ -443,6 +446,8 @@ class GainOverCostPolicy:
             self._overpredictions.append((inputs.current, overprediction))
         move, self._unjudged = self._unjudged, None
         after_s = inputs.measured_tta_step_s
+        if move is not None and move.conditions and inputs.conditions and move.conditions != inputs.conditions:
+            move = None  # measured under other conditions than the window before the move: no judgement holds
         if move is not None and inputs.current == move.new and after_s > move.before_s * move.before_factor:
             self._backfired.append(
                 _Backfired(move.old, move.new, inputs.step, inputs.measured_step_s, inputs.conditions)
