@@ -179,7 +179,12 @@ QUIET_LINK = CommModel(latency_s=1e-4, bandwidth_Bps=1e9)  # the set-up probe: 0
 
 
 def _measured_controller(
-    cost: ModelCost, link: CommModel, patience: int = 1, schedule: str = "async", replicas: int = 1
+    cost: ModelCost,
+    link: CommModel,
+    patience: int = 1,
+    schedule: str = "async",
+    replicas: int = 1,
+    predictor: MeasuredSlowdownPredictor | None = None,
 ) -> AdaptiveController:
     """The default (measured) predictor, throughput alone (``beta = 0``), no other stage counts."""
     return AdaptiveController(
@@ -191,6 +196,7 @@ def _measured_controller(
         replicas=replicas,
         convergence=ConvergenceModel(beta=0.0),
         consider_stage_counts=False,
+        predictor=predictor,
     )
 
 
@@ -495,16 +501,7 @@ def test_a_hog_on_the_large_stage_is_priced_at_its_speed_not_relative_to_a_small
     signs = ("other processes busy on its cores (1.00 cores)", "")
     decisions = {}
     for remember in (0, 3):
-        controller = AdaptiveController(
-            GainOverCostPolicy(patience=1, horizon_steps=500),
-            model_cost=CNN,
-            comm=CNN_LINK,
-            schedule="async",
-            num_microbatches=M,
-            convergence=ConvergenceModel(beta=0.0),
-            consider_stage_counts=False,
-            predictor=MeasuredSlowdownPredictor(remember=remember),
-        )
+        controller = _measured_controller(CNN, CNN_LINK, predictor=MeasuredSlowdownPredictor(remember=remember))
         for step in (101, 111, 121):
             controller.check(step, clean, Partition((4, 1)), remaining_steps=400, stage_signs=("", ""))
         decisions[remember] = controller.check(151, hogged, Partition((4, 1)), remaining_steps=400, stage_signs=signs)
