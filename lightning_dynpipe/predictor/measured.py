@@ -83,10 +83,17 @@ def _ratios(
     model_cost: ModelCost, partition: Partition, times: Sequence[StageTimes], num_microbatches: int
 ) -> list[float]:
     """Each stage's measured compute over its layers' profile (1 where either is missing)."""
-    ratios = []
+    return [1.0 if r is None else r for r in _measured_ratios(model_cost, partition, times, num_microbatches)]
+
+
+def _measured_ratios(
+    model_cost: ModelCost, partition: Partition, times: Sequence[StageTimes], num_microbatches: int
+) -> list[float | None]:
+    """Each stage's measured compute over its layers' profile (``None`` where either is missing)."""
+    ratios: list[float | None] = []
     for k, t in enumerate(times):
         expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
-        ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else 1.0)
+        ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else None)
     return ratios
 
 
@@ -94,22 +101,6 @@ def _base(ratios: Sequence[float], reference: float | None) -> float:
     """The least slowed speed: the least ratio, or ``reference`` where that is lower."""
     least = min(ratios)
     return min(least, reference) if reference is not None and reference > 0 else least
-
-
-def _least_ratio(model_cost: ModelCost, window: PipelineWindow) -> float | None:
-    """The least measured compute over profile among the window's stages that measured both (``None``: none)."""
-    M = window.num_microbatches
-    ratios = [
-        t.compute_s / (M * profile)
-        for k, t in enumerate(window.stages)
-        if t.compute_s > 0 and (profile := model_cost.compute_s(*_bounds(window.partition, k))) > 0
-    ]
-    return min(ratios) if ratios else None
-
-
-def _bounds(partition: Partition, k: int) -> tuple[int, int]:
-    layers = partition.stage_layers(k)
-    return layers.start, layers.stop
 
 
 def cpu_limited_floors(
@@ -216,9 +207,10 @@ class MeasuredSlowdownPredictor:
         ``agreed_refit`` are not used."""
         if model_cost is not self._cost:
             self._cost, self._least = model_cost, []
-        least = _least_ratio(model_cost, window)
-        if least is not None:
-            self._least = sorted([*self._least, least])[: self.remember]
+        measured = _measured_ratios(model_cost, window.partition, window.stages, window.num_microbatches)
+        ratios = [r for r in measured if r is not None]
+        if ratios:
+            self._least = sorted([*self._least, min(ratios)])[: self.remember]
 
     def predict(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
