@@ -278,6 +278,20 @@ class StageMonitor(Callback):
         self.overhead_s += time.perf_counter() - t0
 
     @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def _pause(self) -> None:
+        """Work between two steps that no step repeats (a validation run, an epoch's end and the checkpoints saved
+        there) stays out of the next step's CPU: a CPU limit's floor is priced from the CPU per step."""
+        if self._active and self._sampler is not None:
+            self._sampler.pause()
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._active and self._pending is not None:
             t0 = time.perf_counter()

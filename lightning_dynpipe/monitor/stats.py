@@ -113,8 +113,10 @@ class SystemReading:
         gpu_throttled: 1 when NVML reports a clock throttle reason other than idle, else 0 (None likewise).
         gpu_other_mem_bytes: device memory used by other processes, from NVML's process list (None likewise).
         step_cpu_s: CPU time of this process since the previous reading (all threads): a whole training step's cycle,
-            the work between the batch hooks included (``cpu_s`` starts at the batch's start). Under a cgroup CPU
-            limit this is what the quota must pay for every step.
+            the work between the batch hooks included (``cpu_s`` starts at the batch's start), except what ran
+            between a :meth:`~.system.ProcessSampler.pause` and the next window's start (the stage monitor pauses for a
+            validation run and an epoch's end). Under a cgroup CPU limit this is what the quota must pay for every
+            step.
     """
 
     wall_s: float = 0.0

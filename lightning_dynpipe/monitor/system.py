@@ -143,7 +143,9 @@ class ProcessSampler:
         sampler.close()
 
     :meth:`sample` measures since the last :meth:`mark` or :meth:`sample` (or the construction), and its
-    ``step_cpu_s`` since the last :meth:`sample` (a whole step's cycle, whatever was marked in between).
+    ``step_cpu_s`` since the last :meth:`sample` (a whole step's cycle, whatever was marked in between), less the
+    CPU between a :meth:`pause` and the :meth:`mark` after it (work between two steps that is not part of a step:
+    a validation run, the end of an epoch).
 
     Args:
         device: the stage's device; CUDA readings are taken only for a ``cuda`` device.
@@ -191,14 +193,19 @@ class ProcessSampler:
         self._steal_share = 0.0
         self._limit = CpuLimitReader()
         self._cpu_limit = self._limit.read()
+        self._paused_at: float | None = None  # process CPU time at the pause
+        self._excluded_cpu_s = 0.0  # CPU between pauses and the marks after them, left out of the next step_cpu_s
         self.mark()
         self._cpu_sampled = self._cpu0  # the previous sample's CPU time (a whole step's cycle starts there)
 
     # ------------------------------------------------------------------ windows
     def mark(self) -> None:
-        """Starts a measurement window."""
+        """Starts a measurement window (and ends a :meth:`pause`)."""
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
+        if self._paused_at is not None:
+            self._excluded_cpu_s += max(0.0, self._cpu0 - self._paused_at)
+            self._paused_at = None
         self._wait0 = self._run_queue_wait_s()
         self._switches0 = self._involuntary_switches()
 
@@ -211,7 +218,8 @@ class ProcessSampler:
         wait, switches = self._run_queue_wait_s(), self._involuntary_switches()
         wait_s, switched = wait - self._wait0, switches - self._switches0
         self._t0, self._cpu0, self._wait0, self._switches0 = now, cpu, wait, switches
-        step_cpu_s, self._cpu_sampled = cpu - self._cpu_sampled, cpu
+        step_cpu_s, self._cpu_sampled = max(0.0, cpu - self._cpu_sampled - self._excluded_cpu_s), cpu
+        self._excluded_cpu_s = 0.0
         if now - self._steal_at >= self.steal_interval_s:
             self._update_other_load(now, cpu)
             self._update_steal(now)
@@ -241,6 +249,16 @@ class ProcessSampler:
             gpu_other_mem_bytes=self._gpu_other_mem,
             step_cpu_s=step_cpu_s,
         )
+
+    def pause(self) -> None:
+        """Leaves the CPU from now to the next :meth:`mark` out of the next sample's ``step_cpu_s``.
+
+        For work between two training steps that is not part of a step, which a CPU limit pays for once rather
+        than every step: a validation run, checkpoint saving, the end of an epoch. A second pause before the mark
+        keeps the first.
+        """
+        if self._paused_at is None:
+            self._paused_at = time.process_time()
 
     def set_siblings(self, pids: Sequence[int]) -> None:
         """Names the same job's other processes on this machine (the other stages' ranks): their CPU on this

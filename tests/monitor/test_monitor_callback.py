@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,6 +127,24 @@ def test_window_restarts_when_the_partition_changes() -> None:
     _steps(monitor, trainer, module, 2, step_s=0.01)
     assert len(monitor.accumulator) == 2
     assert monitor.accumulator.summary().step_s == pytest.approx(0.01)
+
+
+def test_a_validation_run_between_steps_stays_out_of_the_step_cpu() -> None:
+    """The CPU a validation run (or an epoch's end) takes between two steps is not the next step's: the mean CPU
+    per step prices a quota's floor, and a validation every few steps would raise it for the windows holding one."""
+    trainer, module = _fake_trainer(), _FakeModule()
+    monitor = StageMonitor(every_n_steps=100, window=10, prog_bar=False)
+    monitor.on_validation_start(trainer, module)  # type: ignore[arg-type]  # the sanity check: before the fit
+    monitor.on_train_start(trainer, module)  # type: ignore[arg-type]
+    _steps(monitor, trainer, module, 4, step_s=0.01)
+    for hook in (monitor.on_validation_start, monitor.on_train_epoch_end):
+        hook(trainer, module)  # type: ignore[arg-type]
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        _steps(monitor, trainer, module, 1, step_s=0.01)
+        last = monitor.accumulator.last if monitor.accumulator is not None else None
+        assert last is not None and last.cpu_s < 0.1, (hook, last)
 
 
 def test_a_new_fit_starts_from_scratch_but_keeps_listeners() -> None:

@@ -69,6 +69,31 @@ def test_step_cpu_counts_the_whole_cycle_between_samples() -> None:
     assert reading.step_cpu_s <= reading.cpu_s + 0.15, reading
 
 
+def test_step_cpu_leaves_out_what_ran_between_a_pause_and_the_next_mark() -> None:
+    """A validation run between two steps is paid once, not every step: the monitor pauses the sampler for it, and
+    the CPU from the pause to the next batch's start is not in that step's ``step_cpu_s`` (the work before the pause
+    still is); the sample after starts clean."""
+    sampler = ProcessSampler()
+    sampler.sample()
+    _spin(0.1)  # between the batch hooks, before the validation
+    sampler.pause()
+    _spin(0.3)  # the validation run
+    sampler.pause()  # a second pause (an epoch's end after the validation) keeps the first
+    _spin(0.1)
+    sampler.mark()
+    _spin(0.1)  # the batch
+    reading = sampler.sample()
+    _spin(0.1)
+    sampler.mark()
+    _spin(0.1)
+    after = sampler.sample()
+    sampler.close()
+    assert reading.step_cpu_s >= reading.cpu_s + 0.05, reading
+    assert reading.step_cpu_s <= reading.cpu_s + 0.2, reading  # 0.4 s of the paused spins would be in it
+    assert after.step_cpu_s >= after.cpu_s + 0.05, after  # nothing left over is subtracted from the next step
+    assert after.step_cpu_s <= after.cpu_s + 0.15, after
+
+
 def test_rss_agrees_with_psutil() -> None:
     reading = ProcessSampler().sample()
     rss = psutil.Process().memory_info().rss
