@@ -307,6 +307,12 @@ class _Memory:
         return ", ".join(f"{self.name(c)} {share:.0%} of the checks" for c, share in self.shares().items())
 
 
+def _settled_key(inputs: PolicyInputs) -> tuple[tuple[bool, ...], bool] | None:
+    """The conditions a kept partition was kept under: each stage's signs and whether the link is slower (``None``
+    where the stages' conditions are not known)."""
+    return (inputs.conditions, inputs.link_cause) if inputs.conditions else None
+
+
 def _overprediction(inputs: PolicyInputs) -> float | None:
     """The current partition's predicted step time (without the convergence factor) over the measured one."""
     if inputs.measured_step_s <= 0 or inputs.convergence_factor <= 0:
@@ -330,7 +336,13 @@ class GainOverCostPolicy:
     ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate (``explained_patience`` when
     the window shows a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a
     stage the move gives layers away from; a passing spike has none), and not within ``cooldown_steps`` of the
-    previous migration.
+    previous migration. A cause explains a move only while it is new: once a check has kept the current partition
+    under the same conditions (:attr:`PolicyInputs.conditions` and whether the link is slower; it was the best, or no
+    move paid), the cause was
+    already priced, and a gain that appears later under it comes from the measured times changing, not from the
+    cause. Such a move waits ``patience`` checks and is tested like one without a cause (below). Under a 25% quota
+    that had kept ``[7, 2]`` of an MLP for 200 steps, a stretch of slower steps moved it at one check to ``[8, 1]``,
+    which ran 10% slower for the rest of the run.
 
     **A slowdown the step time does not show.** With no visible cause, a move also needs the measurement to agree
     with the prediction it rests on: the predicted step time of the current partition under the measured slowdowns
@@ -411,6 +423,7 @@ class GainOverCostPolicy:
         default_factory=lambda: deque(maxlen=20), init=False, repr=False
     )
     _usual_overprediction: float = field(default=1.0, init=False, repr=False)
+    _settled: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._memory = _Memory(self.recall_steps)
@@ -483,6 +496,7 @@ class GainOverCostPolicy:
             return Decision(False, inputs.current, gain, reason, inputs)
 
         if inputs.candidate == inputs.current:
+            self._settled = _settled_key(inputs)
             return no("the current partition is already the best")
         for b in reversed(self._backfired):
             if b.refuses(inputs.current, inputs.candidate, inputs.conditions):
@@ -504,9 +518,11 @@ class GainOverCostPolicy:
             cost="migration cost",
         )
         if refusal is not None:
+            self._settled = _settled_key(inputs)
             return no(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
-        explained = inputs.explained
+        # a cause explains a move while it is new: not once a check kept the current partition under it
+        explained = inputs.explained and (_settled_key(inputs) is None or _settled_key(inputs) != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             where = " on the stages it relieves" if inputs.causes else ""
             return no(
@@ -631,3 +647,4 @@ class GainOverCostPolicy:
         self._memory = _Memory(self.recall_steps)
         self._overpredictions.clear()
         self._usual_overprediction = 1.0
+        self._settled = None

@@ -100,6 +100,48 @@ def test_a_cause_explains_only_a_move_away_from_its_stage_or_any_move_for_the_li
     assert contradicted.reason.startswith("no visible cause on the stages it relieves, and the measured step time")
 
 
+def test_a_cause_the_current_partition_was_kept_under_explains_no_later_move() -> None:
+    """A 25% quota on stage 1 from the start: the first check's move is explained (1 check). Once a check kept the
+    partition under the same conditions (it was the best, or the gain did not pay), a gain that appears later comes
+    from the measured times changing, not from the quota: it waits ``patience`` checks and the measurement must show
+    the slowdowns. New conditions (a hog on stage 0 as well, the link slower) explain again."""
+    quota = "stage 1: cgroup CPU limit 0.25 cores"
+    limited, hogged = (False, True), (True, True)
+
+    def quota_inputs(step: int, **kw: object) -> PolicyInputs:
+        return _inputs(step, causes=quota, conditions=limited, cause_stages=limited, **kw)  # type: ignore[arg-type]
+
+    policy = GainOverCostPolicy(patience=2, cooldown_steps=0)
+    assert policy.decide(quota_inputs(10)).repartition  # new: the first window under the quota
+    policy.migrated(10)
+    assert not policy.decide(quota_inputs(20, current=CAND, candidate=CAND)).repartition  # kept under the quota
+    later = Partition((5, 1))
+    waiting = policy.decide(quota_inputs(30, current=CAND, candidate=later))
+    assert not waiting.repartition and "waiting for 2 checks in a row (1 so far)" in waiting.reason
+    moved = policy.decide(quota_inputs(40, current=CAND, candidate=later))
+    assert moved.repartition and moved.reason == "predicted gain pays the migration"
+    # the same with the predicted slowdown not in the measured step: tested like a move without a cause
+    tested = GainOverCostPolicy(patience=1)
+    assert not tested.decide(quota_inputs(10, candidate=CUR)).repartition  # kept: the gain's candidate is itself
+    contradicted = tested.decide(quota_inputs(20, current_s=1.5, measured_s=1.0))
+    assert not contradicted.repartition and "does not show the slowdowns" in contradicted.reason
+    # a check refusing a gain too small to pay settles the conditions as well
+    small = GainOverCostPolicy(patience=2)
+    assert "below 10%" in small.decide(quota_inputs(10, candidate_s=0.95)).reason
+    assert "waiting for 2 checks" in small.decide(quota_inputs(20)).reason
+    # new conditions explain again: a hog on stage 0 too, or the link measured slower
+    for other in (
+        _inputs(30, causes=quota, conditions=hogged, cause_stages=hogged),
+        _inputs(30, causes=quota + "; the link", conditions=limited, cause_stages=limited, link_cause=True),
+    ):
+        fresh = GainOverCostPolicy(patience=2)
+        assert not fresh.decide(quota_inputs(10, candidate=CUR)).repartition
+        assert fresh.decide(other).repartition, other
+    # a new fit forgets what it kept
+    policy.reset()
+    assert policy.decide(quota_inputs(10)).repartition
+
+
 def test_a_spike_does_not_move() -> None:
     policy = GainOverCostPolicy(patience=3)
     assert not policy.decide(_inputs(10)).repartition
