@@ -338,7 +338,7 @@ class GainOverCostPolicy:
     stage the move gives layers away from; a passing spike has none), and not within ``cooldown_steps`` of the
     previous migration. A cause explains a move only while it is new: once a check has kept the current partition
     under the same conditions (:attr:`PolicyInputs.conditions` and whether the link is slower; it was the best, or no
-    move paid), the cause was
+    move paid) as the check before it (the first window of new conditions may straddle their onset), the cause was
     already priced, and a gain that appears later under it comes from the measured times changing, not from the
     cause. Such a move waits ``patience`` checks and is tested like one without a cause (below). Under a 25% quota
     that had kept ``[7, 2]`` of an MLP for 200 steps, a stretch of slower steps moved it at one check to ``[8, 1]``,
@@ -424,6 +424,8 @@ class GainOverCostPolicy:
     )
     _usual_overprediction: float = field(default=1.0, init=False, repr=False)
     _settled: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
+    _previous: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
+    _settling: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._memory = _Memory(self.recall_steps)
@@ -452,6 +454,11 @@ class GainOverCostPolicy:
         saving = inputs.current_step_s - inputs.candidate_step_upper_s
         gain = saving * max(horizon, 0)
         self._remember(inputs)  # a window that rolls a move back is a measurement of that partition too
+        # the first window of new conditions may straddle their onset (the signs show, the slowdown not yet whole):
+        # a partition kept then was not kept under them
+        key = _settled_key(inputs)
+        self._settling = key if key is not None and key == self._previous else None
+        self._previous = key
         usual = [r for p, r in self._overpredictions if p == inputs.current][-5:]
         self._usual_overprediction = max(1.0, statistics.median(usual)) if len(usual) >= 3 else 1.0
         overprediction = _overprediction(inputs)
@@ -496,7 +503,7 @@ class GainOverCostPolicy:
             return Decision(False, inputs.current, gain, reason, inputs)
 
         if inputs.candidate == inputs.current:
-            self._settled = _settled_key(inputs)
+            self._settled = self._settling or self._settled
             return no("the current partition is already the best")
         for b in reversed(self._backfired):
             if b.refuses(inputs.current, inputs.candidate, inputs.conditions):
@@ -518,11 +525,12 @@ class GainOverCostPolicy:
             cost="migration cost",
         )
         if refusal is not None:
-            self._settled = _settled_key(inputs)
+            self._settled = self._settling or self._settled
             return no(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
         # a cause explains a move while it is new: not once a check kept the current partition under it
-        explained = inputs.explained and (_settled_key(inputs) is None or _settled_key(inputs) != self._settled)
+        key = _settled_key(inputs)
+        explained = inputs.explained and (key is None or key != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             where = " on the stages it relieves" if inputs.causes else ""
             return no(
@@ -647,4 +655,4 @@ class GainOverCostPolicy:
         self._memory = _Memory(self.recall_steps)
         self._overpredictions.clear()
         self._usual_overprediction = 1.0
-        self._settled = None
+        self._settled = self._previous = self._settling = None

@@ -102,9 +102,10 @@ def test_a_cause_explains_only_a_move_away_from_its_stage_or_any_move_for_the_li
 
 def test_a_cause_the_current_partition_was_kept_under_explains_no_later_move() -> None:
     """A 25% quota on stage 1 from the start: the first check's move is explained (1 check). Once a check kept the
-    partition under the same conditions (it was the best, or the gain did not pay), a gain that appears later comes
-    from the measured times changing, not from the quota: it waits ``patience`` checks and the measurement must show
-    the slowdowns. New conditions (a hog on stage 0 as well, the link slower) explain again."""
+    partition under the same conditions as the check before it (it was the best, or the gain did not pay), a gain
+    that appears later comes from the measured times changing, not from the quota: it waits ``patience`` checks and
+    the measurement must show the slowdowns. New conditions (a hog on stage 0 as well, the link slower) explain
+    again."""
     quota = "stage 1: cgroup CPU limit 0.25 cores"
     limited, hogged = (False, True), (True, True)
 
@@ -122,13 +123,24 @@ def test_a_cause_the_current_partition_was_kept_under_explains_no_later_move() -
     assert moved.repartition and moved.reason == "predicted gain pays the migration"
     # the same with the predicted slowdown not in the measured step: tested like a move without a cause
     tested = GainOverCostPolicy(patience=1)
-    assert not tested.decide(quota_inputs(10, candidate=CUR)).repartition  # kept: the gain's candidate is itself
-    contradicted = tested.decide(quota_inputs(20, current_s=1.5, measured_s=1.0))
+    for step in (10, 20):  # kept: the best candidate is the current partition
+        assert not tested.decide(quota_inputs(step, candidate=CUR)).repartition
+    contradicted = tested.decide(quota_inputs(30, current_s=1.5, measured_s=1.0))
     assert not contradicted.repartition and "does not show the slowdowns" in contradicted.reason
     # a check refusing a gain too small to pay settles the conditions as well
     small = GainOverCostPolicy(patience=2)
     assert "below 10%" in small.decide(quota_inputs(10, candidate_s=0.95)).reason
-    assert "waiting for 2 checks" in small.decide(quota_inputs(20)).reason
+    assert "below 10%" in small.decide(quota_inputs(20, candidate_s=0.95)).reason
+    assert "waiting for 2 checks" in small.decide(quota_inputs(30)).reason
+    # but not the first window of new conditions: it may straddle their onset (the signs show, the slowdown does
+    # not yet), and a hog that slows the pipeline in the next window is new there
+    hog = "stage 0: other processes busy on its cores"
+    onset = GainOverCostPolicy(patience=2)
+    assert not onset.decide(_inputs(10, candidate=CUR, conditions=(False, False))).repartition
+    assert not onset.decide(_inputs(20, candidate=CUR, conditions=(True, False))).repartition  # straddles
+    over = Partition((2, 4))
+    moved = onset.decide(_inputs(30, candidate=over, causes=hog, conditions=(True, False), cause_stages=(True, False)))
+    assert moved.repartition and "after 1 check" in moved.reason
     # new conditions explain again: a hog on stage 0 too, or the link measured slower
     for other in (
         _inputs(30, causes=quota, conditions=hogged, cause_stages=hogged),
@@ -136,6 +148,7 @@ def test_a_cause_the_current_partition_was_kept_under_explains_no_later_move() -
     ):
         fresh = GainOverCostPolicy(patience=2)
         assert not fresh.decide(quota_inputs(10, candidate=CUR)).repartition
+        assert not fresh.decide(quota_inputs(20, candidate=CUR)).repartition
         assert fresh.decide(other).repartition, other
     # a new fit forgets what it kept
     policy.reset()
