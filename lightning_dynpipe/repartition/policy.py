@@ -425,7 +425,6 @@ class GainOverCostPolicy:
     _usual_overprediction: float = field(default=1.0, init=False, repr=False)
     _settled: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
     _previous: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
-    _settling: tuple[tuple[bool, ...], bool] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._memory = _Memory(self.recall_steps)
@@ -457,8 +456,7 @@ class GainOverCostPolicy:
         # the first window of new conditions may straddle their onset (the signs show, the slowdown not yet whole):
         # a partition kept then was not kept under them
         key = _settled_key(inputs)
-        self._settling = key if key is not None and key == self._previous else None
-        self._previous = key
+        repeated, self._previous = key is not None and key == self._previous, key
         usual = [r for p, r in self._overpredictions if p == inputs.current][-5:]
         self._usual_overprediction = max(1.0, statistics.median(usual)) if len(usual) >= 3 else 1.0
         overprediction = _overprediction(inputs)
@@ -489,22 +487,35 @@ class GainOverCostPolicy:
                     inputs,
                 )
         self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
-        predicted = self._averaged(inputs, self._predicted(inputs, horizon, saving, gain))
+        predicted = self._averaged(inputs, self._predicted(inputs, horizon, saving, gain, key, repeated))
         if predicted.repartition:
             return predicted
         recalled = self._recall(inputs, horizon)
         return recalled if recalled is not None else predicted
 
-    def _predicted(self, inputs: PolicyInputs, horizon: int, saving: float, gain: float) -> Decision:
-        """The decision on the predictor's candidate."""
+    def _predicted(
+        self,
+        inputs: PolicyInputs,
+        horizon: int,
+        saving: float,
+        gain: float,
+        key: tuple[tuple[bool, ...], bool] | None,
+        repeated: bool,
+    ) -> Decision:
+        """The decision on the predictor's candidate (``key``: the window's conditions, :func:`_settled_key`;
+        ``repeated``: the check before had the same)."""
 
         def no(reason: str) -> Decision:
             self._streak.reset()
             return Decision(False, inputs.current, gain, reason, inputs)
 
+        def kept(reason: str) -> Decision:  # the current partition priced under these conditions and kept
+            if repeated:
+                self._settled = key
+            return no(reason)
+
         if inputs.candidate == inputs.current:
-            self._settled = self._settling or self._settled
-            return no("the current partition is already the best")
+            return kept("the current partition is already the best")
         for b in reversed(self._backfired):
             if b.refuses(inputs.current, inputs.candidate, inputs.conditions):
                 return no(
@@ -525,11 +536,9 @@ class GainOverCostPolicy:
             cost="migration cost",
         )
         if refusal is not None:
-            self._settled = self._settling or self._settled
-            return no(refusal)
+            return kept(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
         # a cause explains a move while it is new: not once a check kept the current partition under it
-        key = _settled_key(inputs)
         explained = inputs.explained and (key is None or key != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             where = " on the stages it relieves" if inputs.causes else ""
@@ -655,4 +664,4 @@ class GainOverCostPolicy:
         self._memory = _Memory(self.recall_steps)
         self._overpredictions.clear()
         self._usual_overprediction = 1.0
-        self._settled = self._previous = self._settling = None
+        self._settled = self._previous = None
