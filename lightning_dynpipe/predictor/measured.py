@@ -173,7 +173,7 @@ class MeasuredSlowdownPredictor:
             ``remembered * (1 + tolerance)``.
     """
 
-    def __init__(self, remember: int = 3, tolerance: float = 0.1) -> None:
+    def __init__(self, remember: int = 3, tolerance: float = 0.1, fixed_costs: bool = True) -> None:
         if isinstance(remember, bool) or not isinstance(remember, int) or remember < 0:
             raise ConfigurationError(
                 f"MeasuredSlowdownPredictor(remember=...) takes a whole number of windows >= 0; got {remember!r}. "
@@ -185,10 +185,18 @@ class MeasuredSlowdownPredictor:
                 f"{tolerance!r}. Use the default 0.1 (a window's least slowed stage counts as slowed by what it reads "
                 "beyond 10% over the remembered speed)."
             )
+        if not isinstance(fixed_costs, bool):
+            raise ConfigurationError(
+                f"MeasuredSlowdownPredictor(fixed_costs=...) takes True or False; got {fixed_costs!r}."
+            )
         self.remember = remember
         self.tolerance = float(tolerance)
+        self.fixed_costs = fixed_costs
         self._cost: ModelCost | None = None
         self._least: list[float] = []
+        # per (stage, first layer, end layer): the lowest ratios the stage measured holding those layers, in windows
+        # where it showed no sign of interference (and ran under no CPU limit below one core)
+        self._quiet: dict[tuple[int, int, int], list[float]] = {}
 
     @property
     def reference(self) -> float | None:
@@ -206,11 +214,28 @@ class MeasuredSlowdownPredictor:
         docstring). A window priced with another profile (another fit) starts the memory afresh; ``comm`` and
         ``agreed_refit`` are not used."""
         if model_cost is not self._cost:
-            self._cost, self._least = model_cost, []
+            self._cost, self._least, self._quiet = model_cost, [], {}
         measured = _measured_ratios(model_cost, window.partition, window.stages, window.num_microbatches)
         ratios = [r for r in measured if r is not None]
         if ratios:
             self._least = sorted([*self._least, min(ratios)])[: self.remember]
+        signs = window.signs()
+        if not self.fixed_costs or not self.remember or len(signs) != len(measured):
+            return  # without the stages' readings a quiet stage cannot be told from a slowed one
+        for k, (r, sign, t) in enumerate(zip(measured, signs, window.stages)):
+            if r is None or sign or t.binding_cpu_limit is not None:
+                continue
+            layers = window.partition.stage_layers(k)
+            key = (k, layers.start, layers.stop)
+            self._quiet[key] = sorted([*self._quiet.get(key, []), r])[: self.remember]
+
+    def quiet_ratio(self, stage: int, layers: range) -> float | None:
+        """The stage's measured compute over its layers' profile while it held ``layers`` and showed no sign of
+        interference: the second lowest of the observed windows' (the lowest with one); ``None`` before any."""
+        seen = self._quiet.get((stage, layers.start, layers.stop))
+        if not seen:
+            return None
+        return seen[min(1, len(seen) - 1)]
 
     def predict(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
@@ -221,17 +246,39 @@ class MeasuredSlowdownPredictor:
             model_cost, window.partition, window.stages, window.num_microbatches, reference=reference
         )
         floors = cpu_limited_floors(model_cost, window, candidate, reference=reference)
-        compute = tuple(
-            Interval.point(
-                max(
-                    slowdowns[k] * sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k)),
-                    floors[k] or 0.0,
-                )
-            )
-            for k in range(candidate.num_stages)
-        )
+        fixed = self._fixed_parts(model_cost, window, slowdowns, reference)
+        compute = []
+        for k in range(candidate.num_stages):
+            profile = sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k))
+            stretch, own = fixed[k]
+            compute.append(Interval.point(max(stretch * (profile + own), floors[k] or 0.0)))
         boundaries = []
         for k in range(candidate.num_stages - 1):
             last = candidate.stage_layers(k)[-1]
             boundaries.append(Interval.point(float(comm.transfer_time(model_cost.layers[last].activation_bytes))))
-        return PartitionPrediction(candidate, slowdowns, compute, tuple(boundaries))
+        return PartitionPrediction(candidate, slowdowns, tuple(compute), tuple(boundaries))
+
+    def _fixed_parts(
+        self,
+        model_cost: ModelCost,
+        window: PipelineWindow,
+        slowdowns: Sequence[float],
+        reference: float | None,
+    ) -> list[tuple[float, float]]:
+        """Per stage, (the stretch, the fixed cost per micro-batch in the profile's seconds) that price it under any
+        layers: its slowdown and no fixed cost, unless it measured quiet under the layers it holds (see the module
+        docstring)."""
+        out = [(s, 0.0) for s in slowdowns]
+        if not self.fixed_costs or model_cost is not self._cost:
+            return out
+        ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
+        base = _base(ratios, reference)
+        for k, t in enumerate(window.stages):
+            layers = window.partition.stage_layers(k)
+            quiet = self.quiet_ratio(k, layers)
+            if quiet is None or t.binding_cpu_limit is not None or not base > 0:
+                continue
+            # the quiet excess over the pipeline's speed, between none and what the stage reads now
+            own = min(max(quiet / base, 1.0), slowdowns[k])
+            out[k] = (slowdowns[k] / own, (own - 1.0) * sum(model_cost.layers[i].compute_s for i in layers))
+        return out

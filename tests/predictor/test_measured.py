@@ -199,3 +199,83 @@ def test_the_cpu_floor_converts_seconds_at_the_remembered_speed() -> None:
     # in seconds at the speed each assumes: 18 ms against 14 ms (7 ms of CPU per micro-batch's step share)
     assert cpu_limited_floors(cost, window, Partition((2, 2)), seconds=True)[1] == pytest.approx(0.018)
     assert cpu_limited_floors(cost, window, Partition((2, 2)), seconds=True, reference=1.0)[1] == pytest.approx(0.014)
+
+
+def _read(c0: float, c1: float, *, hog0: float = 0.0, limit1: float | None = None) -> PipelineWindow:
+    """Like :func:`_two_stage`, with the stages' readings (so signs of interference can be told): ``hog0`` cores of
+    other processes on stage 0's core, a CPU limit ``limit1`` on stage 1."""
+    s0 = StageTimes(c0, 50.0, cpu_share=0.9, other_cpu_load=hog0)
+    s1 = StageTimes(c1, 50.0, cpu_share=0.9, other_cpu_load=0.0, cpu_limit=limit1)
+    return PipelineWindow(Partition((2, 2)), (s0, s1), 2)
+
+
+def test_a_quiet_stage_prices_its_excess_as_a_fixed_cost_per_micro_batch() -> None:
+    """Stage 1 reads 3x its profile with no sign of interference (the loss, the loop's work per micro-batch): those
+    12 s per micro-batch stay with the stage whatever layers it holds, instead of stretching every layer it would
+    receive 3x (on the CNN's clean cuts this model put the slowest stage within 4% where the stretch missed by 18%)."""
+    predictor = MeasuredSlowdownPredictor()
+    quiet = _read(12.0, 36.0)
+    for _ in range(2):
+        predictor.observe(COST, CommModel(), quiet)
+    assert predictor.quiet_ratio(1, range(2, 4)) == pytest.approx(3.0)
+    assert predictor.quiet_ratio(1, range(3, 4)) is None  # never held: nothing known
+    here = predictor.predict(COST, CommModel(), quiet, Partition((2, 2)))
+    assert here.slowdowns == (1.0, 3.0)  # the slowdowns (the planner's solve, the policy) are unchanged
+    assert [i.value for i in here.stage_compute_s] == pytest.approx([6.0, 18.0])  # what the window measured
+    more = predictor.predict(COST, CommModel(), quiet, Partition((1, 3)))
+    assert [i.value for i in more.stage_compute_s] == pytest.approx([3.0, 9.0 + 12.0])  # not 3 x 9 = 27
+    fewer = predictor.predict(COST, CommModel(), quiet, Partition((3, 1)))
+    assert [i.value for i in fewer.stage_compute_s] == pytest.approx([9.0, 3.0 + 12.0])  # not 3 x 3 = 9
+    stretched = MeasuredSlowdownPredictor(fixed_costs=False)
+    for _ in range(2):
+        stretched.observe(COST, CommModel(), quiet)
+    assert [i.value for i in stretched.predict(COST, CommModel(), quiet, Partition((1, 3))).stage_compute_s] == (
+        pytest.approx([3.0, 27.0])
+    )
+
+
+def test_interference_stretches_a_stage_and_its_fixed_cost() -> None:
+    """A hog on stage 0 (a sign) doubles it: that stretch carries to any layers (stage 0 was quiet at 1x, so it has
+    no fixed cost); stage 1 keeps its fixed cost. Slowed beyond its quiet reading with no sign, stage 1 is stretched
+    by the excess, fixed cost included; a window faster than the quiet reading makes the excess it shows the fixed
+    cost."""
+    predictor = MeasuredSlowdownPredictor(tolerance=0.0)
+    for _ in range(2):
+        predictor.observe(COST, CommModel(), _read(12.0, 36.0))
+    hogged = _read(24.0, 36.0, hog0=1.0)
+    assert hogged.signs()[0] and not hogged.signs()[1]
+    predictor.observe(COST, CommModel(), hogged)
+    assert predictor.quiet_ratio(0, range(0, 2)) == pytest.approx(1.0)  # the hogged window is not quiet
+    p = predictor.predict(COST, CommModel(), hogged, Partition((1, 3)))
+    assert p.slowdowns == (2.0, 3.0)
+    assert [i.value for i in p.stage_compute_s] == pytest.approx([2.0 * 3.0, 9.0 + 12.0])
+    slower = _read(12.0, 54.0)  # stage 1 at 4.5x, no sign: 1.5x over its quiet 3x
+    p = predictor.predict(COST, CommModel(), slower, Partition((1, 3)))
+    assert [i.value for i in p.stage_compute_s] == pytest.approx([3.0, 1.5 * (9.0 + 12.0)])
+    faster = _read(12.0, 24.0)  # 2x: below the quiet reading, all of it fixed
+    p = predictor.predict(COST, CommModel(), faster, Partition((1, 3)))
+    assert [i.value for i in p.stage_compute_s] == pytest.approx([3.0, 9.0 + 6.0])
+
+
+def test_only_quiet_unlimited_stages_with_readings_are_remembered() -> None:
+    """A stage under a CPU limit keeps the limit's pricing (its floor); a window without the stages' readings
+    cannot tell a quiet stage from a slowed one; ``remember=0`` keeps nothing; another profile starts afresh."""
+    predictor = MeasuredSlowdownPredictor()
+    predictor.observe(COST, CommModel(), _read(12.0, 36.0, limit1=0.25))
+    assert predictor.quiet_ratio(0, range(0, 2)) == pytest.approx(1.0)
+    assert predictor.quiet_ratio(1, range(2, 4)) is None
+    predictor.observe(COST, CommModel(), _two_stage(12.0, 36.0))  # no readings
+    assert predictor.quiet_ratio(1, range(2, 4)) is None
+    nothing = MeasuredSlowdownPredictor(remember=0)
+    nothing.observe(COST, CommModel(), _read(12.0, 36.0))
+    assert nothing.quiet_ratio(1, range(2, 4)) is None
+    predictor.observe(COST, CommModel(), _read(12.0, 36.0))
+    other = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
+    predictor.observe(other, CommModel(), _read(12.0, 24.0, hog0=1.0))
+    assert predictor.quiet_ratio(1, range(2, 4)) == pytest.approx(2.0)  # only the new profile's window
+    assert predictor.quiet_ratio(0, range(0, 2)) is None
+
+
+def test_fixed_costs_is_a_flag() -> None:
+    with pytest.raises(ConfigurationError, match=r"fixed_costs=\.\.\.\) takes True or False"):
+        MeasuredSlowdownPredictor(fixed_costs=1)  # type: ignore[arg-type]
