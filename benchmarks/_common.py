@@ -181,7 +181,7 @@ def iqr(values: Sequence[float]) -> float:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool = False) -> str:
     """A fixed-width text table (right-aligned except the first column), or a GitHub markdown table."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
         parts = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]

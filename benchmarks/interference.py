@@ -245,6 +245,7 @@ class Config:
     forest_file: str = ""
     beta: float | None = None
     cuts_to_target: bool = False
+    cut_scenarios: tuple[str, ...] = CUT_SCENARIOS
 
 
 # ---------------------------------------------------------------------------------------------- scenarios
@@ -655,7 +656,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
             batches, val = _data(cfg, seed)
             onset = cfg.max_steps // 4
             for si, scenario in enumerate(scenarios):
-                cuts = cut_systems(cfg) if scenario in CUT_SCENARIOS else []
+                cuts = cut_systems(cfg) if scenario in cfg.cut_scenarios else []
                 if scenario in EARLIER_PHASE:
                     cuts += [f"{c}@{EARLIER_PHASE[scenario]}" for c in cut_systems(cfg)]
                 for position, system in enumerate(rotated(list(cfg.systems), seed + si) + cuts):
@@ -1250,6 +1251,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         help="system measured-beta plans with ConvergenceModel(beta=BETA), e.g. from benchmarks/beta_cuts.py",
     )
     p.add_argument(
+        "--cut-scenarios",
+        default=None,
+        help=f"comma list: the scenarios whose every cut runs fixed for a measured limit ({','.join(CUT_SCENARIOS)}; "
+        "with none: each cut's speed without interference, benchmarks/stage_model.py)",
+    )
+    p.add_argument(
         "--cuts-to-target",
         action="store_true",
         help="train the fixed cuts of scenarios that last the whole run to the target: a time-to-accuracy limit",
@@ -1291,6 +1298,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         if bad:
             p.error(f"unknown scenarios {bad}; valid: {list(SCENARIOS)}")
         cfg = replace(cfg, scenarios=sc)
+    if a.cut_scenarios is not None:
+        cs = tuple(s.strip() for s in a.cut_scenarios.split(",") if s.strip())
+        bad = [s for s in cs if s not in SCENARIOS]
+        if bad:
+            p.error(f"unknown --cut-scenarios {bad}; valid: {list(SCENARIOS)}")
+        cfg = replace(cfg, cut_scenarios=cs)
     if a.systems and a.predictor:
         p.error("give --systems or --predictor, not both (--predictor P is --systems P,static)")
     if a.predictor:
@@ -1464,7 +1477,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "brackets the changes of schedule, step:new, per seed); "
         "onset->move: steps from the interference onset to the first migration, per seed; "
         "pause: median; limit: planner-predicted speed-up of the best split under the static run's measured "
-        f"slowdowns (not measured), except for {', '.join(CUT_SCENARIOS)} ('cuts run'): every cut run fixed under "
+        f"slowdowns (not measured), except for {', '.join(cfg.cut_scenarios)} ('cuts run'): every cut run fixed under "
         f"the scenario for {cfg.cut_steps} steps, the configured cut's mean ms/step over the fastest cut's (mix: "
         "over the run, the link-alone cuts' limit before the hog's onset and the others' after it); per step: median "
         "of per-seed static ms/step over the system's (each up to its own target: the speed without the steps), "
