@@ -67,6 +67,14 @@ def cut_medians(runs: Sequence[dict[str, Any]], num_microbatches: int) -> dict[t
     return out
 
 
+def _profiles(cost: Any, balance: tuple[int, ...]) -> list[float]:
+    """Each stage's layers' profiled forward + backward per micro-batch under ``balance`` (seconds)."""
+    from lightning_dynpipe.plan.partition import Partition
+
+    partition = Partition(balance)
+    return [cost.compute_s(r.start, r.stop) for r in (partition.stage_layers(k) for k in range(len(balance)))]
+
+
 def analyse(payload: dict[str, Any]) -> dict[str, Any]:
     """Every cut priced from every other cut's window by both variants, against its measurements."""
     from lightning_dynpipe.plan.costs import CommModel, ModelCost
@@ -90,10 +98,8 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
             for c, s in zip(measured["compute_s"], measured["step_s"])
         )
         window = PipelineWindow(Partition(source), times, M)
-        ratios = [
-            c / cost.compute_s(rng.start, rng.stop)
-            for c, rng in zip(measured["compute_s"], (Partition(source).stage_layers(k) for k in range(len(source))))
-        ]
+        measured["profile_s"] = _profiles(cost, source)
+        ratios = [c / p for c, p in zip(measured["compute_s"], measured["profile_s"])]
         speed = min(ratios)  # the predictors price at the least slowed stage's speed: seconds = value x speed
         predicted: dict[str, dict[tuple[int, ...], list[float]]] = {}
         for name, fixed in VARIANTS.items():
@@ -186,7 +192,20 @@ def render(result: dict[str, Any], *, markdown: bool = False) -> str:
         detail,
         markdown=markdown,
     )
-    return head + "\n\n" + body
+    cuts = format_table(
+        ["cut", "compute per micro-batch, ms", "profile, ms", "measured / profile"],
+        [
+            [
+                f"[{b}]",
+                " / ".join(f"{c * 1e3:.2f}" for c in v["compute_s"]),
+                " / ".join(f"{p * 1e3:.2f}" for p in v["profile_s"]),
+                " / ".join(f"{c / p:.2f}" for c, p in zip(v["compute_s"], v["profile_s"])),
+            ]
+            for b, v in result["cuts"].items()
+        ],
+        markdown=markdown,
+    )
+    return cuts + "\n\n" + head + "\n\n" + body
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
