@@ -2,7 +2,8 @@
 
 * :class:`InterferencePredictor`: the protocol (plain data in and out, see :mod:`.base`);
 * :class:`MeasuredSlowdownPredictor`: the baseline, each stage's measured slowdown against its profile (at
-  least ``1/q`` under a cgroup CPU limit of ``q`` cores) carried over to any partition;
+  least ``1/q`` under a cgroup CPU limit of ``q`` cores) carried over to any partition, what a stage reads with no
+  sign of interference as a fixed cost per micro-batch;
 * :class:`ForestPredictor`: a small random forest (scikit-learn, imported on the first fit) that predicts the
   residual over an analytic prior from the stage's environment and the candidate's layer set
   (:mod:`.features`), with calibrated intervals, trained by ``python -m lightning_dynpipe calibrate`` and online.

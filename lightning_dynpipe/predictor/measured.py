@@ -19,6 +19,20 @@ mostly fixed costs the per-layer profile does not hold), so under a hog on the l
 window alone, the hogged stage would read 1.0 and its compute would be priced at its unloaded speed, against the
 link's times, which are seconds.
 
+**A stage's fixed costs.** A stage's compute per micro-batch is not its layers' profile times one factor: the
+last stage also runs the loss and the loop's work per micro-batch, every stage dispatches its micro-batches, and a
+stage with little work reads several times its profile with nothing beside it (the demo CNN's classifier alone on
+the last stage: 4.8x). Carried to other layers as a stretch, that reading prices every layer the stage would receive
+as slowed: from that window the CNN's ``[1, 4]`` was priced at 51.9 ms per micro-batch for its last stage where it
+measured 10.4. So the predictor remembers, per stage and layer set, the readings of the
+windows in which the stage showed no sign of interference (:meth:`PipelineWindow.signs`) and ran under no CPU
+limit below one core: the second lowest of them is the stage's quiet reading under those layers. Its excess over the
+pipeline's speed is a fixed cost per micro-batch that stays with the stage whatever layers it holds; what the stage
+reads beyond its quiet reading stretches its layers and that fixed cost together (interference slows both). A
+stage priced from a layer set it has not measured quiet under (a quota or a hog from the first window) is stretched
+as before. On every clean cut of the CNN priced from every other's window, the slowest stage's error is 5.1%
+(median) against 36% for the stretch (``benchmarks/stage_model.py``). ``fixed_costs=False`` keeps the stretch.
+
 **The CPU a limited stage spends besides its layers.** A quota throttles the whole process: the framework's work
 around the layers (the training loop, messages, the optimizer's glue) comes out of it too, and on a stage with few
 layers that is most of its CPU. So where the window measured the stage's CPU per step (``StageTimes.cpu_s``), a
@@ -171,6 +185,9 @@ class MeasuredSlowdownPredictor:
         tolerance: how much slower than the remembered speed a window's least slowed stage may read and still count
             as unslowed (the windows' noise); beyond it, the stage is slowed by what it reads over
             ``remembered * (1 + tolerance)``.
+        fixed_costs: carry what a stage reads over the pipeline's speed while it shows no sign of interference as a
+            fixed cost per micro-batch (see the module docstring); ``False``: as a stretch of every layer it would
+            hold. Needs ``remember >= 1``.
     """
 
     def __init__(self, remember: int = 3, tolerance: float = 0.1, fixed_costs: bool = True) -> None:

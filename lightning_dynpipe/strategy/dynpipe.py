@@ -239,7 +239,8 @@ class DynPipeStrategy(DDPStrategy):
             stage's slowdown is measured, the planner re-solves, and the policy decides whether to migrate.
         predictor: what prices candidate partitions for the adaptive loop: ``"measured"`` (default:
             :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`, each stage's measured slowdown carried
-            over), ``"forest"`` (:class:`~lightning_dynpipe.predictor.ForestPredictor`, untrained: it learns from
+            over, what it reads with no sign of interference as a fixed cost per micro-batch), ``"forest"``
+            (:class:`~lightning_dynpipe.predictor.ForestPredictor`, untrained: it learns from
             the run's own windows and migrations), or an
             :class:`~lightning_dynpipe.predictor.InterferencePredictor` object, e.g.
             ``ForestPredictor.load("dynpipe-forest.npz")`` for a forest from ``python -m lightning_dynpipe

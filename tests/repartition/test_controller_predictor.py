@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -514,8 +515,50 @@ def test_a_hog_on_the_large_stage_is_priced_at_its_speed_not_relative_to_a_small
     assert remembered.inputs.candidate == Partition((3, 2))
     assert remembered.inputs.current_step_s == pytest.approx(alone.inputs.measured_step_s, rel=0.25)
     assert remembered.inputs.candidate_step_s < remembered.inputs.current_step_s
-    # priced 81.3 -> 77.7 ms per step (4.4%): stage 1's fixed costs, read as its slowdown, carry over to the layer it
-    # would receive (3.45 ms per micro-batch priced, 1.42 measured), so the move stays below the policy's 10%
+    # priced 81.3 -> 77.7 ms per step (4.4%), below the policy's 10%: [3, 2]'s step is bound by its stage 0, two of
+    # whose three layers carry the hog's 2.0x (its stage 1 is priced at 3.45 ms per micro-batch, 1.42 measured; these
+    # windows have no readings, so the predictor cannot tell its quiet windows, see the test below)
     assert remembered.inputs.current_step_s == pytest.approx(0.0813, rel=0.01)
     assert remembered.inputs.candidate_step_s == pytest.approx(0.0777, rel=0.01)
     assert not remembered.repartition and remembered.reason.startswith("gain (lower end) below 10% of the step time")
+
+
+def _readings(times: list[StageTimes], hog: float) -> list[StageTimes]:
+    """``times`` with the stages' readings: ``hog`` cores of other processes on stage 0's cores."""
+    return [replace(t, cpu_share=0.9, other_cpu_load=hog if k == 0 else 0.0) for k, t in enumerate(times)]
+
+
+def test_a_stages_fixed_cost_stays_with_it_so_the_move_off_a_hogged_stage_is_priced_as_it_runs() -> None:
+    """The CNN at [2, 3]: stage 1 spends 1.5 ms per micro-batch besides its layers (the loss, the loop's work), 1.48x
+    its profile with nothing beside it; a hog then doubles stage 0. [1, 4] gives stage 1 the large convolution: truly
+    10.9 ms per micro-batch for stage 1 against [2, 3]'s 14.2 for the hogged stage 0. Carried as a stretch, stage 1's
+    reading prices the convolution slowed too (12.6 ms, a step 2% faster): no move. With the windows' readings the
+    predictor knows stage 1 read that quiet, keeps the excess as a fixed cost (10.4 ms, 19% faster) and the loop
+    moves."""
+    layers = [CNN.compute_s(0, 2), CNN.compute_s(2, 5)]
+    clean = [StageTimes(M * layers[0], 0.06), StageTimes(M * (layers[1] + 1.5e-3), 0.06)]
+    hogged = [StageTimes(M * 2 * layers[0], 0.12), StageTimes(M * (layers[1] + 1.5e-3), 0.12)]
+    signs = ("other processes busy on its cores (1.00 cores)", "")
+    decisions = {}
+    for fixed in (False, True):
+        controller = _measured_controller(CNN, QUIET_LINK, predictor=MeasuredSlowdownPredictor(fixed_costs=fixed))
+        for step in (11, 21, 31):
+            controller.check(step, _readings(clean, 0.0), Partition((2, 3)), remaining_steps=400, stage_signs=("", ""))
+        decisions[fixed] = controller.check(
+            41, _readings(hogged, 1.0), Partition((2, 3)), remaining_steps=400, stage_signs=signs
+        )
+    stretched, fixed_cost = decisions[False], decisions[True]
+    assert stretched is not None and fixed_cost is not None
+    # relative to the remembered speed with its 10% tolerance for noise: 2.0 / 1.1 and 1.48 / 1.1
+    assert fixed_cost.inputs.slowdowns == stretched.inputs.slowdowns == pytest.approx((1.82, 1.35), abs=0.01)
+    assert fixed_cost.inputs.current_step_s == pytest.approx(stretched.inputs.current_step_s, rel=1e-9)
+    assert stretched.inputs.candidate == Partition((1, 4)) and not stretched.repartition
+    assert stretched.reason.startswith("gain (lower end) below 10% of the step time")
+    assert fixed_cost.inputs.candidate == Partition((1, 4)) and fixed_cost.repartition
+    assert fixed_cost.inputs.candidate_step_s < 0.85 * fixed_cost.inputs.current_step_s
+    # without the readings nothing is known quiet: the stretch
+    controller = _measured_controller(CNN, QUIET_LINK)
+    for step in (11, 21, 31):
+        controller.check(step, clean, Partition((2, 3)), remaining_steps=400, stage_signs=("", ""))
+    blind = controller.check(41, hogged, Partition((2, 3)), remaining_steps=400, stage_signs=signs)
+    assert blind is not None and not blind.repartition
