@@ -22,8 +22,8 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/stage_model.py --from-json benchmarks/out/interference-<stamp>.json
 
 Outputs: the table on stdout, the interference record of the cut runs with this analysis added
-(``benchmarks/out/interference-<stamp>.json``: config, machine, versions, command) and ``docs/img/stage_model.png``
-(predicted against measured compute per micro-batch, both variants).
+(``benchmarks/out/interference-<stamp>.json``: config, machine, versions, command) and
+``docs/img/stage_model_<model>.png`` (predicted against measured compute per micro-batch, both variants).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
 from benchmarks._common import describe_machine, format_table, median  # noqa: E402
 
 _OUT = _ROOT / "benchmarks" / "out"
-_IMG = _ROOT / "docs" / "img" / "stage_model.png"
+_IMG = _ROOT / "docs" / "img" / "stage_model_{model}.png"
 VARIANTS = {"fixed cost": True, "stretch": False}
 """The two ways of carrying a quiet stage's reading: ``MeasuredSlowdownPredictor(fixed_costs=...)``."""
 SKIP_STEPS = 15
@@ -286,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     json_path.write_text(json.dumps(payload), encoding="utf-8")
     print(f"record: {json_path}")
     if not a.no_plot:
-        plot(result, _IMG, f"{model}: each cut priced from every other cut's window")
-        print(f"plot: {_IMG}")
+        img = Path(str(_IMG).format(model=cfg["model"]))
+        plot(result, img, f"{model}: each cut priced from every other cut's window")
+        print(f"plot: {img}")
     return result
 
 
