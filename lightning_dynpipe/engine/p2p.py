@@ -336,8 +336,11 @@ class SendChannel:
 
 
 _ARRIVED_DURING_WAIT_S = 500e-6
-"""A receive whose wait took longer than this was still in flight when asked for (an arrived one returns within
-about 5-60 us; the margin covers a thread descheduled on its way out of the wait)."""
+"""A receive whose wait blocked the thread longer than this (the wait's wall time less the thread's CPU time in it)
+was still in flight when asked for. Returning one that had arrived is work on the thread, CPU time (2-300 us, and
+1-2 ms for the first read after the receiving thread slept 0.3 s on a shared VM: cold caches), whereas an in-flight
+one blocks it (50 ms of wall time for 0.05 ms of CPU); the margin covers a thread descheduled on its way out of the
+wait. Judged by wall time alone, such a slow read of an arrived message was charged its time in the buffer."""
 
 
 class LinkTimes:
@@ -470,7 +473,7 @@ class RecvChannel:
         if self._failure is not None or not self.packed:
             return self._failure
         try:
-            buf, header, _, _ = self._next_packed(time.monotonic() + wait_s)
+            buf, header, *_ = self._next_packed(time.monotonic() + wait_s)
         except (RuntimeError, IndexError):  # nothing came, or the connection is gone
             return None
         if header.kind != MessageKind.ABORT:
@@ -494,8 +497,9 @@ class RecvChannel:
         buf = torch.empty(self._size, dtype=torch.uint8)
         self._posted.append((dist.irecv(buf, src=self.peer, group=self.group), buf))
 
-    def _next_packed(self, deadline: float) -> tuple[Tensor, Header, float, float]:
-        """Waits for the oldest posted receive that is not a ``RESIZE``: its buffer and header, and when it was in.
+    def _next_packed(self, deadline: float) -> tuple[Tensor, Header, float, float, float]:
+        """Waits for the oldest posted receive that is not a ``RESIZE``: its buffer and header, and when it was in
+        (``perf_counter``, ``time``, and the thread's CPU time then).
 
         Raises gloo's ``RuntimeError`` on a timeout or a lost connection (the callers tell them apart).
         """
@@ -503,14 +507,14 @@ class RecvChannel:
             work, buf = self._posted[0]
             work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
             self._posted.popleft()
-            now, wall = time.perf_counter(), time.time()
+            now, wall, cpu = time.perf_counter(), time.time(), time.thread_time()
             header = decode(buf[:HEADER_BYTES].view(torch.int64))
             if header.kind == MessageKind.RESIZE:
                 self._size = int(header.aux)
             if header.kind not in (MessageKind.CLOSE, MessageKind.ABORT):
                 self._post()  # the one this message used; after CLOSE and ABORT nothing more comes
             if header.kind != MessageKind.RESIZE:
-                return buf, header, now, wall
+                return buf, header, now, wall, cpu
 
     def _get_packed(self, kind: MessageKind, mb_idx: int) -> Message:
         if self._failure is not None:
@@ -518,9 +522,9 @@ class RecvChannel:
         if self._closed:
             raise self._closed_error()
         deadline = time.monotonic() + self.timeout
-        asked, asked_wall = time.perf_counter(), time.time()
+        asked, asked_wall, asked_cpu = time.perf_counter(), time.time(), time.thread_time()
         try:
-            buf, header, now, wall = self._next_packed(deadline)
+            buf, header, now, wall, cpu = self._next_packed(deadline)
         except RuntimeError as exc:
             if "timed out" in str(exc).lower():
                 raise self._timeout_error(kind, mb_idx) from None
@@ -542,7 +546,8 @@ class RecvChannel:
         due = not_before(values)  # an emulated link's delivery time (0: none)
         if hold_until(due):
             now, wall = time.perf_counter(), time.time()
-        if now - asked > _ARRIVED_DURING_WAIT_S or due > asked_wall:  # arrived while this thread waited: at `now`
+        blocked = (now - asked) - (cpu - asked_cpu)
+        if blocked > _ARRIVED_DURING_WAIT_S or due > asked_wall:  # arrived while this thread waited: at `now`
             return Message(
                 header, unpack(buf, header), arrived_at=now, transfer_s=self._link.waited(max(0.0, wall - sent))
             )

@@ -223,3 +223,44 @@ def test_the_header_carries_the_send_time_the_emulated_link_was_given(monkeypatc
     header = sent[-1][: wire.HEADER_BYTES].view(torch.int64)
     assert wire.sent_at(header) == 100.0  # the clock's first reading, the one the link was given
     assert wire.not_before(header) == 100.5
+
+
+class _FakeReceive:
+    """A posted receive whose ``wait`` lands the next scripted message: blocking the thread (``"in flight"``, the
+    message arrives during the wait) or keeping it busy (``"arrived"``, a slow read of a message already there)."""
+
+    script: list[tuple[str, float]] = []  # (how, seconds before the wait the message was sent)
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def wait(self, timeout: Any = None) -> bool:
+        how, sent_ago = _FakeReceive.script.pop(0)
+        tensors = [torch.zeros(8)]
+        header = encode(MessageKind.ACTIVATION, 0, tensors)
+        self.buf.copy_(pack(header, tensors, self.buf.numel(), sent_at=time.time() - sent_ago))
+        end = time.perf_counter() + 0.003
+        if how == "in flight":
+            time.sleep(0.003)
+        else:
+            while time.perf_counter() < end:  # the thread's own work: cold caches after a long sleep
+                pass
+        return True
+
+
+def test_a_slow_read_of_an_arrived_message_is_not_charged_its_time_in_the_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a message was in flight when the stage asked is told by the time the wait blocked the thread, not by
+    its wall time: a message the stage waited 3 ms for is charged its link time exactly, one that sat a second in
+    its buffer and took 3 ms of the thread's CPU to return is charged the recent exact times (the wall time alone
+    charged it the second)."""
+    from lightning_dynpipe.engine import p2p
+
+    monkeypatch.setattr(p2p.dist, "irecv", lambda buf, src, group: _FakeReceive(buf))
+    _FakeReceive.script = [("in flight", 0.0), ("arrived", 1.0)]
+    rc = RecvChannel(None, 0, torch.device("cpu"), 30.0, "activations 0->1", peer_stage=0)
+    waited = rc.get(MessageKind.ACTIVATION, 0)
+    assert 0.002 <= waited.transfer_s < 0.1  # arrived during the 3 ms wait: from the send to then
+    sat = rc.get(MessageKind.ACTIVATION, 0)
+    assert sat.transfer_s == pytest.approx(waited.transfer_s)  # not the second it sat in the buffer
