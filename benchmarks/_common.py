@@ -196,6 +196,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markd
     return "\n".join(out)
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Lays out a matplotlib figure, writes it to ``path`` (creating its folder) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------- running DynPipe inside workers
 # A generalisation of what throughput.py's workers do for the MLP, for any model, strategy and batches. The
 # timing callback and the CPU probe stay in throughput.py (``_step_timer``); callers pass the timer in.

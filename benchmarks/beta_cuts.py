@@ -39,7 +39,14 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
 
 import torch  # noqa: E402
 
-from benchmarks._common import command_line, describe_machine, format_table, machine_info, median  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    describe_machine,
+    format_table,
+    machine_info,
+    median,
+    save_figure,
+)
 from benchmarks.interference import Config, _data, _model, cut_systems  # noqa: E402
 
 _OUT = _ROOT / "benchmarks" / "out"
@@ -191,10 +198,7 @@ def plot(result: dict[str, Any], runs: list[dict[str, Any]], path: Path, title: 
     ax.set_ylabel("steps to target")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
     sys.path.insert(0, str(_ROOT))
 
-from benchmarks._common import describe_machine, format_table, median  # noqa: E402
+from benchmarks._common import describe_machine, format_table, median, save_figure  # noqa: E402
 
 _OUT = _ROOT / "benchmarks" / "out"
 _IMG = _ROOT / "docs" / "img" / "stage_model_{model}.png"
@@ -228,10 +228,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     ax.set_ylabel("predicted from another cut's window, ms")
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
