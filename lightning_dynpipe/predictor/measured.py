@@ -87,7 +87,11 @@ def measured_slowdowns(
         (2.0, 4.0)
     """
     ratios = _ratios(model_cost, partition, times, num_microbatches)
-    base = _base(ratios, reference)
+    return _slowdowns(ratios, _base(ratios, reference), times)
+
+
+def _slowdowns(ratios: Sequence[float], base: float, times: Sequence[StageTimes]) -> tuple[float, ...]:
+    """Each stage's ratio over ``base``, at least ``1/q`` under a CPU limit of ``q < 1`` core."""
     return tuple(
         max(r / base, 1.0 / q if (q := t.binding_cpu_limit) is not None else 1.0) for r, t in zip(ratios, times)
     )
@@ -109,6 +113,11 @@ def _measured_ratios(
         expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
         ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else None)
     return ratios
+
+
+def _second_lowest(ascending: Sequence[float]) -> float:
+    """The second lowest of sorted values (the lowest of one): robust to one window that read fast."""
+    return ascending[min(1, len(ascending) - 1)]
 
 
 def _base(ratios: Sequence[float], reference: float | None) -> float:
@@ -222,7 +231,7 @@ class MeasuredSlowdownPredictor:
         read fast) times ``1 + tolerance``; ``None`` before any window."""
         if not self._least:
             return None
-        return self._least[min(1, len(self._least) - 1)] * (1.0 + self.tolerance)
+        return _second_lowest(self._least) * (1.0 + self.tolerance)
 
     def observe(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, *, agreed_refit: int | None = None
@@ -250,20 +259,18 @@ class MeasuredSlowdownPredictor:
         """The stage's measured compute over its layers' profile while it held ``layers`` and showed no sign of
         interference: the second lowest of the observed windows' (the lowest with one); ``None`` before any."""
         seen = self._quiet.get((stage, layers.start, layers.stop))
-        if not seen:
-            return None
-        return seen[min(1, len(seen) - 1)]
+        return _second_lowest(seen) if seen else None
 
     def predict(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
     ) -> PartitionPrediction:
         """See the module docstring."""
         reference = self.reference if model_cost is self._cost else None
-        slowdowns = measured_slowdowns(
-            model_cost, window.partition, window.stages, window.num_microbatches, reference=reference
-        )
+        ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
+        base = _base(ratios, reference)
+        slowdowns = _slowdowns(ratios, base, window.stages)
         floors = cpu_limited_floors(model_cost, window, candidate, reference=reference)
-        fixed = self._fixed_parts(model_cost, window, slowdowns, reference)
+        fixed = self._fixed_parts(model_cost, window, slowdowns, base)
         compute = []
         for k in range(candidate.num_stages):
             profile = sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k))
@@ -280,16 +287,14 @@ class MeasuredSlowdownPredictor:
         model_cost: ModelCost,
         window: PipelineWindow,
         slowdowns: Sequence[float],
-        reference: float | None,
+        base: float,
     ) -> list[tuple[float, float]]:
         """Per stage, (the stretch, the fixed cost per micro-batch in the profile's seconds) that price it under any
         layers: its slowdown and no fixed cost, unless it measured quiet under the layers it holds (see the module
-        docstring)."""
+        docstring; ``base``: the pipeline's speed the slowdowns are relative to)."""
         out = [(s, 0.0) for s in slowdowns]
         if not self.fixed_costs or model_cost is not self._cost:
             return out
-        ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
-        base = _base(ratios, reference)
         for k, t in enumerate(window.stages):
             layers = window.partition.stage_layers(k)
             quiet = self.quiet_ratio(k, layers)
