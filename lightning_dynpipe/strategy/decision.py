@@ -106,6 +106,13 @@ def probe_link(global_rank: int, world_size: int, timeout: timedelta) -> CommMod
             dist.destroy_process_group(group)
 
 
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose random state :func:`torch.random.fork_rng` must keep besides the CPU's."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def _profile(
     pipeline: nn.Sequential,
     sample: Any,
@@ -198,40 +205,44 @@ def decide(
         decision: list[Any] = [None]
         plan: Plan | None = None
         if global_rank == 0:
-            try:
-                sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
-                opt = optimizer() if callable(optimizer) else optimizer
-                copies = layer_copies(device) if layer_copies is not None else None
-                with forward_context():
-                    cost = _profile(pipeline, sample, device, opt, copies)
-                cost = recomputed(cost, config.checkpoint_layers(len(pipeline)))
-                del opt, copies
-                balance, table = config.balance, None
-                if config.balance_mode == "auto":
-                    plan = best_plan(
-                        cost,
-                        world_size,
-                        num_stages=None if config.stages_auto else num_stages,
-                        schedule=config.schedule,
-                        convergence=config.convergence,
-                        comm=comm,
-                        num_microbatches=config.num_microbatches,
-                        memory_cap=config.memory_cap,
-                    )
-                    balance, table = plan.partition.balance, plan.table()
-                elif config.memory_cap is not None and balance is not None:
-                    _warn_over_cap(config, cost, balance, world_size)
-                link = (comm.latency_s, comm.bandwidth_Bps)
-                stages = len(balance) if balance is not None else num_stages
-                sweep = None
-                if config.calibrate is not None:
-                    autocast = _autocast_dtype(device, forward_context)
-                    sweep = _calibrate(config, pipeline, sample, cost, stages, autocast)
-                decision[0] = (balance, table, cost.to_arrays(), link, None, sweep, False)
-            except Exception as exc:  # the run must not die because a heuristic failed; say why
-                # ... unless it is the memory cap: no fallback can honour it
-                fatal = isinstance(exc, PartitionError) and config.memory_cap is not None
-                decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None, fatal)
+            # The user's random streams stay as they were: taking the first batch starts a DataLoader iterator, which
+            # draws its seed (and a shuffling sampler's) from torch's global generator, and a run that profiles would
+            # otherwise train with other dropout masks and another data order than the same run with a balance given
+            with torch.random.fork_rng(devices=_rng_devices(device)):
+                try:
+                    sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
+                    opt = optimizer() if callable(optimizer) else optimizer
+                    copies = layer_copies(device) if layer_copies is not None else None
+                    with forward_context():
+                        cost = _profile(pipeline, sample, device, opt, copies)
+                    cost = recomputed(cost, config.checkpoint_layers(len(pipeline)))
+                    del opt, copies
+                    balance, table = config.balance, None
+                    if config.balance_mode == "auto":
+                        plan = best_plan(
+                            cost,
+                            world_size,
+                            num_stages=None if config.stages_auto else num_stages,
+                            schedule=config.schedule,
+                            convergence=config.convergence,
+                            comm=comm,
+                            num_microbatches=config.num_microbatches,
+                            memory_cap=config.memory_cap,
+                        )
+                        balance, table = plan.partition.balance, plan.table()
+                    elif config.memory_cap is not None and balance is not None:
+                        _warn_over_cap(config, cost, balance, world_size)
+                    link = (comm.latency_s, comm.bandwidth_Bps)
+                    stages = len(balance) if balance is not None else num_stages
+                    sweep = None
+                    if config.calibrate is not None:
+                        autocast = _autocast_dtype(device, forward_context)
+                        sweep = _calibrate(config, pipeline, sample, cost, stages, autocast)
+                    decision[0] = (balance, table, cost.to_arrays(), link, None, sweep, False)
+                except Exception as exc:  # the run must not die because a heuristic failed; say why
+                    # ... unless it is the memory cap: no fallback can honour it
+                    fatal = isinstance(exc, PartitionError) and config.memory_cap is not None
+                    decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None, fatal)
         if world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         balance, table, arrays, link, error, sweep, fatal = decision[0]
