@@ -232,8 +232,8 @@ def check_sample_order(loader: Any, *, num_stages: int) -> None:
     Stage 0 reads each batch's inputs and the last stage its targets, in their own processes, so every stage must
     draw the same samples in the same order. A random sampler without its own ``generator`` (``shuffle=True``,
     ``SubsetRandomSampler``, ``WeightedRandomSampler``) draws its order from the process's global torch RNG, which
-    the stages consume differently (the planner's profile runs on one rank, for one): the inputs of one sample
-    would then train against the targets of another, silently. Lightning's own sampler
+    the stages consume differently (a dropout layer draws in its own stage's process only, for one): the inputs of
+    one sample would then train against the targets of another, silently. Lightning's own sampler
     (``use_distributed_sampler=True``, the default) is seeded alike everywhere and passes.
 
     Raises:
