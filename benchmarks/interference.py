@@ -306,24 +306,15 @@ def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
     if cfg.model == "gpt":  # the standard library's source; the validation windows are the test set
         text = StdlibTextDataModule(block_size=GPT_BLOCK_SIZE, batch_size=cfg.batch_size, max_bytes=2_000_000)
         text.setup()
-        windows = text.train_set
-        g = torch.Generator().manual_seed(1000 + seed)
-        order = torch.randperm(len(windows), generator=g)[: cfg.max_steps * cfg.batch_size].tolist()
-        pairs = [windows[i] for i in order]
-        batches = [
-            (
-                torch.stack([x for x, _ in pairs[i : i + cfg.batch_size]]),
-                torch.stack([y for _, y in pairs[i : i + cfg.batch_size]]),
-            )
-            for i in range(0, len(pairs) - cfg.batch_size + 1, cfg.batch_size)
-        ]
-        val = [text.val_set[i] for i in range(len(text.val_set))]
-        return batches, [(torch.stack([x for x, _ in val]), torch.stack([y for _, y in val]))]
-    dm = MNISTDataModule(
-        batch_size=cfg.batch_size, seed=0, flat=cfg.model != "cnn"
-    )  # the split is fixed; the seed orders the batches
-    dm.setup()
-    x, y = dm.train_set.tensors
+        x, y = (torch.stack(t) for t in zip(*(text.train_set[i] for i in range(len(text.train_set)))))
+        xt, yt = (torch.stack(t) for t in zip(*(text.val_set[i] for i in range(len(text.val_set)))))
+    else:
+        dm = MNISTDataModule(
+            batch_size=cfg.batch_size, seed=0, flat=cfg.model != "cnn"
+        )  # the split is fixed; the seed orders the batches
+        dm.setup()
+        x, y = dm.train_set.tensors
+        xt, yt = dm.test_set.tensors
     g = torch.Generator().manual_seed(1000 + seed)
     batches: list[Any] = []
     while len(batches) < cfg.max_steps:
@@ -331,7 +322,6 @@ def _data(cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
         for i in range(0, len(x) - cfg.batch_size + 1, cfg.batch_size):
             idx = perm[i : i + cfg.batch_size]
             batches.append((x[idx], y[idx]))
-    xt, yt = dm.test_set.tensors
     return batches[: cfg.max_steps], [(xt, yt)]
 
 
