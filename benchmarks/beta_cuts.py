@@ -47,7 +47,7 @@ from benchmarks._common import (  # noqa: E402
     median,
     save_figure,
 )
-from benchmarks.interference import Config, _data, _model, cut_systems  # noqa: E402
+from benchmarks.interference import Config, _data, _model, cut_systems, num_layers  # noqa: E402
 
 _OUT = _ROOT / "benchmarks" / "out"
 _IMG = _ROOT / "docs" / "img" / "beta_cuts.png"
@@ -55,7 +55,7 @@ _IMG = _ROOT / "docs" / "img" / "beta_cuts.png"
 
 def profiles(cfg: Config) -> list[tuple[int, ...]]:
     """The balances measured: the whole model on one stage, then every 2-stage cut."""
-    n = 5 if cfg.model == "cnn" else cfg.depth + 1
+    n = num_layers(cfg)
     return [(n,), *(tuple(int(x) for x in c[3:].split(",")) for c in cut_systems(cfg))]
 
 

@@ -209,40 +209,18 @@ def decide(
             # draws its seed (and a shuffling sampler's) from torch's global generator, and a run that profiles would
             # otherwise train with other dropout masks and another data order than the same run with a balance given
             with torch.random.fork_rng(devices=_rng_devices(device)):
-                try:
-                    sample = _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches)
-                    opt = optimizer() if callable(optimizer) else optimizer
-                    copies = layer_copies(device) if layer_copies is not None else None
-                    with forward_context():
-                        cost = _profile(pipeline, sample, device, opt, copies)
-                    cost = recomputed(cost, config.checkpoint_layers(len(pipeline)))
-                    del opt, copies
-                    balance, table = config.balance, None
-                    if config.balance_mode == "auto":
-                        plan = best_plan(
-                            cost,
-                            world_size,
-                            num_stages=None if config.stages_auto else num_stages,
-                            schedule=config.schedule,
-                            convergence=config.convergence,
-                            comm=comm,
-                            num_microbatches=config.num_microbatches,
-                            memory_cap=config.memory_cap,
-                        )
-                        balance, table = plan.partition.balance, plan.table()
-                    elif config.memory_cap is not None and balance is not None:
-                        _warn_over_cap(config, cost, balance, world_size)
-                    link = (comm.latency_s, comm.bandwidth_Bps)
-                    stages = len(balance) if balance is not None else num_stages
-                    sweep = None
-                    if config.calibrate is not None:
-                        autocast = _autocast_dtype(device, forward_context)
-                        sweep = _calibrate(config, pipeline, sample, cost, stages, autocast)
-                    decision[0] = (balance, table, cost.to_arrays(), link, None, sweep, False)
-                except Exception as exc:  # the run must not die because a heuristic failed; say why
-                    # ... unless it is the memory cap: no fallback can honour it
-                    fatal = isinstance(exc, PartitionError) and config.memory_cap is not None
-                    decision[0] = (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None, fatal)
+                decision[0], plan = _profile_and_plan(
+                    config,
+                    pipeline=pipeline,
+                    world_size=world_size,
+                    num_stages=num_stages,
+                    sample=lambda: _one_microbatch(first_stage_input(module, first_batch()), config.num_microbatches),
+                    optimizer=optimizer,
+                    device=device,
+                    forward_context=forward_context,
+                    layer_copies=layer_copies,
+                    comm=comm,
+                )
         if world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         balance, table, arrays, link, error, sweep, fatal = decision[0]
@@ -275,6 +253,59 @@ def decide(
     if config.balance is not None:
         return SetupDecision(Partition.from_balance(config.balance, len(pipeline)))
     return SetupDecision(_by_parameters(pipeline, num_stages))
+
+
+def _profile_and_plan(
+    config: DynPipeConfig,
+    *,
+    pipeline: nn.Sequential,
+    world_size: int,
+    num_stages: int,
+    sample: Callable[[], Any],
+    optimizer: Optimizer | Callable[[], Optimizer | None] | None,
+    device: torch.device,
+    forward_context: Callable[[], AbstractContextManager[Any]],
+    layer_copies: Callable[[torch.device], Iterable[nn.Module]] | None,
+    comm: CommModel,
+) -> tuple[tuple[Any, ...], Plan | None]:
+    """Rank 0's part of :func:`decide`: the profile, the plan, the calibration sweep, as the tuple every rank receives
+    (``balance, table, cost arrays, link, error, sweep, fatal``), and the plan. A failure is reported in the tuple,
+    not raised."""
+    plan: Plan | None = None
+    try:
+        micro_batch = sample()
+        opt = optimizer() if callable(optimizer) else optimizer
+        copies = layer_copies(device) if layer_copies is not None else None
+        with forward_context():
+            cost = _profile(pipeline, micro_batch, device, opt, copies)
+        cost = recomputed(cost, config.checkpoint_layers(len(pipeline)))
+        del opt, copies
+        balance, table = config.balance, None
+        if config.balance_mode == "auto":
+            plan = best_plan(
+                cost,
+                world_size,
+                num_stages=None if config.stages_auto else num_stages,
+                schedule=config.schedule,
+                convergence=config.convergence,
+                comm=comm,
+                num_microbatches=config.num_microbatches,
+                memory_cap=config.memory_cap,
+            )
+            balance, table = plan.partition.balance, plan.table()
+        elif config.memory_cap is not None and balance is not None:
+            _warn_over_cap(config, cost, balance, world_size)
+        link = (comm.latency_s, comm.bandwidth_Bps)
+        stages = len(balance) if balance is not None else num_stages
+        sweep = None
+        if config.calibrate is not None:
+            autocast = _autocast_dtype(device, forward_context)
+            sweep = _calibrate(config, pipeline, micro_batch, cost, stages, autocast)
+        return (balance, table, cost.to_arrays(), link, None, sweep, False), plan
+    except Exception as exc:  # the run must not die because a heuristic failed; say why
+        # ... unless it is the memory cap: no fallback can honour it
+        fatal = isinstance(exc, PartitionError) and config.memory_cap is not None
+        return (config.balance, None, None, None, f"{type(exc).__name__}: {exc}", None, fatal), plan
 
 
 def _warn_over_cap(config: DynPipeConfig, cost: ModelCost, balance: tuple[int, ...], world_size: int) -> None:
