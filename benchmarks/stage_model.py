@@ -239,11 +239,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, help="analyse a stored interference.py record")
     a = p.parse_args(argv)
+    from benchmarks import interference  # torch and the runners: only to run or name the model
+
     if a.from_json is not None:
         json_path = a.from_json
     else:
-        from benchmarks import interference
-
         before = set(a.out_dir.glob("interference-*.json")) if a.out_dir.exists() else set()
         interference.main(
             [
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = json.loads(json_path.read_text(encoding="utf-8"))
     result = analyse(payload)
     cfg = payload["config"]
-    model = f"CNN channels {cfg['channels']}" if cfg["model"] == "cnn" else f"MLP {cfg['depth']}x{cfg['width']}"
+    model = interference._model_name(interference._config_from_json(cfg))
     print()
     print(describe_machine(payload["machine"]))
     print(
