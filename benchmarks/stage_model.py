@@ -43,8 +43,9 @@ from benchmarks._common import describe_machine, format_table, median, save_figu
 
 _OUT = _ROOT / "benchmarks" / "out"
 _IMG = _ROOT / "docs" / "img" / "stage_model_{model}.png"
-VARIANTS = {"fixed cost": True, "stretch": False}
-"""The two ways of carrying a quiet stage's reading: ``MeasuredSlowdownPredictor(fixed_costs=...)``."""
+VARIANTS = ("fixed cost", "stretch", "forest prior")
+"""The ways of carrying a quiet stage's reading: ``MeasuredSlowdownPredictor(fixed_costs=True)`` and
+``(fixed_costs=False)``, and an untrained ``ForestPredictor`` (its prior, priced in seconds)."""
 SKIP_STEPS = 15
 """Steps at the start of each cut's run left out of its medians (start-up)."""
 
@@ -79,7 +80,12 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
     """Every cut priced from every other cut's window by both variants, against its measurements."""
     from lightning_dynpipe.plan.costs import CommModel, ModelCost
     from lightning_dynpipe.plan.partition import Partition
-    from lightning_dynpipe.predictor import MeasuredSlowdownPredictor, PipelineWindow, StageTimes
+    from lightning_dynpipe.predictor import (
+        ForestPredictor,
+        MeasuredSlowdownPredictor,
+        PipelineWindow,
+        StageTimes,
+    )
 
     M = payload["config"]["num_microbatches"]
     lc = payload["layer_costs"]
@@ -102,13 +108,17 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
         ratios = [c / p for c, p in zip(measured["compute_s"], measured["profile_s"])]
         speed = min(ratios)  # the predictors price at the least slowed stage's speed: seconds = value x speed
         predicted: dict[str, dict[tuple[int, ...], list[float]]] = {}
-        for name, fixed in VARIANTS.items():
-            predictor = MeasuredSlowdownPredictor(fixed_costs=fixed)
+        for name in VARIANTS:
+            predictor: MeasuredSlowdownPredictor | ForestPredictor
+            if name == "forest prior":
+                predictor, scale = ForestPredictor(), 1.0  # in seconds already
+            else:
+                predictor, scale = MeasuredSlowdownPredictor(fixed_costs=name == "fixed cost"), speed
             for _ in range(2):  # the loop gives the predictor every window; two of the same cut
                 predictor.observe(cost, CommModel(), window)
             predicted[name] = {
                 target: [
-                    i.value * speed
+                    i.value * scale
                     for i in predictor.predict(cost, CommModel(), window, Partition(target)).stage_compute_s
                 ]
                 for target in cuts
@@ -215,7 +225,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    for name, marker in zip(VARIANTS, ("o", "x")):
+    for name, marker in zip(VARIANTS, ("o", "x", "+")):
         xs = [m * 1e3 for x in result["pairs"] for m in x["measured_s"]]
         ys = [p * 1e3 for x in result["pairs"] for p in x["predicted_s"][name]]
         ax.scatter(xs, ys, marker=marker, label=name, alpha=0.7)

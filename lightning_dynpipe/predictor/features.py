@@ -19,7 +19,10 @@ The forest predicts the **residual** over an analytic prior, as a log ratio:
   the stage's measured compute over the profile of the layers it held (:func:`prior_slowdowns`), at least
   ``1/q`` under a CPU limit of ``q`` cores, and there at least all the stage's measured CPU per step over ``q``,
   with the layers it gains or gives away priced by their profile (the framework's CPU around the layers stays with
-  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`);
+  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where the predictor has seen the
+  stage quiet under the layers it holds (:class:`QuietReadings`), what it read then over the pipeline's speed is a
+  fixed cost per micro-batch that stays with the stage, and only the rest of the reading stretches the candidate's
+  layers, as in the measured predictor (the ``fixed_share`` column: that cost's share of the prior);
 * boundary: ``prior = max(link(candidate bytes), measured message time - link(measured bytes) + link(candidate
   bytes))`` with ``link(x) = latency + x / bandwidth``: the measured extra latency (delay, jitter, contention)
   carries over and the bandwidth term follows the bytes.
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +65,7 @@ __all__ = [
     "boundary_priors",
     "measured_message_s",
     "samples_from_windows",
+    "QuietReadings",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -101,6 +105,7 @@ STAGE_FEATURES: tuple[str, ...] = (
     "quota_demand",
     "pace_ms",
     "quota_pressure",
+    "fixed_share",
 )
 """Columns of a stage row (see the module docstring)."""
 
@@ -163,10 +168,29 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 3, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 4, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
 layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
-beside a limited stage is measured on its other side)."""
+beside a limited stage is measured on its other side; 4: a stage's prior carries what it read quiet as a fixed cost,
+where the predictor has seen such a window, and the ``fixed_share`` column says how much of the prior that is)."""
+
+
+class QuietReadings(Protocol):
+    """What the windows seen so far showed of the pipeline's speed and of each stage with nothing beside it:
+    :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` after it observed them (its
+    :attr:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor.reference` and
+    :meth:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor.quiet_ratio`), for one profile."""
+
+    @property
+    def reference(self) -> float | None:
+        """The pipeline's speed (measured compute over profile) the windows showed, with its tolerance; ``None``
+        before any window."""
+        ...
+
+    def quiet_ratio(self, stage: int, layers: range) -> float | None:
+        """The stage's measured compute over profile while it held ``layers`` and showed no sign of interference;
+        ``None`` where it never did."""
+        ...
 
 
 def _opt(value: float | None, scale: float = 1.0) -> float:
@@ -213,25 +237,76 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
     return tuple(out)
 
 
-def stage_priors(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
+def _stage_parts(
+    model_cost: ModelCost, window: PipelineWindow, quiet: QuietReadings | None
+) -> list[tuple[float, float]]:
+    """Per stage of the window, ``(stretch, fixed)``: the stage's compute per micro-batch under any layers costs
+    ``stretch * (their profile + fixed)`` seconds (before a CPU limit's floor).
+
+    Without a quiet reading the stage's whole reading stretches its layers: ``(prior slowdown, 0)``. Where ``quiet``
+    holds the stage's reading under the layers it holds now, with nothing beside it and under no CPU limit below
+    one core, what that reading exceeds the pipeline's speed by is a fixed cost per micro-batch that stays with the
+    stage (``own - 1`` times its layers' profile, ``own`` the quiet reading over the pipeline's speed, at most what it
+    reads now), and the rest of the reading stretches its layers and that cost together, as
+    :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` prices it; the stage's current layers are priced
+    at what it measured either way.
+    """
+    slow = prior_slowdowns(model_cost, window)
+    out = [(s, 0.0) for s in slow]
+    if quiet is None:
+        return out
+    M = window.num_microbatches
+    ratios = []
+    for k, t in enumerate(window.stages):
+        profile = _profile_s(model_cost, window.partition, k)
+        ratios.append(t.compute_s / (M * profile) if profile > 0 and t.compute_s > 0 else None)
+    measured = [r for r in ratios if r is not None]
+    if not measured:
+        return out
+    reference = quiet.reference
+    base = min(min(measured), reference) if reference is not None and reference > 0 else min(measured)
+    if not base > 0:
+        return out
+    for k, t in enumerate(window.stages):
+        layers = window.partition.stage_layers(k)
+        q = quiet.quiet_ratio(k, layers)
+        if q is None or ratios[k] is None or t.binding_cpu_limit is not None:
+            continue
+        own = min(max(q / base, 1.0), slow[k] / base)
+        if own > 1.0:
+            out[k] = (slow[k] / own, (own - 1.0) * _profile_s(model_cost, window.partition, k))
+    return out
+
+
+def stage_priors(
+    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, quiet: QuietReadings | None = None
+) -> FloatArray:
     """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds): its layers' profile
-    times the stage's :func:`prior_slowdowns`, and under a CPU limit no less than all the stage's CPU per step over
-    the limit, the layers it gains or gives away priced by their profile
+    times the stage's :func:`prior_slowdowns`, with what the stage read quiet carried as a fixed cost where
+    ``quiet`` holds such a reading (see :func:`_stage_parts`), and under a CPU limit no less than all the stage's CPU
+    per step over the limit, the layers it gains or gives away priced by their profile
     (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`)."""
     check_same_pipeline(window, candidate)
-    slow = prior_slowdowns(model_cost, window)
+    parts = _stage_parts(model_cost, window, quiet)
     floors = cpu_limited_floors(model_cost, window, candidate, seconds=True)
     return np.asarray(
-        [max(slow[k] * _profile_s(model_cost, candidate, k), floors[k] or 0.0) for k in range(candidate.num_stages)]
+        [
+            max(stretch * (_profile_s(model_cost, candidate, k) + fixed), floors[k] or 0.0)
+            for k, (stretch, fixed) in enumerate(parts)
+        ]
     )
 
 
-def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partition) -> FloatArray:
-    """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``."""
+def stage_rows(
+    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, quiet: QuietReadings | None = None
+) -> FloatArray:
+    """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``, with the
+    priors of :func:`stage_priors` under the same ``quiet`` readings."""
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
-    priors = stage_priors(model_cost, window, candidate)
+    priors = stage_priors(model_cost, window, candidate, quiet)
+    parts = _stage_parts(model_cost, window, quiet)
     rows = []
     for k, t in enumerate(window.stages):
         measured_profile = _profile_s(model_cost, window.partition, k)
@@ -282,6 +357,7 @@ def stage_rows(model_cost: ModelCost, window: PipelineWindow, candidate: Partiti
                 cand_duty / limit if limit is not None and limit > 0 else 0.0,
                 pace * 1e3,
                 raw_clean * cand_profile / (limit * pace) if limit is not None and limit > 0 and pace > 0 else 0.0,
+                parts[k][1] / (cand_profile + parts[k][1]) if cand_profile + parts[k][1] > 0 else 0.0,
             ]
         )
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(STAGE_FEATURES))
@@ -401,16 +477,21 @@ _FLOOR_S = 1e-9  # a measured time of 0 (no transfer on this machine) has no log
 
 
 def samples_from_windows(
-    model_cost: ModelCost, comm: CommModel, before: PipelineWindow, after: PipelineWindow
+    model_cost: ModelCost,
+    comm: CommModel,
+    before: PipelineWindow,
+    after: PipelineWindow,
+    quiet: QuietReadings | None = None,
 ) -> LabelledSamples:
     """Labelled samples: the environment measured in ``before``, the layers and times measured in ``after``.
 
     ``after`` may run the same partition (the next window: how the environment carries forward) or another one
-    (a migration's outcome, or a calibration run of another layer set under the same interference).
+    (a migration's outcome, or a calibration run of another layer set under the same interference). ``quiet``: the
+    readings known when ``before`` was priced (the rows and priors are those a prediction from ``before`` used).
     """
     cand = after.partition
-    sx = stage_rows(model_cost, before, cand)
-    prior = stage_priors(model_cost, before, cand)
+    sx = stage_rows(model_cost, before, cand, quiet)
+    prior = stage_priors(model_cost, before, cand, quiet)
     measured = np.asarray([effective_compute_s(t) / after.num_microbatches for t in after.stages])
     keep = (prior > _FLOOR_S) & (measured > _FLOOR_S)
     sy = np.log(np.where(keep, measured, 1.0) / np.where(keep, prior, 1.0))

@@ -3,8 +3,12 @@
 :class:`ForestPredictor` prices a candidate partition from a measured window (see
 :mod:`~lightning_dynpipe.predictor.features` for the rows and the priors). Two small scikit-learn forests (one
 for stages, one for boundaries) predict the log ratio of the measured time to the prior; the answer is
-``prior * exp(residual)``. Without samples the residual is 0, so an untrained forest answers exactly what the
-baseline :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` answers.
+``prior * exp(residual)``. Without samples the residual is 0, so an untrained forest answers its prior: each stage
+priced as the baseline :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` prices it, in seconds rather
+than relative to the least slowed stage. Like the baseline, the forest remembers the windows it observes: once a
+stage has read quiet under the layers it holds, the excess of that reading over the pipeline's speed is a fixed cost
+per micro-batch in its prior, not a stretch of the layers it would receive (the rows say how much of the prior that
+is, so rows priced either way train one forest).
 
 **Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
 widened (or narrowed) by one constant: the smallest that makes ``coverage`` of the calibration intervals hold the
@@ -88,12 +92,14 @@ from lightning_dynpipe.predictor.features import (
     STAGE_FEATURES,
     FeatureSchema,
     LabelledSamples,
+    QuietReadings,
     boundary_priors,
     boundary_rows,
     samples_from_windows,
     stage_priors,
     stage_rows,
 )
+from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor
 from lightning_dynpipe.predictor.refit import RefitProcess
 
 __all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT"]
@@ -328,6 +334,9 @@ class ForestPredictor:
         self._stage: QuantileForest | None = None
         self._boundary: QuantileForest | None = None
         self._last: PipelineWindow | None = None
+        # the quiet readings of the observed windows (the baseline's memory), for the profile they were taken under
+        self._quiet = MeasuredSlowdownPredictor()
+        self._quiet_cost: ModelCost | None = None
         self._observed = 0
         self._since_refit = 0
         self._rows_since_refit = 0  # stage and boundary rows observed since the last refit started
@@ -428,16 +437,22 @@ class ForestPredictor:
                     )
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
-            new = samples_from_windows(model_cost, comm, previous, window)
+            new = samples_from_windows(model_cost, comm, previous, window, self._readings(model_cost))
             if self.refit_on == "miss":  # a prediction per window, only where it decides something
                 self._count_misses(new)
             self._add(new)
+        self._quiet.observe(model_cost, comm, window)  # after the labels: they price from what was known then
+        self._quiet_cost = model_cost
         if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
             if self._explained():
                 self.refits_skipped += 1
                 self._since_refit = 0
             else:
                 self._start_refit()
+
+    def _readings(self, model_cost: ModelCost) -> QuietReadings | None:
+        """The quiet readings of the windows observed under ``model_cost`` (``None`` under another profile)."""
+        return self._quiet if self._quiet_cost is model_cost else None
 
     def _count_misses(self, new: LabelledSamples) -> None:
         """Counts the new rows and those outside the current forests' intervals (an unfitted forest misses all)."""
@@ -659,8 +674,9 @@ class ForestPredictor:
         if not candidates:
             return []
         S = window.partition.num_stages
-        sx = np.concatenate([stage_rows(model_cost, window, c) for c in candidates])
-        sp = np.concatenate([stage_priors(model_cost, window, c) for c in candidates])
+        quiet = self._readings(model_cost)
+        sx = np.concatenate([stage_rows(model_cost, window, c, quiet) for c in candidates])
+        sp = np.concatenate([stage_priors(model_cost, window, c, quiet) for c in candidates])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in candidates])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
         s_val, s_lo, s_hi = _residuals(self._stage, sx)
@@ -694,7 +710,7 @@ class ForestPredictor:
         """The ``n`` most important stage features with their values for ``stage_idx`` of the window, for logs."""
         if self._stage is None:
             return []
-        row = stage_rows(model_cost, window, window.partition)[stage_idx]
+        row = stage_rows(model_cost, window, window.partition, self._readings(model_cost))[stage_idx]
         order = np.argsort(-self._stage.importances, kind="stable")[:n]
         return [f"{STAGE_FEATURES[j]}={row[j]:.3g}" for j in order]
 

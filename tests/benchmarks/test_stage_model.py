@@ -65,6 +65,8 @@ def test_a_fixed_cost_per_micro_batch_is_priced_exactly_where_the_stretch_misses
     back = pairs[((2, 1), (1, 2))]
     assert back["predicted_s"]["fixed cost"] == pytest.approx([1e-3, 4e-3])
     assert back["predicted_s"]["stretch"] == pytest.approx([1e-3, 6e-3])
+    for pair in (fwd, back):  # the forest's prior carries the quiet reading the same way
+        assert pair["predicted_s"]["forest prior"] == pytest.approx(pair["predicted_s"]["fixed cost"])
     assert result["summary"]["fixed cost"]["slowest_error_max"] == pytest.approx(0.0, abs=1e-12)
     assert result["summary"]["stretch"]["slowest_error_max"] == pytest.approx(0.5)
     assert "cuts ordered as measured" in render(result)

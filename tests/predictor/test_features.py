@@ -100,6 +100,63 @@ def test_a_limited_stages_prior_keeps_the_cpu_spent_around_its_layers() -> None:
     assert stage_priors(COST, unmeasured, Partition((3, 1)))[1] == pytest.approx(4.0 * 3e-3)
 
 
+class _Quiet:
+    """Quiet readings for the tests: the pipeline's speed and what stages read quiet under given layers."""
+
+    def __init__(self, reference: float | None, readings: dict[tuple[int, int, int], float]) -> None:
+        self._reference, self._readings = reference, readings
+
+    @property
+    def reference(self) -> float | None:
+        return self._reference
+
+    def quiet_ratio(self, stage: int, layers: range) -> float | None:
+        return self._readings.get((stage, layers.start, layers.stop))
+
+
+def _small_last_stage(reading: float, **limits: float) -> PipelineWindow:
+    """``[3, 1]``, 4 micro-batches: stage 0 at its profile (9 ms per micro-batch), the last stage's one layer
+    (3 ms profiled) at ``reading`` times its profile."""
+    return PipelineWindow(
+        Partition((3, 1)),
+        (StageTimes(compute_s=36e-3, step_s=60e-3), StageTimes(compute_s=4 * reading * 3e-3, step_s=60e-3, **limits)),
+        4,
+    )
+
+
+def test_a_quiet_reading_prices_a_stage_with_its_fixed_cost_not_as_a_stretch_of_the_layers_it_receives() -> None:
+    """The last stage's one layer read 2x its profile quiet: 3 ms per micro-batch the layers do not explain. Given
+    two layers, it costs 6 ms + those 3 ms, not 2 x 6 ms; under a hog that doubles its reading, both double."""
+    quiet = _Quiet(1.1, {(1, 3, 4): 2.0})
+    window = _small_last_stage(2.0)
+    assert stage_priors(COST, window, Partition((2, 2)))[1] == pytest.approx(12e-3)  # no reading known: the stretch
+    prior = stage_priors(COST, window, Partition((2, 2)), quiet)
+    assert prior[1] == pytest.approx(9e-3) and prior[0] == pytest.approx(6e-3)
+    assert stage_priors(COST, window, Partition((3, 1)), quiet)[1] == pytest.approx(6e-3)  # what it measured
+    hogged = _small_last_stage(4.0)
+    assert stage_priors(COST, hogged, Partition((2, 2)), quiet)[1] == pytest.approx(18e-3)
+    assert stage_priors(COST, hogged, Partition((3, 1)), quiet)[1] == pytest.approx(12e-3)
+    row = stage_rows(COST, window, Partition((2, 2)), quiet)
+    assert row[1, _col("fixed_share")] == pytest.approx(3 / 9) and row[0, _col("fixed_share")] == 0.0
+    assert stage_rows(COST, window, Partition((2, 2)))[1, _col("fixed_share")] == 0.0
+    # a reading under other layers, or under a CPU limit below one core, is not the stage's fixed cost
+    assert stage_priors(COST, window, Partition((2, 2)), _Quiet(1.1, {(1, 2, 4): 2.0}))[1] == pytest.approx(12e-3)
+    limited = _small_last_stage(4.0, cpu_limit=0.5)
+    assert stage_priors(COST, limited, Partition((2, 2)), quiet)[1] == pytest.approx(
+        stage_priors(COST, limited, Partition((2, 2)))[1]
+    )
+
+
+def test_a_sample_is_labelled_against_the_prior_the_quiet_readings_gave() -> None:
+    quiet = _Quiet(1.1, {(1, 3, 4): 2.0})
+    after = PipelineWindow(
+        Partition((2, 2)), (StageTimes(compute_s=24e-3, step_s=40e-3), StageTimes(compute_s=36e-3, step_s=40e-3)), 4
+    )
+    s = samples_from_windows(COST, LINK, _small_last_stage(2.0), after, quiet)
+    assert s.stage_y.tolist() == pytest.approx([0.0, 0.0])  # 9 ms measured, 9 ms priced
+    assert samples_from_windows(COST, LINK, _small_last_stage(2.0), after).stage_y[1] == pytest.approx(math.log(9 / 12))
+
+
 def test_gpu_readings_reach_the_rows_from_the_monitor() -> None:
     reading = SystemReading(gpu_util=0.8, gpu_sm_clock_mhz=1200.0, gpu_throttled=1.0, gpu_other_mem_bytes=1 << 30)
 

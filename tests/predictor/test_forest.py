@@ -19,7 +19,7 @@ import pytest
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow
+from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows, stage_priors
 from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor
 
@@ -76,6 +76,39 @@ def test_an_untrained_forest_answers_its_prior_and_is_an_interference_predictor(
     p = f.predict(COST, sim.LINK, window, cand)
     assert [i.value for i in p.stage_compute_s] == pytest.approx(stage_priors(COST, window, cand).tolist())
     assert all(i.low == i.value == i.high for i in p.stage_compute_s)
+
+
+def test_an_untrained_forest_prices_as_the_baseline_in_seconds_with_what_it_saw_quiet_as_a_fixed_cost() -> None:
+    """The pipeline runs at 1.2x the profile's clock; the last stage's one layer reads 2.4x (2x the pipeline's
+    speed) with nothing beside it. Both predictors carry that as a fixed cost: the forest in seconds, the baseline
+    relative to the pipeline's speed. A move's outcome priced right is a zero residual."""
+    quiet = PipelineWindow(
+        Partition((8, 2)),
+        (
+            StageTimes(4 * 1.2 * COST.compute_s(0, 8), 0.1, cpu_share=1.0, other_cpu_load=0.0),
+            StageTimes(4 * 2.4 * COST.compute_s(8, 10), 0.1, cpu_share=1.0, other_cpu_load=0.0),
+        ),
+        4,
+    )
+    forest, base = ForestPredictor(), MeasuredSlowdownPredictor()
+    forest.observe(COST, sim.LINK, quiet)
+    base.observe(COST, sim.LINK, quiet)
+    for cand in PARTS:
+        got = [i.value for i in forest.predict(COST, sim.LINK, quiet, cand).stage_compute_s]
+        want = [1.2 * i.value for i in base.predict(COST, sim.LINK, quiet, cand).stage_compute_s]
+        assert got == pytest.approx(want)
+    moved = Partition((7, 3))
+    priced = forest.predict(COST, sim.LINK, quiet, moved).stage_compute_s
+    after = PipelineWindow(
+        moved,
+        tuple(StageTimes(4 * p.value, 0.1, cpu_share=1.0, other_cpu_load=0.0) for p in priced),
+        4,
+    )
+    forest.observe(COST, sim.LINK, after)
+    assert forest.samples.stage_y.tolist() == pytest.approx([0.0, 0.0])
+    fresh = ForestPredictor()  # has seen no window: the stretch of the whole reading
+    stretched = fresh.predict(COST, sim.LINK, quiet, moved).stage_compute_s[1].value
+    assert stretched == pytest.approx(2.4 * COST.compute_s(7, 10)) and stretched > priced[1].value
 
 
 def test_on_held_out_scenarios_and_partitions_never_run_the_forest_is_accurate_and_covered(
