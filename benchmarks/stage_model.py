@@ -123,6 +123,8 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
                 ]
                 for target in cuts
             }
+            if isinstance(predictor, ForestPredictor):
+                predictor.close()  # its refit process, started by observe()
         for target, truth in cuts.items():
             if target == source:
                 continue

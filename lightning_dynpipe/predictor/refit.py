@@ -201,11 +201,26 @@ def main() -> None:
     """The child: says ``ready`` once imported; then one request path per stdin line; writes ``(ok, forests or
     error)`` next to it and answers a line (``done <CPU seconds the request took>``).
 
-    Its argument is the parent's private directory, removed when stdin ends (the parent closed it, or died).
+    Its argument is the parent's private directory, removed when stdin ends (the parent closed it, or died). A
+    parent that went away without reading its answers (it exited without :meth:`ForestPredictor.close
+    <lightning_dynpipe.predictor.forest.ForestPredictor.close>`) ends it quietly.
     """
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     answers = os.fdopen(os.dup(1), "wb")  # the answers' own descriptor: a stray print goes to stderr instead
     os.dup2(2, 1)
+    try:
+        _serve(answers)
+    except BrokenPipeError:  # the parent is gone: nobody reads the answers
+        try:
+            answers.close()  # now, not at exit, where the unflushed answer would fail again
+        except OSError:
+            pass
+    if directory is not None and directory.name.startswith("dynpipe-refit-"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _serve(answers: Any) -> None:
+    """Imports, says ``ready``, then answers each request line until stdin ends (see :func:`main`)."""
     _lowest_priority()
     from lightning_dynpipe.predictor.forest import ForestPredictor, _sklearn_forest
 
@@ -223,8 +238,6 @@ def main() -> None:
         request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         answers.write(f"done {time.process_time() - cpu0:.6f}\n".encode())
         answers.flush()
-    if directory is not None and directory.name.startswith("dynpipe-refit-"):
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _lowest_priority() -> None:

@@ -402,6 +402,30 @@ def test_the_refit_child_removes_its_directory_when_its_parent_is_gone() -> None
     child.close()
 
 
+def test_a_refit_child_whose_parent_never_read_its_answers_ends_quietly(tmp_path: Path) -> None:
+    """A script that uses a forest and exits without close() closes the child's answer pipe unread: the child's
+    ``ready`` then meets a broken pipe, and it used to print that traceback on the script's terminal."""
+    import subprocess
+    import sys
+
+    files = tmp_path / "dynpipe-refit-test"
+    files.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()", str(files)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    proc.stdout.close()  # the parent is gone before the child's imports are done
+    proc.stdin.close()
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert not files.exists()
+
+
 def test_a_forest_that_explains_the_new_windows_skips_its_refit_and_refits_when_they_change() -> None:
     """refit_on="miss": a refit costs CPU (on a stage under a CPU limit, out of that limit), so a fitted forest
     refits only when the rows since its last refit fall outside their intervals more often than 1 - coverage."""
