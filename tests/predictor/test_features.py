@@ -213,6 +213,26 @@ def test_a_boundary_beside_a_throttled_stage_is_measured_on_its_other_side() -> 
     assert [m for m, _ in times] == [pytest.approx(1e-3), pytest.approx(1e-3)]
 
 
+def test_a_boundary_beside_a_stage_that_waits_for_its_core_is_measured_on_its_other_side() -> None:
+    """Beside a CPU hog the stage's threads that receive wait for the core, and it sees messages late: on the CNN the
+    hogged side read 11 ms per message where the other read 0.3. Other processes on its cores or its main thread
+    waiting for a core (beyond the other stage's, by the monitor's thresholds) count; noise below them does not."""
+    M = 4
+    quiet = StageTimes(0.024, 0.1, comm_s=M * 0.3e-3, cpu_share=0.9, other_cpu_load=0.0, run_queue_wait_share=0.02)
+    hogged = replace(quiet, comm_s=M * 11e-3, cpu_share=0.5, other_cpu_load=0.5, run_queue_wait_share=0.5)
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (hogged, quiet), M))
+    assert median == pytest.approx(0.3e-3)
+    waiting = replace(hogged, other_cpu_load=0.0)  # its own threads, or another process the monitor cannot see
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (quiet, waiting), M))
+    assert median == pytest.approx(0.3e-3)
+    noisy = replace(hogged, other_cpu_load=0.1, run_queue_wait_share=0.1)
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (noisy, quiet), M))
+    assert median == pytest.approx((11e-3 + 0.3e-3) / 2)
+    unread = replace(hogged, cpu_share=0.0)  # a stage without system readings: both sides, as without the rule
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (unread, quiet), M))
+    assert median == pytest.approx((11e-3 + 0.3e-3) / 2)
+
+
 def test_samples_pair_the_environment_before_with_the_times_after() -> None:
     before = PipelineWindow(
         Partition((2, 2)), (StageTimes(0.024, 0.05, comm_s=0.004), StageTimes(0.048, 0.05, comm_s=0.004)), 4
