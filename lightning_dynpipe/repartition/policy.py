@@ -383,7 +383,11 @@ class GainOverCostPolicy:
     its convergence factor) under each set of conditions, and when the predicted candidate does not move it, moves
     back to a partition measured faster under the same conditions as now, with the same tests of gain, cost,
     ``min_relative_gain``, cool-down and refusals, after ``explained_patience`` checks (the evidence is measured).
-    Such a move is judged afterwards like any other.
+    Such a move is judged afterwards like any other. The same memory checks the predictor: a predicted move to a
+    partition that measured no faster (by ``min_relative_gain``) than the current one under the same conditions, or,
+    when they come and go, on average over them, is not made. Under a hog the hogged stage reads less slowed once it
+    holds less work (light work gets the core when it wakes), so the predictor prices the partition the move left
+    behind faster than it ran.
 
     Args:
         horizon_steps: how far ahead the gain is counted.
@@ -577,10 +581,26 @@ class GainOverCostPolicy:
             )
 
     def _averaged(self, inputs: PolicyInputs, predicted: Decision) -> Decision:
-        """Under conditions that come and go, a predicted move must also pay on the measured average over them."""
-        if not predicted.repartition or not inputs.conditions or not self._memory.intermittent(inputs.conditions):
+        """A predicted move must also pay on what the two partitions measured, where the memory holds both: under
+        conditions that come and go, on the average over them; else under the same conditions as now."""
+        if not predicted.repartition or not inputs.conditions:
             return predicted
-        here, there = self._memory.expected(inputs.current), self._memory.expected(predicted.partition)
+        memory, target = self._memory, predicted.partition
+        if memory.intermittent(inputs.conditions):
+            here, there = memory.expected(inputs.current), memory.expected(target)
+            measured = f"the conditions come and go ({memory.describe()}): averaged over them {target} measured"
+        else:
+            seen_here, seen_there = (
+                memory.measured(inputs.current, inputs.conditions),
+                memory.measured(target, inputs.conditions),
+            )
+            here = None if seen_here is None else seen_here[1]
+            there = None if seen_there is None else seen_there[1]
+            measured = (
+                f"{target} measured under the same conditions ({memory.name(inputs.conditions)})"
+                + ("" if seen_there is None else f" at step {seen_there[0]}")
+                + ":"
+            )
         if here is None or there is None or here - there >= self.min_relative_gain * here:
             return predicted
         self._unjudged = None
@@ -588,8 +608,7 @@ class GainOverCostPolicy:
             False,
             inputs.current,
             predicted.predicted_gain_s,
-            f"the conditions come and go ({self._memory.describe()}): averaged over them {predicted.partition} "
-            f"measured {there * 1e3:.1f} ms/step against {here * 1e3:.1f} for {inputs.current}",
+            f"{measured} {there * 1e3:.1f} ms/step against {here * 1e3:.1f} for {inputs.current}",
             inputs,
         )
 

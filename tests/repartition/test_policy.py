@@ -471,6 +471,32 @@ def test_when_the_conditions_come_and_go_partitions_are_compared_on_their_averag
     assert not policy.decide(_inputs(130, **cur)).repartition  # type: ignore[arg-type]
 
 
+def test_a_predicted_move_to_a_partition_measured_slower_under_the_same_conditions_is_not_made() -> None:
+    """The CNN under a steady hog on stage 0: CUR measured 80 ms/step, the move to CAND 55. On CAND, stage 0 reads
+    less slowed (light work gets the core when it wakes), so the predictor prices CUR back at 46 ms/step against
+    62: the measurements under the same conditions say otherwise, and the policy stays (it moved back and rolled
+    back, two migrations, in 3 of 6 runs)."""
+    policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    hog = {"cost": 0.02, "causes": "stage 0: other processes", "conditions": HOG}
+    assert policy.decide(_inputs(70, current_s=80 * MS, candidate_s=50 * MS, **hog)).partition == CAND  # type: ignore[arg-type]
+    policy.migrated(70)
+    on_cand = {"current": CAND, "candidate": CUR, "current_s": 62 * MS, "measured_s": 55 * MS, "candidate_s": 46 * MS}
+    stay = policy.decide(_inputs(80, **on_cand, **hog))  # type: ignore[arg-type]
+    assert not stay.repartition
+    assert stay.reason == (
+        "[3, 3] measured under the same conditions (stage 0 slowed) at step 70: 80.0 ms/step against 55.0 for [4, 2]"
+    )
+    assert not policy.decide(_inputs(90, **on_cand, **hog)).repartition  # type: ignore[arg-type]
+    # measured under other conditions only, or not faster by less than min_relative_gain: the prediction decides
+    other = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
+    other.decide(_inputs(60, current_s=30 * MS, candidate=CUR, cost=0.02, conditions=CLEAN))
+    assert other.decide(_inputs(70, current_s=80 * MS, candidate_s=50 * MS, **hog)).partition == CAND  # type: ignore[arg-type]
+    other.migrated(70)
+    clean = {**on_cand, "cost": 0.02, "conditions": CLEAN, "measured_s": 62 * MS}
+    back = other.decide(_inputs(80, **clean))  # type: ignore[arg-type]
+    assert back.repartition and back.partition == CUR  # CUR measured 30 ms/step clean
+
+
 def test_a_rolled_back_window_is_remembered_and_averages_need_every_condition() -> None:
     policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0)
     policy.decide(_inputs(10, current_s=30 * MS, candidate_s=20 * MS, cost=0.01, conditions=CLEAN))
