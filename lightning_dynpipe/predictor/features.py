@@ -49,7 +49,7 @@ from lightning_dynpipe.monitor.stats import INTERFERENCE_SIGNS
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline
-from lightning_dynpipe.predictor.measured import cpu_limited_floors, measured_slowdowns
+from lightning_dynpipe.predictor.measured import cpu_limited_floors, measured_slowdowns, quiet_split
 
 __all__ = [
     "FeatureSchema",
@@ -249,10 +249,10 @@ def _stage_parts(
     Without a quiet reading the stage's whole reading stretches its layers: ``(prior slowdown, 0)``. Where ``quiet``
     holds the stage's reading under the layers it holds now, with nothing beside it and under no CPU limit below
     one core, what that reading exceeds the pipeline's speed by is a fixed cost per micro-batch that stays with the
-    stage (``own - 1`` times its layers' profile, ``own`` the quiet reading over the pipeline's speed, at most what it
-    reads now), and the rest of the reading stretches its layers and that cost together, as
-    :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` prices it; the stage's current layers are priced
-    at what it measured either way.
+    stage, and the rest of the reading stretches its layers and that cost together
+    (:func:`~lightning_dynpipe.predictor.measured.quiet_split`, as
+    :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` prices it); the stage's current layers are
+    priced at what it measured either way.
     """
     slow = prior_slowdowns(model_cost, window)
     out = [(s, 0.0) for s in slow]
@@ -275,9 +275,8 @@ def _stage_parts(
         q = quiet.quiet_ratio(k, layers)
         if q is None or ratios[k] is None or t.binding_cpu_limit is not None:
             continue
-        own = min(max(q / base, 1.0), slow[k] / base)
-        if own > 1.0:
-            out[k] = (slow[k] / own, (own - 1.0) * _profile_s(model_cost, window.partition, k))
+        stretch, fixed = quiet_split(q / base, slow[k] / base, _profile_s(model_cost, window.partition, k))
+        out[k] = (base * stretch, fixed)  # in seconds: the pipeline's speed times the relative stretch
     return out
 
 

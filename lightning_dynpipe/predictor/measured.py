@@ -59,7 +59,7 @@ from lightning_dynpipe.predictor.base import (
     check_same_pipeline,
 )
 
-__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns"]
+__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns", "quiet_split"]
 
 
 def measured_slowdowns(
@@ -113,6 +113,23 @@ def _measured_ratios(
         expected = num_microbatches * sum(model_cost.layers[i].compute_s for i in partition.stage_layers(k))
         ratios.append(t.compute_s / expected if expected > 0 and t.compute_s > 0 else None)
     return ratios
+
+
+def quiet_split(quiet: float, reading: float, profile_s: float) -> tuple[float, float]:
+    """How a stage's reading splits when it read ``quiet`` with nothing beside it under the layers it holds (both
+    relative to the pipeline's speed): ``(stretch, fixed)`` with ``stretch * (profile_s + fixed) == reading *
+    profile_s``. The fixed cost per micro-batch (in the profile's seconds) is the quiet reading's excess over the
+    pipeline's speed, none below it and at most the whole reading; the stretch is what the stage reads beyond it.
+
+    Example::
+
+        >>> quiet_split(quiet=2.0, reading=3.0, profile_s=1.0)  # 1 s fixed, and 1.5x over both
+        (1.5, 1.0)
+        >>> quiet_split(quiet=0.9, reading=3.0, profile_s=1.0)  # read quiet at the pipeline's speed: all stretch
+        (3.0, 0.0)
+    """
+    own = min(max(quiet, 1.0), reading)
+    return reading / own, (own - 1.0) * profile_s
 
 
 def _second_lowest(ascending: Sequence[float]) -> float:
@@ -300,7 +317,6 @@ class MeasuredSlowdownPredictor:
             quiet = self.quiet_ratio(k, layers)
             if quiet is None or t.binding_cpu_limit is not None or not base > 0:
                 continue
-            # the quiet excess over the pipeline's speed, between none and what the stage reads now
-            own = min(max(quiet / base, 1.0), slowdowns[k])
-            out[k] = (slowdowns[k] / own, (own - 1.0) * sum(model_cost.layers[i].compute_s for i in layers))
+            profile = sum(model_cost.layers[i].compute_s for i in layers)
+            out[k] = quiet_split(quiet / base, slowdowns[k], profile)
         return out

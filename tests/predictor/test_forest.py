@@ -109,6 +109,7 @@ def test_an_untrained_forest_prices_as_the_baseline_in_seconds_with_what_it_saw_
     fresh = ForestPredictor()  # has seen no window: the stretch of the whole reading
     stretched = fresh.predict(COST, sim.LINK, quiet, moved).stage_compute_s[1].value
     assert stretched == pytest.approx(2.4 * COST.compute_s(7, 10)) and stretched > priced[1].value
+    forest.close()  # observe() started its refit process
 
 
 def test_on_held_out_scenarios_and_partitions_never_run_the_forest_is_accurate_and_covered(
@@ -420,7 +421,8 @@ def test_a_refit_child_whose_parent_never_read_its_answers_ends_quietly(tmp_path
     proc.stdout.close()  # the parent is gone before the child's imports are done
     proc.stdin.close()
     assert proc.stderr is not None
-    err = proc.stderr.read()
+    with proc.stderr:
+        err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert not files.exists()
