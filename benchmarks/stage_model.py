@@ -77,7 +77,7 @@ def _profiles(cost: Any, balance: tuple[int, ...]) -> list[float]:
 
 
 def analyse(payload: dict[str, Any]) -> dict[str, Any]:
-    """Every cut priced from every other cut's window by both variants, against its measurements."""
+    """Every cut priced from every other cut's window by each variant, against its measurements."""
     from lightning_dynpipe.plan.costs import CommModel, ModelCost
     from lightning_dynpipe.plan.partition import Partition
     from lightning_dynpipe.predictor import (

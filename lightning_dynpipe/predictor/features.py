@@ -289,7 +289,13 @@ def stage_priors(
     per step over the limit, the layers it gains or gives away priced by their profile
     (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`)."""
     check_same_pipeline(window, candidate)
-    parts = _stage_parts(model_cost, window, quiet)
+    return _priors(model_cost, window, candidate, _stage_parts(model_cost, window, quiet))
+
+
+def _priors(
+    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, parts: list[tuple[float, float]]
+) -> FloatArray:
+    """:func:`stage_priors` from the window's :func:`_stage_parts`."""
     floors = cpu_limited_floors(model_cost, window, candidate, seconds=True)
     return np.asarray(
         [
@@ -307,8 +313,8 @@ def stage_rows(
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
-    priors = stage_priors(model_cost, window, candidate, quiet)
     parts = _stage_parts(model_cost, window, quiet)
+    priors = _priors(model_cost, window, candidate, parts)
     rows = []
     for k, t in enumerate(window.stages):
         measured_profile = _profile_s(model_cost, window.partition, k)

@@ -491,7 +491,7 @@ class GainOverCostPolicy:
                     inputs,
                 )
         self._backfired = [b for b in self._backfired if inputs.step - b.step < self.memory_steps]
-        predicted = self._averaged(inputs, self._predicted(inputs, horizon, saving, gain, key, repeated))
+        predicted = self._against_measured(inputs, self._predicted(inputs, horizon, saving, gain, key, repeated))
         if predicted.repartition:
             return predicted
         recalled = self._recall(inputs, horizon)
@@ -580,7 +580,7 @@ class GainOverCostPolicy:
                 inputs.step, inputs.current, inputs.conditions, inputs.measured_tta_step_s, inputs.measured_step_s
             )
 
-    def _averaged(self, inputs: PolicyInputs, predicted: Decision) -> Decision:
+    def _against_measured(self, inputs: PolicyInputs, predicted: Decision) -> Decision:
         """A predicted move must also pay on what the two partitions measured, where the memory holds both: under
         conditions that come and go, on the average over them; else under the same conditions as now."""
         if not predicted.repartition or not inputs.conditions:
