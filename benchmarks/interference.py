@@ -118,9 +118,9 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/interference.py --from-json A.json B.json                         # merge and analyse
 
 Outputs: the tables on stdout, ``benchmarks/out/interference-<stamp>.json`` (config, machine, versions, command,
-every run with its per-step records, evaluations, migrations, decisions and interference events), and plots
-``docs/img/interference_accuracy.png`` and ``docs/img/interference_stages.png`` (``--quick`` writes them to
-``--out-dir``).
+every run with its per-step records, evaluations, migrations, decisions with each check's per-stage readings, and
+interference events), and plots ``docs/img/interference_accuracy.png`` and ``docs/img/interference_stages.png``
+(``--quick`` writes them to ``--out-dir``).
 """
 
 from __future__ import annotations
@@ -601,6 +601,7 @@ def _run(
                 "details": d.inputs.details,
                 "causes": d.inputs.causes,
                 "conditions": list(d.inputs.conditions),
+                "stages": [asdict(t) for t in d.inputs.window.stages] if d.inputs.window else [],
             }
             for d in rec.decisions
         ],

@@ -417,6 +417,7 @@ class AdaptiveController:
             ),
             link_cause=link != self.comm,
             allowed=self._fits if self.memory_cap is not None else None,
+            window=window,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor.base import PipelineWindow
 
 __all__ = ["PolicyInputs", "Decision", "RepartitionPolicy", "GainOverCostPolicy"]
 
@@ -62,6 +63,8 @@ class PolicyInputs:
         cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
             not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
         link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
+        window: the window the check measured (every stage's readings: times, CPU, the signs' inputs), for logs and
+            for judging a decision after the fact; ``None`` when the caller did not give it.
     """
 
     step: int
@@ -82,6 +85,7 @@ class PolicyInputs:
     allowed: Callable[[Partition], bool] | None = None
     cause_stages: tuple[bool, ...] = ()
     link_cause: bool = False
+    window: PipelineWindow | None = None
 
     @property
     def explained(self) -> bool:

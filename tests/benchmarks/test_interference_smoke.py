@@ -36,6 +36,8 @@ def test_quick_run_prints_scenario_table(
         (s, y) for s in ("none", "quota25") for y in ("forest", "static")
     } | {("quota25", f"cut{c},{4 - c}") for c in (1, 2, 3)}  # quota25's limit: every cut of the MLP 3x64 fixed
     assert payload["machine"]["torch"] and payload["command"]
+    decisions = [d for r in payload["runs"] if r["system"] == "forest" for d in r["decisions"]]
+    assert decisions and all(len(d["stages"]) == 2 and d["stages"][0]["compute_s"] > 0 for d in decisions)
     assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
 
 

@@ -278,6 +278,9 @@ def test_the_windows_causes_name_the_stages_signs_and_a_slower_link() -> None:
     assert slow.inputs.conditions == (False, True)
     unknown = _link_controller().check(10, _link_times(0.0009), Partition((3, 3)), 2000)
     assert unknown is not None and unknown.inputs.conditions == ()
+    # the readings behind the decision stay with it (logs and the benchmarks' records)
+    assert slow.inputs.window is not None and slow.inputs.window.partition == Partition((3, 3))
+    assert slow.inputs.window.stages == tuple(_link_times(0.040))
 
 
 def test_the_link_estimate_keeps_a_second_size_beyond_its_history() -> None:
