@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.monitor.stats import StageSummary, interference_excess
+from lightning_dynpipe.monitor.stats import INTERFERENCE_SIGNS, StageSummary, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 
@@ -27,7 +27,13 @@ __all__ = [
     "PartitionPrediction",
     "InterferencePredictor",
     "check_same_pipeline",
+    "cpu_contended",
 ]
+
+
+_ONE_CORE = 1.1
+"""Busy plus waiting shares up to which a stage's process counts as one thread's worth of work (the readings of one
+busy thread sum to 1.0-1.05: the receive threads' CPU and the sampling's noise)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,24 @@ class StageTimes:
     def binding_cpu_limit(self) -> float | None:
         """``cpu_limit`` where it is below one core (the stage's process then cannot keep one core busy), else None."""
         return self.cpu_limit if self.cpu_limit is not None and 0 < self.cpu_limit < 1 else None
+
+    @property
+    def obtained_core_share(self) -> float | None:
+        """The share of one core the stage's process got while it was ready to run: its busy cores over its busy
+        cores plus the share of the time its main thread waited for a core (``cpu_share / (cpu_share +
+        run_queue_wait_share)``); ``None`` without system readings (``cpu_share`` 0) or where the process kept more
+        than one core's worth of time busy or waiting (several threads at work: their CPU per step is not the time
+        of one thread's path through the step).
+
+        Example (a stage beside a CPU hog on its core: busy half the time, waiting for the core the other half)::
+
+            >>> StageTimes(9.0, 10.0, cpu_share=0.5, run_queue_wait_share=0.5).obtained_core_share
+            0.5
+        """
+        busy = self.cpu_share
+        if not busy > 0 or busy + self.run_queue_wait_share > _ONE_CORE:
+            return None
+        return busy / (busy + self.run_queue_wait_share)
 
     @property
     def throughput_step_s(self) -> float:
@@ -256,3 +280,29 @@ def check_same_pipeline(window: PipelineWindow, candidate: Partition) -> None:
             f"{candidate} ({candidate.num_stages} stages, {candidate.num_layers} layers). Give a candidate with "
             "the window's stage and layer counts."
         )
+
+
+def cpu_contended(window: PipelineWindow) -> list[bool]:
+    """Per stage, whether its process competes for its cores beyond the least affected stage's: a CPU limit below one
+    core, or (where the stages report their system readings) other processes busy on its cores or its main thread
+    waiting for a core, by the thresholds of :func:`~lightning_dynpipe.monitor.stats.interference_excess`.
+
+    Example::
+
+        >>> hogged = StageTimes(9.0, 10.0, cpu_share=0.5, other_cpu_load=0.5)
+        >>> cpu_contended(PipelineWindow(Partition((2, 2)), (hogged, StageTimes(8.0, 10.0, cpu_share=0.8)), 2))
+        [True, False]
+    """
+    stages = window.stages
+    out = [t.binding_cpu_limit is not None for t in stages]
+    if not stages or any(not t.cpu_share > 0 for t in stages):  # no system readings: the limits alone
+        return out
+    signs = INTERFERENCE_SIGNS
+    others = [t.other_cpu_load or 0.0 for t in stages]
+    waits = [t.run_queue_wait_share for t in stages]
+    return [
+        limited
+        or others[k] - min(others) >= signs["other_cpu_load"]
+        or waits[k] - min(waits) >= signs["run_queue_wait_share"]
+        for k, limited in enumerate(out)
+    ]

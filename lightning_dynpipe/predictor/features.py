@@ -45,10 +45,9 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.monitor.stats import INTERFERENCE_SIGNS
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline
+from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline, cpu_contended
 from lightning_dynpipe.predictor.measured import cpu_limited_floors, measured_slowdowns, quiet_split
 
 __all__ = [
@@ -369,32 +368,6 @@ def stage_rows(
             ]
         )
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(STAGE_FEATURES))
-
-
-def cpu_contended(window: PipelineWindow) -> list[bool]:
-    """Per stage, whether its process competes for its cores beyond the least affected stage's: a CPU limit below one
-    core, or (where the stages report their system readings) other processes busy on its cores or its main thread
-    waiting for a core, by the thresholds of :func:`~lightning_dynpipe.monitor.stats.interference_excess`.
-
-    Example::
-
-        >>> hogged = StageTimes(9.0, 10.0, cpu_share=0.5, other_cpu_load=0.5)
-        >>> cpu_contended(PipelineWindow(Partition((2, 2)), (hogged, StageTimes(8.0, 10.0, cpu_share=0.8)), 2))
-        [True, False]
-    """
-    stages = window.stages
-    out = [t.binding_cpu_limit is not None for t in stages]
-    if not stages or any(not t.cpu_share > 0 for t in stages):  # no system readings: the limits alone
-        return out
-    signs = INTERFERENCE_SIGNS
-    others = [t.other_cpu_load or 0.0 for t in stages]
-    waits = [t.run_queue_wait_share for t in stages]
-    return [
-        limited
-        or others[k] - min(others) >= signs["other_cpu_load"]
-        or waits[k] - min(waits) >= signs["run_queue_wait_share"]
-        for k, limited in enumerate(out)
-    ]
 
 
 def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...]:

@@ -41,6 +41,16 @@ the candidate's layers' profile, ``other`` the measured CPU per step less the pr
 it ran, both in the profile's units (the measured CPU over the least slowed stage's speed against its profile).
 The layers moved in or out change the stage's CPU by their profile; the rest stays with the process.
 
+**The CPU a stage beside another process gets.** Another process busy on a stage's core (a co-located job's CPU
+hog) takes a share of the core, and everything the stage does per step runs at the share it is left, its updates
+and the loop's work as well as its layers; the stretch of its layers' compute leaves the rest out. On the CNN under
+a hog on stage 0 the measured predictor priced ``[2, 3]`` at 53 ms per step where it measured 79 (stage 0: 44 ms of
+CPU per step, busy 52% of the time and its main thread waiting for its core 51%), so the move off the hogged stage
+looked 1-2% ahead for 90 steps in one seed. A stage that competes for its cores
+(:func:`~lightning_dynpipe.predictor.base.cpu_contended`) under no limit below one core is floored the same way,
+with ``q`` the share of the core it obtained (:attr:`StageTimes.obtained_core_share`: busy over busy plus waiting),
+where that is below one.
+
 It has no spread model: its intervals are points.
 """
 
@@ -57,6 +67,7 @@ from lightning_dynpipe.predictor.base import (
     PipelineWindow,
     StageTimes,
     check_same_pipeline,
+    cpu_contended,
 )
 
 __all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns", "quiet_split"]
@@ -151,11 +162,11 @@ def cpu_limited_floors(
     seconds: bool = False,
     reference: float | None = None,
 ) -> tuple[float | None, ...]:
-    """Per stage of ``candidate``, the least compute per micro-batch its CPU limit allows, in the profile's units
-    (the module's "CPU a limited stage spends besides its layers"; ``seconds=True``: in seconds at the machine's
-    present speed, the least slowed stage's measured compute over its profile, or ``reference`` where lower, as in
-    :func:`measured_slowdowns`); ``None`` for a stage without a limit below one core or without a measured CPU per
-    step.
+    """Per stage of ``candidate``, the least compute per micro-batch the CPU it gets allows, in the profile's units
+    (the module's "CPU a limited stage spends besides its layers" and "CPU a stage beside another process gets";
+    ``seconds=True``: in seconds at the machine's present speed, the least slowed stage's measured compute over its
+    profile, or ``reference`` where lower, as in :func:`measured_slowdowns`); ``None`` for a stage without a measured
+    CPU per step, or under no limit below one core and not competing for its cores (or not measurably slowed by it).
 
     Example (the profile: 1 ms per layer; the unlimited stage runs at its profile; the limited one, a quarter of a
     core, used 5 ms of CPU per step of 2 micro-batches, of which its layers 2 ms)::
@@ -165,13 +176,22 @@ def cpu_limited_floors(
         >>> window = PipelineWindow(Partition((3, 1)), times, 2)
         >>> [round(f * 1e3, 3) if f else f for f in cpu_limited_floors(cost, window, Partition((2, 2)))]
         [None, 14.0]
+
+    The same stage under no limit but beside a CPU hog, busy 40% of the time and waiting for its core 40%: it got
+    half of its core::
+
+        >>> hogged = StageTimes(0.008, 0.02, cpu_s=0.005, cpu_share=0.4, run_queue_wait_share=0.4, other_cpu_load=0.5)
+        >>> quiet = StageTimes(0.006, 0.02, cpu_share=0.3, other_cpu_load=0.0)
+        >>> window = PipelineWindow(Partition((3, 1)), (quiet, hogged), 2)
+        >>> [round(f * 1e3, 3) if f else f for f in cpu_limited_floors(cost, window, Partition((2, 2)))]
+        [None, 7.0]
     """
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
     base = _base(_ratios(model_cost, window.partition, window.stages, M), reference)
     floors: list[float | None] = []
-    for k, t in enumerate(window.stages):
-        q = t.binding_cpu_limit
+    for k, (t, contended) in enumerate(zip(window.stages, cpu_contended(window))):
+        q = _cpu_obtained(t, contended)
         if q is None or not t.cpu_s > 0 or not base > 0:
             floors.append(None)
             continue
@@ -182,6 +202,15 @@ def cpu_limited_floors(
         floor = (other / M + model_cost.compute_s(layers.start, layers.stop)) / q
         floors.append(floor * base if seconds else floor)
     return tuple(floors)
+
+
+def _cpu_obtained(times: StageTimes, contended: bool) -> float | None:
+    """The cores a stage's process gets when it is ready to run, where below one: its CPU limit below one core, else,
+    where it competes for its cores, the share of the core it obtained; ``None`` otherwise."""
+    if times.binding_cpu_limit is not None:
+        return times.binding_cpu_limit
+    share = times.obtained_core_share if contended else None
+    return share if share is not None and share < 1.0 else None
 
 
 class MeasuredSlowdownPredictor:

@@ -98,6 +98,11 @@ def test_a_limited_stages_prior_keeps_the_cpu_spent_around_its_layers() -> None:
         Partition((2, 2)), (window.stages[0], StageTimes(compute_s=30e-3, step_s=160e-3, cpu_limit=0.25)), 4
     )
     assert stage_priors(COST, unmeasured, Partition((3, 1)))[1] == pytest.approx(4.0 * 3e-3)
+    # no limit, but beside a CPU hog: busy 40% of the time, waiting for its core 40%, it got half a core
+    hogged = StageTimes(30e-3, 160e-3, cpu_s=40e-3, cpu_share=0.4, run_queue_wait_share=0.4, other_cpu_load=0.5)
+    quiet = replace(window.stages[0], cpu_share=0.3, other_cpu_load=0.0)
+    beside = PipelineWindow(Partition((2, 2)), (quiet, hogged), 4)
+    assert stage_priors(COST, beside, Partition((3, 1)))[1] == pytest.approx((10e-3 / 4 + 1.25 * 3e-3) / 0.5)
 
 
 class _Quiet:

@@ -90,6 +90,44 @@ def test_the_cpu_floor_needs_a_limit_and_a_measured_cpu() -> None:
         cpu_limited_floors(cost, lean, Partition((1, 1, 2)))
 
 
+def test_a_stage_beside_a_hog_pays_all_its_cpu_at_the_share_of_the_core_it_gets() -> None:
+    """Stage 1 shares its core with another busy process: busy half the time, its main thread waiting for the core
+    the other half, 10 s of CPU per step of which its layers' profile is 2 x 2 x 1 s. Everything it does runs at half
+    speed, its 6 s around the layers too: it is priced at no less than its CPU per step over the half core it gets
+    (its slowdown, 3x its layers, missed the 6 s). The hog's core share is measured, not configured."""
+    cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4)
+    quiet = StageTimes(4.0, 80.0, cpu_s=5.0, cpu_share=0.3, other_cpu_load=0.0)
+    hogged = StageTimes(12.0, 80.0, cpu_s=10.0, cpu_share=0.5, run_queue_wait_share=0.5, other_cpu_load=0.5)
+    window = PipelineWindow(Partition((2, 2)), (quiet, hogged), 2)
+    predictor = MeasuredSlowdownPredictor()
+    here = predictor.predict(cost, CommModel(), window, Partition((2, 2)))
+    assert here.slowdowns == (1.0, 3.0)
+    assert 2 * here.stage_compute_s[1].value == pytest.approx(10.0 / 0.5)  # the step its share of the core allows
+    there = predictor.predict(cost, CommModel(), window, Partition((3, 1)))
+    assert there.stage_compute_s[1].value == pytest.approx((6.0 / 2 + 1.0) / 0.5)  # one layer less: 2 s of 10
+    assert there.stage_compute_s[0].value == pytest.approx(3.0)  # the quiet stage: its slowdown (no floor)
+
+
+_HOGGED = StageTimes(12.0, 80.0, cpu_s=10.0, cpu_share=0.5, run_queue_wait_share=0.5, other_cpu_load=0.5)
+
+
+@pytest.mark.parametrize(
+    ("quiet", "hogged"),
+    [
+        # the other stage as busy beside other processes and waiting as long: nothing beyond the least affected's
+        (replace(_HOGGED, compute_s=4.0), _HOGGED),
+        # several threads at work (busy and waiting over one core's time): CPU per step is not one thread's path
+        (StageTimes(4.0, 80.0, cpu_share=0.3, other_cpu_load=0.0), replace(_HOGGED, cpu_share=1.2)),
+        # no system readings
+        (StageTimes(4.0, 80.0), StageTimes(12.0, 80.0, cpu_s=10.0)),
+    ],
+)
+def test_the_hog_floor_needs_a_measured_contention_of_one_busy_thread(quiet: StageTimes, hogged: StageTimes) -> None:
+    cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4)
+    window = PipelineWindow(Partition((2, 2)), (quiet, hogged), 2)
+    assert cpu_limited_floors(cost, window, Partition((3, 1))) == (None, None)
+
+
 def test_the_mean_step_is_never_below_what_a_cpu_limit_allows() -> None:
     """A window of bimodal steps under a quarter core measured 60 ms; the stage's 21 ms of CPU per step need 84 ms
     at a quarter core over many periods."""
