@@ -169,12 +169,14 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 4, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 5, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
 layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
 beside a limited stage is measured on its other side; 4: a stage's prior carries what it read quiet as a fixed cost,
 where the predictor has seen such a window, and the ``fixed_share`` column says how much of the prior that is; a
-boundary beside a stage that competes for its cores, a CPU limit or not, is measured on its other side)."""
+boundary beside a stage that competes for its cores, a CPU limit or not, is measured on its other side; 5: a stage
+that competes for its cores under no CPU limit is floored like a limited one at the share of its core it obtained,
+and a boundary beside such a stage is the lower of its two sides' readings)."""
 
 
 class QuietReadings(Protocol):
@@ -382,8 +384,12 @@ def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...
     arrives while the process is throttled only when it runs again (under a quarter core, three quarters of the
     time); beside a CPU hog, the threads that receive it wait for the core (on the CNN under a hog on stage 0, 0.3 ms
     messages measured 5.4-6.1 ms per message on average over both sides, and the link, re-fitted from that, priced
-    the move off the hogged stage out). That is not the link's time: where one side of a boundary competes for its
-    cores (:func:`cpu_contended`) and the other does not, the other side's times alone stand for the boundary.
+    the move off the hogged stage out). It also sends late: its main thread stamps a message and the threads that
+    send it wait for the core, so the other side's receives read late too (on the GPT example after the move off a
+    hogged stage 0, stage 1 read 4.5 ms per message where the link had measured 0.2-1.5 ms, and the link, re-fitted
+    from it, fell to 23-60 MB/s). Neither is the link's time, and each side's reading is at least the link's time:
+    where a side of a boundary competes for its cores (:func:`cpu_contended`), the boundary's time is the lower of
+    the two sides' readings.
     """
     S, M = window.partition.num_stages, window.num_microbatches
     per_msg = []
@@ -393,8 +399,8 @@ def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...
     contended = cpu_contended(window)
     out = []
     for b in range(S - 1):
-        if contended[b] != contended[b + 1]:
-            out.append(per_msg[b + 1] if contended[b] else per_msg[b])
+        if contended[b] or contended[b + 1]:
+            out.append(min(per_msg[b], per_msg[b + 1]))
         else:
             out.append(((per_msg[b][0] + per_msg[b + 1][0]) / 2.0, (per_msg[b][1] + per_msg[b + 1][1]) / 2.0))
     return tuple(out)

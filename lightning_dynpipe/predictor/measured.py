@@ -44,9 +44,9 @@ The layers moved in or out change the stage's CPU by their profile; the rest sta
 **The CPU a stage beside another process gets.** Another process busy on a stage's core (a co-located job's CPU
 hog) takes a share of the core, and everything the stage does per step runs at the share it is left, its updates
 and the loop's work as well as its layers; the stretch of its layers' compute leaves the rest out. On the CNN under
-a hog on stage 0 the measured predictor priced ``[2, 3]`` at 53 ms per step where it measured 79 (stage 0: 44 ms of
-CPU per step, busy 52% of the time and its main thread waiting for its core 51%), so the move off the hogged stage
-looked 1-2% ahead for 90 steps in one seed. A stage that competes for its cores
+a hog on stage 0 (44 ms of CPU per step, busy 52% of the time, its main thread waiting for its core 51%) the move
+off the hogged stage, ``[2, 3]`` to ``[1, 4]``, was priced 1-2% ahead for up to 90 steps, and ``[1, 4]`` then
+measured 1.4-1.6x faster. A stage that competes for its cores
 (:func:`~lightning_dynpipe.predictor.base.cpu_contended`) under no limit below one core is floored the same way,
 with ``q`` the share of the core it obtained (:attr:`StageTimes.obtained_core_share`: busy over busy plus waiting),
 where that is below one.

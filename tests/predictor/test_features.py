@@ -26,6 +26,7 @@ from lightning_dynpipe.predictor.features import (
     stage_priors,
     stage_rows,
 )
+from lightning_dynpipe.predictor.link import LinkEstimate
 
 COST = ModelCost.from_arrays(
     [1e-3] * 4, [2e-3] * 4, activation_bytes=[1 << 20, 2 << 20, 3 << 20, 4 << 20], param_bytes=[1 << 20] * 4
@@ -209,9 +210,9 @@ def test_a_boundary_beside_a_throttled_stage_is_measured_on_its_other_side() -> 
     assert (median, spread) == (pytest.approx(1e-3), pytest.approx(0.2e-3))
     ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (limited, free), M))
     assert median == pytest.approx(1e-3)
-    both = replace(free, cpu_limit=0.5)  # both limited: nothing better than both sides' mean
+    both = replace(free, cpu_limit=0.5)  # both limited: each side reads at least the link's time, the lower counts
     ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (both, limited), M))
-    assert median == pytest.approx((1e-3 + 30e-3) / 2)
+    assert median == pytest.approx(1e-3)
     # three stages, the middle one limited: each boundary from its free side (the middle's times span both)
     mid = replace(limited, comm_s=2 * M * 30e-3)
     times = measured_message_s(PipelineWindow(Partition((1, 2, 1)), (free, mid, free), M))
@@ -236,6 +237,20 @@ def test_a_boundary_beside_a_stage_that_waits_for_its_core_is_measured_on_its_ot
     unread = replace(hogged, cpu_share=0.0)  # a stage without system readings: both sides, as without the rule
     ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 2)), (unread, quiet), M))
     assert median == pytest.approx((11e-3 + 0.3e-3) / 2)
+
+
+def test_a_hogged_stage_sends_late_and_its_boundary_is_the_lower_sides_reading() -> None:
+    """The GPT example after the move off a hogged stage 0: the hogged stage, waiting for gradients most of the step,
+    read 0.6 ms per message; stage 1 read 4.5 ms for the activations the hogged stage stamped and then sent when its
+    threads got the core. The link had measured 0.2-1.5 ms; re-fitted from 4.5 ms it fell to 23-60 MB/s."""
+    M = 4
+    quiet = StageTimes(0.178, 0.21, comm_s=M * 4.5e-3, cpu_share=0.98, other_cpu_load=0.0, run_queue_wait_share=0.03)
+    hogged = StageTimes(0.121, 0.2, comm_s=M * 0.6e-3, cpu_share=0.42, other_cpu_load=0.59, run_queue_wait_share=0.38)
+    ((median, _),) = measured_message_s(PipelineWindow(Partition((2, 4)), (hogged, quiet), M))
+    assert median == pytest.approx(0.6e-3)
+    link = LinkEstimate(CommModel(latency_s=1.4e-4, bandwidth_Bps=195e6))  # the set-up probe's link
+    slow = link.add([(262_144.0, median)]).model()
+    assert slow == link.base  # within 1 ms of the probe's: the link is not re-fitted
 
 
 def test_samples_pair_the_environment_before_with_the_times_after() -> None:
