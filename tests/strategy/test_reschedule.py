@@ -270,8 +270,9 @@ def _merged_batches() -> list[Any]:
 
 
 def test_with_data_parallel_replicas_the_loop_changes_the_depth_of_every_pipeline_alike(tmp_path: Any) -> None:
-    """devices=4, num_stages=2, a 20 ms link on both pipelines' boundary: every rank takes the same depth decision,
+    """devices=4, num_stages=2, a 30 ms link on both pipelines' boundary: every rank takes the same depth decision,
     and the run equals the replay with that staleness change on the merged global batches (1e-6)."""
-    # 20 ms, not 10: four processes on two cores add about 11 ms of unpriced time per step, which left a 10 ms link's
-    # predicted step at 78-80% of the measured one on a slow machine, below the 80% the loop needs to act
-    _fit_choosing_the_depth_against_the_replay(tmp_path, 4, 0.020, _Sharded(), _merged_batches())
+    # 30 ms, not 10 or 20: four processes on two cores add 11-20 ms of unpriced time per step, which left a 10 ms
+    # link's predicted step at 78-80% of the measured one on a slow machine, and a 20 ms link's at 80% once in a full
+    # suite (85-89% when run alone), at the 80% the loop needs to act
+    _fit_choosing_the_depth_against_the_replay(tmp_path, 4, 0.030, _Sharded(), _merged_batches())
