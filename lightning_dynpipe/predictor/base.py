@@ -63,6 +63,8 @@ class StageTimes:
         cpu_s: the stage process's mean CPU time per step (every thread, the step's whole cycle); 0 when not
             measured.
         num_updates: optimizer updates per step on the stage; 0 when not measured.
+        recv_wait_s: time per step the stage was blocked until a neighbour's message was there (a link's time it
+            waited for, or a neighbour that had not sent yet); 0 when not measured.
 
     The fields from ``cpu_limit`` to ``gpu_other_mem_bytes`` describe the stage's environment; they are the
     forest's features (:mod:`lightning_dynpipe.predictor.features`) and default to "nothing measured".
@@ -87,6 +89,7 @@ class StageTimes:
     mean_step_s: float = 0.0
     cpu_s: float = 0.0
     num_updates: float = 0.0
+    recv_wait_s: float = 0.0
 
     @property
     def binding_cpu_limit(self) -> float | None:
@@ -139,6 +142,7 @@ class StageTimes:
             mean_step_s=summary.mean_step_s,
             cpu_s=summary.mean_cpu_s if summary.mean_cpu_s > 0 else 0.0,
             num_updates=summary.num_updates if summary.num_updates > 0 else 0.0,
+            recv_wait_s=summary.recv_wait_s if summary.recv_wait_s > 0 else 0.0,
         )
 
 

@@ -55,7 +55,7 @@ from lightning_dynpipe.plan.solver import Plan, evaluate
 from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPrediction, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.link import LinkEstimate
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
-from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy
+from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy, unseen_saving
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
 from lightning_dynpipe.schedule import AsyncSchedule, Schedule, get_schedule
 
@@ -222,6 +222,13 @@ def _floored_limits(times: Sequence[StageTimes], stage_signs: Sequence[str]) -> 
         for k, t in enumerate(times)
         if t.binding_cpu_limit is not None and not (stage_signs[k] if k < len(stage_signs) else "")
     ]
+
+
+def _waits(window: PipelineWindow) -> tuple[float, ...]:
+    """Each stage's time per step blocked until a neighbour's message was there; ``()`` where no stage has a
+    reading (a window built without the monitor's waits: the depth policy's waits test is not made)."""
+    waits = tuple(t.recv_wait_s for t in window.stages)
+    return waits if any(w > 0 for w in waits) else ()
 
 
 class AdaptiveController:
@@ -487,18 +494,25 @@ class AdaptiveController:
         and ``priced`` keeps its best (within the memory cap) where that beats, by the depth policy's
         ``min_relative_gain``, the current partition under its own best depth (what a change of depth alone reaches
         without a migration). Returns the depth each re-priced candidate pairs with, and the current partition priced
-        under the other depths (for :meth:`_depth`). Not when the current depth's prediction explains less of the
-        measured step than the depth policy's ``min_explained`` (a shorter round trip would not show)."""
+        under the other depths (for :meth:`_depth`). No candidate pairs where the stages' measured waits for messages
+        do not cover what another depth alone is predicted to save on the current partition (the depth policy's
+        waits test, :func:`~lightning_dynpipe.repartition.inflight.unseen_saving`): the priced round trip is then not
+        what sets the pace, and a candidate's would not be either."""
         if self.max_extra_in_flight <= 0 or not isinstance(self.schedule, AsyncSchedule) or len(priced) < 2:
-            return {}, {}
-        M, dp = self.num_microbatches, self.replicas
-        explained = priced[0].value.iteration_time_s * M * dp / window.mean_step_s if window.mean_step_s > 0 else 0.0
-        if not explained >= self.depth_policy.min_explained:
             return {}, {}
         depths = [AsyncSchedule(d) for d in range(self.max_extra_in_flight + 1)]
         others = [d for d in depths if d != self.schedule and not self.depth_policy.refuses(d, step)]
         current = priced[0]
         alone = [self._price(current.partition, current.prediction, comm, d) for d in others]
+        known: dict[Schedule, _Priced] = dict(zip(others, alone))
+        if alone and unseen_saving(
+            current.value.iteration_time_s,
+            min(p.value.iteration_time_s for p in alone),
+            window.mean_step_s,
+            _waits(window),
+            self.depth_policy.min_wait_cover,
+        ):
+            return {}, known
         base = min(p.value.time_to_accuracy_s for p in (current, *alone) if p.fits or p is current)
         bar = base * (1.0 - self.depth_policy.min_relative_gain)
         paired: dict[Partition, Schedule] = {}
@@ -509,7 +523,7 @@ class AdaptiveController:
                 better = alt.value.time_to_accuracy_s < min(bar, priced[idx].value.time_to_accuracy_s)
                 if alt.fits and better:
                     priced[idx], paired[here.partition] = alt, sched
-        return paired, dict(zip(others, alone))
+        return paired, known
 
     def _depth_with_move(
         self, window: PipelineWindow, decision: Decision, inputs: PolicyInputs, schedule: Schedule, what: str
@@ -596,6 +610,8 @@ class AdaptiveController:
                 remaining_steps=inputs.remaining_steps,
                 causes=inputs.causes,
                 details=details,
+                candidate_convergence_factor=best.value.iterations / i0,
+                waits_s=_waits(window),
             )
         )
 

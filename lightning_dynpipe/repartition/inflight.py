@@ -13,24 +13,33 @@ the current depth and of the best other depth on the current partition, and deci
 :class:`~lightning_dynpipe.repartition.GainOverCostPolicy` does for a partition: the lower end of the gain over a
 horizon must pay ``margin`` times the change's cost (a drain, about one step), be at least ``min_relative_gain`` of
 the step, persist ``patience`` checks (``explained_patience`` with a visible cause, such as a link measured slower
-than the set-up probe), and wait ``cooldown_steps`` after any change of partition or depth. The current depth's
-predicted step must also explain the measured one (at least ``min_explained`` of it): a shorter round trip shows
-only where the round trip sets the pace, and where time the profile does not hold sets it (a small model's
-framework time per step), the predicted gain does not come. The first window after a change is its outcome: the
-measured step time weighted by each depth's convergence factor; a change that made the pipeline slower to accuracy
-is undone, and that depth is refused for ``memory_steps`` steps.
+than the set-up probe), and wait ``cooldown_steps`` after any change of partition or depth.
+
+**The waits must show the saving.** More micro-batches in flight save only time that every stage spends blocked
+until a neighbour's message is there: a stage that is busy for the whole step (its layers, or framework time per
+micro-batch that the profile does not hold, as on a small model) keeps the pace whatever the depth. So the predicted
+saving per step (the predicted step's relative saving, without the convergence factors, applied to the measured
+step) must be covered ``min_wait_cover`` times by the least time a stage waited per step for a message
+(:attr:`~lightning_dynpipe.predictor.StageTimes.recv_wait_s`). The test reads measured seconds on both sides, so it
+holds on a machine slower or faster than the one the profile was taken on, where a predicted step (compute in the
+profile's units) over a measured one does not.
+
+The first window after a change is its outcome: the measured step time weighted by each depth's convergence
+factor; a change that made the pipeline slower to accuracy is undone, and that depth is refused for
+``memory_steps`` steps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.repartition.policy import _gain_refusal, _Streak
 from lightning_dynpipe.schedule import Schedule
 
-__all__ = ["DepthDecision", "DepthInputs", "InFlightPolicy"]
+__all__ = ["DepthDecision", "DepthInputs", "InFlightPolicy", "unseen_saving"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ class DepthInputs:
         causes: a visible, lasting cause of the slowdown (``""``: none; see
             :attr:`~lightning_dynpipe.repartition.PolicyInputs.causes`).
         details: the candidates' predicted times, for logs.
+        candidate_convergence_factor: ``candidate``'s convergence factor (``None``: the same as the current's).
+        waits_s: per stage, the time per step it was blocked until a neighbour's message was there, as measured
+            over the window (``()``: not measured, and the waits' test is not made).
     """
 
     step: int
@@ -66,6 +78,8 @@ class DepthInputs:
     remaining_steps: int | None
     causes: str = ""
     details: str = ""
+    candidate_convergence_factor: float | None = None
+    waits_s: tuple[float, ...] = ()
 
     @property
     def measured_tta_step_s(self) -> float:
@@ -125,8 +139,8 @@ class InFlightPolicy:
         explained_patience: the same with a visible cause; at most ``patience``.
         cooldown_steps: steps after any change (partition or depth) during which the depth stays.
         memory_steps: how long a depth that made the pipeline slower to accuracy is refused.
-        min_explained: the current depth's predicted step time (without the convergence factor) over the measured
-            one must be at least this for a change (0: no test).
+        min_wait_cover: how many times the least wait of a stage for a message per step must cover the predicted
+            saving per step (see the module docstring; 0: no test).
     """
 
     horizon_steps: int = 200
@@ -136,7 +150,7 @@ class InFlightPolicy:
     explained_patience: int = 1
     cooldown_steps: int = 30
     memory_steps: int = 200
-    min_explained: float = 0.8
+    min_wait_cover: float = 1.0
     _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_change: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Change | None = field(default=None, init=False, repr=False)
@@ -151,13 +165,13 @@ class InFlightPolicy:
             or self.cooldown_steps < 0
             or self.memory_steps < 0
             or not self.min_relative_gain >= 0
-            or not self.min_explained >= 0
+            or not self.min_wait_cover >= 0
         ):
             raise ConfigurationError(
                 f"InFlightPolicy needs horizon_steps >= 1, margin >= 0, min_relative_gain >= 0, patience >= 1, "
-                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0, min_explained >= 0; "
+                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0, min_wait_cover >= 0; "
                 f"got {self.horizon_steps}, {self.margin}, {self.min_relative_gain}, {self.patience}, "
-                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.min_explained}."
+                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.min_wait_cover}."
             )
 
     def decide(self, inputs: DepthInputs) -> DepthDecision:
@@ -213,14 +227,16 @@ class InFlightPolicy:
         )
         if refusal is not None:
             return no(refusal)
-        predicted = inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else math.nan
-        explained = predicted / inputs.measured_step_s if inputs.measured_step_s > 0 else math.nan
-        if not explained >= self.min_explained:
-            return no(
-                f"the predicted step ({predicted * 1e3:.1f} ms) explains {explained:.0%} of the measured one "
-                f"({inputs.measured_step_s * 1e3:.1f} ms), below {self.min_explained:.0%}: what sets the pace is not "
-                "priced, and a shorter round trip would not show"
-            )
+        cand_factor = inputs.candidate_convergence_factor or inputs.convergence_factor
+        unseen = unseen_saving(
+            inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else math.nan,
+            inputs.candidate_step_s / cand_factor if cand_factor > 0 else math.nan,
+            inputs.measured_step_s,
+            inputs.waits_s,
+            self.min_wait_cover,
+        )
+        if unseen is not None:
+            return no(unseen)
         agreed = self._streak.agree(inputs.candidate)
         patience = self.explained_patience if inputs.causes else self.patience
         if agreed < patience:
@@ -252,3 +268,37 @@ class InFlightPolicy:
         self._last_change = None
         self._unjudged = None
         self._refused = {}
+
+
+def unseen_saving(
+    current_s: float, candidate_s: float, measured_step_s: float, waits_s: Sequence[float], cover: float = 1.0
+) -> str | None:
+    """Why a deeper pipeline's predicted saving would not show, or ``None`` where the waits cover it.
+
+    ``current_s`` and ``candidate_s`` are the predicted steps of the current depth and of the other one, without
+    their convergence factors (in any one unit: only their ratio counts); the saving is their relative difference
+    applied to the measured step. It must be at most the least of ``waits_s`` (each stage's time per step blocked
+    until a neighbour's message was there) over ``cover``: a stage that does not wait keeps the pace whatever the
+    depth. Without measured waits (``waits_s`` empty) or with ``cover`` 0 there is no test.
+
+    Example (a 30% saving of a 40 ms step: 12 ms; the stages waited 20 and 3 ms per step)::
+
+        >>> import textwrap
+        >>> print(textwrap.fill(unseen_saving(0.030, 0.021, 0.040, (0.020, 0.003)), 100))
+        the predicted saving (12.0 ms of the measured 40.0 ms step) is more than stage 1 waited for a
+        message (3.0 ms per step): a stage busy for the whole step keeps the pace whatever the depth
+        >>> unseen_saving(0.030, 0.021, 0.040, (0.020, 0.015)) is None
+        True
+    """
+    if not waits_s or cover <= 0 or not candidate_s < current_s:
+        return None
+    saving = (1.0 - candidate_s / current_s) * measured_step_s
+    stage = min(range(len(waits_s)), key=lambda k: waits_s[k])
+    if waits_s[stage] >= cover * saving:
+        return None
+    times = f"{cover:g} times " if cover != 1 else ""
+    return (
+        f"the predicted saving ({saving * 1e3:.1f} ms of the measured {measured_step_s * 1e3:.1f} ms step) is more "
+        f"than {times}stage {stage} waited for a message ({waits_s[stage] * 1e3:.1f} ms per step): a stage busy for "
+        "the whole step keeps the pace whatever the depth"
+    )

@@ -27,6 +27,7 @@ def _inputs(
     measured: float = 0.020,
     factor: float = 1.0,
     causes: str = "",
+    waits: tuple[float, ...] = (),
 ) -> DepthInputs:
     return DepthInputs(
         step=step,
@@ -40,6 +41,7 @@ def _inputs(
         change_cost_s=measured,
         remaining_steps=1000,
         causes=causes,
+        waits_s=waits,
     )
 
 
@@ -63,8 +65,13 @@ def test_a_depth_that_pays_is_taken_after_patience_and_a_visible_cause_shortens_
         ({"then": 0.019}, "gain (lower end) below 10% of the step time"),
         ({"remaining": 1}, "does not pay 2x the change's cost"),
         ({"candidate": "async"}, "the current depth is already the best"),
-        # 20 ms predicted against 40 measured: the round trip does not set the pace (a small model's framework time)
-        ({"measured": 0.040}, "the predicted step (20.0 ms) explains 50% of the measured one (40.0 ms), below 80%"),
+        # a 25% saving of the measured 40 ms step, but stage 1 waited 2 ms a step for a message: it is busy for the
+        # whole step (a small model's framework time per micro-batch), and a shorter round trip would not show
+        (
+            {"measured": 0.040, "waits": (0.015, 0.002)},
+            "the predicted saving (10.0 ms of the measured 40.0 ms step) is more than stage 1 waited for a message "
+            "(2.0 ms per step)",
+        ),
     ],
 )
 def test_small_gains_short_runs_and_the_best_depth_stay(kwargs: dict[str, object], reason: str) -> None:
@@ -73,6 +80,26 @@ def test_small_gains_short_runs_and_the_best_depth_stay(kwargs: dict[str, object
     inputs = DepthInputs(**{**inputs.__dict__, "remaining_steps": remaining})
     decision = InFlightPolicy(patience=1).decide(inputs)
     assert not decision.change and reason in decision.reason, decision
+
+
+def test_the_waits_test_reads_seconds_on_both_sides_and_each_depth_at_its_own_convergence_factor() -> None:
+    """The saving is the predicted steps' relative difference (each without its own convergence factor) applied to the
+    measured step, so a profile in other units than the measured seconds does not move it; the waits cover it at
+    ``min_wait_cover`` times."""
+    # predicted 20 -> 15 ms a step, the machine 3x slower than the profile: a 25% saving of 60 ms is 15 ms
+    covered = _inputs(10, measured=0.060, waits=(0.020, 0.016))
+    assert InFlightPolicy(patience=1).decide(covered).change
+    assert "waited for a message (16.0 ms" in InFlightPolicy(patience=1, min_wait_cover=1.5).decide(covered).reason
+    # weighted 20 -> 15 ms, but the deeper depth's factor is 1.2 against 1.0: 12.5 ms raw, a 37.5% saving of 40 ms
+    deeper = DepthInputs(**{**_inputs(10, measured=0.040, waits=(0.020, 0.014)).__dict__,
+                            "candidate_convergence_factor": 1.2})  # fmt: skip
+    assert (
+        "the predicted saving (15.0 ms of the measured 40.0 ms step)"
+        in InFlightPolicy(patience=1).decide(deeper).reason
+    )
+    # no measured waits, or min_wait_cover=0: no test
+    assert InFlightPolicy(patience=1).decide(_inputs(10, measured=0.040)).change
+    assert InFlightPolicy(patience=1, min_wait_cover=0).decide(_inputs(10, measured=0.040, waits=(0.0, 0.0))).change
 
 
 def test_no_change_within_the_cool_down_of_any_change() -> None:
@@ -189,8 +216,10 @@ def test_the_depth_is_not_considered_when_off_or_when_the_partition_moves() -> N
     off.check(10, _window(SLOW, "async"), Partition((2, 3)), remaining_steps=2000)
     assert off.depth_decision is None and off.depth_decisions == []
     moving = _controller(beta=0.05)
-    # stage 0 of [3, 2] slowed 3x: the partition moves, and the depth waits for its outcome
-    times = [StageTimes(M * 9 * 0.003, M * 0.0405, comm_s=M * 0.006), StageTimes(M * 6 * 0.001, M * 0.0405)]
+    # stage 0 of [3, 2] slowed 3x on a quiet link: the partition moves, and the depth waits for its outcome
+    quiet = CommModel(latency_s=1e-5, bandwidth_Bps=10e9)
+    moving = _controller(beta=0.05, link=quiet)
+    times = [StageTimes(M * 9 * 0.003, M * 0.0405), StageTimes(M * 6 * 0.001, M * 0.0405)]
     d = moving.check(10, times, Partition((3, 2)), remaining_steps=2000)
     assert d is not None and d.repartition and moving.depth_decision is None, d
 
@@ -202,6 +231,31 @@ def _slow_link_and_stage_1_slowed(balance: tuple[int, int]) -> list[StageTimes]:
     compute = [n * t for n, t in zip(balance, per_layer)]
     step = M * max(max(compute), (sum(compute) + 2 * 0.006) / 2)
     return [StageTimes(M * c, step, comm_s=M * 0.006) for c in compute]
+
+
+def test_where_a_stage_waits_less_than_a_depth_would_save_no_depth_is_taken_alone_or_with_a_move() -> None:
+    """[2, 3] on the slow link with stage 1's process 1.5x slower: the priced round trip (15.75 ms a micro-batch)
+    binds above stage 1's 13.5 ms, so async+1 alone is predicted to save 9 ms of the 63 ms step, and the move to
+    [3, 2] with async+1 pays more. Where stage 1 waited 10 ms a step for a message, which covers that saving, the move
+    comes with async+1; where it waited 1 ms (busy for the whole step: the priced round trip is not what sets the
+    pace), neither the depth alone nor a move paired with it is taken."""
+    per_layer, balance = (0.003, 0.0045), (2, 3)
+    compute = [n * t for n, t in zip(balance, per_layer)]
+    step = M * (sum(compute) + 2 * 0.006) / 2
+
+    def check(waits: tuple[float, float]) -> AdaptiveController:
+        controller = _controller(beta=0.05, max_extra=1)
+        times = [StageTimes(M * c, step, comm_s=M * 0.006, recv_wait_s=w) for c, w in zip(compute, waits)]
+        controller.check(10, times, Partition(balance), remaining_steps=2000)
+        return controller
+
+    as_priced = check((0.036, 0.010))
+    assert as_priced.decisions[-1].partition == Partition((3, 2)) and as_priced.decisions[-1].repartition
+    assert as_priced.depth_decision is not None and as_priced.depth_decision.schedule == AsyncSchedule(1)
+    busy = check((0.036, 0.001))
+    assert not busy.decisions[-1].repartition or busy.decisions[-1].partition != Partition((3, 2))
+    assert busy.depth_decision is not None and not busy.depth_decision.change
+    assert "more than stage 1 waited for a message (1.0 ms per step)" in busy.depth_decision.reason
 
 
 def test_a_move_that_pays_only_with_more_micro_batches_in_flight_takes_both_at_once() -> None:
