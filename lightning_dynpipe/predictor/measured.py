@@ -6,8 +6,12 @@ look like interference). A stage whose process runs under a cgroup CPU limit of 
 ``1/q`` slowed, whatever its compute looked like: under a quota the measured stretch shrinks as the stage's share
 of the work shrinks (the throttling lands in its waits too), which hid the better partition. The slowdown belongs
 to the stage (its device and what runs beside it), so a candidate partition's stage ``k`` is predicted as its
-layers' profile times stage ``k``'s slowdown, and a boundary's message as the link model's time for the
-activation that crosses it.
+layers' profile times stage ``k``'s slowdown at the pipeline's speed (the least slowed speed's measured compute
+over profile), and a boundary's message as the link model's time for the activation that crosses it. Both are
+seconds, so a machine slower or faster than when the profile was taken weighs the stages against the link as it
+runs: on a small model whose layers measure several times their profile in the pipeline, compute in the profile's
+units would be priced at a fraction of its time against the link's. The slowdowns a prediction carries are likewise
+each stage's stretch at the pipeline's speed (:func:`measured_slowdowns` gives the relative ones).
 
 **The least slowed speed.** Without history it is the least slowed stage of the window. The predictor also
 remembers the windows it is given (``observe``, which the adaptive loop calls at every check): the speed the
@@ -16,8 +20,9 @@ not set it), with a tolerance for the windows' noise (10%). A window's least slo
 that counts as slowed by the excess. This matters when interference lands on the stage that was the least slowed:
 a stage with a small share of the work reads as slowed when nothing interferes (its compute per micro-batch is
 mostly fixed costs the per-layer profile does not hold), so under a hog on the large stage, taken relative to the
-window alone, the hogged stage would read 1.0 and its compute would be priced at its unloaded speed, against the
-link's times, which are seconds.
+window alone, the hogged stage would read 1.0 and set the pipeline's speed: the other stages' quiet readings would be
+split against that slowed speed (below), their fixed costs read smaller, and the layers they would receive priced at
+the hogged stage's speed.
 
 **A stage's fixed costs.** A stage's compute per micro-batch is not its layers' profile times one factor: the
 last stage also runs the loss and the loop's work per micro-batch, every stage dispatches its micro-batches, and a
@@ -226,12 +231,16 @@ class MeasuredSlowdownPredictor:
         ((1.0, 4.0), [9.0, 12.0])
 
     After it has seen a window in which stage 0 ran at its profile, a window where stage 0 runs 2.2 times as slow
-    reads as 2x slowed (what exceeds the 10% tolerance), not as stage 0 at the unloaded speed::
+    reads as 2x slowed (what exceeds the 10% tolerance), not as stage 0 at the unloaded speed; the prediction is in
+    seconds either way::
 
         >>> predictor.observe(cost, CommModel(), window)
         >>> hogged = PipelineWindow(Partition((2, 2)), (StageTimes(26.4, 50.0), StageTimes(48.0, 50.0)), 2)
-        >>> [round(s, 3) for s in predictor.predict(cost, CommModel(), hogged, Partition((2, 2))).slowdowns]
+        >>> reference = predictor.reference
+        >>> [round(s, 3) for s in measured_slowdowns(cost, hogged.partition, hogged.stages, 2, reference=reference)]
         [2.0, 3.636]
+        >>> [round(i.value, 3) for i in predictor.predict(cost, CommModel(), hogged, Partition((2, 2))).stage_compute_s]
+        [13.2, 24.0]
 
     Args:
         remember: how many of the lowest least slowed speeds of the observed windows it keeps (the remembered speed
@@ -315,18 +324,19 @@ class MeasuredSlowdownPredictor:
         ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
         base = _base(ratios, reference)
         slowdowns = _slowdowns(ratios, base, window.stages)
-        floors = cpu_limited_floors(model_cost, window, candidate, reference=reference)
+        floors = cpu_limited_floors(model_cost, window, candidate, seconds=True, reference=reference)
         fixed = self._fixed_parts(model_cost, window, slowdowns, base)
         compute = []
         for k in range(candidate.num_stages):
             profile = sum(model_cost.layers[i].compute_s for i in candidate.stage_layers(k))
             stretch, own = fixed[k]
-            compute.append(Interval.point(max(stretch * (profile + own), floors[k] or 0.0)))
+            # in seconds: the relative stretch at the pipeline's speed, as the messages are
+            compute.append(Interval.point(max(base * stretch * (profile + own), floors[k] or 0.0)))
         boundaries = []
         for k in range(candidate.num_stages - 1):
             last = candidate.stage_layers(k)[-1]
             boundaries.append(Interval.point(float(comm.transfer_time(model_cost.layers[last].activation_bytes))))
-        return PartitionPrediction(candidate, slowdowns, tuple(compute), tuple(boundaries))
+        return PartitionPrediction(candidate, tuple(base * s for s in slowdowns), tuple(compute), tuple(boundaries))
 
     def _fixed_parts(
         self,

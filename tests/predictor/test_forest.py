@@ -80,8 +80,8 @@ def test_an_untrained_forest_answers_its_prior_and_is_an_interference_predictor(
 
 def test_an_untrained_forest_prices_as_the_baseline_in_seconds_with_what_it_saw_quiet_as_a_fixed_cost() -> None:
     """The pipeline runs at 1.2x the profile's clock; the last stage's one layer reads 2.4x (2x the pipeline's
-    speed) with nothing beside it. Both predictors carry that as a fixed cost: the forest in seconds, the baseline
-    relative to the pipeline's speed. A move's outcome priced right is a zero residual."""
+    speed) with nothing beside it. Both predictors carry that as a fixed cost and price in seconds, at the pipeline's
+    speed. A move's outcome priced right is a zero residual."""
     quiet = PipelineWindow(
         Partition((8, 2)),
         (
@@ -95,7 +95,7 @@ def test_an_untrained_forest_prices_as_the_baseline_in_seconds_with_what_it_saw_
     base.observe(COST, sim.LINK, quiet)
     for cand in PARTS:
         got = [i.value for i in forest.predict(COST, sim.LINK, quiet, cand).stage_compute_s]
-        want = [1.2 * i.value for i in base.predict(COST, sim.LINK, quiet, cand).stage_compute_s]
+        want = [i.value for i in base.predict(COST, sim.LINK, quiet, cand).stage_compute_s]
         assert got == pytest.approx(want)
     moved = Partition((7, 3))
     priced = forest.predict(COST, sim.LINK, quiet, moved).stage_compute_s
