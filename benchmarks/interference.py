@@ -387,6 +387,7 @@ def _recorder(target: float) -> Any:
             self.reached: dict[str, Any] | None = None
             self.strategy: Any = None
             self.decisions: list[Any] = []
+            self.depth_decisions: list[Any] = []
 
         def _t(self) -> float:
             return time.perf_counter() - self.start - self.eval_s
@@ -396,6 +397,7 @@ def _recorder(target: float) -> Any:
             self.stage_idx = int(trainer.strategy.stage_idx)
             if trainer.strategy.controller is not None:  # teardown clears the controller; keep its log
                 self.decisions = trainer.strategy.controller.decisions
+                self.depth_decisions = trainer.strategy.controller.depth_decisions
             dist.barrier()
             self.probe.start()
             self.start = time.perf_counter()
@@ -605,6 +607,10 @@ def _run(
             }
             for d in rec.decisions
         ],
+        "depth_decisions": [
+            {"step": d.inputs.step, "change": d.change, "schedule": d.schedule.name, "reason": str(d)}
+            for d in rec.depth_decisions
+        ],
         "schedule_changes": [
             {"step": c.step, "old": c.old, "new": c.new, "pause_s": c.pause_s} for c in strategy.schedule_changes
         ],
@@ -643,6 +649,7 @@ def _run(
         "migrations": last["migrations"],
         "schedule_changes": last["schedule_changes"],
         "decisions": last["decisions"],
+        "depth_decisions": last["depth_decisions"],
         "interference_events": [ev for g in per_stage for ev in g["interference_events"]],
         "steps": [g["steps"] for g in res["stages"]],  # per stage: per-step records
         "cpu": res["cpu"],
