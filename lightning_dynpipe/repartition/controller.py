@@ -55,7 +55,7 @@ from lightning_dynpipe.plan.solver import Plan, evaluate
 from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPrediction, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.link import LinkEstimate
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
-from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy, unseen_saving
+from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy, waits_bound
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
 from lightning_dynpipe.schedule import AsyncSchedule, Schedule, get_schedule
 
@@ -495,9 +495,9 @@ class AdaptiveController:
         ``min_relative_gain``, the current partition under its own best depth (what a change of depth alone reaches
         without a migration). Returns the depth each re-priced candidate pairs with, and the current partition priced
         under the other depths (for :meth:`_depth`). No candidate pairs where the stages' measured waits for messages
-        do not cover what another depth alone is predicted to save on the current partition (the depth policy's
-        waits test, :func:`~lightning_dynpipe.repartition.inflight.unseen_saving`): the priced round trip is then not
-        what sets the pace, and a candidate's would not be either."""
+        fall short of what another depth alone is predicted to save on the current partition (where the depth
+        policy's :func:`~lightning_dynpipe.repartition.inflight.waits_bound` binds): the priced round trip is then
+        not what sets the pace, and a candidate's price under another depth is not to be trusted either."""
         if self.max_extra_in_flight <= 0 or not isinstance(self.schedule, AsyncSchedule) or len(priced) < 2:
             return {}, {}
         depths = [AsyncSchedule(d) for d in range(self.max_extra_in_flight + 1)]
@@ -505,14 +505,11 @@ class AdaptiveController:
         current = priced[0]
         alone = [self._price(current.partition, current.prediction, comm, d) for d in others]
         known: dict[Schedule, _Priced] = dict(zip(others, alone))
-        if alone and unseen_saving(
-            current.value.iteration_time_s,
-            min(p.value.iteration_time_s for p in alone),
-            window.mean_step_s,
-            _waits(window),
-            self.depth_policy.min_wait_cover,
-        ):
-            return {}, known
+        if alone and self.depth_policy.bound_by_waits:
+            deepest = min(p.value.iteration_time_s for p in alone)
+            now = current.value.iteration_time_s
+            if waits_bound(now, deepest, window.mean_step_s, _waits(window)) > deepest:
+                return {}, known
         base = min(p.value.time_to_accuracy_s for p in (current, *alone) if p.fits or p is current)
         bar = base * (1.0 - self.depth_policy.min_relative_gain)
         paired: dict[Partition, Schedule] = {}
@@ -582,10 +579,14 @@ class AdaptiveController:
                 priced.append((sched, current))
             else:
                 priced.append((sched, known.get(sched) or self._price(window.partition, prediction, comm, sched)))
+        waits = _waits(window) if self.depth_policy.bound_by_waits else ()
+
+        def counted(p: _Priced) -> float:  # time to accuracy with the saving bounded by the waits (see the policy)
+            raw = waits_bound(current.value.iteration_time_s, p.value.iteration_time_s, window.mean_step_s, waits)
+            return raw * p.value.iterations
+
         # ties: the shallowest; a depth over the memory cap is never chosen (the current one stays a choice)
-        best_schedule, best = min(
-            (c for c in priced if c[1].fits or c[1] is current), key=lambda c: c[1].value.time_to_accuracy_s
-        )
+        best_schedule, best = min((c for c in priced if c[1].fits or c[1] is current), key=lambda c: counted(c[1]))
 
         def per_step(plan: Plan) -> float:
             return plan.time_to_accuracy_s * M * self.replicas / i0
@@ -593,9 +594,15 @@ class AdaptiveController:
         def over_cap(p: _Priced) -> str:
             return "" if p.fits else f" (needs {_peak(p)}: over the memory cap)"
 
+        def bounded(p: _Priced) -> str:
+            n = counted(p) * M * self.replicas / i0
+            return f" (bounded by the waits: {n * 1e3:.1f})" if n > per_step(p.value) * (1 + 1e-9) else ""
+
         details = "depths (ms/step x convergence factor): " + ", ".join(
-            f"{s.name} {per_step(p.value) * 1e3:.1f}{over_cap(p)}" for s, p in priced
+            f"{s.name} {per_step(p.value) * 1e3:.1f}{bounded(p)}{over_cap(p)}" for s, p in priced
         )
+        if waits:
+            details += "; waited for messages (ms/step): " + ", ".join(f"{w * 1e3:.1f}" for w in waits)
         return self.depth_policy.decide(
             DepthInputs(
                 step=step,
@@ -611,7 +618,7 @@ class AdaptiveController:
                 causes=inputs.causes,
                 details=details,
                 candidate_convergence_factor=best.value.iterations / i0,
-                waits_s=_waits(window),
+                waits_s=waits,
             )
         )
 

@@ -15,14 +15,14 @@ horizon must pay ``margin`` times the change's cost (a drain, about one step), b
 the step, persist ``patience`` checks (``explained_patience`` with a visible cause, such as a link measured slower
 than the set-up probe), and wait ``cooldown_steps`` after any change of partition or depth.
 
-**The waits must show the saving.** More micro-batches in flight save only time that every stage spends blocked
-until a neighbour's message is there: a stage that is busy for the whole step (its layers, or framework time per
-micro-batch that the profile does not hold, as on a small model) keeps the pace whatever the depth. So the predicted
-saving per step (the predicted step's relative saving, without the convergence factors, applied to the measured
-step) must be covered ``min_wait_cover`` times by the least time a stage waited per step for a message
-(:attr:`~lightning_dynpipe.predictor.StageTimes.recv_wait_s`). The test reads measured seconds on both sides, so it
-holds on a machine slower or faster than the one the profile was taken on, where a predicted step (compute in the
-profile's units) over a measured one does not.
+**The waits bound the saving.** More micro-batches in flight save only time that every stage spends blocked until
+a neighbour's message is there: a stage that is busy for the whole step (its layers, or framework time per
+micro-batch that the profile does not hold, as on a small model) keeps the pace whatever the depth. So the policy
+credits a deeper pipeline with its predicted saving per step (the predicted steps' relative difference, each without
+its convergence factor, applied to the measured step) only up to the least time a stage waited per step for a
+message (:attr:`~lightning_dynpipe.predictor.StageTimes.recv_wait_s`), and the rules above apply to that
+(:func:`waits_bound`). Both sides are measured seconds, so the bound holds on a machine slower or faster than the
+one the profile was taken on.
 
 The first window after a change is its outcome: the measured step time weighted by each depth's convergence
 factor; a change that made the pipeline slower to accuracy is undone, and that depth is refused for
@@ -31,7 +31,6 @@ factor; a change that made the pipeline slower to accuracy is undone, and that d
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +38,7 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.repartition.policy import _gain_refusal, _Streak
 from lightning_dynpipe.schedule import Schedule
 
-__all__ = ["DepthDecision", "DepthInputs", "InFlightPolicy", "unseen_saving"]
+__all__ = ["DepthDecision", "DepthInputs", "InFlightPolicy", "waits_bound"]
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,8 @@ class InFlightPolicy:
         explained_patience: the same with a visible cause; at most ``patience``.
         cooldown_steps: steps after any change (partition or depth) during which the depth stays.
         memory_steps: how long a depth that made the pipeline slower to accuracy is refused.
-        min_wait_cover: how many times the least wait of a stage for a message per step must cover the predicted
-            saving per step (see the module docstring; 0: no test).
+        bound_by_waits: credit a deeper pipeline with no more saving per step than the least time a stage waited
+            for a message (see the module docstring); ``False``: the predicted saving as it is.
     """
 
     horizon_steps: int = 200
@@ -150,7 +149,7 @@ class InFlightPolicy:
     explained_patience: int = 1
     cooldown_steps: int = 30
     memory_steps: int = 200
-    min_wait_cover: float = 1.0
+    bound_by_waits: bool = True
     _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_change: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Change | None = field(default=None, init=False, repr=False)
@@ -165,13 +164,12 @@ class InFlightPolicy:
             or self.cooldown_steps < 0
             or self.memory_steps < 0
             or not self.min_relative_gain >= 0
-            or not self.min_wait_cover >= 0
         ):
             raise ConfigurationError(
                 f"InFlightPolicy needs horizon_steps >= 1, margin >= 0, min_relative_gain >= 0, patience >= 1, "
-                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0, min_wait_cover >= 0; "
+                f"1 <= explained_patience <= patience, cooldown_steps >= 0, memory_steps >= 0; "
                 f"got {self.horizon_steps}, {self.margin}, {self.min_relative_gain}, {self.patience}, "
-                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.min_wait_cover}."
+                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}."
             )
 
     def decide(self, inputs: DepthInputs) -> DepthDecision:
@@ -179,13 +177,14 @@ class InFlightPolicy:
         horizon = max(
             0, self.horizon_steps if inputs.remaining_steps is None else min(self.horizon_steps, inputs.remaining_steps)
         )
-        saving = inputs.current_step_s - inputs.candidate_step_high_s
+        high, bound = self._bounded(inputs)
+        saving = inputs.current_step_s - high
         gain = saving * horizon
 
         def no(reason: str, *, streak: bool = True) -> DepthDecision:
             if streak:
                 self._streak.reset()
-            return DepthDecision(False, inputs.current, gain, reason, inputs)
+            return DepthDecision(False, inputs.current, gain, reason + bound, inputs)
 
         change, self._unjudged = self._unjudged, None
         if change is not None and inputs.current == change.new:
@@ -227,16 +226,6 @@ class InFlightPolicy:
         )
         if refusal is not None:
             return no(refusal)
-        cand_factor = inputs.candidate_convergence_factor or inputs.convergence_factor
-        unseen = unseen_saving(
-            inputs.current_step_s / inputs.convergence_factor if inputs.convergence_factor > 0 else math.nan,
-            inputs.candidate_step_s / cand_factor if cand_factor > 0 else math.nan,
-            inputs.measured_step_s,
-            inputs.waits_s,
-            self.min_wait_cover,
-        )
-        if unseen is not None:
-            return no(unseen)
         agreed = self._streak.agree(inputs.candidate)
         patience = self.explained_patience if inputs.causes else self.patience
         if agreed < patience:
@@ -246,7 +235,27 @@ class InFlightPolicy:
         reason = "predicted gain in time to accuracy pays the change"
         if inputs.causes and patience < self.patience:
             reason += f" (after {patience} check{'s' if patience > 1 else ''}: {inputs.causes})"
-        return DepthDecision(True, inputs.candidate, gain, reason, inputs)
+        return DepthDecision(True, inputs.candidate, gain, reason + bound, inputs)
+
+    def _bounded(self, inputs: DepthInputs) -> tuple[float, str]:
+        """The candidate's upper step (weighted by its convergence factor) with the saving bounded by the stages'
+        waits (:func:`waits_bound`), and a note for the reason where the bound binds (else ``""``)."""
+        factor = inputs.convergence_factor
+        cand_factor = inputs.candidate_convergence_factor or factor
+        if not self.bound_by_waits or not inputs.waits_s or not factor > 0 or not cand_factor > 0:
+            return inputs.candidate_step_high_s, ""
+        current = inputs.current_step_s / factor
+        raw = inputs.candidate_step_high_s / cand_factor
+        bounded = waits_bound(current, raw, inputs.measured_step_s, inputs.waits_s)
+        if bounded <= raw:
+            return inputs.candidate_step_high_s, ""
+        k = min(range(len(inputs.waits_s)), key=lambda i: inputs.waits_s[i])
+        note = (
+            f"; the saving bounded by the stages' waits: stage {k} waited {inputs.waits_s[k] * 1e3:.1f} ms per step "
+            f"for a message, so {inputs.candidate.name} counts as {bounded * cand_factor * 1e3:.1f} ms/step "
+            f"(weighted), not the predicted {inputs.candidate_step_high_s * 1e3:.1f}"
+        )
+        return bounded * cand_factor, note
 
     def changed(self, step: int) -> None:
         """Told when the partition or the depth changed (the cool-down starts)."""
@@ -270,35 +279,20 @@ class InFlightPolicy:
         self._refused = {}
 
 
-def unseen_saving(
-    current_s: float, candidate_s: float, measured_step_s: float, waits_s: Sequence[float], cover: float = 1.0
-) -> str | None:
-    """Why a deeper pipeline's predicted saving would not show, or ``None`` where the waits cover it.
+def waits_bound(current_s: float, candidate_s: float, measured_step_s: float, waits_s: Sequence[float]) -> float:
+    """``candidate_s`` with its saving over ``current_s`` bounded by the stages' waits: at least ``current_s`` less the
+    share of the measured step that the least of ``waits_s`` (each stage's time per step blocked until a
+    neighbour's message was there) makes up. Both predicted steps are without their convergence factors and in any
+    one unit; without measured waits ``candidate_s`` as it is.
 
-    ``current_s`` and ``candidate_s`` are the predicted steps of the current depth and of the other one, without
-    their convergence factors (in any one unit: only their ratio counts); the saving is their relative difference
-    applied to the measured step. It must be at most the least of ``waits_s`` (each stage's time per step blocked
-    until a neighbour's message was there) over ``cover``: a stage that does not wait keeps the pace whatever the
-    depth. Without measured waits (``waits_s`` empty) or with ``cover`` 0 there is no test.
+    Example (predicted 30 -> 21 ms, a 30% saving; the measured step 40 ms, and a stage waited 3 ms of it, 7.5%)::
 
-    Example (a 30% saving of a 40 ms step: 12 ms; the stages waited 20 and 3 ms per step)::
-
-        >>> import textwrap
-        >>> print(textwrap.fill(unseen_saving(0.030, 0.021, 0.040, (0.020, 0.003)), 100))
-        the predicted saving (12.0 ms of the measured 40.0 ms step) is more than stage 1 waited for a
-        message (3.0 ms per step): a stage busy for the whole step keeps the pace whatever the depth
-        >>> unseen_saving(0.030, 0.021, 0.040, (0.020, 0.015)) is None
-        True
+        >>> round(waits_bound(0.030, 0.021, 0.040, (0.020, 0.003)), 5)
+        0.02775
+        >>> waits_bound(0.030, 0.021, 0.040, (0.020, 0.015))
+        0.021
     """
-    if not waits_s or cover <= 0 or not candidate_s < current_s:
-        return None
-    saving = (1.0 - candidate_s / current_s) * measured_step_s
-    stage = min(range(len(waits_s)), key=lambda k: waits_s[k])
-    if waits_s[stage] >= cover * saving:
-        return None
-    times = f"{cover:g} times " if cover != 1 else ""
-    return (
-        f"the predicted saving ({saving * 1e3:.1f} ms of the measured {measured_step_s * 1e3:.1f} ms step) is more "
-        f"than {times}stage {stage} waited for a message ({waits_s[stage] * 1e3:.1f} ms per step): a stage busy for "
-        "the whole step keeps the pace whatever the depth"
-    )
+    if not waits_s or not measured_step_s > 0:
+        return candidate_s
+    share = min(1.0, min(waits_s) / measured_step_s)
+    return max(candidate_s, current_s * (1.0 - share))
