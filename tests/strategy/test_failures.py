@@ -121,3 +121,53 @@ def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
     assert elapsed < 30, f"took {elapsed:.0f} s"
     time.sleep(1)
     _no_survivors("long")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left to a parent that does not reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_rank_processes_end_when_the_launching_process_is_killed() -> None:
+    """The spawn launcher's ranks are children of a launching process that does not train: when that process is
+    killed with SIGKILL (nothing can run in it), the ranks end within seconds (torch's spawn asks the kernel for a
+    SIGINT to each child when its parent dies) instead of waiting for their peers' messages forever."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "long-spawn"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "TRAINING STARTED" in line:
+                break
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        ranks = [int(line.split()[0]) for line in ps.stdout.splitlines() if "spawn_main" in line]
+        assert len(ranks) == 2, ps.stdout
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in ranks if _running(pid)], "rank processes still running 20 s after the kill"
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass

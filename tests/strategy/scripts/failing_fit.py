@@ -1,7 +1,10 @@
 """A 2-stage fit (popen launcher) in which one stage fails at step 3, or (``long``) that trains until interrupted.
 
 Usage: python failing_fit.py {last-exception,last-exception-slow-exit,first-exception,first-sigkill,
-first-update-exception,finetune-group,long}
+first-update-exception,finetune-group,long,long-spawn}
+
+``long-spawn``: as ``long``, with the spawn launcher (the ranks are children of the launching process, which does
+not train).
 
 ``first-update-exception``: under ``sync``, stage 0 raises in ``on_before_optimizer_step`` at FAIL_STEP, when the
 last stage has finished that step and waits in one of Lightning's collectives (the metrics mirror), not on a
@@ -106,16 +109,18 @@ if __name__ == "__main__":
     callbacks: list[L.Callback] = {
         "first-sigkill": [KillStageZero()],
         "long": [AnnounceTraining()],
+        "long-spawn": [AnnounceTraining()],
         "finetune-group": [UnfreezeIntoNewGroup()],
         "first-update-exception": [FailStageZerosUpdate()],
     }.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
-    epochs = 10_000 if mode == "long" else 2
+    epochs = 10_000 if mode.startswith("long") else 2
     schedule = "sync" if mode == "first-update-exception" else "async"  # sync: stage 0 updates after the last stage
+    start = "spawn" if mode == "long-spawn" else "popen"
     trainer = L.Trainer(
         devices=2,
         max_epochs=epochs,
-        strategy=DynPipeStrategy(num_microbatches=4, balance=balance, schedule=schedule),
+        strategy=DynPipeStrategy(num_microbatches=4, balance=balance, schedule=schedule, start_method=start),
         **trainer_kwargs(callbacks=callbacks),
     )
     try:
