@@ -115,9 +115,41 @@ class ScheduleChange:
     pause_s: float
 
 
+_ORPHAN_POLL_S = 1.0
+
+
+def _exit_when_orphaned(poll_s: float = _ORPHAN_POLL_S) -> threading.Thread:
+    """In a rank process the launcher started: a daemon thread that ends the process (exit code 1, a line on stderr)
+    once the launching process is gone (its parent changes: it was killed without ending its children).
+
+    torch's spawn asks the kernel for a ``SIGINT`` to each child when its parent dies, but a process started with
+    ``SIGINT`` ignored (``nohup``, a background job, many CI runners) passes that on to its children, and such a rank
+    then waits for its peers' messages forever, busy; a ``SIGTERM`` only sets Lightning's flag for the end of a step
+    that never comes."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                message = f"DynPipe: the launching process ({parent}) of rank process {os.getpid()} is gone; exiting\n"
+                os.write(2, message.encode())
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="dynpipe-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class _DynPipeSpawnLauncher(_MultiProcessingLauncher):
     """Lightning's spawn launcher, also sending rank 0's :class:`RestartPlan` back to the launching process (its
-    strategy object is not the one that trained, so :func:`fit_with_restarts` would not see the plan otherwise)."""
+    strategy object is not the one that trained, so :func:`fit_with_restarts` would not see the plan otherwise),
+    and ending each rank process whose launching process is gone (:func:`_exit_when_orphaned`)."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        _exit_when_orphaned()
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
     def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,19 +17,26 @@ pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
 
 
-def _run(mode: str) -> tuple[int, str, float]:
+def _start(mode: str, *, one_thread: bool = True, **popen: Any) -> subprocess.Popen[str]:
+    """The script in ``mode``, in a new session (so that the whole process group can be inspected and killed), its
+    output on a pipe; without the launcher's variables of the environment it runs in."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    t0 = time.monotonic()
-    # a new session, so that the whole process group can be inspected and killed
-    proc = subprocess.Popen(
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), mode],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        **popen,
     )
+
+
+def _run(mode: str) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    proc = _start(mode)
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -81,14 +89,9 @@ def test_a_failing_stage_ends_every_rank(mode: str, expected: str) -> None:
 
 
 def test_keyboard_interrupt_on_the_main_process_stops_the_others() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "long"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    proc = _start(
+        "long",
+        one_thread=False,
         # A child inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt handler: give the
         # run the default disposition a terminal's Ctrl-C meets, whatever the test runner's is.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -134,18 +137,10 @@ def _running(pid: int) -> bool:
 
 def test_the_rank_processes_end_when_the_launching_process_is_killed() -> None:
     """The spawn launcher's ranks are children of a launching process that does not train: when that process is
-    killed with SIGKILL (nothing can run in it), the ranks end within seconds (torch's spawn asks the kernel for a
-    SIGINT to each child when its parent dies) instead of waiting for their peers' messages forever."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "long-spawn"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    killed with SIGKILL (nothing can run in it), the ranks end within seconds instead of waiting for their peers'
+    messages forever. The run starts with SIGINT ignored, as under ``nohup`` or in a background job: the SIGINT that
+    torch's spawn asks the kernel to send a child whose parent dies is then ignored too."""
+    proc = _start("long-spawn", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     ranks: list[int] = []
     try:
         assert proc.stdout is not None
