@@ -226,7 +226,7 @@ def _floored_limits(times: Sequence[StageTimes], stage_signs: Sequence[str]) -> 
 
 def _waits(window: PipelineWindow) -> tuple[float, ...]:
     """Each stage's time per step blocked until a neighbour's message was there; ``()`` where no stage has a
-    reading (a window built without the monitor's waits: the depth policy's waits test is not made)."""
+    reading (a window built without the monitor's waits: a deeper pipeline's saving is not bounded by waits)."""
     waits = tuple(t.recv_wait_s for t in window.stages)
     return waits if any(w > 0 for w in waits) else ()
 

@@ -62,7 +62,7 @@ class DepthInputs:
         details: the candidates' predicted times, for logs.
         candidate_convergence_factor: ``candidate``'s convergence factor (``None``: the same as the current's).
         waits_s: per stage, the time per step it was blocked until a neighbour's message was there, as measured
-            over the window (``()``: not measured, and the waits' test is not made).
+            over the window (``()``: not measured, and the saving is not bounded by them).
     """
 
     step: int
