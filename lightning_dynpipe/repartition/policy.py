@@ -194,11 +194,23 @@ def _gain_refusal(
     min_relative_gain: float,
     margin: float,
     cost: str,
+    measured_step_s: float = 0.0,
 ) -> str | None:
     """Why a lower-end saving per step does not pay (``None``: it pays): below ``min_relative_gain`` of the step, or
-    over ``horizon`` steps not above ``margin`` times ``cost_s`` (``cost`` names it in the reason)."""
-    if not (current_step_s > 0 and saving_s / current_step_s >= min_relative_gain):
-        return f"gain (lower end) below {min_relative_gain:.0%} of the step time"
+    over ``horizon`` steps not above ``margin`` times ``cost_s`` (``cost`` names it in the reason).
+
+    The step is the predicted ``current_step_s``, or the ``measured_step_s`` where that is longer: the time a
+    prediction leaves out (the framework's own per-step work, waits it does not model) is spent under either
+    partition, so a saving is a share of the step the pipeline measures."""
+    step_s = max(current_step_s, measured_step_s)
+    if not (step_s > 0 and saving_s / step_s >= min_relative_gain):
+        reason = f"gain (lower end) below {min_relative_gain:.0%} of the step time"
+        if measured_step_s > current_step_s > 0 and saving_s > 0:
+            reason += (
+                f" ({saving_s * 1e3:.1f} ms of the {measured_step_s * 1e3:.1f} measured; "
+                f"{current_step_s * 1e3:.1f} predicted)"
+            )
+        return reason
     if not saving_s * max(horizon, 0) > margin * cost_s:
         return f"gain (lower end) over {horizon} steps does not pay {margin:g}x the {cost}"
     return None
@@ -269,6 +281,10 @@ class _Memory:
         entries.append((step, tta_s, measured_s))
         del entries[: -self.KEEP]
 
+    def count(self, partition: Partition, conditions: _Conditions) -> int:
+        """How many measurements of ``partition`` under ``conditions`` :meth:`measured` takes the median of."""
+        return len(self._seen.get((partition, conditions), ()))
+
     def partitions(self) -> list[Partition]:
         return list(dict.fromkeys(p for p, _ in self._seen))
 
@@ -333,20 +349,23 @@ class GainOverCostPolicy:
         policy = GainOverCostPolicy(horizon_steps=200, margin=2.0, patience=2, cooldown_steps=50)
         DynPipeStrategy(adaptive=policy)
 
-    The gain is ``(current_step_s - candidate_step_upper_s) * min(horizon_steps, remaining_steps)``: the lower
-    end of the predicted gain, with the candidate's step time at the upper end of the predictor's interval (the
-    value itself for a predictor without intervals). A move needs
-    ``gain > margin * migration_cost_s`` and a relative step-time improvement of at least
-    ``min_relative_gain``, at ``patience`` consecutive checks with the same candidate (``explained_patience`` when
-    the window shows a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a
-    stage the move gives layers away from; a passing spike has none), and not within ``cooldown_steps`` of the
-    previous migration. A cause explains a move only while it is new: once a check has kept the current partition
-    under the same conditions (:attr:`PolicyInputs.conditions` and whether the link is slower; it was the best, or no
-    move paid) as the check before it (the first window of new conditions may straddle their onset), the cause was
-    already priced, and a gain that appears later under it comes from the measured times changing, not from the
-    cause. Such a move waits ``patience`` checks and is tested like one without a cause (below). Under a 25% quota
-    that had kept ``[7, 2]`` of an MLP for 200 steps, a stretch of slower steps moved it at one check to ``[8, 1]``,
-    which ran 10% slower for the rest of the run.
+    The gain is ``(current_step_s - candidate_step_upper_s) * min(horizon_steps, remaining_steps)``: the lower end of
+    the predicted gain, with the candidate's step time at the upper end of the predictor's interval (the value itself
+    for a predictor without intervals). A move needs ``gain > margin * migration_cost_s`` and a saving of at least
+    ``min_relative_gain`` of the step time (the predicted ``current_step_s``, or the measured step weighted by the
+    convergence factor where that is longer: what a prediction leaves out, the framework's per-step work and waits it
+    does not model, is spent under either partition; on a 2-core VM an MLP's clean windows were priced at half their
+    measured 32-34 ms, and savings of 10-15% of that price moved it three times in one run to partitions that measured
+    no faster), at ``patience`` consecutive checks with the same candidate (``explained_patience`` when the window shows
+    a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a stage the move gives
+    layers away from; a passing spike has none), and not within ``cooldown_steps`` of the previous migration. A cause
+    explains a move only while it is new: once a check has kept the current partition under the same conditions
+    (:attr:`PolicyInputs.conditions` and whether the link is slower; it was the best, or no move paid) as the check
+    before it (the first window of new conditions may straddle their onset), the cause was already priced, and a gain
+    that appears later under it comes from the measured times changing, not from the cause. Such a move waits
+    ``patience`` checks and is tested like one without a cause (below). Under a 25% quota that had kept ``[7, 2]`` of an
+    MLP for 200 steps, a stretch of slower steps moved it at one check to ``[8, 1]``, which ran 10% slower for the rest
+    of the run.
 
     **A slowdown the step time does not show.** With no visible cause, a move also needs the measurement to agree
     with the prediction it rests on: the predicted step time of the current partition under the measured slowdowns
@@ -387,6 +406,10 @@ class GainOverCostPolicy:
     its convergence factor) under each set of conditions, and when the predicted candidate does not move it, moves
     back to a partition measured faster under the same conditions as now, with the same tests of gain, cost,
     ``min_relative_gain``, cool-down and refusals, after ``explained_patience`` checks (the evidence is measured).
+    Both partitions are measured alike: the median of each one's last windows under those conditions (up to three,
+    this window among the current partition's), so one slow window does not outweigh another partition's median
+    (windows of one clean partition measured 30-40 ms on a noisy VM, and a single 37.7 ms window against 33.5 moved
+    a pipeline back and forth).
     Such a move is judged afterwards like any other. The same memory checks the predictor: a predicted move to a
     partition that measured no faster (by ``min_relative_gain``) than the current one under the same conditions, or,
     when they come and go, on average over them, is not made. Under a hog the hogged stage reads less slowed once it
@@ -542,6 +565,7 @@ class GainOverCostPolicy:
             min_relative_gain=self.min_relative_gain,
             margin=self.margin,
             cost="migration cost",
+            measured_step_s=inputs.measured_tta_step_s,
         )
         if refusal is not None:
             return kept(refusal)
@@ -626,7 +650,11 @@ class GainOverCostPolicy:
         # conditions that come and go: averaged over them (when the current partition was measured under each of
         # them); else under the same conditions as now
         intermittent = average is not None
-        now = average if average is not None else inputs.measured_tta_step_s
+        # like the candidates: the median of the current partition's last windows under these conditions (this one
+        # among them, remembered above), not this window alone
+        here = None if intermittent else memory.measured(inputs.current, inputs.conditions)
+        here_windows = 0 if intermittent else memory.count(inputs.current, inputs.conditions)
+        now = average if average is not None else here[1] if here is not None else inputs.measured_tta_step_s
         best: tuple[Partition, float, tuple[int, float, float] | None] | None = None
         for partition in memory.partitions():
             if partition == inputs.current:
@@ -657,10 +685,11 @@ class GainOverCostPolicy:
             )
         else:
             step, _, measured_s = seen
+            current_s = here[2] if here is not None else inputs.measured_step_s
             measured = (
                 f"{target} measured {measured_s * 1e3:.1f} ms/step at step {step} under the same conditions "
-                f"({memory.name(inputs.conditions)}); {inputs.current} measures {inputs.measured_step_s * 1e3:.1f} "
-                "ms/step"
+                f"({memory.name(inputs.conditions)}); {inputs.current} measures {current_s * 1e3:.1f} ms/step"
+                + (f" (the median of its last {here_windows} windows)" if here_windows > 1 else "")
             )
         if self._recall_streak < self.explained_patience:
             reason = f"{measured}; waiting for {self.explained_patience} checks in a row ({self._recall_streak} so far)"

@@ -93,9 +93,11 @@ def test_every_candidate_is_priced_by_the_predictor_which_can_overrule_the_slowd
 
 
 def test_a_wide_interval_holds_a_move_whose_central_gain_would_pay() -> None:
-    sure = _controller(_Scripted((0.003, 0.0045))).check(10, _times(), PART, remaining_steps=1000)
+    # measured as the scripted predictor prices [4, 4]: 12 and 18 ms per micro-batch, a step of 4 x 18 ms
+    times = [StageTimes(0.048, 0.075), StageTimes(0.072, 0.075)]
+    sure = _controller(_Scripted((0.003, 0.0045))).check(10, times, PART, remaining_steps=1000)
     assert sure is not None and sure.repartition
-    unsure = _controller(_Scripted((0.003, 0.0045), spread=0.5)).check(10, _times(), PART, remaining_steps=1000)
+    unsure = _controller(_Scripted((0.003, 0.0045), spread=0.5)).check(10, times, PART, remaining_steps=1000)
     assert unsure is not None and not unsure.repartition and "lower end" in unsure.reason
     assert unsure.inputs.candidate_step_upper_s > unsure.inputs.candidate_step_s
 
@@ -533,8 +535,9 @@ def test_a_stages_fixed_cost_stays_with_it_so_the_move_off_a_hogged_stage_is_pri
     predictor knows stage 1 read that quiet, keeps the excess as a fixed cost (11.5 ms, 19% faster) and the loop
     moves."""
     layers = [CNN.compute_s(0, 2), CNN.compute_s(2, 5)]
-    clean = [StageTimes(M * layers[0], 0.06), StageTimes(M * (layers[1] + 1.5e-3), 0.06)]
-    hogged = [StageTimes(M * 2 * layers[0], 0.12), StageTimes(M * (layers[1] + 1.5e-3), 0.12)]
+    # a step is about M micro-batches of the slower stage
+    clean = [StageTimes(M * layers[0], 0.03), StageTimes(M * (layers[1] + 1.5e-3), 0.03)]
+    hogged = [StageTimes(M * 2 * layers[0], 0.06), StageTimes(M * (layers[1] + 1.5e-3), 0.06)]
     signs = ("other processes busy on its cores (1.00 cores)", "")
     decisions = {}
     for fixed in (False, True):

@@ -358,7 +358,7 @@ def test_a_move_made_for_a_cause_is_undone_when_the_cause_has_gone() -> None:
     assert back.repartition and back.partition == CUR
     assert back.reason == (
         "move back: [3, 3] measured 27.0 ms/step at step 10 under the same conditions (clean); "
-        "[4, 2] measures 38.5 ms/step"
+        "[4, 2] measures 38.5 ms/step (the median of its last 2 windows)"
     )
     assert back.predicted_gain_s == pytest.approx(1.15)  # (38.5 - 27) ms over 100 steps
     policy.migrated(75)
@@ -554,3 +554,56 @@ def test_a_move_is_not_judged_against_a_window_of_other_conditions() -> None:
     same.migrated(10)
     back = same.decide(_inputs(20, current=CAND, candidate=CAND, current_s=1.3, measured_s=1.3, conditions=hogged))
     assert back.repartition and back.reason.startswith("roll back")
+
+
+def test_the_saving_is_a_share_of_the_measured_step_where_the_prediction_is_shorter() -> None:
+    """Clean windows of an 8-layer MLP on a noisy 2-core VM: [3, 6] priced at 15.0 ms/step, [2, 7] at 12.7, while
+    the pipeline measured 32.0 (the framework's per-step work and the waits are not in the price, and are spent
+    under either partition): 2.3 ms is 7% of the step, below the 10% minimum. The same saving where the step
+    measures as priced moves; a hog's move (priced 108.1 -> 74.1 ms, measured 96.5) is not held back."""
+    mlp = {"current_s": 15.0 * MS, "candidate_s": 12.7 * MS, "cost": 0.017, "conditions": CLEAN}
+    policy = GainOverCostPolicy(patience=1)
+    held = policy.decide(_inputs(381, measured_s=32.0 * MS, **mlp))  # type: ignore[arg-type]
+    assert not held.repartition
+    assert held.reason == ("gain (lower end) below 10% of the step time (2.3 ms of the 32.0 measured; 15.0 predicted)")
+    # weighted by the convergence factor like the prediction: 2.3 of 15.5 x 1.05 is 14%
+    weighted = GainOverCostPolicy(patience=1).decide(_inputs(381, measured_s=15.5 * MS, factor=1.05, **mlp))  # type: ignore[arg-type]
+    assert weighted.repartition
+    hog = GainOverCostPolicy(patience=1).decide(
+        _inputs(71, current_s=108.1 * MS, candidate_s=74.1 * MS, measured_s=96.5 * MS, cost=0.05, causes="s0")
+    )
+    assert hog.repartition and hog.partition == CAND
+
+
+def test_recall_compares_the_medians_of_both_partitions_windows_not_one_window() -> None:
+    """The windows of a clean run on a noisy VM, as measured: [3, 3] at 31.4, 33.5 and 39.5 ms/step before a move to
+    [4, 2]; then [4, 2] at 32.7 ... 37.7. Against [3, 3]'s median (33.5) the single 37.7 ms window is 12.5% slower,
+    and moved the pipeline back; [4, 2]'s median of its last three windows (34.2) is 2% slower: it stays. Once the
+    median shows [4, 2] slower (a second slow window: 34.2, 37.7, 38.5), it moves back."""
+    policy = GainOverCostPolicy(horizon_steps=200, margin=2.0, patience=2, cooldown_steps=30)
+    on_cur = {"current": CUR, "candidate": CUR, "cost": 0.02, "conditions": CLEAN}
+    for step, ms in ((231, 31.4), (241, 33.5)):
+        assert not policy.decide(_inputs(step, current_s=ms * MS, **on_cur)).repartition  # type: ignore[arg-type]
+    moved = policy.decide(
+        _inputs(
+            251,
+            current_s=39.5 * MS,
+            candidate_s=30 * MS,
+            cost=0.02,
+            causes="the link",
+            link_cause=True,
+            conditions=CLEAN,
+        )
+    )
+    assert moved.repartition and moved.partition == CAND
+    policy.migrated(251)
+    on_cand = {"current": CAND, "candidate": CAND, "cost": 0.02, "conditions": CLEAN}
+    for step, ms in ((261, 32.7), (271, 34.5), (281, 34.2), (291, 30.4), (301, 34.2), (311, 37.7)):
+        d = policy.decide(_inputs(step, current_s=ms * MS, **on_cand))  # type: ignore[arg-type]
+        assert not d.repartition, (step, d.reason)
+    back = policy.decide(_inputs(321, current_s=38.5 * MS, **on_cand))  # type: ignore[arg-type]
+    assert back.repartition and back.partition == CUR
+    assert back.reason == (
+        "move back: [3, 3] measured 33.5 ms/step at step 251 under the same conditions (clean); [4, 2] measures "
+        "37.7 ms/step (the median of its last 3 windows)"
+    )
