@@ -205,7 +205,8 @@ def _gain_refusal(
     step_s = max(current_step_s, measured_step_s)
     if not (step_s > 0 and saving_s / step_s >= min_relative_gain):
         reason = f"gain (lower end) below {min_relative_gain:.0%} of the step time"
-        if measured_step_s > current_step_s > 0 and saving_s > 0:
+        if measured_step_s > current_step_s > 0 and saving_s >= min_relative_gain * current_step_s:
+            # the measured step decided: say so
             reason += (
                 f" ({saving_s * 1e3:.1f} ms of the {measured_step_s * 1e3:.1f} measured; "
                 f"{current_step_s * 1e3:.1f} predicted)"

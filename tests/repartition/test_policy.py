@@ -566,6 +566,10 @@ def test_the_saving_is_a_share_of_the_measured_step_where_the_prediction_is_shor
     held = policy.decide(_inputs(381, measured_s=32.0 * MS, **mlp))  # type: ignore[arg-type]
     assert not held.repartition
     assert held.reason == ("gain (lower end) below 10% of the step time (2.3 ms of the 32.0 measured; 15.0 predicted)")
+    # a saving below 10% of the prediction too: the reason names no measured step
+    small = {**mlp, "candidate_s": 14.6 * MS}
+    plain = GainOverCostPolicy(patience=1).decide(_inputs(381, measured_s=32.0 * MS, **small))  # type: ignore[arg-type]
+    assert plain.reason == "gain (lower end) below 10% of the step time"
     # weighted by the convergence factor like the prediction: 2.3 of 15.5 x 1.05 is 14%
     weighted = GainOverCostPolicy(patience=1).decide(_inputs(381, measured_s=15.5 * MS, factor=1.05, **mlp))  # type: ignore[arg-type]
     assert weighted.repartition
