@@ -655,7 +655,10 @@ class GainOverCostPolicy:
         # among them, remembered above), not this window alone
         here = None if intermittent else memory.measured(inputs.current, inputs.conditions)
         here_windows = 0 if intermittent else memory.count(inputs.current, inputs.conditions)
-        now = average if average is not None else here[1] if here is not None else inputs.measured_tta_step_s
+        if average is not None:
+            now = average
+        else:
+            now = here[1] if here is not None else inputs.measured_tta_step_s
         best: tuple[Partition, float, tuple[int, float, float] | None] | None = None
         for partition in memory.partitions():
             if partition == inputs.current:
