@@ -31,6 +31,9 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
 * ``measured-1s``: ``measured`` with the stage monitor's sampler computing the other processes' load on each stage's
   cores (and the steal share) over spans of a second instead of a quarter (its earlier default): what the faster
   reading is worth for detecting a hog's start and end; opt-in through ``--systems``;
+* ``measured-first``: ``measured`` with a stage's sign of interference explaining a move from the first window that
+  shows it (``GainOverCostPolicy(explained_min_s=0)``; the default waits until it has shown for half a second): what
+  the wait costs a hog's detection and saves under a bursty neighbour (``--noise``); opt-in through ``--systems``;
 * ``static``: ``DynPipeStrategy(balance=B, adaptive=False)``.
 
 ``--predictor forest`` (or ``measured``) is short for ``--systems forest,static``.
@@ -182,6 +185,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured-norecall",
     "measured-window",
     "measured-1s",
+    "measured-first",
     "varuna",
     "dynpipe-2x",
     "static",
@@ -250,6 +254,7 @@ class Config:
     beta: float | None = None
     cuts_to_target: bool = False
     cut_scenarios: tuple[str, ...] = CUT_SCENARIOS
+    noise: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- scenarios
@@ -459,6 +464,8 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return GainOverCostPolicy(recall_steps=0), "measured"
     if system == "measured-window":
         return True, MeasuredSlowdownPredictor(remember=0)
+    if system == "measured-first":
+        return GainOverCostPolicy(explained_min_s=0.0), "measured"
     if system == "varuna":
         return VarunaRule(), "measured"
     if system == "dynpipe-2x":  # the original scores the cuts with its forest
@@ -660,6 +667,17 @@ def cut_systems(cfg: Config) -> list[str]:
     """The pseudo-systems that run each 2-stage cut fixed, for a measured rebalancing limit."""
     n = num_layers(cfg)
     return [f"cut{c},{n - c}" for c in range(1, n)]
+
+
+def _noise(cfg: Config) -> Any:
+    """``--noise``: a bursty neighbour (:class:`~lightning_dynpipe.interference.CpuBursts`) on the cores the workers
+    pin their stages to; ``None`` without it."""
+    from lightning_dynpipe.interference import CpuBursts
+
+    if not cfg.noise:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return CpuBursts(sorted({cores[rank % len(cores)] for rank in range(WORLD_SIZE)}), seed=cfg.first_seed)
 
 
 def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
@@ -1302,6 +1320,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         help="train the fixed cuts of scenarios that last the whole run to the target: a time-to-accuracy limit",
     )
     p.add_argument(
+        "--noise",
+        action="store_true",
+        help="a bursty neighbour on the stages' cores for the whole run, every scenario and system (CpuBursts: 10-150 "
+        "ms busy on a random one of the two cores, 0-300 ms apart): noise the loop should not move on",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: MLP 3x64, 1 seed, scenarios none,quota25, target 0.5, 60 steps (~30 s)",
@@ -1380,6 +1404,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "forest_file": a.forest,
         "beta": a.beta,
         "cuts_to_target": a.cuts_to_target or None,
+        "noise": a.noise or None,
     }
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if cfg.model == "gpt":
@@ -1479,6 +1504,7 @@ def _header(cfg: Config, machine: dict[str, Any], cmd: str) -> None:
             else ""
         )
         + ("; fixed cuts trained to the target" if cfg.cuts_to_target else "")
+        + ("; a bursty neighbour on the stages' cores throughout (--noise)" if cfg.noise else "")
     )
     dirty = machine.get("git_modified_files")
     print(
@@ -1506,9 +1532,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json_path = a.out_dir / f"interference-{time.strftime('%Y%m%d-%H%M%S')}.json"
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "runs.json")
+            noise = _noise(cfg)
             try:
+                if noise is not None:
+                    noise.start()
                 spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
             finally:
+                if noise is not None:
+                    noise.stop()
                 raw = json.loads(Path(result_path).read_text(encoding="utf-8")) if os.path.exists(result_path) else {}
                 machine["load_average_1_5_15_after"] = [round(x, 2) for x in os.getloadavg()]
                 payload = {

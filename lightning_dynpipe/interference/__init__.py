@@ -4,6 +4,7 @@ Sources (each with ``start()``, ``stop()``, ``active`` and ``with``):
 
 * :class:`CpuHog`: busy-loop processes pinned to chosen cores, with a duty cycle;
   :func:`pin_current_process` pins a stage to its own cores.
+* :class:`CpuBursts`: a bursty neighbour, short busy loops on random cores at random times.
 * :class:`CpuQuota`: a cgroup CPU bandwidth limit on a process (cgroup v2 ``cpu.max`` or the v1 cpu
   controller); :class:`InterferenceUnavailable` with the reasons where the machine does not allow it.
 * :class:`CpuThrottle`: the same average CPU share by SIGSTOP/SIGCONT from a helper process, without
@@ -36,7 +37,7 @@ from lightning_dynpipe.interference.base import (
     InterferenceError,
     InterferenceUnavailable,
 )
-from lightning_dynpipe.interference.cpu import CpuHog, allowed_cores, pin_current_process, pin_process
+from lightning_dynpipe.interference.cpu import CpuBursts, CpuHog, allowed_cores, pin_current_process, pin_process
 from lightning_dynpipe.interference.gpu import GpuContention
 from lightning_dynpipe.interference.link import BoundLinkDelay, LinkDelay
 from lightning_dynpipe.interference.quota import CpuLimit, CpuQuota
@@ -56,6 +57,7 @@ __all__ = [
     "InterferenceUnavailable",
     "InterferenceConfigError",
     "CpuHog",
+    "CpuBursts",
     "pin_current_process",
     "pin_process",
     "allowed_cores",

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from lightning_dynpipe.interference.base import ChildProcesses, InterferenceConfigError, Lifecycle, check_fraction
 
-__all__ = ["CpuHog", "pin_current_process", "pin_process", "allowed_cores"]
+__all__ = ["CpuHog", "CpuBursts", "pin_current_process", "pin_process", "allowed_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,29 @@ while os.getppid() == parent:
         pass
     if idle > 0:
         time.sleep(idle)
+"""
+
+# Runs in the bursts helper: argv = [cores, shortest, longest, max_gap, seed, parent_pid]. Exits when the parent is
+# gone.
+_BURSTS_CODE = r"""
+import os, random, sys, time
+cores = [int(c) for c in sys.argv[1].split(",")]
+shortest, longest, max_gap = float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+rng, parent = random.Random(int(sys.argv[5])), int(sys.argv[6])
+try:
+    os.sched_setaffinity(0, {cores[0]})
+except OSError as exc:
+    sys.stderr.write(f"cannot pin to core {cores[0]}: {exc}")
+    sys.exit(3)
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+clock = time.perf_counter
+while os.getppid() == parent:
+    time.sleep(rng.uniform(0.0, max_gap))
+    os.sched_setaffinity(0, {rng.choice(cores)})
+    end = clock() + rng.uniform(shortest, longest)
+    while clock() < end:
+        pass
 """
 
 
@@ -157,4 +180,83 @@ class CpuHog(Lifecycle):
         """Stops every helper process (SIGTERM, then SIGKILL); idempotent."""
         if self._children.procs:
             log.debug("%r stopping: pids %s", self, self.pids)
+        self._children.stop()
+
+
+class CpuBursts(Lifecycle):
+    """A bursty neighbour: one process that busy-loops for short bursts on a random one of ``cores``, with random
+    gaps between them. Every core gets the same load on average, so no stage is slower for long: the noise a
+    repartition policy must not move on, though a window of a fast model may read one burst as another process's
+    load on a stage's core.
+
+    Example::
+
+        with CpuBursts(cores=allowed_cores(), seed=0):     # bursts of 10-150 ms, 0-300 ms apart
+            trainer.fit(model)
+
+    Each burst lasts a uniform ``[shortest_s, longest_s]`` on a core drawn uniformly from ``cores``, after a gap
+    drawn uniformly from ``[0, max_gap_s]``: on average the bursts take a share ``mean burst / (mean burst + mean
+    gap)`` of one core, spread evenly over ``cores`` (with the defaults 80 / 230 ms, 35%: 17% of each of two cores);
+    ``seed`` fixes the sequence. The helper is stopped like :class:`CpuHog`'s.
+
+    Args:
+        cores: the cores the bursts land on.
+        shortest_s: the shortest burst, in seconds.
+        longest_s: the longest burst, in seconds (>= ``shortest_s``).
+        max_gap_s: the longest pause between two bursts, in seconds.
+        seed: the random sequence of gaps, bursts and cores.
+        stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    """
+
+    def __init__(
+        self,
+        cores: Sequence[int],
+        shortest_s: float = 0.01,
+        longest_s: float = 0.15,
+        max_gap_s: float = 0.3,
+        seed: int = 0,
+        stop_timeout_s: float = 2.0,
+    ) -> None:
+        self.cores = _check_cores(cores, "CpuBursts")
+        fix = "Use e.g. shortest_s=0.01, longest_s=0.15, max_gap_s=0.3."
+        self.shortest_s = check_fraction("shortest_s", shortest_s, 0.0, 60.0, fix)
+        self.longest_s = check_fraction("longest_s", longest_s, 0.0, 60.0, fix)
+        if self.longest_s < self.shortest_s:
+            raise InterferenceConfigError(
+                f"CpuBursts needs longest_s >= shortest_s; got {longest_s} < {shortest_s}. {fix}", field="longest_s"
+            )
+        self.max_gap_s = check_fraction("max_gap_s", max_gap_s, 0.0, 60.0, fix, low_open=False)
+        self.seed = int(seed)
+        self._children = ChildProcesses("CpuBursts", stop_timeout_s)
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuBursts(cores={self.cores}, shortest_s={self.shortest_s:g}, longest_s={self.longest_s:g}, "
+            f"max_gap_s={self.max_gap_s:g}, seed={self.seed})"
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the helper process is running."""
+        return bool(self._children.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process id of the running helper (one)."""
+        return self._children.pids
+
+    def start(self) -> None:
+        """Starts the helper; a no-op if already running.
+
+        Raises:
+            InterferenceError: the helper could not start (e.g. pinning refused); none is left running.
+        """
+        if self._children.procs:
+            return
+        argv = [",".join(map(str, self.cores)), repr(self.shortest_s), repr(self.longest_s), repr(self.max_gap_s)]
+        self._children.spawn(_BURSTS_CODE, [[*argv, str(self.seed)]])
+        log.debug("%r started: pid %s", self, self.pids)
+
+    def stop(self) -> None:
+        """Stops the helper (SIGTERM, then SIGKILL); idempotent."""
         self._children.stop()

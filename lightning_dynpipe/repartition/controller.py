@@ -317,6 +317,8 @@ class AdaptiveController:
         self.depth_decision: DepthDecision | None = None
         """After a check: the depth policy's answer (``None`` when the depth was not considered: a partition move,
         ``max_extra_in_flight=0``, or a schedule that is not ``async``)."""
+        self._cause_age_s: tuple[float, ...] = ()
+        self._last_check_step: int | None = None
         self.stage_count_hint: tuple[int, float, float] | None = None
         """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
         is predicted to be better by ``stage_count_gain``; else ``None``."""
@@ -425,6 +427,7 @@ class AdaptiveController:
             link_cause=link != self.comm,
             allowed=self._fits if self.memory_cap is not None else None,
             window=window,
+            cause_age_s=self._cause_ages(step, window, stage_signs),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
@@ -458,6 +461,23 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _cause_ages(self, step: int, window: PipelineWindow, stage_signs: Sequence[str]) -> tuple[float, ...]:
+        """Per stage, for how long its signs have shown (``PolicyInputs.cause_age_s``): the steps since the check
+        before (since the start, at the first check) at this window's measured step time, added up over the
+        consecutive checks that showed them; ``math.inf`` under a CPU limit below one core; ``()`` without signs."""
+        since = step - self._last_check_step if self._last_check_step is not None else step
+        self._last_check_step = step
+        if len(stage_signs) != len(window.stages):
+            self._cause_age_s = ()
+            return ()
+        span_s = max(since, 0) * window.mean_step_s
+        before = self._cause_age_s if len(self._cause_age_s) == len(stage_signs) else (0.0,) * len(stage_signs)
+        self._cause_age_s = tuple(
+            math.inf if t.binding_cpu_limit is not None else (age + span_s if sign else 0.0)
+            for t, sign, age in zip(window.stages, stage_signs, before, strict=True)
+        )
+        return self._cause_age_s
 
     def _solve(self, key: str, comm: CommModel, slowdowns: Sequence[float], num_stages: int) -> Plan | None:
         """The planner's best partition under ``slowdowns`` (``None`` where none fits the memory cap); a solve whose

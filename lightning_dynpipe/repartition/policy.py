@@ -10,6 +10,7 @@ each move's outcome against the measured step time and undoes a move that made t
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -63,6 +64,10 @@ class PolicyInputs:
         cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
             not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
         link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
+        cause_age_s: per stage, for how long its cause has shown: the pipeline's time over the consecutive checks
+            whose windows showed it (each window's steps at its measured step time), ``math.inf`` for a CPU limit
+            below one core (configuration, read at every step), 0 without a cause; ``()``: not known (every
+            cause counts as lasting). See :meth:`explained_for`.
         window: the window the check measured (every stage's readings: times, CPU, the signs' inputs), for logs and
             for judging a decision after the fact; ``None`` when the caller did not give it.
     """
@@ -86,21 +91,35 @@ class PolicyInputs:
     cause_stages: tuple[bool, ...] = ()
     link_cause: bool = False
     window: PipelineWindow | None = None
+    cause_age_s: tuple[float, ...] = ()
 
     @property
     def explained(self) -> bool:
         """Whether a lasting cause the window shows explains the move to ``candidate``: the link is slower, or a
         stage that ``candidate`` gives fewer layers shows a cause (a stage slowed without one, beside a stage under a
         quota, is not explained by the quota). Where the causes' stages are not known, any cause explains it."""
+        return self.explained_for(0.0)
+
+    def explained_for(self, min_age_s: float) -> bool:
+        """:attr:`explained`, where a stage's cause counts only once it has shown for ``min_age_s`` seconds
+        (:attr:`cause_age_s`; the link counts whenever it is slower, and every cause where the ages are not known).
+
+        Example (a move away from stage 0, which showed another process's load in one window of 0.3 s)::
+
+            inputs.explained            # True
+            inputs.explained_for(0.5)   # False: the load has not shown for half a second yet
+        """
         if not self.causes:
             return False
         if self.link_cause or len(self.cause_stages) != self.current.num_stages:
             return True
+        ages = self.cause_age_s if len(self.cause_age_s) == len(self.cause_stages) else None
+        lasting = [cause and (ages is None or ages[k] >= min_age_s) for k, cause in enumerate(self.cause_stages)]
         if self.candidate.num_stages != self.current.num_stages:
-            return any(self.cause_stages)
+            return any(lasting)
         return any(
             cause and new < old
-            for cause, new, old in zip(self.cause_stages, self.candidate.balance, self.current.balance, strict=True)
+            for cause, new, old in zip(lasting, self.candidate.balance, self.current.balance, strict=True)
         )
 
     @property
@@ -341,6 +360,16 @@ def _overprediction(inputs: PolicyInputs) -> float | None:
     return inputs.current_step_s / inputs.convergence_factor / inputs.measured_step_s
 
 
+def _young_causes(inputs: PolicyInputs, min_age_s: float) -> str:
+    """For a reason: the stages whose causes have not shown for ``min_age_s`` yet, with their ages."""
+    young = [
+        f"stage {k} for {age:.2f} s"
+        for k, (cause, age) in enumerate(zip(inputs.cause_stages, inputs.cause_age_s, strict=False))
+        if cause and age < min_age_s
+    ]
+    return f"; signs shown on {', '.join(young)}, less than {min_age_s:g} s" if young else ""
+
+
 @dataclass
 class GainOverCostPolicy:
     """Repartition when the predicted gain over a horizon beats the migration cost by a margin, persistently.
@@ -359,7 +388,12 @@ class GainOverCostPolicy:
     measured 32-34 ms, and savings of 10-15% of that price moved it three times in one run to partitions that measured
     no faster), at ``patience`` consecutive checks with the same candidate (``explained_patience`` when the window shows
     a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a stage the move gives
-    layers away from; a passing spike has none), and not within ``cooldown_steps`` of the previous migration. A cause
+    layers away from; a passing spike has none), and not within ``cooldown_steps`` of the previous migration. A
+    stage's cause explains a move only once it has shown for ``explained_min_s`` of the pipeline's time
+    (:attr:`PolicyInputs.cause_age_s`; a CPU limit, read at every step, and a slower link at once): the load of other
+    processes is read over quarter-second spans, and a window of a fast model can hold a single reading, so a burst
+    of another process's work read once would otherwise move the pipeline at one check (under a neighbour busy for
+    10-150 ms at a time on either stage's core, about half of a small MLP's moves were made so). A cause
     explains a move only while it is new: once a check has kept the current partition under the same conditions
     (:attr:`PolicyInputs.conditions` and whether the link is slower; it was the best, or no move paid) as the check
     before it (the first window of new conditions may straddle their onset), the cause was already priced, and a gain
@@ -424,6 +458,9 @@ class GainOverCostPolicy:
         patience: consecutive checks that must agree (hysteresis).
         explained_patience: the same when the window shows a cause of the slowdown that lasts (a cgroup limit,
             another process on a stage's cores, a slower link) and explains the move; at most ``patience``.
+        explained_min_s: how long (seconds of the pipeline's steps, at consecutive checks) a stage's sign of
+            interference must have shown before it explains a move (see above; 0: from its first window). The
+            default is two of the stage monitor's quarter-second readings of other processes' load.
         cooldown_steps: steps after a migration during which nothing moves.
         rollback: undo a move whose measured outcome is a slower pipeline (see above).
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
@@ -444,6 +481,7 @@ class GainOverCostPolicy:
     memory_steps: int = 200
     recall_steps: int = 200
     max_overprediction: float = 0.10
+    explained_min_s: float = 0.5
     _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Move | None = field(default=None, init=False, repr=False)
@@ -469,12 +507,14 @@ class GainOverCostPolicy:
             or self.memory_steps < 0
             or self.recall_steps < 0
             or not self.max_overprediction >= 0
+            or not 0 <= self.explained_min_s < math.inf
         ):
             raise ConfigurationError(
                 f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, 1 <= explained_patience "
-                f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0, max_overprediction >= 0; "
-                f"got {self.horizon_steps}, {self.margin}, {self.patience}, {self.explained_patience}, "
-                f"{self.cooldown_steps}, {self.memory_steps}, {self.recall_steps}, {self.max_overprediction}."
+                f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0, max_overprediction >= 0, "
+                f"0 <= explained_min_s < inf; got {self.horizon_steps}, {self.margin}, {self.patience}, "
+                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.recall_steps}, "
+                f"{self.max_overprediction}, {self.explained_min_s}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -572,9 +612,13 @@ class GainOverCostPolicy:
             return kept(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
         # a cause explains a move while it is new: not once a check kept the current partition under it
-        explained = inputs.explained and (key is None or key != self._settled)
+        young = inputs.explained and not inputs.explained_for(self.explained_min_s)
+        explained = inputs.explained_for(self.explained_min_s) and (key is None or key != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
-            where = " on the stages it relieves" if inputs.causes else ""
+            if young:
+                where = f" that has shown for {self.explained_min_s:g} s on the stages it relieves"
+            else:
+                where = " on the stages it relieves" if inputs.causes else ""
             return no(
                 f"no visible cause{where}, and the measured step time ({inputs.measured_step_s * 1e3:.1f} ms) does not "
                 f"show the slowdowns: {ratio * inputs.measured_step_s * 1e3:.1f} ms predicted for {inputs.current} "
@@ -583,11 +627,12 @@ class GainOverCostPolicy:
         agreed = self._streak.agree(inputs.candidate)
         patience = self.explained_patience if explained else self.patience
         if agreed < patience:
+            too_young = _young_causes(inputs, self.explained_min_s) if young else ""
             return Decision(
                 False,
                 inputs.current,
                 gain,
-                f"waiting for {patience} checks in a row ({agreed} so far)",
+                f"waiting for {patience} checks in a row ({agreed} so far{too_young})",
                 inputs,
             )
         self._streak.reset()

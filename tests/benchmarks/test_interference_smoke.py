@@ -273,3 +273,26 @@ def test_the_gpt_example_trains_on_text_windows_and_refuses_another_optimizer() 
     assert len(model.pipeline) == 6 and isinstance(model.configure_optimizers(), torch.optim.AdamW)
     with pytest.raises(SystemExit):
         main(["--model", "gpt", "--optimizer", "sgd", "--no-plot"])
+
+
+def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
+    """``--noise`` runs :class:`CpuBursts` on the cores the two workers pin their stages to, for the whole run (off:
+    no source); ``measured-first`` is ``measured`` with a sign explaining a move from its first window."""
+    import os
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from benchmarks.interference import _noise, _parse, system_config
+    from lightning_dynpipe.interference import CpuBursts
+    from lightning_dynpipe.repartition.policy import GainOverCostPolicy
+
+    cfg, _ = _parse(["--noise", "--scenarios", "none", "--systems", "measured,measured-first"])
+    assert cfg.noise and cfg.systems == ("measured", "measured-first")
+    noise = _noise(cfg)
+    assert isinstance(noise, CpuBursts) and not noise.active
+    assert noise.cores == sorted(os.sched_getaffinity(0))[:2]
+    assert _noise(_parse([])[0]) is None
+    policy, predictor = system_config("measured-first", cfg)
+    assert isinstance(policy, GainOverCostPolicy) and policy.explained_min_s == 0.0 and predictor == "measured"
+    assert GainOverCostPolicy().explained_min_s == 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import logging
+import math
 from dataclasses import replace
 
 import pytest
@@ -252,6 +253,28 @@ def test_a_slow_link_moves_the_boundary_to_a_smaller_activation_and_a_quiet_one_
     last = slow.partition.stage_layers(0)[-1]
     assert SHRINKING.layers[last].activation_bytes <= 100_000, slow.partition
     assert "link as measured: 0.10 ms + 20.1 MB/s" in str(slow)  # one size: the probe latency, the rest per byte
+
+
+def test_a_stages_signs_age_over_consecutive_checks_at_the_measured_step_time() -> None:
+    """``PolicyInputs.cause_age_s``: the steps since the check before (since the start at the first) at the window's
+    measured step time, added up while the signs show; 0 once they do not; infinite under a CPU limit below one
+    core; unknown (``()``) without the stages' signs."""
+    controller = _link_controller()
+    busy = ("other processes busy on its cores (0.40 cores)", "")
+    times = _link_times(0.0009)
+    step_s = PipelineWindow(Partition((3, 3)), tuple(times), M).mean_step_s
+    ages = []
+    for step, signs in ((10, busy), (20, busy), (30, ("", "")), (40, busy)):
+        d = controller.check(step, times, Partition((3, 3)), 2000, stage_signs=signs)
+        assert d is not None
+        ages.append(d.inputs.cause_age_s)
+    assert [a[1] for a in ages] == [0.0] * 4
+    assert [a[0] for a in ages] == pytest.approx([10 * step_s, 20 * step_s, 0.0, 10 * step_s])
+    limited = [replace(t, cpu_limit=0.25) if k == 1 else t for k, t in enumerate(times)]
+    d = controller.check(50, limited, Partition((3, 3)), 2000, stage_signs=("", "cgroup CPU limit 0.25 cores"))
+    assert d is not None and d.inputs.cause_age_s == (0.0, math.inf)
+    d = controller.check(60, times, Partition((3, 3)), 2000)
+    assert d is not None and d.inputs.cause_age_s == ()
 
 
 def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> None:

@@ -28,6 +28,7 @@ def _inputs(
     conditions: tuple[bool, ...] = (),
     cause_stages: tuple[bool, ...] = (),
     link_cause: bool = False,
+    cause_age_s: tuple[float, ...] = (),
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -44,6 +45,7 @@ def _inputs(
         conditions=conditions,
         cause_stages=cause_stages,
         link_cause=link_cause,
+        cause_age_s=cause_age_s,
     )
 
 
@@ -75,6 +77,42 @@ def test_a_slowdown_with_a_visible_cause_moves_at_the_first_check() -> None:
     assert patient.decide(_inputs(20, causes="the link measured slower")).repartition
     with pytest.raises(ConfigurationError, match="1 <= explained_patience <= patience"):
         GainOverCostPolicy(patience=2, explained_patience=3)
+
+
+def test_a_stages_sign_explains_a_move_once_it_has_shown_for_half_a_second() -> None:
+    """Other processes' load is read over quarter-second spans; a window of a fast model can hold one reading, and a
+    neighbour's burst read once moved a pipeline at one check. A stage's sign explains a move after it has shown for
+    ``explained_min_s`` (0.5 s) at consecutive checks; until then the move waits ``patience`` checks and the measured
+    step must show the slowdown. A CPU limit (its age infinite: configuration) and a slower link explain at once."""
+    busy = "stage 1: other processes busy on its cores (0.40 cores)"
+
+    def seen(step: int, age_s: float, **kw: float) -> PolicyInputs:
+        return _inputs(step, causes=busy, cause_stages=(False, True), cause_age_s=(0.0, age_s), **kw)
+
+    assert seen(10, 0.3).explained and not seen(10, 0.3).explained_for(0.5)
+    assert seen(10, 0.6).explained_for(0.5) and seen(10, math.inf).explained_for(0.5)
+    link = _inputs(10, causes="the link", cause_stages=(False, False), link_cause=True, cause_age_s=(0.0, 0.0))
+    assert link.explained_for(0.5)
+    assert _inputs(10, causes=busy, cause_stages=(False, True)).explained_for(0.5)  # ages not known: lasting
+    # a young sign on the stage the move relieves (0.40 cores) next to a lasting one elsewhere does not explain it
+    assert not _inputs(10, causes=busy, cause_stages=(True, True), cause_age_s=(9.0, 0.3)).explained_for(0.5)
+
+    policy = GainOverCostPolicy(patience=2)
+    young = policy.decide(seen(10, 0.3))
+    assert not young.repartition
+    assert young.reason == (
+        "waiting for 2 checks in a row (1 so far; signs shown on stage 1 for 0.30 s, less than 0.5 s)"
+    )
+    assert policy.decide(seen(20, 0.6)).repartition
+    assert GainOverCostPolicy(patience=2).decide(seen(10, 0.6)).repartition  # lasting at the first check
+    assert GainOverCostPolicy(patience=2).decide(seen(10, math.inf)).repartition  # a CPU limit
+    assert GainOverCostPolicy(patience=2, explained_min_s=0.0).decide(seen(10, 0.3)).repartition
+    # a young sign is tested like no sign: here the measured step does not show the slowdown it was priced from
+    contradicted = GainOverCostPolicy(patience=1).decide(seen(10, 0.3, current_s=1.5, measured_s=1.0))
+    assert not contradicted.repartition
+    assert contradicted.reason.startswith("no visible cause that has shown for 0.5 s on the stages it relieves")
+    with pytest.raises(ConfigurationError, match="0 <= explained_min_s < inf"):
+        GainOverCostPolicy(explained_min_s=-1.0)
 
 
 def test_a_cause_explains_only_a_move_away_from_its_stage_or_any_move_for_the_link() -> None:
