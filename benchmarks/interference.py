@@ -56,6 +56,10 @@ Scenarios (``--scenarios``; interference through :class:`~lightning_dynpipe.inte
 ``mix``             the hog on stage 0 from the onset, and the slower link on the boundary from the start
 ==================  ==================================================================================================
 
+``--noise`` adds a bursty neighbour to every scenario and system for the whole run
+(:class:`~lightning_dynpipe.interference.CpuBursts` on the two stages' cores: 10-150 ms busy on a random one of them,
+0-300 ms apart), so ``none`` becomes a run with noise and no lasting imbalance, which the loop should not move on.
+
 Each stage process is pinned to its own core (:func:`~lightning_dynpipe.interference.pin_current_process`) and
 uses one torch thread, so a hog on "stage 0's core" competes with stage 0 only. Every ``--eval-every`` steps
 Lightning's validation loop runs on the 1,000 test digits (one batch, through the pipeline); training stops at the
@@ -610,6 +614,7 @@ def _run(
                 "details": d.inputs.details,
                 "causes": d.inputs.causes,
                 "conditions": list(d.inputs.conditions),
+                "cause_age_s": [a if math.isfinite(a) else "inf" for a in d.inputs.cause_age_s],
                 "stages": [asdict(t) for t in d.inputs.window.stages] if d.inputs.window else [],
             }
             for d in rec.decisions
