@@ -31,9 +31,11 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
 * ``measured-1s``: ``measured`` with the stage monitor's sampler computing the other processes' load on each stage's
   cores (and the steal share) over spans of a second instead of a quarter (its earlier default): what the faster
   reading is worth for detecting a hog's start and end; opt-in through ``--systems``;
-* ``measured-first``: ``measured`` with a stage's sign of interference explaining a move from the first window that
-  shows it (``GainOverCostPolicy(explained_min_s=0)``; the default waits until it has shown for half a second): what
-  the wait costs a hog's detection and saves under a bursty neighbour (``--noise``); opt-in through ``--systems``;
+* ``measured-checks``: ``measured`` with the policy's persistence counted in checks alone
+  (``GainOverCostPolicy(explained_min_s=0, patience_s=0)``: a stage's sign of interference explains a move from the
+  first window that shows it, and a move without a cause waits ``patience`` checks however short); the default also
+  wants half a second of a sign and 0.75 s of agreeing checks: what that costs a hog's detection on a fast model and
+  saves under a bursty neighbour (``--noise``); opt-in through ``--systems``;
 * ``static``: ``DynPipeStrategy(balance=B, adaptive=False)``.
 
 ``--predictor forest`` (or ``measured``) is short for ``--systems forest,static``.
@@ -189,7 +191,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured-norecall",
     "measured-window",
     "measured-1s",
-    "measured-first",
+    "measured-checks",
     "varuna",
     "dynpipe-2x",
     "static",
@@ -468,8 +470,8 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return GainOverCostPolicy(recall_steps=0), "measured"
     if system == "measured-window":
         return True, MeasuredSlowdownPredictor(remember=0)
-    if system == "measured-first":
-        return GainOverCostPolicy(explained_min_s=0.0), "measured"
+    if system == "measured-checks":
+        return GainOverCostPolicy(explained_min_s=0.0, patience_s=0.0), "measured"
     if system == "varuna":
         return VarunaRule(), "measured"
     if system == "dynpipe-2x":  # the original scores the cuts with its forest

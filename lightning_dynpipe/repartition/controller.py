@@ -400,6 +400,10 @@ class AdaptiveController:
         # of every replica, and the plan's time per micro-batch is the replicas' together (a stage's time / dp)
         i0 = (self.convergence or ConvergenceModel()).i0
         per_step = M * dp / i0
+        # the pipeline's time this check covers: the steps since the check before at the window's step time
+        since = step - self._last_check_step if self._last_check_step is not None else step
+        self._last_check_step = step
+        span_s = max(since, 0) * window.mean_step_s
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
@@ -427,7 +431,8 @@ class AdaptiveController:
             link_cause=link != self.comm,
             allowed=self._fits if self.memory_cap is not None else None,
             window=window,
-            cause_age_s=self._cause_ages(step, window, stage_signs),
+            cause_age_s=self._cause_ages(window, stage_signs, span_s),
+            window_s=span_s,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
@@ -462,16 +467,13 @@ class AdaptiveController:
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
 
-    def _cause_ages(self, step: int, window: PipelineWindow, stage_signs: Sequence[str]) -> tuple[float, ...]:
-        """Per stage, for how long its signs have shown (``PolicyInputs.cause_age_s``): the steps since the check
-        before (since the start, at the first check) at this window's measured step time, added up over the
-        consecutive checks that showed them; ``math.inf`` under a CPU limit below one core; ``()`` without signs."""
-        since = step - self._last_check_step if self._last_check_step is not None else step
-        self._last_check_step = step
+    def _cause_ages(self, window: PipelineWindow, stage_signs: Sequence[str], span_s: float) -> tuple[float, ...]:
+        """Per stage, for how long its signs have shown (``PolicyInputs.cause_age_s``): the time each check covers
+        (``span_s``, ``PolicyInputs.window_s``) added up over the consecutive checks that showed them; ``math.inf``
+        under a CPU limit below one core; ``()`` without signs."""
         if len(stage_signs) != len(window.stages):
             self._cause_age_s = ()
             return ()
-        span_s = max(since, 0) * window.mean_step_s
         before = self._cause_age_s if len(self._cause_age_s) == len(stage_signs) else (0.0,) * len(stage_signs)
         self._cause_age_s = tuple(
             math.inf if t.binding_cpu_limit is not None else (age + span_s if sign else 0.0)

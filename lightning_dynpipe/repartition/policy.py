@@ -64,6 +64,8 @@ class PolicyInputs:
         cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
             not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
         link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
+        window_s: the pipeline's time this check covers: the steps since the check before (since the start, at the
+            first) at the measured step time; 0 when not known.
         cause_age_s: per stage, for how long its cause has shown: the pipeline's time over the consecutive checks
             whose windows showed it (each window's steps at its measured step time), ``math.inf`` for a CPU limit
             below one core (configuration, read at every step), 0 without a cause; ``()``: not known (every
@@ -92,6 +94,7 @@ class PolicyInputs:
     link_cause: bool = False
     window: PipelineWindow | None = None
     cause_age_s: tuple[float, ...] = ()
+    window_s: float = 0.0
 
     @property
     def explained(self) -> bool:
@@ -193,15 +196,19 @@ class _Streak:
 
     candidate: object = None
     count: int = 0
+    seconds: float = 0.0
 
-    def agree(self, candidate: object) -> int:
-        """Counts this check for ``candidate`` (a new candidate starts over); returns the checks in a row."""
-        self.count = self.count + 1 if candidate == self.candidate else 1
+    def agree(self, candidate: object, seconds: float = 0.0) -> int:
+        """Counts this check, covering ``seconds`` of the pipeline's time, for ``candidate`` (a new candidate starts
+        over); returns the checks in a row (:attr:`seconds`: the time they cover)."""
+        same = candidate == self.candidate
+        self.count = self.count + 1 if same else 1
+        self.seconds = (self.seconds if same else 0.0) + max(seconds, 0.0)
         self.candidate = candidate
         return self.count
 
     def reset(self) -> None:
-        self.candidate, self.count = None, 0
+        self.candidate, self.count, self.seconds = None, 0, 0.0
 
 
 def _gain_refusal(
@@ -386,7 +393,9 @@ class GainOverCostPolicy:
     convergence factor where that is longer: what a prediction leaves out, the framework's per-step work and waits it
     does not model, is spent under either partition; on a 2-core VM an MLP's clean windows were priced at half their
     measured 32-34 ms, and savings of 10-15% of that price moved it three times in one run to partitions that measured
-    no faster), at ``patience`` consecutive checks with the same candidate (``explained_patience`` when the window shows
+    no faster), at ``patience`` consecutive checks with the same candidate that cover at least ``patience_s`` of the
+    pipeline's time (a fast model's checks are a tenth of a second apart, and a neighbour's bursts of work kept a
+    candidate ahead for two of them again and again; ``explained_patience`` checks when the window shows
     a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a stage the move gives
     layers away from; a passing spike has none), and not within ``cooldown_steps`` of the previous migration. A
     stage's cause explains a move only once it has shown for ``explained_min_s`` of the pipeline's time
@@ -456,6 +465,9 @@ class GainOverCostPolicy:
         margin: how many times the migration cost the gain must be.
         min_relative_gain: ignore improvements smaller than this fraction of the step time.
         patience: consecutive checks that must agree (hysteresis).
+        patience_s: the pipeline's time (:attr:`PolicyInputs.window_s`) those checks must cover at least, for a move
+            no cause explains (0: any). With checks every ten steps, the default holds on models whose steps take
+            40 ms or more, and makes a faster model's evidence last as long.
         explained_patience: the same when the window shows a cause of the slowdown that lasts (a cgroup limit,
             another process on a stage's cores, a slower link) and explains the move; at most ``patience``.
         explained_min_s: how long (seconds of the pipeline's steps, at consecutive checks) a stage's sign of
@@ -482,6 +494,7 @@ class GainOverCostPolicy:
     recall_steps: int = 200
     max_overprediction: float = 0.10
     explained_min_s: float = 0.5
+    patience_s: float = 0.75
     _streak: _Streak = field(default_factory=_Streak, init=False, repr=False)
     _last_migration: int | None = field(default=None, init=False, repr=False)
     _unjudged: _Move | None = field(default=None, init=False, repr=False)
@@ -508,13 +521,14 @@ class GainOverCostPolicy:
             or self.recall_steps < 0
             or not self.max_overprediction >= 0
             or not 0 <= self.explained_min_s < math.inf
+            or not 0 <= self.patience_s < math.inf
         ):
             raise ConfigurationError(
                 f"GainOverCostPolicy needs horizon_steps >= 1, margin >= 0, patience >= 1, 1 <= explained_patience "
                 f"<= patience, cooldown_steps >= 0, memory_steps >= 0, recall_steps >= 0, max_overprediction >= 0, "
-                f"0 <= explained_min_s < inf; got {self.horizon_steps}, {self.margin}, {self.patience}, "
-                f"{self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, {self.recall_steps}, "
-                f"{self.max_overprediction}, {self.explained_min_s}."
+                f"0 <= explained_min_s < inf, 0 <= patience_s < inf; got {self.horizon_steps}, {self.margin}, "
+                f"{self.patience}, {self.explained_patience}, {self.cooldown_steps}, {self.memory_steps}, "
+                f"{self.recall_steps}, {self.max_overprediction}, {self.explained_min_s}, {self.patience_s}."
             )
 
     def decide(self, inputs: PolicyInputs) -> Decision:
@@ -624,15 +638,19 @@ class GainOverCostPolicy:
                 f"show the slowdowns: {ratio * inputs.measured_step_s * 1e3:.1f} ms predicted for {inputs.current} "
                 f"under them ({ratio:.2f}x, usually {usual:.2f}x)"
             )
-        agreed = self._streak.agree(inputs.candidate)
+        agreed = self._streak.agree(inputs.candidate, inputs.window_s)
         patience = self.explained_patience if explained else self.patience
-        if agreed < patience:
+        # a move no cause explains: its checks must also cover patience_s of the pipeline's time (where known)
+        short = not explained and inputs.window_s > 0 and self._streak.seconds < self.patience_s
+        if agreed < patience or short:
             too_young = _young_causes(inputs, self.explained_min_s) if young else ""
+            over = f" over {self.patience_s:g} s" if short else ""
+            so_far = f"{agreed} so far" + (f", {self._streak.seconds:.2f} s" if short else "")
             return Decision(
                 False,
                 inputs.current,
                 gain,
-                f"waiting for {patience} checks in a row ({agreed} so far{too_young})",
+                f"waiting for {patience} checks in a row{over} ({so_far}{too_young})",
                 inputs,
             )
         self._streak.reset()

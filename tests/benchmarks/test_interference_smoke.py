@@ -277,7 +277,7 @@ def test_the_gpt_example_trains_on_text_windows_and_refuses_another_optimizer() 
 
 def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
     """``--noise`` runs :class:`CpuBursts` on the cores the two workers pin their stages to, for the whole run (off:
-    no source); ``measured-first`` is ``measured`` with a sign explaining a move from its first window."""
+    no source); ``measured-checks`` is ``measured`` with the policy's persistence counted in checks alone."""
     import os
     import sys
 
@@ -287,12 +287,13 @@ def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
     from lightning_dynpipe.interference import CpuBursts
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy
 
-    cfg, _ = _parse(["--noise", "--scenarios", "none", "--systems", "measured,measured-first"])
-    assert cfg.noise and cfg.systems == ("measured", "measured-first")
+    cfg, _ = _parse(["--noise", "--scenarios", "none", "--systems", "measured,measured-checks"])
+    assert cfg.noise and cfg.systems == ("measured", "measured-checks")
     noise = _noise(cfg)
     assert isinstance(noise, CpuBursts) and not noise.active
     assert noise.cores == sorted(os.sched_getaffinity(0))[:2]
     assert _noise(_parse([])[0]) is None
-    policy, predictor = system_config("measured-first", cfg)
-    assert isinstance(policy, GainOverCostPolicy) and policy.explained_min_s == 0.0 and predictor == "measured"
-    assert GainOverCostPolicy().explained_min_s == 0.5
+    policy, predictor = system_config("measured-checks", cfg)
+    assert isinstance(policy, GainOverCostPolicy) and predictor == "measured"
+    assert (policy.explained_min_s, policy.patience_s) == (0.0, 0.0)
+    assert (GainOverCostPolicy().explained_min_s, GainOverCostPolicy().patience_s) == (0.5, 0.75)

@@ -35,7 +35,7 @@ def _controller(
     memory_cap: float | None, link: CommModel = QUIET, max_extra: int = 0, max_shift: int = 2
 ) -> AdaptiveController:
     return AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500),
+        GainOverCostPolicy(patience=1, horizon_steps=500, patience_s=0.0),
         model_cost=UNIFORM,
         comm=link,
         schedule="async",

@@ -60,7 +60,7 @@ class _Scripted:
 
 def _controller(predictor: _Scripted, patience: int = 1) -> AdaptiveController:
     return AdaptiveController(
-        GainOverCostPolicy(patience=patience, horizon_steps=500),
+        GainOverCostPolicy(patience=patience, horizon_steps=500, patience_s=0.0),
         model_cost=COST,
         comm=CommModel(),
         schedule="async",
@@ -112,7 +112,7 @@ def test_candidates_are_priced_with_the_updates_of_their_layers() -> None:
     cases = ((heavy_head, Partition((6, 2)), 0.024, 0.018), (COST, PART, 0.012, 0.012))
     for cost, expected, current_s, candidate_s in cases:  # seconds per micro-batch of the slowest stage
         controller = AdaptiveController(
-            GainOverCostPolicy(patience=1, horizon_steps=500),
+            GainOverCostPolicy(patience=1, horizon_steps=500, patience_s=0.0),
             model_cost=cost,
             comm=CommModel(),
             schedule="async",
@@ -192,7 +192,7 @@ def _measured_controller(
 ) -> AdaptiveController:
     """The default (measured) predictor, throughput alone (``beta = 0``), no other stage counts."""
     return AdaptiveController(
-        GainOverCostPolicy(patience=patience, horizon_steps=500),
+        GainOverCostPolicy(patience=patience, horizon_steps=500, patience_s=0.0),
         model_cost=cost,
         comm=link,
         schedule=schedule,
@@ -257,8 +257,8 @@ def test_a_slow_link_moves_the_boundary_to_a_smaller_activation_and_a_quiet_one_
 
 def test_a_stages_signs_age_over_consecutive_checks_at_the_measured_step_time() -> None:
     """``PolicyInputs.cause_age_s``: the steps since the check before (since the start at the first) at the window's
-    measured step time, added up while the signs show; 0 once they do not; infinite under a CPU limit below one
-    core; unknown (``()``) without the stages' signs."""
+    measured step time (``PolicyInputs.window_s``), added up while the signs show; 0 once they do not; infinite under
+    a CPU limit below one core; unknown (``()``) without the stages' signs."""
     controller = _link_controller()
     busy = ("other processes busy on its cores (0.40 cores)", "")
     times = _link_times(0.0009)
@@ -268,6 +268,7 @@ def test_a_stages_signs_age_over_consecutive_checks_at_the_measured_step_time() 
         d = controller.check(step, times, Partition((3, 3)), 2000, stage_signs=signs)
         assert d is not None
         ages.append(d.inputs.cause_age_s)
+        assert d.inputs.window_s == pytest.approx(10 * step_s)  # the time the check covers (since the start at first)
     assert [a[1] for a in ages] == [0.0] * 4
     assert [a[0] for a in ages] == pytest.approx([10 * step_s, 20 * step_s, 0.0, 10 * step_s])
     limited = [replace(t, cpu_limit=0.25) if k == 1 else t for k, t in enumerate(times)]

@@ -167,7 +167,7 @@ def _window(link: CommModel, schedule: str) -> list[StageTimes]:
 
 def _controller(beta: float, link: CommModel = SLOW, max_extra: int = 2, move_gain: float = 0.1) -> AdaptiveController:
     return AdaptiveController(
-        GainOverCostPolicy(patience=1, horizon_steps=500, min_relative_gain=move_gain),
+        GainOverCostPolicy(patience=1, horizon_steps=500, patience_s=0.0, min_relative_gain=move_gain),
         model_cost=UNIFORM,
         comm=link,
         schedule="async",

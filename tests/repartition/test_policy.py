@@ -29,6 +29,7 @@ def _inputs(
     cause_stages: tuple[bool, ...] = (),
     link_cause: bool = False,
     cause_age_s: tuple[float, ...] = (),
+    window_s: float = 0.0,
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -46,6 +47,7 @@ def _inputs(
         cause_stages=cause_stages,
         link_cause=link_cause,
         cause_age_s=cause_age_s,
+        window_s=window_s,
     )
 
 
@@ -113,6 +115,33 @@ def test_a_stages_sign_explains_a_move_once_it_has_shown_for_half_a_second() -> 
     assert contradicted.reason.startswith("no visible cause that has shown for 0.5 s on the stages it relieves")
     with pytest.raises(ConfigurationError, match="0 <= explained_min_s < inf"):
         GainOverCostPolicy(explained_min_s=-1.0)
+
+
+def test_checks_that_agree_must_also_cover_patience_s_of_the_pipelines_time() -> None:
+    """A fast model's checks are a tenth of a second apart: with no cause explaining it, a move waits until the
+    checks agreeing on it cover ``patience_s`` (0.75 s) besides ``patience`` checks; a new candidate starts both over.
+    Where the checks' time is not known (``window_s`` 0) the checks alone count; a lasting cause moves at once."""
+    policy = GainOverCostPolicy(patience=2)
+    reasons = [policy.decide(_inputs(10 * k, window_s=0.1)) for k in range(1, 8)]
+    assert not any(d.repartition for d in reasons)
+    assert reasons[0].reason == "waiting for 2 checks in a row over 0.75 s (1 so far, 0.10 s)"
+    assert reasons[6].reason == "waiting for 2 checks in a row over 0.75 s (7 so far, 0.70 s)"
+    assert policy.decide(_inputs(80, window_s=0.1)).repartition  # 8 checks, 0.8 s
+    other = GainOverCostPolicy(patience=2)
+    for k in range(1, 6):
+        other.decide(_inputs(10 * k, window_s=0.1))
+    switched = other.decide(_inputs(60, window_s=0.1, candidate=Partition((2, 4)), candidate_s=0.6))
+    assert switched.reason == "waiting for 2 checks in a row over 0.75 s (1 so far, 0.10 s)"
+    slow = GainOverCostPolicy(patience=2)  # checks half a second apart: two of them
+    assert not slow.decide(_inputs(10, window_s=0.5)).repartition
+    assert slow.decide(_inputs(20, window_s=0.5)).repartition
+    assert GainOverCostPolicy(patience=2, patience_s=0.0).decide(_inputs(10, window_s=0.1)).reason == (
+        "waiting for 2 checks in a row (1 so far)"
+    )
+    lasting = _inputs(10, causes="stage 1: cgroup CPU limit 0.25 cores", cause_stages=(False, True), window_s=0.1)
+    assert GainOverCostPolicy(patience=2).decide(lasting).repartition
+    with pytest.raises(ConfigurationError, match="0 <= patience_s < inf"):
+        GainOverCostPolicy(patience_s=math.inf)
 
 
 def test_a_cause_explains_only_a_move_away_from_its_stage_or_any_move_for_the_link() -> None:
