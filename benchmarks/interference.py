@@ -617,6 +617,7 @@ def _run(
                 "causes": d.inputs.causes,
                 "conditions": list(d.inputs.conditions),
                 "cause_age_s": [a if math.isfinite(a) else "inf" for a in d.inputs.cause_age_s],
+                "link_age_s": d.inputs.link_age_s if math.isfinite(d.inputs.link_age_s) else "inf",
                 "stages": [asdict(t) for t in d.inputs.window.stages] if d.inputs.window else [],
             }
             for d in rec.decisions

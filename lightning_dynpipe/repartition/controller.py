@@ -318,6 +318,7 @@ class AdaptiveController:
         """After a check: the depth policy's answer (``None`` when the depth was not considered: a partition move,
         ``max_extra_in_flight=0``, or a schedule that is not ``async``)."""
         self._cause_age_s: tuple[float, ...] = ()
+        self._link_age_s = 0.0
         self._last_check_step: int | None = None
         self.stage_count_hint: tuple[int, float, float] | None = None
         """After a check: ``(S, its predicted time to accuracy, the current S's)`` when another number of stages
@@ -433,6 +434,7 @@ class AdaptiveController:
             window=window,
             cause_age_s=self._cause_ages(window, stage_signs, span_s),
             window_s=span_s,
+            link_age_s=self._link_age(link != self.comm, span_s),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
@@ -466,6 +468,12 @@ class AdaptiveController:
             )
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
+
+    def _link_age(self, slower: bool, span_s: float) -> float:
+        """For how long the link has measured slower than the set-up probe (``PolicyInputs.link_age_s``): the time the
+        consecutive checks that measured it so cover."""
+        self._link_age_s = self._link_age_s + span_s if slower else 0.0
+        return self._link_age_s
 
     def _cause_ages(self, window: PipelineWindow, stage_signs: Sequence[str], span_s: float) -> tuple[float, ...]:
         """Per stage, for how long its signs have shown (``PolicyInputs.cause_age_s``): the time each check covers

@@ -64,6 +64,8 @@ class PolicyInputs:
         cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
             not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
         link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
+        link_age_s: for how long the link has measured slower than the set-up probe, at consecutive checks (the time
+            they cover, as for :attr:`cause_age_s`); ``math.inf`` when not known.
         window_s: the pipeline's time this check covers: the steps since the check before (since the start, at the
             first) at the measured step time; 0 when not known.
         cause_age_s: per stage, for how long its cause has shown: the pipeline's time over the consecutive checks
@@ -95,6 +97,7 @@ class PolicyInputs:
     window: PipelineWindow | None = None
     cause_age_s: tuple[float, ...] = ()
     window_s: float = 0.0
+    link_age_s: float = math.inf
 
     @property
     def explained(self) -> bool:
@@ -104,8 +107,8 @@ class PolicyInputs:
         return self.explained_for(0.0)
 
     def explained_for(self, min_age_s: float) -> bool:
-        """:attr:`explained`, where a stage's cause counts only once it has shown for ``min_age_s`` seconds
-        (:attr:`cause_age_s`; the link counts whenever it is slower, and every cause where the ages are not known).
+        """:attr:`explained`, where a cause counts only once it has shown for ``min_age_s`` seconds (a stage's:
+        :attr:`cause_age_s`, every cause where those are not known; the link's: :attr:`link_age_s`).
 
         Example (a move away from stage 0, which showed another process's load in one window of 0.3 s)::
 
@@ -114,7 +117,7 @@ class PolicyInputs:
         """
         if not self.causes:
             return False
-        if self.link_cause or len(self.cause_stages) != self.current.num_stages:
+        if (self.link_cause and self.link_age_s >= min_age_s) or len(self.cause_stages) != self.current.num_stages:
             return True
         ages = self.cause_age_s if len(self.cause_age_s) == len(self.cause_stages) else None
         lasting = [cause and (ages is None or ages[k] >= min_age_s) for k, cause in enumerate(self.cause_stages)]
@@ -374,6 +377,8 @@ def _young_causes(inputs: PolicyInputs, min_age_s: float) -> str:
         for k, (cause, age) in enumerate(zip(inputs.cause_stages, inputs.cause_age_s, strict=False))
         if cause and age < min_age_s
     ]
+    if inputs.link_cause and inputs.link_age_s < min_age_s:
+        young.append(f"the link for {inputs.link_age_s:.2f} s")
     return f"; signs shown on {', '.join(young)}, less than {min_age_s:g} s" if young else ""
 
 
@@ -398,8 +403,9 @@ class GainOverCostPolicy:
     candidate ahead for two of them again and again; ``explained_patience`` checks when the window shows
     a lasting cause that explains the move, :attr:`PolicyInputs.explained`: on the link, or on a stage the move gives
     layers away from; a passing spike has none), and not within ``cooldown_steps`` of the previous migration. A
-    stage's cause explains a move only once it has shown for ``explained_min_s`` of the pipeline's time
-    (:attr:`PolicyInputs.cause_age_s`; a CPU limit, read at every step, and a slower link at once): the load of other
+    cause explains a move only once it has shown for ``explained_min_s`` of the pipeline's time
+    (:attr:`PolicyInputs.cause_age_s`, :attr:`PolicyInputs.link_age_s`; a CPU limit, read at every step, at once; a
+    link reads slower also while the receiving thread waits for a busy core): the load of other
     processes is read over quarter-second spans, and a window of a fast model can hold a single reading, so a burst
     of another process's work read once would otherwise move the pipeline at one check (under a bursty neighbour,
     :class:`~lightning_dynpipe.interference.CpuBursts`, 30 of a small MLP's 57 moves over eight clean runs were made
@@ -472,8 +478,9 @@ class GainOverCostPolicy:
         explained_patience: the same when the window shows a cause of the slowdown that lasts (a cgroup limit,
             another process on a stage's cores, a slower link) and explains the move; at most ``patience``.
         explained_min_s: how long (seconds of the pipeline's steps, at consecutive checks) a stage's sign of
-            interference must have shown before it explains a move (see above; 0: from its first window). The
-            default is two of the stage monitor's quarter-second readings of other processes' load.
+            interference, or the link measured slower, must have shown before it explains a move (see above; 0: from
+            its first window). The default is two of the stage monitor's quarter-second readings of other processes'
+            load.
         cooldown_steps: steps after a migration during which nothing moves.
         rollback: undo a move whose measured outcome is a slower pipeline (see above).
         memory_steps: how long a partition that made the pipeline slower is refused as a candidate.
@@ -631,7 +638,7 @@ class GainOverCostPolicy:
         explained = inputs.explained_for(self.explained_min_s) and (key is None or key != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             if young:
-                where = f" that has shown for {self.explained_min_s:g} s on the stages it relieves"
+                where = f" that has shown for {self.explained_min_s:g} s (the link, or on the stages it relieves)"
             else:
                 where = " on the stages it relieves" if inputs.causes else ""
             return no(

@@ -278,6 +278,21 @@ def test_a_stages_signs_age_over_consecutive_checks_at_the_measured_step_time() 
     assert d is not None and d.inputs.cause_age_s == ()
 
 
+def test_the_link_measured_slower_ages_like_a_stages_signs() -> None:
+    """``PolicyInputs.link_age_s``: the time of the consecutive checks that measured the link slower than the probe."""
+    controller = _link_controller()
+    ages = []
+    for step, message_s in ((10, 0.040), (20, 0.040), (30, 0.0009)):
+        times = _link_times(message_s)
+        d = controller.check(step, times, Partition((3, 3)), 2000, stage_signs=("", ""))
+        assert d is not None
+        ages.append((d.inputs.link_cause, d.inputs.link_age_s, d.inputs.window_s))
+    assert [a[0] for a in ages] == [True, True, False]
+    assert ages[0][1] == pytest.approx(ages[0][2])
+    assert ages[1][1] == pytest.approx(ages[0][2] + ages[1][2])
+    assert ages[2][1] == 0.0
+
+
 def test_the_link_estimate_follows_the_slowest_boundary_and_ignores_noise() -> None:
     from lightning_dynpipe.predictor.link import LinkEstimate
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,7 @@ def _inputs(
     link_cause: bool = False,
     cause_age_s: tuple[float, ...] = (),
     window_s: float = 0.0,
+    link_age_s: float = math.inf,
 ) -> PolicyInputs:
     return PolicyInputs(
         step=step,
@@ -48,6 +50,7 @@ def _inputs(
         link_cause=link_cause,
         cause_age_s=cause_age_s,
         window_s=window_s,
+        link_age_s=link_age_s,
     )
 
 
@@ -112,7 +115,18 @@ def test_a_stages_sign_explains_a_move_once_it_has_shown_for_half_a_second() -> 
     # a young sign is tested like no sign: here the measured step does not show the slowdown it was priced from
     contradicted = GainOverCostPolicy(patience=1).decide(seen(10, 0.3, current_s=1.5, measured_s=1.0))
     assert not contradicted.repartition
-    assert contradicted.reason.startswith("no visible cause that has shown for 0.5 s on the stages it relieves")
+    assert contradicted.reason.startswith(
+        "no visible cause that has shown for 0.5 s (the link, or on the stages it relieves)"
+    )
+    # the link too: a message waits for the receiving thread while its core is busy, and that reads as a slower link
+    young_link = _inputs(10, causes="the link", cause_stages=(False, False), link_cause=True, link_age_s=0.3)
+    assert young_link.explained and not young_link.explained_for(0.5)
+    waiting = GainOverCostPolicy(patience=2).decide(young_link)
+    assert (
+        waiting.reason
+        == "waiting for 2 checks in a row (1 so far; signs shown on the link for 0.30 s, less than 0.5 s)"
+    )
+    assert GainOverCostPolicy(patience=2).decide(replace(young_link, link_age_s=0.6)).repartition
     with pytest.raises(ConfigurationError, match="0 <= explained_min_s < inf"):
         GainOverCostPolicy(explained_min_s=-1.0)
 
@@ -590,7 +604,6 @@ def test_a_rolled_back_window_is_remembered_and_averages_need_every_condition() 
 def test_recall_skips_a_partition_the_controller_does_not_allow() -> None:
     """The controller's memory cap reaches the recall through ``PolicyInputs.allowed``: a partition measured faster
     is not moved back to when it is not allowed (and is when it is)."""
-    from dataclasses import replace
 
     for allowed, expected in ((None, True), (lambda p: p != CUR, False)):
         policy = GainOverCostPolicy(horizon_steps=100, margin=2.0, patience=1, cooldown_steps=0, recall_steps=50)
