@@ -119,7 +119,44 @@ def pin_current_process(cores: Sequence[int]) -> list[int]:
     return pin_process(0, cores)
 
 
-class CpuHog(Lifecycle):
+class _BusyHelpers(Lifecycle):
+    """A source made of busy-loop helper processes: each runs :attr:`_code` with one of :meth:`_argv_sets`."""
+
+    _code: str
+    _children: ChildProcesses
+
+    def _argv_sets(self) -> list[list[str]]:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    @property
+    def active(self) -> bool:
+        """Whether the helper processes are running."""
+        return bool(self._children.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running helpers, in the order they were started."""
+        return self._children.pids
+
+    def start(self) -> None:
+        """Starts the helpers; a no-op if already running.
+
+        Raises:
+            InterferenceError: a helper could not start (e.g. pinning refused); none is left running.
+        """
+        if self._children.procs:
+            return
+        self._children.spawn(self._code, self._argv_sets())
+        log.debug("%r started: pids %s", self, self.pids)
+
+    def stop(self) -> None:
+        """Stops every helper process (SIGTERM, then SIGKILL); idempotent."""
+        if self._children.procs:
+            log.debug("%r stopping: pids %s", self, self.pids)
+        self._children.stop()
+
+
+class CpuHog(_BusyHelpers):
     """Busy-loop processes pinned to ``cores``: a co-located job stealing CPU from a stage.
 
     Example::
@@ -142,6 +179,8 @@ class CpuHog(Lifecycle):
         stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
     """
 
+    _code = _HOG_CODE
+
     def __init__(
         self, cores: Sequence[int], duty_cycle: float = 1.0, period_s: float = 0.05, stop_timeout_s: float = 2.0
     ) -> None:
@@ -155,35 +194,11 @@ class CpuHog(Lifecycle):
     def __repr__(self) -> str:
         return f"CpuHog(cores={self.cores}, duty_cycle={self.duty_cycle:g}, period_s={self.period_s:g})"
 
-    @property
-    def active(self) -> bool:
-        """Whether the helper processes are running."""
-        return bool(self._children.pids)
-
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the running helpers (one per core, in the order of ``cores``)."""
-        return self._children.pids
-
-    def start(self) -> None:
-        """Starts one pinned busy-loop process per core; a no-op if already running.
-
-        Raises:
-            InterferenceError: a helper could not start (e.g. pinning refused); none is left running.
-        """
-        if self._children.procs:
-            return
-        self._children.spawn(_HOG_CODE, [[str(c), repr(self.duty_cycle), repr(self.period_s)] for c in self.cores])
-        log.debug("%r started: pids %s", self, self.pids)
-
-    def stop(self) -> None:
-        """Stops every helper process (SIGTERM, then SIGKILL); idempotent."""
-        if self._children.procs:
-            log.debug("%r stopping: pids %s", self, self.pids)
-        self._children.stop()
+    def _argv_sets(self) -> list[list[str]]:  # one helper per core
+        return [[str(c), repr(self.duty_cycle), repr(self.period_s)] for c in self.cores]
 
 
-class CpuBursts(Lifecycle):
+class CpuBursts(_BusyHelpers):
     """A bursty neighbour: one process that busy-loops for short bursts on a random one of ``cores``, with random
     gaps between them. Every core gets the same load on average, so no stage is slower for long: the noise a
     repartition policy must not move on, though a window of a fast model may read one burst as another process's
@@ -207,6 +222,8 @@ class CpuBursts(Lifecycle):
         seed: the random sequence of gaps, bursts and cores.
         stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
     """
+
+    _code = _BURSTS_CODE
 
     def __init__(
         self,
@@ -235,28 +252,6 @@ class CpuBursts(Lifecycle):
             f"max_gap_s={self.max_gap_s:g}, seed={self.seed})"
         )
 
-    @property
-    def active(self) -> bool:
-        """Whether the helper process is running."""
-        return bool(self._children.pids)
-
-    @property
-    def pids(self) -> list[int]:
-        """Process id of the running helper (one)."""
-        return self._children.pids
-
-    def start(self) -> None:
-        """Starts the helper; a no-op if already running.
-
-        Raises:
-            InterferenceError: the helper could not start (e.g. pinning refused); none is left running.
-        """
-        if self._children.procs:
-            return
-        argv = [",".join(map(str, self.cores)), repr(self.shortest_s), repr(self.longest_s), repr(self.max_gap_s)]
-        self._children.spawn(_BURSTS_CODE, [[*argv, str(self.seed)]])
-        log.debug("%r started: pid %s", self, self.pids)
-
-    def stop(self) -> None:
-        """Stops the helper (SIGTERM, then SIGKILL); idempotent."""
-        self._children.stop()
+    def _argv_sets(self) -> list[list[str]]:  # one helper that moves between the cores
+        cores = ",".join(map(str, self.cores))
+        return [[cores, repr(self.shortest_s), repr(self.longest_s), repr(self.max_gap_s), str(self.seed)]]
