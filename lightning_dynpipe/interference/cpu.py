@@ -8,6 +8,7 @@ stage, the default scheduler splits the core evenly while the hog spins, so the 
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -125,8 +126,9 @@ class _BusyHelpers(Lifecycle):
     _code: str
     _children: ChildProcesses
 
-    def _argv_sets(self) -> list[list[str]]:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _argv_sets(self) -> list[list[str]]:
+        """One argument list per helper process."""
 
     @property
     def active(self) -> bool:

@@ -405,6 +405,7 @@ class AdaptiveController:
         since = step - self._last_check_step if self._last_check_step is not None else step
         self._last_check_step = step
         span_s = max(since, 0) * window.mean_step_s
+        slower_link = link != self.comm
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
@@ -422,19 +423,19 @@ class AdaptiveController:
             causes="; ".join(
                 [f"stage {k}: {sign}" for k, sign in enumerate(stage_signs) if sign]
                 + _floored_limits(times, stage_signs)
-                + (["the link measured slower than the set-up probe"] if link != self.comm else [])
+                + (["the link measured slower than the set-up probe"] if slower_link else [])
             ),
             conditions=tuple(bool(sign) for sign in stage_signs),
             cause_stages=tuple(
                 bool(stage_signs[k] if k < len(stage_signs) else "") or t.binding_cpu_limit is not None
                 for k, t in enumerate(times)
             ),
-            link_cause=link != self.comm,
+            link_cause=slower_link,
             allowed=self._fits if self.memory_cap is not None else None,
             window=window,
             cause_age_s=self._cause_ages(window, stage_signs, span_s),
             window_s=span_s,
-            link_age_s=self._link_age(link != self.comm, span_s),
+            link_age_s=self._link_age(slower_link, span_s),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

@@ -64,16 +64,16 @@ class PolicyInputs:
         cause_stages: per stage, whether ``causes`` names it (its signs, or its CPU limit below one core); ``()``:
             not known. With :attr:`link_cause` it says which moves the causes explain (:attr:`explained`).
         link_cause: whether ``causes`` names the link (measured slower than the set-up probe).
-        link_age_s: for how long the link has measured slower than the set-up probe, at consecutive checks (the time
-            they cover, as for :attr:`cause_age_s`); ``math.inf`` when not known.
-        window_s: the pipeline's time this check covers: the steps since the check before (since the start, at the
-            first) at the measured step time; 0 when not known.
-        cause_age_s: per stage, for how long its cause has shown: the pipeline's time over the consecutive checks
-            whose windows showed it (each window's steps at its measured step time), ``math.inf`` for a CPU limit
-            below one core (configuration, read at every step), 0 without a cause; ``()``: not known (every
-            cause counts as lasting). See :meth:`explained_for`.
         window: the window the check measured (every stage's readings: times, CPU, the signs' inputs), for logs and
             for judging a decision after the fact; ``None`` when the caller did not give it.
+        cause_age_s: per stage, for how long its cause has shown: the pipeline's time over the consecutive checks
+            whose windows showed it (:attr:`window_s` added up), ``math.inf`` for a CPU limit below one core
+            (configuration, read at every step), 0 without a cause; ``()``: not known (every cause counts as
+            lasting). See :meth:`explained_for`.
+        window_s: the pipeline's time this check covers: the steps since the check before (since the start, at the
+            first) at the measured step time; 0 when not known.
+        link_age_s: for how long the link has measured slower than the set-up probe, at consecutive checks (the time
+            they cover, as for :attr:`cause_age_s`); ``math.inf`` when not known.
     """
 
     step: int

@@ -283,7 +283,7 @@ def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
 
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
-    from benchmarks.interference import _noise, _parse, system_config
+    from benchmarks.interference import _noise, _parse, render_targets, system_config
     from lightning_dynpipe.interference import CpuBursts
     from lightning_dynpipe.repartition.policy import GainOverCostPolicy
 
@@ -297,3 +297,7 @@ def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
     assert isinstance(policy, GainOverCostPolicy) and predictor == "measured"
     assert (policy.explained_min_s, policy.patience_s) == (0.0, 0.0)
     assert (GainOverCostPolicy().explained_min_s, GainOverCostPolicy().patience_s) == (0.5, 0.75)
+    # a run with the neighbour is not a clean run: its verdict says so
+    summary = {"none": {"ratios": {"measured": {"median": 1.0}}, "systems": {"measured": {"migrations": [0, 2]}}}}
+    assert "(target: 0 in every seed) -> MISSED" in render_targets(summary)
+    assert "-> missed under --noise (not a clean run)" in render_targets(summary, noise=True)
