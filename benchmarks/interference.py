@@ -145,7 +145,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the package importable
@@ -169,6 +169,9 @@ from benchmarks._common import (  # noqa: E402
     workers_done,
 )
 from benchmarks.throughput import _CpuProbe, _quiet, default_balance  # noqa: E402
+
+if TYPE_CHECKING:
+    from lightning_dynpipe.interference import CpuBursts
 
 SCENARIOS: tuple[str, ...] = (
     "none",
@@ -677,15 +680,20 @@ def cut_systems(cfg: Config) -> list[str]:
     return [f"cut{c},{n - c}" for c in range(1, n)]
 
 
-def _noise(cfg: Config) -> Any:
+def _stage_core(rank: int) -> int:
+    """The core the worker of ``rank`` pins its stage to: each stage its own, in the order this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[rank % len(cores)]
+
+
+def _noise(cfg: Config) -> CpuBursts | None:
     """``--noise``: a bursty neighbour (:class:`~lightning_dynpipe.interference.CpuBursts`) on the cores the workers
     pin their stages to; ``None`` without it."""
     from lightning_dynpipe.interference import CpuBursts
 
     if not cfg.noise:
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    return CpuBursts(sorted({cores[rank % len(cores)] for rank in range(WORLD_SIZE)}), seed=cfg.first_seed)
+    return CpuBursts(sorted({_stage_core(rank) for rank in range(WORLD_SIZE)}), seed=cfg.first_seed)
 
 
 def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
@@ -693,8 +701,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
 
     external_launch_env(rank, WORLD_SIZE, port)
     torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0))
-    pin_current_process([cores[rank % len(cores)]])  # each stage its own core; a hog on it competes with it only
+    pin_current_process([_stage_core(rank)])  # each stage its own core; a hog on it competes with it only
     _quiet()
     import warnings
 

@@ -406,6 +406,7 @@ class AdaptiveController:
         self._last_check_step = step
         span_s = max(since, 0) * window.mean_step_s
         slower_link = link != self.comm
+        cause_ages, link_age = self._age_causes(window, stage_signs, slower_link, span_s)
         inputs = PolicyInputs(
             step=step,
             current=window.partition,
@@ -433,9 +434,9 @@ class AdaptiveController:
             link_cause=slower_link,
             allowed=self._fits if self.memory_cap is not None else None,
             window=window,
-            cause_age_s=self._cause_ages(window, stage_signs, span_s),
+            cause_age_s=cause_ages,
             window_s=span_s,
-            link_age_s=self._link_age(slower_link, span_s),
+            link_age_s=link_age,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)
@@ -470,25 +471,27 @@ class AdaptiveController:
         log.debug("DynPipe adaptation: %s", decision)  # a repartition is also reported by the strategy (rank 0)
         return decision
 
-    def _link_age(self, slower: bool, span_s: float) -> float:
-        """For how long the link has measured slower than the set-up probe (``PolicyInputs.link_age_s``): the time the
-        consecutive checks that measured it so cover."""
-        self._link_age_s = self._link_age_s + span_s if slower else 0.0
-        return self._link_age_s
+    def _age_causes(
+        self, window: PipelineWindow, stage_signs: Sequence[str], slower_link: bool, span_s: float
+    ) -> tuple[tuple[float, ...], float]:
+        """For how long each stage's signs, and the link measured slower than the set-up probe, have shown
+        (``PolicyInputs.cause_age_s``, ``PolicyInputs.link_age_s``): the time each check covers (``span_s``,
+        ``PolicyInputs.window_s``) added up over the consecutive checks that showed them, 0 once one did not; a stage
+        under a CPU limit below one core ``math.inf``; the stages' ``()`` without signs."""
 
-    def _cause_ages(self, window: PipelineWindow, stage_signs: Sequence[str], span_s: float) -> tuple[float, ...]:
-        """Per stage, for how long its signs have shown (``PolicyInputs.cause_age_s``): the time each check covers
-        (``span_s``, ``PolicyInputs.window_s``) added up over the consecutive checks that showed them; ``math.inf``
-        under a CPU limit below one core; ``()`` without signs."""
+        def aged(age: float, shown: bool) -> float:
+            return age + span_s if shown else 0.0
+
+        self._link_age_s = aged(self._link_age_s, slower_link)
         if len(stage_signs) != len(window.stages):
             self._cause_age_s = ()
-            return ()
-        before = self._cause_age_s if len(self._cause_age_s) == len(stage_signs) else (0.0,) * len(stage_signs)
-        self._cause_age_s = tuple(
-            math.inf if t.binding_cpu_limit is not None else (age + span_s if sign else 0.0)
-            for t, sign, age in zip(window.stages, stage_signs, before, strict=True)
-        )
-        return self._cause_age_s
+        else:
+            before = self._cause_age_s if len(self._cause_age_s) == len(stage_signs) else (0.0,) * len(stage_signs)
+            self._cause_age_s = tuple(
+                math.inf if t.binding_cpu_limit is not None else aged(age, bool(sign))
+                for t, sign, age in zip(window.stages, stage_signs, before, strict=True)
+            )
+        return self._cause_age_s, self._link_age_s
 
     def _solve(self, key: str, comm: CommModel, slowdowns: Sequence[float], num_stages: int) -> Plan | None:
         """The planner's best partition under ``slowdowns`` (``None`` where none fits the memory cap); a solve whose

@@ -634,8 +634,9 @@ class GainOverCostPolicy:
             return kept(refusal)
         ratio, usual = _overprediction(inputs), self._usual_overprediction
         # a cause explains a move while it is new: not once a check kept the current partition under it
-        young = inputs.explained and not inputs.explained_for(self.explained_min_s)
-        explained = inputs.explained_for(self.explained_min_s) and (key is None or key != self._settled)
+        lasting = inputs.explained_for(self.explained_min_s)
+        young = inputs.explained and not lasting
+        explained = lasting and (key is None or key != self._settled)
         if not explained and ratio is not None and ratio > usual * (1 + self.max_overprediction):
             if young:
                 where = f" that has shown for {self.explained_min_s:g} s (the link, or on the stages it relieves)"
