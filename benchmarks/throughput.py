@@ -88,6 +88,7 @@ EXTRA_SYSTEMS: tuple[str, ...] = (
     "async-forest-one-rank",
     "async-bare",
     "async-copy",
+    "hand-async",
 )
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
 the adaptive loop on, still starting from the same balance), the same with the monitor's snapshot every 50 steps
@@ -98,8 +99,10 @@ default measured predictor), the same without waiting at set-up for the refit pr
 rows and pricing only: an untrained forest prices with its prior), the same with each refit fitted on one rank and
 broadcast to the others (``ForestPredictor(one_rank_refits=True)``; by default every rank fits every refit itself),
 ``async`` with both off, and ``async`` whose weight stash copies the live weights before each update instead of
-letting SGD write fresh storage (:mod:`lightning_dynpipe.engine.outofplace` switched off). ``async`` itself has the
-monitor on and the adaptive loop off (it compares schedules on one fixed partition)."""
+letting SGD write fresh storage (:mod:`lightning_dynpipe.engine.outofplace` switched off), and PipeDream's
+asynchronous 1F1B written by hand on raw gloo messages (``hand-async``, :mod:`benchmarks.baselines.handwritten`:
+the same arithmetic and updates as ``async`` with no framework around them). ``async`` itself has the monitor on and
+the adaptive loop off (it compares schedules on one fixed partition)."""
 ALL_SYSTEMS = SYSTEMS + EXTRA_SYSTEMS
 
 LABELS = {
@@ -116,6 +119,7 @@ LABELS = {
     "async-forest-one-rank": "DynPipe async, defaults, forest refitting on one rank",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
+    "hand-async": "hand-written async, raw gloo",
 }
 NUM_STAGES = 2
 WORLD_SIZE = NUM_STAGES
@@ -399,6 +403,38 @@ def _run_torch(kind: str, cfg: Config, rank: int, batches: list[tuple[torch.Tens
     return {"seconds": seconds, "stages": None, "cpu": sorted(gathered, key=lambda g: g["stage"])}
 
 
+def _run_handwritten(cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    from benchmarks.baselines.handwritten import time_handwritten_async
+
+    stage = _stage_module(cfg, rank)
+    probe = _CpuProbe()
+    probe.start()  # the whole call, as torch's: only its rates are compared
+    res = time_handwritten_async(
+        stage,
+        rank,
+        NUM_STAGES,
+        cfg.num_microbatches,
+        batches,
+        lr=cfg.lr,
+        loss_fn=_loss_fn(cfg),
+        warmup_steps=cfg.warmup,
+    )
+    cpu = probe.stop()
+    n = res["micro_batches"]
+    ops = {f"{k}_cpu": v / n for k, v in res["op_cpu_s"].items()}
+    ops |= {f"{k}_wall": v / n for k, v in res["op_wall_s"].items()}
+    mine = {"rank": rank, "stage": rank, "cpu": cpu, "ops": ops}
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, mine)
+    gathered.sort(key=lambda g: g["stage"])
+    return {
+        "seconds": res["seconds"],
+        "stages": None,
+        "cpu": [{k: v for k, v in g.items() if k != "ops"} for g in gathered],
+        "ops": [g["ops"] for g in gathered],
+    }
+
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -583,6 +619,8 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                 rss_start = _start_peak_rss()
                 if system.startswith("torch-"):
                     res = _run_torch(system, cfg, rank, batches)
+                elif system == "hand-async":
+                    res = _run_handwritten(cfg, rank, batches)
                 else:
                     res = _run_dynpipe(system, cfg, batches)
                 steal = _steal_share(steal_start, machine_steal_counters())
@@ -605,6 +643,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         "memory": memory,
                         "migrations": res.get("migrations", []),
                         "decisions": res.get("decisions", []),
+                        "ops": res.get("ops"),
                     }
                 )
                 if rank == 0:
@@ -727,6 +766,7 @@ _SIM_MODEL = {
     "async-forest-one-rank": ("async", "last_stage_broadcast"),
     "async-bare": ("async", "last_stage_broadcast"),
     "async-copy": ("async", "last_stage_broadcast"),
+    "hand-async": ("async", "none"),
 }
 
 
@@ -741,11 +781,12 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
-        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-defaults"):
+        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-defaults", "hand-async"):
             only = {
                 "async-bare": ("async-defaults", "async-defaults-50", *_FORESTS),
                 "async-copy": ("async",),
                 "async-defaults": _FORESTS,
+                "hand-async": ("async", "async-bare", "torch-1f1b"),
             }.get(ref)
             if ref in by and ref != s and (only is None or s in only):  # extra references: only their users
                 # Paired: the two systems ran back to back in the same repeat, under about the same load.
@@ -780,8 +821,9 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         stages = []
         for k in range(NUM_STAGES):
             samples = [next(c["cpu"] for c in by[s][rep]["cpu"] if c["stage"] == k) for rep in sorted(by[s])]
-            # DynPipe's probe covers the timed steps; torch's the whole call (warm-up and stage set-up included).
-            per_step = cfg.steps if not s.startswith("torch-") else cfg.steps + cfg.warmup
+            # DynPipe's probe covers the timed steps; torch's and the hand-written loop's the whole call (warm-up and
+            # stage set-up included).
+            per_step = cfg.steps + cfg.warmup if s.startswith(("torch-", "hand-")) else cfg.steps
             entry = {
                 "stage": k,
                 "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
@@ -871,10 +913,16 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         }
     if framework:
         predictions["framework"] = framework
+    hand = [r["ops"] for r in runs if r["system"] == "hand-async" and r.get("ops")]
+    handwritten_ops = (
+        [{op: median([h[k][op] for h in hand]) for op in hand[0][k]} for k in range(NUM_STAGES)] if hand else None
+    )
     return {
         "table": table,
         "breakdown": breakdown,
         "cpu": cpu,
+        # the hand-written loop's main-thread CPU seconds per micro-batch in each kind of operation, per stage
+        "handwritten_ops": handwritten_ops,
         "memory": memory_summary(runs, systems),
         "predictions": predictions,
         "calibration": calibration,
@@ -964,6 +1012,10 @@ def render_table(summary: dict[str, Any], *, markdown: bool = False) -> str:
             ]
         )
     headers = ["system", "samples/s (median)", "IQR", "vs DynPipe sync", "vs torch 1F1B"]
+    if any("vs_hand-async" in row for row in summary["table"].values()):
+        for cells, row in zip(rows, summary["table"].values()):
+            cells.append(_ratio_cell(row, "hand-async"))
+        headers.append("vs hand-written async")
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -1072,6 +1124,18 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
                 markdown=markdown,
             )
         )
+    hand = summary.get("handwritten_ops")
+    if hand:
+        for clock in ("cpu", "wall"):
+            lines.append(
+                f"hand-written async loop's main-thread {'CPU' if clock == 'cpu' else 'wall'} time per micro-batch "
+                "inside the pipeline, stage 0/1 (ms): "
+                + ", ".join(
+                    f"{op.removesuffix('_' + clock).replace('_', ' ')} {ms([h[op] for h in hand])}"
+                    for op in hand[0]
+                    if op.endswith("_" + clock)
+                )
+            )
     if "inside_sync" in p:
         c = p["inside_sync"]["costs_s"]
         lines.append(
