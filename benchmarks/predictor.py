@@ -134,20 +134,12 @@ def _interfered(run: CalibrationRun, k: int) -> bool:
 def _errors(
     cost: ModelCost, comm: CommModel, forest: ForestPredictor, pairs: Sequence[tuple[CalibrationRun, CalibrationRun]]
 ) -> dict[str, list[float]]:
-    base, prior = MeasuredSlowdownPredictor(), ForestPredictor(anchor=False)  # an untrained forest: its prior
-    names = (
-        "forest", "base", "prior", "free", "forest_hit", "base_hit", "prior_hit", "free_hit", "cover", "free_cover",
-        "bforest", "bbase", "bcover",
-    )  # fmt: skip
+    base, prior = MeasuredSlowdownPredictor(), ForestPredictor()  # an untrained forest answers its prior
+    names = ("forest", "base", "prior", "forest_hit", "base_hit", "prior_hit", "cover", "bforest", "bbase", "bcover")
     out: dict[str, list[float]] = {k: [] for k in names}
     for a, b in pairs:
         M = b.window.num_microbatches
         pf = forest.predict(cost, comm, a.window, b.window.partition)
-        anchored, forest.anchor = forest.anchor, False  # the same forest, unanchored ("free")
-        try:
-            pu = forest.predict(cost, comm, a.window, b.window.partition)
-        finally:
-            forest.anchor = anchored
         pb = base.predict(cost, comm, a.window, b.window.partition)
         pp = prior.predict(cost, comm, a.window, b.window.partition)
         for k, t in enumerate(b.window.stages):
@@ -155,18 +147,14 @@ def _errors(
             ef = abs(pf.stage_compute_s[k].value / truth - 1)
             eb = abs(pb.stage_compute_s[k].value / truth - 1)
             ep = abs(pp.stage_compute_s[k].value / truth - 1)
-            eu = abs(pu.stage_compute_s[k].value / truth - 1)
             out["forest"].append(ef)
             out["base"].append(eb)
             out["prior"].append(ep)
-            out["free"].append(eu)
             out["cover"].append(float(pf.stage_compute_s[k].low <= truth <= pf.stage_compute_s[k].high))
-            out["free_cover"].append(float(pu.stage_compute_s[k].low <= truth <= pu.stage_compute_s[k].high))
             if _interfered(b, k):
                 out["forest_hit"].append(ef)
                 out["base_hit"].append(eb)
                 out["prior_hit"].append(ep)
-                out["free_hit"].append(eu)
         S = b.window.partition.num_stages
         for bd in range(S - 1):
             n0, n1 = M * ((bd > 0) + 1), M * (1 + (bd + 1 < S - 1))
@@ -238,18 +226,16 @@ def _cost_per_check(cost: ModelCost, comm: CommModel, runs: Sequence[Calibration
 
 
 def _tables(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["held out", "stage: forest", "unanchored", "prior", "baseline", "interfered stage: forest",
-               "unanchored", "prior", "baseline", "coverage", "unanchored", "boundary: forest", "baseline", "coverage",
-               "n"]  # fmt: skip
+    headers = ["held out", "stage: forest", "prior", "baseline", "interfered stage: forest", "prior", "baseline",
+               "coverage", "boundary: forest", "baseline", "coverage", "n"]  # fmt: skip
     rows = []
     for name, e in result["groups"].items():
         m = {k: _pct(_med(v)) for k, v in e.items()}
         cover = _pct(statistics.mean(e["cover"])) if e["cover"] else "-"
-        free_cover = _pct(statistics.mean(e["free_cover"])) if e.get("free_cover") else "-"
         bcover = _pct(statistics.mean(e["bcover"])) if e["bcover"] else "-"
         rows.append([
-            name, m["forest"], m.get("free", "-"), m["prior"], m["base"], m["forest_hit"], m.get("free_hit", "-"),
-            m["prior_hit"], m["base_hit"], cover, free_cover, m["bforest"], m["bbase"], bcover, str(len(e["forest"])),
+            name, m["forest"], m["prior"], m["base"], m["forest_hit"], m["prior_hit"], m["base_hit"], cover,
+            m["bforest"], m["bbase"], bcover, str(len(e["forest"])),
         ])  # fmt: skip
     return headers, rows
 
@@ -259,9 +245,6 @@ def _summary(result: dict[str, Any], kind: str) -> dict[str, float]:
     pool = {k: [x for e in sel for x in e[k]] for k in sel[0]} if sel else {}
     return {
         "forest": _med(pool.get("forest", [])),
-        "free": _med(pool.get("free", [])),
-        "free_hit": _med(pool.get("free_hit", [])),
-        "free_cover": statistics.mean(pool["free_cover"]) if pool.get("free_cover") else float("nan"),
         "base": _med(pool.get("base", [])),
         "prior": _med(pool.get("prior", [])),
         "prior_hit": _med(pool.get("prior_hit", [])),
@@ -312,8 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"held-out scenario types: stage MdAPE forest {_pct(held['forest'])}, prior {_pct(held['prior'])}, baseline "
         f"{_pct(held['base'])} (interfered stages {_pct(held['forest_hit'])}, {_pct(held['prior_hit'])}, "
         f"{_pct(held['base_hit'])}), coverage {_pct(held['cover'])} at nominal 90%",
-        f"partitions never run: stage MdAPE forest {_pct(unseen['forest'])} (unanchored {_pct(unseen['free'])}, "
-        f"coverage {_pct(unseen['free_cover'])}), prior {_pct(unseen['prior'])}, baseline "
+        f"partitions never run: stage MdAPE forest {_pct(unseen['forest'])}, prior {_pct(unseen['prior'])}, baseline "
         f"{_pct(unseen['base'])} (interfered stages {_pct(unseen['forest_hit'])}, {_pct(unseen['prior_hit'])}, "
         f"{_pct(unseen['base_hit'])}), coverage {_pct(unseen['cover'])}; targets: forest <= 10% and <= half the "
         "baseline's, coverage >= 80%",

@@ -18,16 +18,6 @@ candidate's layer set into three folds; forests fitted on two folds give the int
 partition that never ran is covered too. ``tests/predictor/test_forest.py`` checks the coverage on held-out rows,
 ``benchmarks/predictor.py`` on held-out scenarios and partitions.
 
-**Anchoring** (``anchor=True``, the default). A candidate is priced from a window measured under the current
-partition, on the same processes: stage ``k`` of a candidate runs where stage ``k`` runs now, beside the same
-load. The forest's answer for the layers stage ``k`` holds now is compared with what the window measured for
-them (compute per micro-batch), and every candidate's stage ``k`` is scaled by that ratio, interval included.
-The forest then answers how a stage's time changes with the layers it is given, and the window says what the
-stage takes now: the forest's error in the current conditions, which a forest trained on other partitions and
-other loads has (under a 25% CPU quota an unanchored forest priced the current partition 33% above its measured
-step and moved to a partition it then measured 15% slower), does not become a predicted gain. The current
-partition is thereby priced at its measured times, as the measured predictor prices it.
-
 **Determinism.** Fixed ``random_state``, one thread, and rows in the order they were observed: the same samples
 give the same forest on every rank, so every rank prices candidates the same.
 
@@ -105,7 +95,6 @@ from lightning_dynpipe.predictor.features import (
     QuietReadings,
     boundary_priors,
     boundary_rows,
-    effective_compute_s,
     samples_from_windows,
     stage_priors,
     stage_rows,
@@ -301,10 +290,6 @@ class ForestPredictor:
             CPU to spare, and send its forests to the others (see "One rank refits" in the module). Off by default:
             on the 2-core benchmark machine it saved the other ranks' refit CPU but measured about 2% fewer
             samples/s than every rank refitting (benchmarks/results/2026-12-04-one-rank-refits.md).
-        anchor: price each stage of a candidate relative to the window it is priced from: the forest's answer for
-            the stage's candidate layers times the stage's measured compute per micro-batch over the forest's
-            answer for the layers it holds now (see "Anchoring" in the module). ``False``: the forest's answers as
-            they are.
     """
 
     def __init__(
@@ -320,7 +305,6 @@ class ForestPredictor:
         adopt_after: int = 2,
         refit_on: str = "miss",
         one_rank_refits: bool = False,
-        anchor: bool = True,
     ) -> None:
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
@@ -343,7 +327,6 @@ class ForestPredictor:
         self.adopt_after = adopt_after
         self.refit_on = refit_on
         self.one_rank_refits = bool(one_rank_refits)
-        self.anchor = bool(anchor)
         self.schema: FeatureSchema = FEATURE_SCHEMA
         self._base = LabelledSamples.empty()
         self._online: deque[LabelledSamples] = deque()
@@ -692,28 +675,19 @@ class ForestPredictor:
             return []
         S = window.partition.num_stages
         quiet = self._readings(model_cost)
-        # the window's own partition comes last: its answers anchor the candidates' stages (``anchor``)
-        priced = [*candidates, window.partition] if self.anchor else list(candidates)
-        sx = np.concatenate([stage_rows(model_cost, window, c, quiet) for c in priced])
-        sp = np.concatenate([stage_priors(model_cost, window, c, quiet) for c in priced])
+        sx = np.concatenate([stage_rows(model_cost, window, c, quiet) for c in candidates])
+        sp = np.concatenate([stage_priors(model_cost, window, c, quiet) for c in candidates])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in candidates])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
         s_val, s_lo, s_hi = _residuals(self._stage, sx)
         b_val, b_lo, b_hi = _residuals(self._boundary, bx)
-        shift = np.zeros(S)
-        if len(priced) > len(candidates):
-            here = len(candidates) * S + np.arange(S)
-            measured = np.asarray([effective_compute_s(t) / window.num_microbatches for t in window.stages])
-            answered = sp[here] * np.exp(s_val[here])
-            ok = (measured > 0) & (answered > 0) & np.isfinite(measured)
-            shift = np.where(ok, np.log(np.where(ok, measured, 1.0) / np.where(ok, answered, 1.0)), 0.0)
         out = []
         for i, cand in enumerate(candidates):
             stages = []
             slowdowns = []
             for k in range(S):
                 r = i * S + k
-                prior = float(sp[r]) * math.exp(shift[k])
+                prior = float(sp[r])
                 value = prior * math.exp(s_val[r])
                 stages.append(
                     Interval(value, min(prior * math.exp(s_lo[r]), value), max(prior * math.exp(s_hi[r]), value))
@@ -811,7 +785,6 @@ class ForestPredictor:
             "refit_every": self.refit_every,
             "adopt_after": self.adopt_after,
             "refit_on": self.refit_on,
-            "anchor": self.anchor,
         }
 
     def __repr__(self) -> str:

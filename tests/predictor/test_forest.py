@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -21,12 +20,7 @@ import pytest
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow, StageTimes
-from lightning_dynpipe.predictor.features import (
-    LabelledSamples,
-    effective_compute_s,
-    samples_from_windows,
-    stage_priors,
-)
+from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows, stage_priors
 from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor
 
 from . import sim
@@ -175,39 +169,6 @@ def test_the_same_samples_give_the_same_answers_and_a_check_is_cheap(
     assert per_check < 0.025, f"{per_check * 1e3:.1f} ms to price {len(PARTS)} candidates"
     top = forest.top_features(COST, window, 0)
     assert len(top) == 3 and all("=" in t for t in top)
-
-
-def test_anchored_a_forest_wrong_about_the_current_conditions_prices_candidates_as_a_right_one(
-    forest: ForestPredictor, samples: LabelledSamples, tmp_path: Path
-) -> None:
-    """Stage ``k`` of every candidate is the forest's answer for its layers times one factor per stage: the
-    window's measured compute per micro-batch over the forest's answer for the layers stage ``k`` holds now. A forest
-    trained on rows that read every stage 30% slower than the conditions give (what a forest learning online from
-    other loads can carry) then prices the current partition at what it measured, and every candidate as the right
-    forest does; unanchored, its 30% would be priced into every candidate."""
-    wrong = ForestPredictor().fit(dataclasses.replace(samples, stage_y=samples.stage_y + math.log(1.3)))
-    _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=7)[0]
-    current = PARTS[3]
-    window = wins[current]
-    assert wrong.anchor and forest.anchor  # the default
-    anchored = wrong.predict_many(COST, sim.LINK, window, PARTS)
-    wrong.anchor = False
-    free = wrong.predict_many(COST, sim.LINK, window, PARTS)
-    measured = [effective_compute_s(t) / window.num_microbatches for t in window.stages]
-    assert [i.value for i in anchored[PARTS.index(current)].stage_compute_s] == pytest.approx(measured)
-    for k in range(2):
-        factor = measured[k] / free[PARTS.index(current)].stage_compute_s[k].value
-        assert factor < 0.9  # the unanchored forest is 30% above the conditions on the partition it runs
-        for a, f, right in zip(anchored, free, forest.predict_many(COST, sim.LINK, window, PARTS)):
-            got, raw = a.stage_compute_s[k], f.stage_compute_s[k]
-            assert (got.value, got.low, got.high) == pytest.approx(
-                (raw.value * factor, raw.low * factor, raw.high * factor)
-            )
-            # the same trees up to float rounding of the shifted labels (measured: within 0.3%)
-            assert got.value == pytest.approx(right.stage_compute_s[k].value, rel=0.01)
-            assert a.boundary_s == f.boundary_s  # boundaries are not anchored
-    assert ForestPredictor.load(wrong.save(tmp_path / "f.npz")).anchor is False
-    assert ForestPredictor.load(forest.save(tmp_path / "g.npz")).anchor is True
 
 
 def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_path: Path) -> None:
