@@ -681,10 +681,14 @@ class ForestPredictor:
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
         s_val, s_lo, s_hi = _residuals(self._stage, sx)
         b_val, b_lo, b_hi = _residuals(self._boundary, bx)
+        # How the window's environment stretches each stage's profiled work, the same for every candidate: what the
+        # controller prices a stage's updates with. Not a candidate's price over its layers' profile: that holds the
+        # CPU a stage spends besides its layers (under a CPU limit, all of it over the limit, its updates included),
+        # which would price the updates twice, and a stage's few layers at many times their profile.
+        slowdowns = self._quiet.predict(model_cost, comm, window, window.partition).slowdowns
         out = []
         for i, cand in enumerate(candidates):
             stages = []
-            slowdowns = []
             for k in range(S):
                 r = i * S + k
                 prior = float(sp[r])
@@ -692,9 +696,6 @@ class ForestPredictor:
                 stages.append(
                     Interval(value, min(prior * math.exp(s_lo[r]), value), max(prior * math.exp(s_hi[r]), value))
                 )
-                layers = cand.stage_layers(k)
-                profile = model_cost.compute_s(layers.start, layers.stop)
-                slowdowns.append(value / profile if profile > 0 else 1.0)
             bounds = []
             for b in range(S - 1):
                 r = i * (S - 1) + b
@@ -703,7 +704,7 @@ class ForestPredictor:
                 bounds.append(
                     Interval(value, min(prior * math.exp(b_lo[r]), value), max(prior * math.exp(b_hi[r]), value))
                 )
-            out.append(PartitionPrediction(cand, tuple(slowdowns), tuple(stages), tuple(bounds)))
+            out.append(PartitionPrediction(cand, slowdowns, tuple(stages), tuple(bounds)))
         return out
 
     def top_features(self, model_cost: ModelCost, window: PipelineWindow, stage_idx: int, n: int = 3) -> list[str]:

@@ -171,6 +171,33 @@ def test_the_same_samples_give_the_same_answers_and_a_check_is_cheap(
     assert len(top) == 3 and all("=" in t for t in top)
 
 
+def test_its_slowdowns_are_the_windows_stretch_for_every_candidate_not_its_price_over_the_profile(
+    forest: ForestPredictor,
+) -> None:
+    """The controller prices a stage's optimizer updates at its slowdown times their profile. Under a CPU limit a
+    stage's price holds all its CPU per step over the limit (updates included), here twice its layers' stretched
+    compute: as slowdowns those prices counted the updates twice, and a candidate leaving the limited stage fewer
+    layers got cheaper updates than the running partition. The forest reports the window's stretch, as the measured
+    predictor does, the same for every candidate."""
+    p0, p1 = COST.compute_s(0, 8), COST.compute_s(8, COST.num_layers)
+    step = 2 * 4 * 4 * p1  # stage 1's CPU per step over its 25% limit: twice its layers' 4x-stretched compute
+    window = PipelineWindow(
+        Partition((8, 2)),
+        (
+            StageTimes(4 * p0, step, cpu_share=1.0, other_cpu_load=0.0),
+            StageTimes(4 * 4 * p1, step, cpu_share=0.25, cpu_limit=0.25, other_cpu_load=0.0),
+        ),
+        4,
+    )
+    want = MeasuredSlowdownPredictor().predict(COST, sim.LINK, window, window.partition).slowdowns
+    assert want == pytest.approx((1.0, 4.0))
+    for predictor in (forest, ForestPredictor()):  # trained, and answering its prior
+        answers = predictor.predict_many(COST, sim.LINK, window, PARTS)
+        assert all(a.slowdowns == want for a in answers)
+    here = ForestPredictor().predict(COST, sim.LINK, window, window.partition).stage_compute_s[1].value
+    assert here / p1 == pytest.approx(8.0)  # the price over the profile: what the slowdown used to be
+
+
 def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_path: Path) -> None:
     path = forest.save(tmp_path / "forest.npz")
     loaded = ForestPredictor.load(path)
