@@ -380,59 +380,35 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 16) -> dict[str, float]
 
 
 # ---------------------------------------------------------------------------------------------- runners
-def _run_torch(kind: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def _run_baseline(
+    system: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, Any]:
+    """torch's schedules and the hand-written loop: stage ``k`` on rank ``k``, the CPU probe around the whole call
+    (warm-up and stage set-up included: only its rates, CPU and wait per second, are compared)."""
+    from benchmarks.baselines.handwritten import time_handwritten_async
     from benchmarks.baselines.torch_pipelining import time_torch_schedule
 
-    stage = _stage_module(cfg, rank)  # torch: stage k runs on rank k
-    probe = _CpuProbe()
-    probe.start()  # the whole call, warm-up included: only its rates (CPU and wait per second) are compared
-    seconds = time_torch_schedule(
-        "1f1b" if kind == "torch-1f1b" else "gpipe",
-        stage,
-        rank,
-        NUM_STAGES,
-        cfg.num_microbatches,
-        batches,
-        lr=cfg.lr,
-        loss_fn=_loss_fn(cfg),
-        warmup_steps=cfg.warmup,
-    )
-    cpu = probe.stop()
-    gathered: list[Any] = [None] * WORLD_SIZE
-    dist.all_gather_object(gathered, {"rank": rank, "stage": rank, "cpu": cpu})
-    return {"seconds": seconds, "stages": None, "cpu": sorted(gathered, key=lambda g: g["stage"])}
-
-
-def _run_handwritten(cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    from benchmarks.baselines.handwritten import time_handwritten_async
-
     stage = _stage_module(cfg, rank)
+    args = (stage, rank, NUM_STAGES, cfg.num_microbatches, batches)
+    options: dict[str, Any] = {"lr": cfg.lr, "loss_fn": _loss_fn(cfg), "warmup_steps": cfg.warmup}
     probe = _CpuProbe()
-    probe.start()  # the whole call, as torch's: only its rates are compared
-    res = time_handwritten_async(
-        stage,
-        rank,
-        NUM_STAGES,
-        cfg.num_microbatches,
-        batches,
-        lr=cfg.lr,
-        loss_fn=_loss_fn(cfg),
-        warmup_steps=cfg.warmup,
-    )
+    probe.start()
+    ops = None
+    if system == "hand-async":
+        res = time_handwritten_async(*args, **options)
+        seconds, n = res["seconds"], res["micro_batches"]
+        ops = {f"{k}_cpu": v / n for k, v in res["op_cpu_s"].items()}
+        ops |= {f"{k}_wall": v / n for k, v in res["op_wall_s"].items()}
+    else:
+        seconds = time_torch_schedule("1f1b" if system == "torch-1f1b" else "gpipe", *args, **options)
     cpu = probe.stop()
-    n = res["micro_batches"]
-    ops = {f"{k}_cpu": v / n for k, v in res["op_cpu_s"].items()}
-    ops |= {f"{k}_wall": v / n for k, v in res["op_wall_s"].items()}
-    mine = {"rank": rank, "stage": rank, "cpu": cpu, "ops": ops}
     gathered: list[Any] = [None] * WORLD_SIZE
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, {"rank": rank, "stage": rank, "cpu": cpu, "ops": ops})
     gathered.sort(key=lambda g: g["stage"])
-    return {
-        "seconds": res["seconds"],
-        "stages": None,
-        "cpu": [{k: v for k, v in g.items() if k != "ops"} for g in gathered],
-        "ops": [g["ops"] for g in gathered],
-    }
+    out = {"seconds": seconds, "stages": None, "cpu": [{k: v for k, v in g.items() if k != "ops"} for g in gathered]}
+    if ops is not None:  # the hand-written loop's CPU and wall seconds per micro-batch in each kind of operation
+        out["ops"] = [g["ops"] for g in gathered]
+    return out
 
 
 def _status_kib(field: str) -> int | None:
@@ -617,10 +593,8 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                 dist.barrier()
                 steal_start = machine_steal_counters()
                 rss_start = _start_peak_rss()
-                if system.startswith("torch-"):
-                    res = _run_torch(system, cfg, rank, batches)
-                elif system == "hand-async":
-                    res = _run_handwritten(cfg, rank, batches)
+                if system.startswith(("torch-", "hand-")):
+                    res = _run_baseline(system, cfg, rank, batches)
                 else:
                     res = _run_dynpipe(system, cfg, batches)
                 steal = _steal_share(steal_start, machine_steal_counters())

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks.baselines._checks import check_stage_call
 from lightning_dynpipe.engine.outofplace import out_of_place_step
 
 __all__ = ["time_handwritten_async"]
@@ -92,18 +93,11 @@ def time_handwritten_async(
         ``send`` the posting of sends and the waits for old ones; ``recv_wait`` the waits for messages).
 
     Raises:
-        ValueError: for inconsistent stage/group sizes, too few batches, or a batch size that
-            ``num_microbatches`` does not divide.
+        ValueError: for inconsistent stage/group sizes, too few batches, or batches not all of one size that
+            ``num_microbatches`` divides.
+        RuntimeError: when no process group is initialised.
     """
-    if dist.get_world_size(group) != num_stages or dist.get_rank(group) != stage_idx:
-        raise ValueError(
-            f"One stage per rank with stage_idx == rank in the group; got num_stages={num_stages}, "
-            f"stage_idx={stage_idx}, group size={dist.get_world_size(group)}, group rank={dist.get_rank(group)}."
-        )
-    if not 0 <= warmup_steps < len(batches):
-        raise ValueError(f"Need more batches than warm-up steps; got {len(batches)} and warmup_steps={warmup_steps}.")
-    if any(int(x.shape[0]) % num_microbatches for x, _ in batches):
-        raise ValueError(f"Every batch size must be divisible by num_microbatches={num_microbatches}.")
+    check_stage_call("time_handwritten_async", stage_idx, num_stages, num_microbatches, batches, warmup_steps, group)
     is_first, is_last = stage_idx == 0, stage_idx == num_stages - 1
     prev = None if is_first else (dist.get_global_rank(group, stage_idx - 1) if group else stage_idx - 1)
     nxt = None if is_last else (dist.get_global_rank(group, stage_idx + 1) if group else stage_idx + 1)
@@ -143,6 +137,16 @@ def time_handwritten_async(
         buf = torch.empty(shape)
         return buf, dist.irecv(buf, src=src, group=group)
 
+    def take(
+        pending: tuple[Tensor, Any] | None, src: int | None, more: bool, since: tuple[float, float]
+    ) -> tuple[Tensor, tuple[Tensor, Any] | None, tuple[float, float]]:
+        """Waits for the posted receive, posts the next one (``more``) and charges the wait: (message, next, now)."""
+        assert pending is not None and src is not None
+        buf, work = pending
+        work.wait()
+        now = charge("recv_wait", since)
+        return buf, post_recv(buf.shape, src) if more else None, now
+
     pending_act = post_recv(in_shape, prev) if prev is not None else None  # type: ignore[arg-type]
     pending_grad = post_recv(grad_shape, nxt) if nxt is not None and n > 0 else None  # type: ignore[arg-type]
     sends: deque[Any] = deque()
@@ -165,12 +169,8 @@ def time_handwritten_async(
             if is_first:
                 x = inputs[fwd]
             else:
-                assert pending_act is not None and prev is not None
-                buf, work = pending_act
-                work.wait()
-                t = charge("recv_wait", t)
-                pending_act = post_recv(buf.shape, prev) if fwd + 1 < n else None
-                x = buf.requires_grad_(True)
+                x, pending_act, t = take(pending_act, prev, fwd + 1 < n, t)
+                x.requires_grad_(True)
             out = stage_module(x)
             if is_last:
                 out = loss_fn(out, targets[fwd])
@@ -186,12 +186,8 @@ def time_handwritten_async(
             if is_last:
                 out.backward()
             else:
-                assert pending_grad is not None and nxt is not None
-                gbuf, work = pending_grad
-                work.wait()
-                t = charge("recv_wait", t)
-                pending_grad = post_recv(gbuf.shape, nxt) if bwd + 1 < n else None
-                out.backward(gbuf)
+                grad, pending_grad, t = take(pending_grad, nxt, bwd + 1 < n, t)
+                out.backward(grad)
             t = charge("backward", t)
             if prev is not None:
                 assert x_saved is not None and x_saved.grad is not None

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from benchmarks.baselines._checks import check_stage_call
+
 __all__ = ["ScheduleKind", "TimedWindow", "time_torch_schedule"]
 
 ScheduleKind = Literal["1f1b", "gpipe"]
@@ -107,29 +109,7 @@ def time_torch_schedule(
     """
     if kind not in _SCHEDULES:
         raise ValueError(f"Unknown schedule kind {kind!r}; valid options are {sorted(_SCHEDULES)}.")
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "time_torch_schedule needs an initialised process group: call "
-            "torch.distributed.init_process_group('gloo', rank=..., world_size=num_stages) in each rank first."
-        )
-    group_size, group_rank = dist.get_world_size(group), dist.get_rank(group)
-    if group_size != num_stages or group_rank != stage_idx:
-        raise ValueError(
-            "Single-stage schedules need one stage per rank with stage_idx == rank in the group; got "
-            f"num_stages={num_stages}, stage_idx={stage_idx}, group size={group_size}, group rank={group_rank}."
-        )
-    if not 0 <= warmup_steps < len(batches):
-        raise ValueError(
-            f"Need more batches than warm-up steps so that at least one step is timed; got {len(batches)} "
-            f"batches and warmup_steps={warmup_steps}."
-        )
-    sizes = sorted({int(x.shape[0]) for x, _ in batches})
-    if len(sizes) != 1 or sizes[0] % num_microbatches:
-        raise ValueError(
-            "Every batch must have the same size, divisible by num_microbatches (torch infers the stage shapes "
-            f"once, and tensor_split would make unequal micro-batches); got batch sizes {sizes} and "
-            f"num_microbatches={num_microbatches}. Drop the last batch or change num_microbatches."
-        )
+    check_stage_call("time_torch_schedule", stage_idx, num_stages, num_microbatches, batches, warmup_steps, group)
 
     is_first, is_last = stage_idx == 0, stage_idx == num_stages - 1
     device = next((p.device for p in stage_module.parameters()), torch.device("cpu"))

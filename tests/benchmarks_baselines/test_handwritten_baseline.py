@@ -9,7 +9,6 @@ compares DynPipe with a loop that does the same arithmetic, not a cheaper one.
 from __future__ import annotations
 
 import gc
-import socket
 import sys
 from pathlib import Path
 
@@ -17,15 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
 from torch.multiprocessing import start_processes
 
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(_ROOT))
 
+from benchmarks._common import free_port  # noqa: E402
 from benchmarks.baselines.handwritten import time_handwritten_async  # noqa: E402
 from lightning_dynpipe.calibration import replay_async  # noqa: E402
+from tests.benchmarks_baselines import halves  # noqa: E402
 
 NUM_STAGES = 2
 NUM_MICROBATCHES = 4
@@ -33,36 +33,17 @@ LR = 0.1
 BALANCE = [2, 2]
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Sequential(nn.Linear(20, 32), nn.ReLU()),
-        nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
-        nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
-        nn.Linear(32, 5),
-    )
-
-
-def _batches(num: int = 5, size: int = 16) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(size, 20, generator=g), torch.randint(0, 5, (size,), generator=g)) for _ in range(num)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_STAGES)
     try:
-        model = _model()
+        model = halves.model()
         stage = model[: BALANCE[0]] if rank == 0 else model[BALANCE[0] :]
-        result = time_handwritten_async(stage, rank, NUM_STAGES, NUM_MICROBATCHES, _batches(), lr=LR, warmup_steps=1)
+        result = time_handwritten_async(
+            stage, rank, NUM_STAGES, NUM_MICROBATCHES, halves.batches(), lr=LR, warmup_steps=1
+        )
         torch.save({"state": stage.state_dict(), **result}, f"{out_dir}/{rank}.pt")
-        with pytest.raises(ValueError, match="divisible by num_microbatches=4"):
+        with pytest.raises(ValueError, match="divisible by num_microbatches"):
             time_handwritten_async(
                 stage, rank, NUM_STAGES, 4, [(torch.zeros(6, 20), torch.zeros(6))] * 2, lr=LR, warmup_steps=1
             )
@@ -74,22 +55,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.multiprocess
 def test_handwritten_async_equals_the_pipedream_replay_bit_for_bit(tmp_path: Path) -> None:
     gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
+    start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
 
-    reference, untrained = _model(), _model()
+    reference, untrained = halves.model(), halves.model()
     replay_async(
         reference,
         BALANCE,
         lambda ps: torch.optim.SGD(ps, lr=LR),
-        _batches(),
+        halves.batches(),
         NUM_MICROBATCHES,
         lambda out, mb: F.cross_entropy(out, mb[1]),
     )
-    halves = [reference[: BALANCE[0]], reference[BALANCE[0] :]]
+    expected_halves = [reference[: BALANCE[0]], reference[BALANCE[0] :]]
     before = [untrained[: BALANCE[0]], untrained[BALANCE[0] :]]
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(NUM_STAGES)]
     for rank, result in enumerate(results):
-        for name, expected in halves[rank].state_dict().items():
+        for name, expected in expected_halves[rank].state_dict().items():
             assert torch.equal(result["state"][name], expected), f"stage {rank} {name}"
             assert not torch.equal(expected, before[rank].state_dict()[name])  # training moved every weight
         assert result["micro_batches"] == 4 * NUM_MICROBATCHES  # the batches after the warm-up one

@@ -10,7 +10,6 @@ tolerance is ``atol=1e-5, rtol=0``.
 from __future__ import annotations
 
 import gc
-import socket
 import sys
 from pathlib import Path
 
@@ -25,7 +24,9 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(_ROOT))
 
+from benchmarks._common import free_port  # noqa: E402
 from benchmarks.baselines.torch_pipelining import time_torch_schedule  # noqa: E402
+from tests.benchmarks_baselines import halves  # noqa: E402
 
 NUM_STAGES = 2
 NUM_MICROBATCHES = 4
@@ -34,27 +35,12 @@ KINDS = ("1f1b", "gpipe")
 ATOL = 1e-5
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Sequential(nn.Linear(20, 32), nn.ReLU()),
-        nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
-        nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
-        nn.Linear(32, 5),
-    )
-
-
 def _split(model: nn.Sequential) -> list[nn.Module]:
     return [model[:2], model[2:]]
 
 
-def _batches(num: int = 5, size: int = 16) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(size, 20, generator=g), torch.randint(0, 5, (size,), generator=g)) for _ in range(num)]
-
-
 def _reference(batches: list[tuple[Tensor, Tensor]]) -> nn.Sequential:
-    model = _model()
+    model = halves.model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for x, y in batches:
         opt.zero_grad()
@@ -63,19 +49,13 @@ def _reference(batches: list[tuple[Tensor, Tensor]]) -> nn.Sequential:
     return model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_STAGES)
     try:
-        batches = _batches()
+        batches = halves.batches()
         for kind in KINDS:
-            stage = _split(_model())[rank]
+            stage = _split(halves.model())[rank]
             losses: list[float] = []
             seconds = time_torch_schedule(
                 kind,  # type: ignore[arg-type]
@@ -93,7 +73,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # A ragged last batch is refused before any communication, on every rank.
         ragged = batches[:2] + [(batches[2][0][:10], batches[2][1][:10])]
         with pytest.raises(ValueError, match="divisible by num_microbatches"):
-            time_torch_schedule("1f1b", _split(_model())[rank], rank, NUM_STAGES, NUM_MICROBATCHES, ragged, lr=LR)
+            time_torch_schedule("1f1b", _split(halves.model())[rank], rank, NUM_STAGES, NUM_MICROBATCHES, ragged, lr=LR)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -102,11 +82,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.multiprocess
 def test_pipelined_sgd_equals_full_batch_sgd(tmp_path: Path) -> None:
     gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
+    start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
 
-    batches = _batches()
+    batches = halves.batches()
     reference = _split(_reference(batches))
-    untrained = _split(_model())
+    untrained = _split(halves.model())
     for kind in KINDS:
         for rank in range(NUM_STAGES):
             result = torch.load(tmp_path / f"{kind}_{rank}.pt")
@@ -123,10 +103,10 @@ def test_pipelined_sgd_equals_full_batch_sgd(tmp_path: Path) -> None:
 
 def test_unknown_kind_lists_the_options() -> None:
     with pytest.raises(ValueError, match=r"valid options are \['1f1b', 'gpipe'\]"):
-        time_torch_schedule("zb", nn.Linear(2, 2), 0, 1, 1, _batches(2), lr=0.1)  # type: ignore[arg-type]
+        time_torch_schedule("zb", nn.Linear(2, 2), 0, 1, 1, halves.batches(2), lr=0.1)  # type: ignore[arg-type]
 
 
 def test_needs_a_process_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
-        time_torch_schedule("gpipe", nn.Linear(2, 2), 0, 1, 1, _batches(2), lr=0.1)
+        time_torch_schedule("gpipe", nn.Linear(2, 2), 0, 1, 1, halves.batches(2), lr=0.1)
