@@ -41,20 +41,20 @@ __all__ = ["time_handwritten_async"]
 _OPS = ("forward", "backward", "update", "send", "recv_wait")
 
 
-def _exchange_shape(shape: torch.Size | None, stage_idx: int, num_stages: int, group: Any) -> torch.Size | None:
-    """Sends this stage's output shape to the next stage and returns the previous stage's (``None`` on stage 0)."""
-    received = None
-    if stage_idx > 0:
-        header = torch.zeros(9, dtype=torch.int64)
-        dist.recv(header, src=dist.get_global_rank(group, stage_idx - 1) if group else stage_idx - 1, group=group)
-        received = torch.Size(int(d) for d in header[1 : 1 + int(header[0])])
-    if stage_idx < num_stages - 1:
-        assert shape is not None and len(shape) <= 8, f"boundary tensors of up to 8 dimensions; got {shape}"
-        header = torch.zeros(9, dtype=torch.int64)
-        header[0] = len(shape)
-        header[1 : 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-        dist.send(header, dst=dist.get_global_rank(group, stage_idx + 1) if group else stage_idx + 1, group=group)
-    return received
+def _send_shape(shape: torch.Size, dst: int, group: Any) -> None:
+    """Tells the next stage the shape of the activations it will receive (up to 8 dimensions)."""
+    assert len(shape) <= 8, f"boundary tensors of up to 8 dimensions; got {shape}"
+    header = torch.zeros(9, dtype=torch.int64)
+    header[0] = len(shape)
+    header[1 : 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    dist.send(header, dst=dst, group=group)
+
+
+def _recv_shape(src: int, group: Any) -> torch.Size:
+    """The shape :func:`_send_shape` of the previous stage sent."""
+    header = torch.zeros(9, dtype=torch.int64)
+    dist.recv(header, src=src, group=group)
+    return torch.Size(int(d) for d in header[1 : 1 + int(header[0])])
 
 
 def time_handwritten_async(
@@ -109,15 +109,13 @@ def time_handwritten_async(
     if update is None:
         raise ValueError("plain SGD must have a fresh-storage step (lightning_dynpipe.engine.outofplace)")
 
-    # Shapes once, before the clock: what a forward of the first micro-batch sends on (a dry run, no grad).
-    out_shape = None
-    in_shape = _exchange_shape(None, stage_idx, num_stages, group) if not is_first else None
-    if not is_last:
+    # Shapes once, before the clock, stage by stage: what a forward of the first micro-batch sends on (a dry run).
+    in_shape = _recv_shape(prev, group) if prev is not None else None
+    grad_shape = None
+    if nxt is not None:
         with torch.no_grad():
-            probe_in = inputs[0] if is_first else torch.zeros(in_shape)  # type: ignore[arg-type]
-            out_shape = stage_module(probe_in).shape
-        _exchange_shape(out_shape, stage_idx, num_stages, group)
-    grad_shape = out_shape
+            grad_shape = stage_module(inputs[0] if in_shape is None else torch.zeros(in_shape)).shape
+        _send_shape(grad_shape, nxt, group)
 
     op_cpu = dict.fromkeys(_OPS, 0.0)
     op_wall = dict.fromkeys(_OPS, 0.0)

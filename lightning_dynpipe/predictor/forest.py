@@ -685,7 +685,7 @@ class ForestPredictor:
         # controller prices a stage's updates with. Not a candidate's price over its layers' profile: that holds the
         # CPU a stage spends besides its layers (under a CPU limit, all of it over the limit, its updates included),
         # which would price the updates twice, and a stage's few layers at many times their profile.
-        slowdowns = self._quiet.predict(model_cost, comm, window, window.partition).slowdowns
+        slowdowns = self._quiet.slowdowns(model_cost, window)
         out = []
         for i, cand in enumerate(candidates):
             stages = []

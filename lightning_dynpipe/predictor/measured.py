@@ -316,6 +316,13 @@ class MeasuredSlowdownPredictor:
         seen = self._quiet.get((stage, layers.start, layers.stop))
         return _second_lowest(seen) if seen else None
 
+    def slowdowns(self, model_cost: ModelCost, window: PipelineWindow) -> tuple[float, ...]:
+        """How the window's environment stretches each stage's profiled work, in seconds (the pipeline's speed times
+        the stage's slowdown): what :meth:`predict` reports for every candidate, and what prices its updates."""
+        ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
+        base = _base(ratios, self.reference if model_cost is self._cost else None)
+        return tuple(base * s for s in _slowdowns(ratios, base, window.stages))
+
     def predict(
         self, model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition
     ) -> PartitionPrediction:

@@ -27,53 +27,53 @@ from benchmarks.baselines.handwritten import time_handwritten_async  # noqa: E40
 from lightning_dynpipe.calibration import replay_async  # noqa: E402
 from tests.benchmarks_baselines import halves  # noqa: E402
 
-NUM_STAGES = 2
 NUM_MICROBATCHES = 4
 LR = 0.1
-BALANCE = [2, 2]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _stages(model: torch.nn.Sequential, balance: list[int]) -> list[torch.nn.Sequential]:
+    cuts = [sum(balance[:k]) for k in range(len(balance) + 1)]
+    return [model[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _worker(rank: int, balance: list[int], port: int, out_dir: str) -> None:
+    S = len(balance)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_STAGES)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=S)
     try:
-        model = halves.model()
-        stage = model[: BALANCE[0]] if rank == 0 else model[BALANCE[0] :]
-        result = time_handwritten_async(
-            stage, rank, NUM_STAGES, NUM_MICROBATCHES, halves.batches(), lr=LR, warmup_steps=1
-        )
+        stage = _stages(halves.model(), balance)[rank]
+        result = time_handwritten_async(stage, rank, S, NUM_MICROBATCHES, halves.batches(), lr=LR, warmup_steps=1)
         torch.save({"state": stage.state_dict(), **result}, f"{out_dir}/{rank}.pt")
         with pytest.raises(ValueError, match="divisible by num_microbatches"):
-            time_handwritten_async(
-                stage, rank, NUM_STAGES, 4, [(torch.zeros(6, 20), torch.zeros(6))] * 2, lr=LR, warmup_steps=1
-            )
+            time_handwritten_async(stage, rank, S, 4, [(torch.zeros(6, 20), torch.zeros(6))] * 2, lr=LR, warmup_steps=1)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_handwritten_async_equals_the_pipedream_replay_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("balance", [[2, 2], [1, 2, 1]])
+def test_handwritten_async_equals_the_pipedream_replay_bit_for_bit(tmp_path: Path, balance: list[int]) -> None:
+    S = len(balance)
     gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=NUM_STAGES, join=True, start_method="fork")
+    start_processes(_worker, args=(balance, free_port(), str(tmp_path)), nprocs=S, join=True, start_method="fork")
 
     reference, untrained = halves.model(), halves.model()
     replay_async(
         reference,
-        BALANCE,
+        balance,
         lambda ps: torch.optim.SGD(ps, lr=LR),
         halves.batches(),
         NUM_MICROBATCHES,
         lambda out, mb: F.cross_entropy(out, mb[1]),
     )
-    expected_halves = [reference[: BALANCE[0]], reference[BALANCE[0] :]]
-    before = [untrained[: BALANCE[0]], untrained[BALANCE[0] :]]
-    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(NUM_STAGES)]
+    expected, before = _stages(reference, balance), _stages(untrained, balance)
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(S)]
     for rank, result in enumerate(results):
-        for name, expected in expected_halves[rank].state_dict().items():
-            assert torch.equal(result["state"][name], expected), f"stage {rank} {name}"
-            assert not torch.equal(expected, before[rank].state_dict()[name])  # training moved every weight
+        for name, want in expected[rank].state_dict().items():
+            assert torch.equal(result["state"][name], want), f"stage {rank} {name}"
+            assert not torch.equal(want, before[rank].state_dict()[name])  # training moved every weight
         assert result["micro_batches"] == 4 * NUM_MICROBATCHES  # the batches after the warm-up one
         assert result["op_cpu_s"]["backward"] > 0 and result["op_wall_s"]["backward"] > 0
-    assert results[0]["seconds"] == results[1]["seconds"] > 0  # the longest rank's window, on every rank
-    assert results[0]["op_cpu_s"]["send"] > 0 and results[1]["op_cpu_s"]["send"] > 0  # activations, gradients
+        assert result["seconds"] == results[0]["seconds"] > 0  # the longest rank's window, on every rank
+    assert all(r["op_cpu_s"]["send"] > 0 for r in results)  # activations forward, gradients back

@@ -190,7 +190,7 @@ def test_its_slowdowns_are_the_windows_stretch_for_every_candidate_not_its_price
         4,
     )
     want = MeasuredSlowdownPredictor().predict(COST, sim.LINK, window, window.partition).slowdowns
-    assert want == pytest.approx((1.0, 4.0))
+    assert want == pytest.approx((1.0, 4.0)) and MeasuredSlowdownPredictor().slowdowns(COST, window) == want
     for predictor in (forest, ForestPredictor()):  # trained, and answering its prior
         answers = predictor.predict_many(COST, sim.LINK, window, PARTS)
         assert all(a.slowdowns == want for a in answers)
