@@ -18,6 +18,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dynpipe.strategy.sigterm import (
+    LaggedSigtermCheck,
+    install_lagged_sigterm_check,
+    remove_lagged_sigterm_check,
+)
+
 __all__ = [
     "MetricsMirror",
     "TrainerAdditions",
@@ -150,12 +156,14 @@ class TrainerAdditions:
     """What the strategy adds to a Trainer for one run, and takes away at teardown.
 
     The metrics mirror (every run), the ``sync_dist`` advice filter (one pipeline), and for a fit the
-    whole-pipeline model summary and the interference callback (the monitor and the adaptive loop are
-    :class:`~lightning_dynpipe.strategy.adaptation.AdaptationWiring`'s).
+    whole-pipeline model summary, the interference callback and, with more than one process, the SIGTERM flag's
+    broadcast one batch late (:class:`~lightning_dynpipe.strategy.sigterm.LaggedSigtermCheck`; the monitor and the
+    adaptive loop are :class:`~lightning_dynpipe.strategy.adaptation.AdaptationWiring`'s).
     """
 
     def __init__(self) -> None:
         self.mirror: MetricsMirror | None = None
+        self.sigterm: LaggedSigtermCheck | None = None
         self.summaries: list[Any] = []
         self.interference: Callback | None = None
         self._filter: Any = None
@@ -192,6 +200,8 @@ class TrainerAdditions:
             return
         if not self.summaries and summary_of is not None:
             self.summaries = summary_of(callbacks)
+        if self.sigterm is None and trainer.world_size > 1:
+            self.sigterm = install_lagged_sigterm_check(trainer, device)
         if interference is not None and self.interference is None:
             from lightning_dynpipe.interference.callback import InterferenceCallback
 
@@ -207,6 +217,8 @@ class TrainerAdditions:
         if self.mirror is not None and self.mirror in callbacks:
             callbacks.remove(self.mirror)
         self.mirror = None
+        remove_lagged_sigterm_check(trainer, self.sigterm)
+        self.sigterm = None
         summary.uninstall(self.summaries)
         self.summaries = []
         if self.interference is not None and self.interference in callbacks:

@@ -1266,6 +1266,8 @@ class DynPipeStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.drain()
+        if self.additions.sigterm is not None:  # the last batch's SIGTERM flag, still in flight
+            self.additions.sigterm.finish()
 
     # ------------------------------------------------------------------ collectives used by user code
     @override
