@@ -60,8 +60,8 @@ def _no_survivors(marker: str) -> None:
         ("last-exception-slow-exit", "Stage 1 (rank 0) failed first: ValueError: boom in training_step"),
         ("first-exception", "Stage 0 (rank 1) failed first: RuntimeError: boom in stage 0's layer"),
         ("first-sigkill", "stage 0 (rank 1)"),
-        # the last stage is in the metrics mirror's broadcast when stage 0 fails: gloo's "Connection closed by peer"
-        # there carries a note with the failure that caused it (stage 0's ABORT, read from its channel)
+        # the last stage is in a callback's barrier when stage 0 fails: gloo's "Connection closed by peer" there
+        # carries a note with the failure that caused it (stage 0's ABORT, read from its channel)
         (
             "first-update-exception",
             "this error followed another stage's failure. Stage 0 (rank 1) failed first: RuntimeError: boom in "

@@ -90,6 +90,15 @@ class RankChecks(L.Callback):
         assert dict(zip(columns["Name"], columns["Out sizes"]))["pipeline"] == "[2, 3]"
         assert sum(p.numel() for p in pl_module.parameters()) < self.num_parameters  # still partitioned
 
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # a callback reading a metric on any rank sees the last stage's value of this very step
+        loss = float(trainer.callback_metrics["train_loss"])
+        losses: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(losses, (trainer.global_step, loss))
+        assert all(x == losses[0] for x in losses), f"ranks read different train_loss at a step's end: {losses}"
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return

@@ -1,8 +1,9 @@
-"""The metrics mirror on two gloo processes: every rank ends each step with rank 0's metrics, values and dtypes.
+"""The metrics mirror on two gloo processes: every rank reads rank 0's metrics, values and dtypes, and no rank
+waits for another at a mirror point.
 
 While the names stay the same the values travel as one float64 tensor; a change of names, or a value that is
 not a 0-dim floating-point tensor, sends the whole dict as an object again. The trainer is a stand-in with the
-three attributes the mirror reads, so the test needs no Lightning loop.
+attributes the mirror reads, so the test needs no Lightning loop.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import socket
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +20,7 @@ import lightning.pytorch  # noqa: F401  (Lightning first: a spawned child import
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 from torch.multiprocessing import start_processes
 
 from lightning_dynpipe.strategy.callbacks import MetricsMirror, metrics_schema
@@ -41,50 +44,94 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+_UNREAD = {1, 3}  # steps whose values rank 1 never reads: the next mirror point applies them
+
+
+def _worker(rank: int, port: int, store_port: int, out: str) -> None:
     torch.set_num_threads(1)  # forked: the test process's OpenMP pool does not exist here (libgomp would hang)
+    store = dist.TCPStore("127.0.0.1", store_port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         mirror = MetricsMirror(torch.device("cpu"))
-        store: dict[str, Any] = {}
+        metrics: dict[str, Any] = {}
         trainer = SimpleNamespace(
             world_size=2,
             is_global_zero=rank == 0,
-            callback_metrics=store,
-            _logger_connector=SimpleNamespace(_callback_metrics=store),
+            callback_metrics=metrics,
+            _logger_connector=SimpleNamespace(_callback_metrics=metrics),
         )
         seen = []
-        for metrics, _ in _STEPS:
+        for step, (logged, _) in enumerate(_STEPS):
             if rank == 0:
-                store.clear()
-                store.update(metrics)
+                # rank 0 reaches each point only after rank 1 has passed it: a mirror that waited at the point
+                # itself would leave rank 1 waiting for rank 0 there, and the store's wait would time out
+                store.wait([f"rank1-passed-{step}"])
+                metrics.clear()
+                metrics.update(logged)
             before = mirror.object_broadcasts
             mirror._mirror(trainer)  # type: ignore[arg-type]
+            if rank == 1:
+                store.set(f"rank1-passed-{step}", "1")
+                if step in _UNREAD:
+                    continue
+                mirror.resolve()  # what reading trainer.callback_metrics does
             seen.append(
                 {
+                    "step": step,
                     "object": mirror.object_broadcasts > before,
                     "values": {
-                        k: [float(v), str(v.dtype)] if isinstance(v, torch.Tensor) else v for k, v in store.items()
+                        k: [float(v), str(v.dtype)] if isinstance(v, torch.Tensor) else v for k, v in metrics.items()
                     },
                 }
             )
+        mirror.finish(wait=True)
         Path(f"{out}.{rank}").write_text(json.dumps(seen), encoding="utf-8")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_every_rank_gets_rank_zeros_metrics_and_names_travel_only_when_they_change(tmp_path: Path) -> None:
+def test_every_rank_gets_rank_zeros_metrics_when_it_reads_them_and_no_rank_waits_at_a_mirror_point(
+    tmp_path: Path,
+) -> None:
     out = str(tmp_path / "seen")
     gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="fork")
-    rank0 = json.loads(Path(f"{out}.0").read_text())
-    rank1 = json.loads(Path(f"{out}.1").read_text())
-    for step, ((metrics, expect_object), r0, r1) in enumerate(zip(_STEPS, rank0, rank1)):
-        assert r0["object"] == r1["object"] == expect_object, f"step {step}: {r0['object']}, {r1['object']}"
+    start_processes(_worker, args=(_free_port(), _free_port(), out), nprocs=2, join=True, start_method="fork")
+    rank0 = {r["step"]: r for r in json.loads(Path(f"{out}.0").read_text())}
+    rank1 = {r["step"]: r for r in json.loads(Path(f"{out}.1").read_text())}
+    assert sorted(rank1) == [s for s in range(len(_STEPS)) if s not in _UNREAD]
+    for step, (metrics, expect_object) in enumerate(_STEPS):
+        assert rank0[step]["object"] == expect_object, f"step {step}: {rank0[step]['object']}"
+        if step in _UNREAD:
+            continue
+        assert rank1[step]["object"] == expect_object, f"step {step}: {rank1[step]['object']}"
+        # every value and dtype of rank 0's
         for k, v in metrics.items():
             want = [float(v), str(v.dtype)] if isinstance(v, torch.Tensor) else v
-            assert r1["values"][k] == want, f"step {step}, {k}: {r1['values'][k]} != {want}"
+            assert rank1[step]["values"][k] == want, f"step {step}, {k}: {rank1[step]['values'][k]} != {want}"
+
+
+class _Mirror:
+    def __init__(self) -> None:
+        self.resolved = 0
+
+    def resolve(self) -> None:
+        self.resolved += 1
+
+
+def test_reading_callback_metrics_on_a_receiving_rank_applies_the_mirror_first_and_detach_undoes_it() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    connector = trainer._logger_connector
+    base = type(connector)
+    mirror = _Mirror()
+    stand_in = SimpleNamespace(is_global_zero=False, _logger_connector=connector)
+    MetricsMirror.attach(mirror, stand_in)  # type: ignore[arg-type]
+    connector._callback_metrics["loss"] = torch.tensor(1.0)
+    assert float(trainer.callback_metrics["loss"]) == 1.0 and mirror.resolved == 1
+    MetricsMirror.detach(stand_in)  # type: ignore[arg-type]
+    assert type(connector) is base and float(trainer.callback_metrics["loss"]) == 1.0 and mirror.resolved == 1
+    MetricsMirror.attach(mirror, SimpleNamespace(is_global_zero=True, _logger_connector=connector))  # type: ignore[arg-type]
+    assert type(connector) is base  # rank 0 sends: nothing to apply
 
 
 def test_schema_accepts_only_zero_dim_floating_point_tensors() -> None:

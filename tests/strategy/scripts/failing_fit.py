@@ -7,8 +7,8 @@ first-update-exception,finetune-group,long,long-spawn}
 not train).
 
 ``first-update-exception``: under ``sync``, stage 0 raises in ``on_before_optimizer_step`` at FAIL_STEP, when the
-last stage has finished that step and waits in one of Lightning's collectives (the metrics mirror), not on a
-pipeline receive.
+last stage has finished that step and waits in a collective (a callback's barrier at every batch's end, as a
+user's callback may hold), not on a pipeline receive.
 
 ``finetune-group``: a finetuning callback adds stage 0's first layer to the optimizer as a new parameter group at
 the second epoch (refused: the optimizer was split at set-up).
@@ -83,6 +83,15 @@ class FailStageZerosUpdate(L.Callback):
             raise RuntimeError("boom in stage 0's update")
 
 
+class BarrierAtBatchEnd(L.Callback):
+    """A collective on every rank at every batch's end, as a user's callback may hold."""
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        trainer.strategy.barrier()
+
+
 class UnfreezeIntoNewGroup(BaseFinetuning):
     """Freezes the first layer, and adds it to the optimizer as a group of its own at the second epoch."""
 
@@ -111,7 +120,7 @@ if __name__ == "__main__":
         "long": [AnnounceTraining()],
         "long-spawn": [AnnounceTraining()],
         "finetune-group": [UnfreezeIntoNewGroup()],
-        "first-update-exception": [FailStageZerosUpdate()],
+        "first-update-exception": [FailStageZerosUpdate(), BarrierAtBatchEnd()],
     }.get(mode, [])
     balance = [3, 3] if mode == "first-exception" else [2, 3]
     epochs = 10_000 if mode.startswith("long") else 2
