@@ -87,6 +87,7 @@ from lightning_dynpipe.strategy.contract import (
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 from lightning_dynpipe.strategy.logs import StepLogs
 from lightning_dynpipe.strategy.restart import RestartPlan
+from lightning_dynpipe.strategy.sigterm import quiet_sigterm_handler
 from lightning_dynpipe.sweep import SweepSettings
 
 __all__ = ["DynPipeStrategy", "MigrationRecord", "ScheduleChange"]
@@ -1262,6 +1263,8 @@ class DynPipeStrategy(DDPStrategy):
             replicas=self._split.num_replicas if self._split is not None else 1,
         )
         check_sample_order(trainer.train_dataloader, num_stages=self.num_stages)
+        if self.additions.sigterm is not None:  # Lightning's handlers are installed by now
+            quiet_sigterm_handler(trainer)
 
     @override
     def on_train_end(self) -> None:

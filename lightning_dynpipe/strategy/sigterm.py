@@ -11,16 +11,25 @@ that cost the ``async`` schedule about 5% of its throughput.
 broadcast of rank 0's flag without waiting for it (``async_op=True``), then waits for the broadcast it started at
 batch ``k - 1``, which every rank has long reached, and acts on that flag as Lightning does (a barrier, then
 :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`). Every rank acts on the same batch's flag at the
-same batch, so they all stop at the same point, one batch later than Lightning alone would. The broadcasts stay on
-the default group with Lightning's own tensor (one ``int64``), so the broadcast Lightning's SIGTERM handler sends
-from rank 0 pairs with one of them as it would under Lightning's loop.
+same batch, so they all stop at the same point, one batch later than Lightning alone would.
+
+Lightning's SIGTERM handler also broadcasts on the default group itself, from inside the handler, on whichever rank
+received the signal: a collective issued at an arbitrary point of one rank's program, which Lightning's loop pairs
+with its next per-batch broadcast. Without a blocking collective at every batch, that broadcast waits for a partner
+that may never come (the rank that raised first is already on its way out), and the process hangs in the handler.
+:func:`quiet_sigterm_handler` takes it out and leaves the rest of the handler (the flag, the launcher's children
+signalled): a rank that received SIGTERM still ends at the end of its batch, as under Lightning, and the pipeline's
+failure path tells the other stages.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import signal
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -28,7 +37,12 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["LaggedSigtermCheck", "install_lagged_sigterm_check", "remove_lagged_sigterm_check"]
+__all__ = [
+    "LaggedSigtermCheck",
+    "install_lagged_sigterm_check",
+    "quiet_sigterm_handler",
+    "remove_lagged_sigterm_check",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +122,32 @@ def remove_lagged_sigterm_check(trainer: Trainer | None, check: LaggedSigtermChe
     check._pending = None
     if trainer is not None and trainer.fit_loop.epoch_loop.__dict__.get(_REPLACED) is check:
         delattr(trainer.fit_loop.epoch_loop, _REPLACED)
+
+
+def quiet_sigterm_handler(trainer: Trainer) -> bool:
+    """Replaces Lightning's SIGTERM notifier in the installed SIGTERM handler by one without its broadcast.
+
+    Call it after Lightning has installed its handlers (the strategy's ``on_train_start``). Returns whether the
+    notifier was found (Lightning 2.6 composes its handlers in ``_HandlersCompose.signal_handlers``).
+    """
+    connector = getattr(trainer, "_signal_connector", None)
+    handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+    notifier = getattr(type(connector), "_sigterm_notifier_fn", None)
+    if connector is None or notifier is None or not isinstance(handlers, list):
+        return False
+    for i, h in enumerate(handlers):
+        if getattr(h, "__func__", None) is notifier and getattr(h, "__self__", None) is connector:
+            handlers[i] = functools.partial(_notify_without_broadcast, connector)
+            return True
+    return False
+
+
+def _notify_without_broadcast(connector: Any, signum: int, frame: FrameType | None) -> None:
+    """Lightning's ``_sigterm_notifier_fn`` without the broadcast: logs, signals the launcher's children once, and
+    sets the flag that ends this rank's fit at the end of its batch."""
+    log.info("[rank: %s] Received SIGTERM: %s", connector.trainer.local_rank, signum)
+    if not connector.received_sigterm:
+        launcher = connector.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signum)
+    connector.received_sigterm = True

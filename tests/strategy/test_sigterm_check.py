@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import signal
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch.multiprocessing import start_processes
 from lightning_dynpipe.strategy.sigterm import (
     LaggedSigtermCheck,
     install_lagged_sigterm_check,
+    quiet_sigterm_handler,
     remove_lagged_sigterm_check,
 )
 
@@ -101,3 +103,19 @@ def test_the_check_replaces_the_fit_loops_method_and_removing_it_gives_the_metho
     remove_lagged_sigterm_check(trainer, check)
     assert "_broadcast_sigterm_tensor" not in vars(loop)
     assert loop._broadcast_sigterm_tensor.__func__ is type(loop)._broadcast_sigterm_tensor
+
+
+def test_the_quiet_handler_sets_the_flag_as_lightnings_does_without_its_broadcast() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    connector = trainer._signal_connector
+    connector.register_signal_handlers()
+    try:
+        handlers = signal.getsignal(signal.SIGTERM).signal_handlers  # type: ignore[union-attr]
+        assert any(getattr(h, "__func__", None) is type(connector)._sigterm_notifier_fn for h in handlers)
+        assert quiet_sigterm_handler(trainer)
+        assert not any(getattr(h, "__func__", None) is type(connector)._sigterm_notifier_fn for h in handlers)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # type: ignore[operator]
+        assert connector.received_sigterm
+    finally:
+        connector.teardown()
+    assert not quiet_sigterm_handler(trainer)  # Lightning's handler is gone: nothing to replace
