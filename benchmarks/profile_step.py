@@ -375,18 +375,21 @@ def _patch_dynpipe(s: Sections) -> None:
     from lightning_dynpipe.repartition import controller
     from lightning_dynpipe.strategy.callbacks import MetricsMirror
     from lightning_dynpipe.strategy.dynpipe import DynPipeStrategy
+    from lightning_dynpipe.strategy.sigterm import LaggedSigtermCheck
 
     _patch_common(s)
     s.patch(pl.LightningModule, "log", "Lightning self.log")
     s.patch(_LoggerConnector, "on_batch_start", "Lightning logger connector")
     s.patch(_LoggerConnector, "on_batch_end", "Lightning logger connector")
     s.patch(_LoggerConnector, "update_train_step_metrics", "Lightning logger connector")
-    s.patch(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning sigterm broadcast")
+    s.patch(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning sigterm broadcast")  # torch's runs
+    s.patch(LaggedSigtermCheck, "__call__", "DynPipe sigterm flag (one batch late)")
     s.patch(_AutomaticOptimization, "run", "Lightning optimization loop")
     s.patch(_PrefetchDataFetcher, "__next__", "Lightning data fetch")
     for fn in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
         s.patch(call, fn, "Lightning hook dispatch")
     s.patch(MetricsMirror, "_mirror", "DynPipe metrics mirror")
+    s.patch(MetricsMirror, "resolve", "DynPipe metrics mirror")
     s.patch(controller.AdaptiveController, "check", "DynPipe adaptive check (pricing, policy)")
     s.patch(controller, "best_plan", "DynPipe adaptive check: planner solves")
     s.patch(ForestPredictor, "observe", "DynPipe forest observe (rows, misses, refit hand-over)")

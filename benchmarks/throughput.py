@@ -25,8 +25,8 @@ processes' CPU use and run-queue wait (how long a stage was runnable while other
 
 It prints a table (median samples/s, IQR, paired ratios to ``sync`` and to torch 1F1B), the per-stage
 breakdown, the CPU table, and the dry-run simulator's prediction of every system's samples/s and of the
-ratios from the isolated costs (:func:`lightning_dynpipe.schedule.simulate`, ``step_sync=
-"last_stage_broadcast"`` for DynPipe); it writes raw repeats (JSON + CSV, with machine, versions and the
+ratios from the isolated costs (:func:`lightning_dynpipe.schedule.simulate`, no step-end wait: DynPipe has
+none); it writes raw repeats (JSON + CSV, with machine, versions and the
 command line) to ``benchmarks/out/`` and a plot to ``docs/img/throughput.png``.
 
 Usage (from the repository root)::
@@ -725,21 +725,22 @@ def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: 
     return r.steady_state_step_time
 
 
-# What each system is in the simulator: (schedule, step coupling). torch's runner has no per-step broadcast.
+# What each system is in the simulator: (schedule, step coupling). No system waits for the last stage at a step's
+# end: DynPipe runs Lightning's SIGTERM broadcast one batch late and applies the metrics mirror when it is read.
 _SIM_MODEL = {
-    "async": ("async", "last_stage_broadcast"),
-    "sync": ("sync", "last_stage_broadcast"),
-    "gpipe": ("gpipe", "last_stage_broadcast"),
+    "async": ("async", "none"),
+    "sync": ("sync", "none"),
+    "gpipe": ("gpipe", "none"),
     "torch-1f1b": ("sync", "none"),
     "torch-gpipe": ("gpipe", "none"),
-    "async-defaults": ("async", "last_stage_broadcast"),
-    "async-defaults-50": ("async", "last_stage_broadcast"),
-    "async-forest": ("async", "last_stage_broadcast"),
-    "async-forest-nowait": ("async", "last_stage_broadcast"),
-    "async-forest-norefit": ("async", "last_stage_broadcast"),
-    "async-forest-one-rank": ("async", "last_stage_broadcast"),
-    "async-bare": ("async", "last_stage_broadcast"),
-    "async-copy": ("async", "last_stage_broadcast"),
+    "async-defaults": ("async", "none"),
+    "async-defaults-50": ("async", "none"),
+    "async-forest": ("async", "none"),
+    "async-forest-nowait": ("async", "none"),
+    "async-forest-norefit": ("async", "none"),
+    "async-forest-one-rank": ("async", "none"),
+    "async-bare": ("async", "none"),
+    "async-copy": ("async", "none"),
     "hand-async": ("async", "none"),
 }
 
@@ -854,7 +855,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
                 f + (costs["stash"][k] if staleness("async", k, NUM_STAGES) > 0 else 0.0)
                 for k, f in enumerate(costs["forward"])
             ]
-            t = _simulate("async", {**costs, "forward": fwd}, cfg, "last_stage_broadcast")
+            t = _simulate("async", {**costs, "forward": fwd}, cfg, "none")
             predictions[name + "_with_stash"] = {
                 "step_time_s": {"async": t},
                 "samples_per_s": {"async": cfg.batch_size / t},
@@ -863,8 +864,8 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             }
     own = {kind: c for kind in ("async", "sync", "gpipe") if (c := _costs_from_runs(runs, kind)) is not None}
     if "async" in own and "sync" in own:
-        t_async = _simulate("async", own["async"], cfg, "last_stage_broadcast")
-        t_sync = _simulate("sync", own["sync"], cfg, "last_stage_broadcast")
+        t_async = _simulate("async", own["async"], cfg, "none")
+        t_sync = _simulate("sync", own["sync"], cfg, "none")
         predictions["own_costs"] = {
             "costs_s": own,
             "step_time_s": {"async": t_async, "sync": t_sync},

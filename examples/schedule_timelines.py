@@ -3,8 +3,9 @@
 Prints, for ``async``, ``sync`` and ``gpipe``, one row per stage: each character is one time unit, a forward
 of micro-batch ``i`` takes one unit and is drawn ``i``, a backward takes two units and is drawn with the
 letter of its micro-batch (``a`` = 0, ``b`` = 1, ...), ``.`` is idle time and ``|`` marks where the stage
-finished a Lightning step. Then the simulated step time and bubble per schedule, with and without the
-per-step broadcast that Lightning's training loop issues from global rank 0 (the last stage).
+finished a Lightning step. Then the simulated step time and bubble per schedule, with and without a wait for
+the last stage at every step's end (what a callback that reads the mirrored metrics, or calls a collective, on
+every rank at every batch's end brings).
 
     python examples/schedule_timelines.py                     # S=3, M=4, 2 steps then a drain
     python examples/schedule_timelines.py --stages 4 --microbatches 8 --steps 3
@@ -66,13 +67,13 @@ def report(num_stages: int = 3, num_microbatches: int = 4, num_steps: int = 2) -
             backward_time=BACKWARD_TIME,
             step_sync=sync,
         )  # type: ignore[arg-type]
-        title = f"{kind}, with Lightning's per-step broadcast from the last stage:" if sync != "none" else f"{kind}:"
+        title = f"{kind}, with a wait for the last stage at every step's end:" if sync != "none" else f"{kind}:"
         out += [title, render(r), ""]
     out.append(
         "steady-state step time (units; ideal M*(F+B) = "
         f"{num_microbatches * (FORWARD_TIME + BACKWARD_TIME):g}) and bubble of stage 0, 8 steps:"
     )
-    out.append(f"{'schedule':<8} {'no step sync':>14} {'Lightning broadcast':>20}")
+    out.append(f"{'schedule':<8} {'no step sync':>14} {'step-end wait':>20}")
     for kind in SCHEDULES:
         cols = []
         for sync in ("none", "last_stage_broadcast"):

@@ -89,7 +89,7 @@ def simulate_plan(
     num_microbatches: int = 4,
     num_steps: int = 6,
     comm: CommModel | None = None,
-    step_sync: StepSync = "last_stage_broadcast",
+    step_sync: StepSync = "none",
 ) -> SimResult:
     """Simulates ``num_steps`` steps of ``plan`` with its per-stage compute, update and per-boundary transfer times.
 

@@ -12,9 +12,10 @@ The simulator executes each stage's instruction list strictly in order, as the e
   ``training_step`` bookkeeping, fetching the batch; 0 by default); it runs after the step gate below and
   counts as busy time (event ``H<step>``);
 * a receive blocks until its data has arrived; the wait is recorded as the receive's event;
-* ``step_sync="last_stage_broadcast"`` models the WORLD broadcast PyTorch Lightning runs at every training
-  step from global rank 0, which hosts the *last* stage: no other stage can begin step ``t > 0`` before the
-  last stage has finished step ``t - 1``. The last stage never waits for it, and the drain is not gated.
+* ``step_sync="last_stage_broadcast"`` models a wait for global rank 0, which hosts the *last* stage, at every
+  training step (a blocking broadcast from it, or a callback that reads the mirrored metrics on every rank at
+  every batch's end; the strategy itself has none): no other stage can begin step ``t > 0`` before the last
+  stage has finished step ``t - 1``. The last stage never waits for it, and the drain is not gated.
 
 Besides timing, a run checks the schedule: every receive is matched by exactly one send of the same
 micro-batch on the neighbouring stage, no stage waits forever (:class:`ScheduleDeadlockError` names each
@@ -708,7 +709,7 @@ def simulate(
         comm_time: transfer time of one activation or gradient, for every boundary or per boundary
             (``S - 1`` values; boundary ``b`` joins stages ``b`` and ``b + 1``).
         slowdown: per-stage multiplier of compute time (interference), 1.0 = nominal.
-        step_sync: ``"last_stage_broadcast"`` to model Lightning's per-step broadcast from the last stage.
+        step_sync: ``"last_stage_broadcast"`` to model a wait for the last stage at every step's end.
         drain_at_end: run :func:`drain_instructions` after the last step.
         step_overhead: host time at the start of every step, for every stage or per stage (the training
             loop outside the schedule); not scaled by ``slowdown``.
