@@ -45,7 +45,7 @@ from lightning_dynpipe.engine.ties import (
 )
 from lightning_dynpipe.engine.topology import PipelineTopology
 from lightning_dynpipe.engine.transfer import move_layers
-from lightning_dynpipe.engine.updates import scaled_lr
+from lightning_dynpipe.engine.updates import clear_grads, scaled_lr
 from lightning_dynpipe.plan.moves import LayerMove, plan_moves
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.schedule import Schedule
@@ -256,7 +256,7 @@ class PipelineStage:
         self._before_update(opt)
         with scaled_lr(opt, self.lr_scale):
             step()
-        opt.zero_grad(set_to_none=True)
+        clear_grads(opt)
 
     def check_optimizers(self) -> None:
         """Refuses parameters added to the optimizer since the split (:meth:`OptimizerSlots.check_unchanged`). The

@@ -1,4 +1,5 @@
-"""How one optimizer update is applied: the learning-rate scale of per-micro-batch updates.
+"""How one optimizer update is applied: the learning-rate scale of per-micro-batch updates, and clearing the
+gradients after it.
 
 An asynchronous pipeline updates the weights after every micro-batch, ``M`` times per Lightning batch, where
 plain training updates once with the mean gradient of the whole batch. Each micro-batch gradient estimates the
@@ -23,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch.optim import Optimizer
 
-__all__ = ["scaled_lr"]
+__all__ = ["clear_grads", "scaled_lr"]
 
 
 @contextmanager
@@ -42,3 +44,20 @@ def scaled_lr(optimizer: Optimizer, scale: float) -> Iterator[None]:
     finally:
         for group, lr in zip(optimizer.param_groups, saved):
             group["lr"] = lr
+
+
+def clear_grads(optimizer: Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, without its fixed cost where it is torch's own.
+
+    Under ``async`` a stage clears its gradients after every micro-batch's update, ``M`` times per step. torch's
+    ``Optimizer.zero_grad`` sets each parameter's ``grad`` to ``None`` inside a profiler range, with some
+    bookkeeping around it: about 80 us a call on the throughput benchmark's 4-layer stage, 36 us of which is freeing
+    the gradients. An optimizer whose class overrides ``zero_grad``, or a run under the autograd profiler (which
+    would lose the range), gets the real call.
+    """
+    if type(optimizer).zero_grad is not Optimizer.zero_grad or torch._C._autograd._profiler_enabled():
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
