@@ -367,6 +367,7 @@ def _patch_dynpipe(s: Sections) -> None:
 
     from lightning_dynpipe.engine import executor as ex
     from lightning_dynpipe.engine import p2p
+    from lightning_dynpipe.engine import stage as stage_module
     from lightning_dynpipe.engine.stage import PipelineStage
     from lightning_dynpipe.engine.stash import WeightStash
     from lightning_dynpipe.monitor.callback import StageMonitor
@@ -389,6 +390,7 @@ def _patch_dynpipe(s: Sections) -> None:
     for fn in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
         s.patch(call, fn, "Lightning hook dispatch")
     s.patch(MetricsMirror, "_mirror", "DynPipe metrics mirror")
+    s.patch(stage_module, "clear_grads", "optimizer zero_grad")  # torch's zero_grad without its fixed cost
     s.patch(MetricsMirror, "resolve", "DynPipe metrics mirror")
     s.patch(controller.AdaptiveController, "check", "DynPipe adaptive check (pricing, policy)")
     s.patch(controller, "best_plan", "DynPipe adaptive check: planner solves")
