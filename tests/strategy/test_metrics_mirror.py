@@ -8,10 +8,7 @@ attributes the mirror reads, so the test needs no Lightning loop.
 
 from __future__ import annotations
 
-import gc
 import json
-import socket
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from torch.multiprocessing import start_processes
+from two_gloo_ranks import join, run_two_ranks
 
 from lightning_dynpipe.strategy.callbacks import MetricsMirror, metrics_schema
 
@@ -38,19 +35,11 @@ _STEPS: list[tuple[dict[str, Any], bool]] = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _UNREAD = {1, 3}  # steps whose values rank 1 never reads: the next mirror point applies them
 
 
 def _worker(rank: int, port: int, store_port: int, out: str) -> None:
-    torch.set_num_threads(1)  # forked: the test process's OpenMP pool does not exist here (libgomp would hang)
-    store = dist.TCPStore("127.0.0.1", store_port, 2, rank == 0, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = join(rank, port, store_port)
     try:
         mirror = MetricsMirror(torch.device("cpu"))
         metrics: dict[str, Any] = {}
@@ -94,11 +83,8 @@ def _worker(rank: int, port: int, store_port: int, out: str) -> None:
 def test_every_rank_gets_rank_zeros_metrics_when_it_reads_them_and_no_rank_waits_at_a_mirror_point(
     tmp_path: Path,
 ) -> None:
-    out = str(tmp_path / "seen")
-    gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(_free_port(), _free_port(), out), nprocs=2, join=True, start_method="fork")
-    rank0 = {r["step"]: r for r in json.loads(Path(f"{out}.0").read_text())}
-    rank1 = {r["step"]: r for r in json.loads(Path(f"{out}.1").read_text())}
+    seen = run_two_ranks(_worker, tmp_path)
+    rank0, rank1 = ({r["step"]: r for r in ranks} for ranks in seen)
     assert sorted(rank1) == [s for s in range(len(_STEPS)) if s not in _UNREAD]
     for step, (metrics, expect_object) in enumerate(_STEPS):
         assert rank0[step]["object"] == expect_object, f"step {step}: {rank0[step]['object']}"

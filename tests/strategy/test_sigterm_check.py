@@ -6,12 +6,9 @@ batch ahead of rank 0 without waiting, and every rank must still stop at the sam
 
 from __future__ import annotations
 
-import gc
 import inspect
 import json
 import signal
-import socket
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.multiprocessing import start_processes
+from two_gloo_ranks import join, run_two_ranks
 
 from lightning_dynpipe.strategy.sigterm import (
     LaggedSigtermCheck,
@@ -35,16 +32,8 @@ _SIGTERM_BEFORE = 3  # rank 0 receives SIGTERM before its batch 3 starts
 _BATCHES = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, port: int, store_port: int, out: str) -> None:
-    torch.set_num_threads(1)  # forked: the test process's OpenMP pool does not exist here
-    store = dist.TCPStore("127.0.0.1", store_port, 2, rank == 0, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = join(rank, port, store_port)
     try:
         trainer = SimpleNamespace(received_sigterm=False)
         check = LaggedSigtermCheck(trainer, torch.device("cpu"))
@@ -73,10 +62,7 @@ def _worker(rank: int, port: int, store_port: int, out: str) -> None:
 def test_no_rank_waits_for_the_batch_it_starts_and_every_rank_stops_one_batch_after_rank_zero_is_told(
     tmp_path: Path,
 ) -> None:
-    out = str(tmp_path / "seen")
-    gc.collect()  # a forked child must not inherit (and then free) an earlier test's process group
-    start_processes(_worker, args=(_free_port(), _free_port(), out), nprocs=2, join=True, start_method="fork")
-    seen: list[dict[str, Any]] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    seen: list[dict[str, Any]] = run_two_ranks(_worker, tmp_path)
     # the flag of batch 3's broadcast is acted on at batch 4's start, by both ranks
     assert [s["stopped_at"] for s in seen] == [_SIGTERM_BEFORE + 1] * 2
     assert [s["started"] for s in seen] == [_SIGTERM_BEFORE + 2] * 2
