@@ -4,14 +4,16 @@ With more than one process, Lightning's training loop broadcasts global rank 0's
 training batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``, Lightning 2.6). A broadcast is a rendezvous: every
 rank waits until every other has reached it. In a pipeline the stages are never at the same point of the same
 batch (that is what a pipeline is), so the broadcast makes the first stage wait for the last stage's end of the
-previous batch and the last stage wait for the first stage's, every batch; on ``benchmarks/throughput.py``'s MLP
-that cost the ``async`` schedule about 5% of its throughput.
+previous batch and the last stage wait for the first stage's, every batch; on ``benchmarks/throughput.py``'s MLP it
+and the metrics mirror's broadcast together cost the ``async`` schedule 5.5% of its throughput
+(``benchmarks/results/2026-12-06-no-rendezvous.md``).
 
 :class:`LaggedSigtermCheck` replaces it on the fit's epoch loop: at the start of batch ``k`` every rank starts the
 broadcast of rank 0's flag without waiting for it (``async_op=True``), then waits for the broadcast it started at
 batch ``k - 1``, which every rank has long reached, and acts on that flag as Lightning does (a barrier, then
 :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`). Every rank acts on the same batch's flag at the
-same batch, so they all stop at the same point, one batch later than Lightning alone would.
+same batch, one batch later than under Lightning's own broadcast. (The rank that received the signal does not wait
+for it: Lightning ends that rank's fit at the end of its batch, and the pipeline's failure path tells the others.)
 
 Lightning's SIGTERM handler also broadcasts on the default group itself, from inside the handler, on whichever rank
 received the signal: a collective issued at an arbitrary point of one rank's program, which Lightning's loop pairs
