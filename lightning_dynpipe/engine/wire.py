@@ -123,15 +123,27 @@ def message_size(tensors: Sequence[Tensor]) -> int:
     return max(MIN_MESSAGE, HEADER_BYTES + sum(_aligned(t.numel() * t.element_size()) for t in tensors))
 
 
-def pack(header: Tensor, tensors: Sequence[Tensor], size: int, sent_at: float, not_before: float = 0.0) -> Tensor:
+def pack(
+    header: Tensor,
+    tensors: Sequence[Tensor],
+    size: int,
+    sent_at: float,
+    not_before: float = 0.0,
+    out: Tensor | None = None,
+) -> Tensor:
     """One ``uint8`` buffer of ``size`` bytes: ``header`` (with ``sent_at`` and ``not_before`` written in) and
     ``tensors``' bytes.
 
     ``tensors`` are the present ones, contiguous, on one device; ``size`` is at least their
     :func:`message_size` (a larger buffer is padded, which is how control messages keep the receiver's size).
+    ``out``: a ``uint8`` buffer of ``size`` bytes on that device to write into (a sender's buffer whose earlier
+    send has completed) instead of a new one.
     """
     device = tensors[0].device if tensors else torch.device("cpu")
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != size or out.device != device):
+        raise ValueError(f"pack's out must be a uint8 buffer of {size} bytes on {device}; got {out.dtype} "
+                         f"{out.numel()} bytes on {out.device}.")  # fmt: skip
+    buf = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
     buf[:HEADER_BYTES].copy_(header.view(torch.uint8))
     buf[:HEADER_BYTES].view(torch.int64)[6] = _bits(sent_at)
     buf[:HEADER_BYTES].view(torch.int64)[7] = _bits(not_before)

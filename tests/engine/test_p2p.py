@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_dynpipe.engine import p2p, wire
 from lightning_dynpipe.engine.executor import StageChannels
 from lightning_dynpipe.engine.p2p import PREPOSTED, RecvChannel, SendChannel
 from lightning_dynpipe.engine.wire import MIN_MESSAGE, MessageKind, decode, encode, message_size, pack, unpack
@@ -264,3 +265,39 @@ def test_a_slow_read_of_an_arrived_message_is_not_charged_its_time_in_the_buffer
     assert 0.002 <= waited.transfer_s < 0.1  # arrived during the 3 ms wait: from the send to then
     sat = rc.get(MessageKind.ACTIVATION, 0)
     assert sat.transfer_s == pytest.approx(waited.transfer_s)  # not the second it sat in the buffer
+
+
+class _Work:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def test_a_packed_channel_reuses_the_buffer_of_a_completed_send_and_never_one_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[tuple[torch.Tensor, _Work]] = []
+
+    def isend(buf: torch.Tensor, dst: int, group: Any) -> _Work:
+        sent.append((buf, _Work(done=False)))
+        return sent[-1][1]
+
+    monkeypatch.setattr(p2p.dist, "isend", isend)
+    ch = p2p.SendChannel(group=None, peer=1, name="activations 0->1")
+    x = torch.randn(8, 16)
+    ch.send(MessageKind.ACTIVATION, 0, [x])  # resizes the peer's receives first: 2 RESIZE messages, then this one
+    first = sent[-1][0]
+    ch.send(MessageKind.ACTIVATION, 1, [x])
+    assert sent[-1][0].data_ptr() != first.data_ptr()  # the first send is still in flight: a new buffer
+    for _, work in sent:
+        work.done = True
+    ch.send(MessageKind.ACTIVATION, 2, [x * 2])
+    reused = sent[-1][0]
+    assert reused.data_ptr() in {first.data_ptr(), sent[-2][0].data_ptr()}
+    header = wire.decode(reused[: wire.HEADER_BYTES].view(torch.int64))
+    assert header.mb_idx == 2 and torch.equal(wire.unpack(reused, header)[0], x * 2)
