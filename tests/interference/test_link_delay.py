@@ -66,9 +66,12 @@ def test_remove_restores_an_earlier_injector_and_keeps_a_later_one() -> None:
 def test_a_delayed_send_is_stamped_with_its_delivery_and_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[torch.Tensor] = []
 
-    class _Work:
+    class _Work:  # a send that completed at once (its buffer may be packed into again)
         def wait(self) -> None:
             pass
+
+        def is_completed(self) -> bool:
+            return True
 
     monkeypatch.setattr(p2p.time, "sleep", lambda s: pytest.fail(f"the sender slept {s} s"))
     monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: sent.append(t.clone()) or _Work())
