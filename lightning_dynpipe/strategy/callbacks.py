@@ -107,7 +107,6 @@ class MetricsMirror(Callback):
         self.group = group
         self._schema: _Schema | None = None  # the names agreed by every rank at the last object broadcast
         self.object_broadcasts = 0  # how often the dict travelled as an object (tests and profiles read it)
-        self.waits = 0  # receiving ranks: how often a reader found the values not yet applied
         self._sends: deque[tuple[Any, list[Tensor]]] = deque()  # rank 0: sends in flight, with their buffers
         self._posted: tuple[Any, Tensor, Trainer] | None = None  # other ranks: the receive posted, not applied
 
@@ -151,8 +150,6 @@ class MetricsMirror(Callback):
             return
         work, head, trainer = self._posted
         self._posted = None
-        if not work.is_completed():
-            self.waits += 1
         work.wait()
         into = trainer._logger_connector._callback_metrics
         known = self._schema
