@@ -706,8 +706,10 @@ def _costs_from_calibration(calibration: list[dict[str, Any]]) -> dict[str, list
     return {what: [median([c["stages"][k][what] for c in calibration]) for k in range(NUM_STAGES)] for what in kinds}
 
 
-def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: str) -> float:
-    """Steady-state step time (s) of schedule ``kind`` in the dry-run simulator."""
+def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: str = "none") -> float:
+    """Steady-state step time (s) of schedule ``kind`` in the dry-run simulator. No system of this benchmark waits for
+    the last stage at a step's end (``step_sync="none"``): DynPipe runs Lightning's SIGTERM broadcast one batch late
+    and applies the metrics mirror when it is read."""
     from lightning_dynpipe.schedule import simulate
 
     r = simulate(
@@ -725,23 +727,22 @@ def _simulate(kind: str, costs: dict[str, list[float]], cfg: Config, step_sync: 
     return r.steady_state_step_time
 
 
-# What each system is in the simulator: (schedule, step coupling). No system waits for the last stage at a step's
-# end: DynPipe runs Lightning's SIGTERM broadcast one batch late and applies the metrics mirror when it is read.
+# The schedule each system is in the simulator.
 _SIM_MODEL = {
-    "async": ("async", "none"),
-    "sync": ("sync", "none"),
-    "gpipe": ("gpipe", "none"),
-    "torch-1f1b": ("sync", "none"),
-    "torch-gpipe": ("gpipe", "none"),
-    "async-defaults": ("async", "none"),
-    "async-defaults-50": ("async", "none"),
-    "async-forest": ("async", "none"),
-    "async-forest-nowait": ("async", "none"),
-    "async-forest-norefit": ("async", "none"),
-    "async-forest-one-rank": ("async", "none"),
-    "async-bare": ("async", "none"),
-    "async-copy": ("async", "none"),
-    "hand-async": ("async", "none"),
+    "async": "async",
+    "sync": "sync",
+    "gpipe": "gpipe",
+    "torch-1f1b": "sync",
+    "torch-gpipe": "gpipe",
+    "async-defaults": "async",
+    "async-defaults-50": "async",
+    "async-forest": "async",
+    "async-forest-nowait": "async",
+    "async-forest-norefit": "async",
+    "async-forest-one-rank": "async",
+    "async-bare": "async",
+    "async-copy": "async",
+    "hand-async": "async",
 }
 
 
@@ -837,7 +838,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
     for name, costs in sources.items():
         if costs is None:
             continue
-        step = {s: _simulate(_SIM_MODEL[s][0], costs, cfg, _SIM_MODEL[s][1]) for s in _SIM_MODEL}
+        step = {s: _simulate(_SIM_MODEL[s], costs, cfg) for s in _SIM_MODEL}
         pred = {
             "costs_s": costs,
             "step_time_s": step,
@@ -855,7 +856,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
                 f + (costs["stash"][k] if staleness("async", k, NUM_STAGES) > 0 else 0.0)
                 for k, f in enumerate(costs["forward"])
             ]
-            t = _simulate("async", {**costs, "forward": fwd}, cfg, "none")
+            t = _simulate("async", {**costs, "forward": fwd}, cfg)
             predictions[name + "_with_stash"] = {
                 "step_time_s": {"async": t},
                 "samples_per_s": {"async": cfg.batch_size / t},
@@ -864,8 +865,8 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
             }
     own = {kind: c for kind in ("async", "sync", "gpipe") if (c := _costs_from_runs(runs, kind)) is not None}
     if "async" in own and "sync" in own:
-        t_async = _simulate("async", own["async"], cfg, "none")
-        t_sync = _simulate("sync", own["sync"], cfg, "none")
+        t_async = _simulate("async", own["async"], cfg)
+        t_sync = _simulate("sync", own["sync"], cfg)
         predictions["own_costs"] = {
             "costs_s": own,
             "step_time_s": {"async": t_async, "sync": t_sync},
@@ -878,7 +879,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         fc = _framework_costs_from_runs(runs, s, cfg)
         if fc is None:
             continue
-        t = _simulate(_SIM_MODEL[s][0], fc, cfg, _SIM_MODEL[s][1])
+        t = _simulate(_SIM_MODEL[s], fc, cfg)
         framework[s] = {
             "costs_s": fc,
             "step_time_s": t,
@@ -1088,9 +1089,8 @@ def render_predictions(summary: dict[str, Any], *, markdown: bool = False) -> st
         rows = []
         for s, row in t.items():
             pred = iso["samples_per_s"][s]
-            kind, sync = _SIM_MODEL[s]
             rows.append(
-                [LABELS[s], f"{kind}, {sync}", f"{pred:.1f}", f"{row['median']:.1f}", f"{row['median'] / pred:.2f}"]
+                [LABELS[s], _SIM_MODEL[s], f"{pred:.1f}", f"{row['median']:.1f}", f"{row['median'] / pred:.2f}"]
             )
         lines.append(
             format_table(

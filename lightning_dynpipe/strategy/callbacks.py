@@ -7,6 +7,7 @@ copies them. The whole-pipeline model summary is in :mod:`lightning_dynpipe.stra
 
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from collections import deque
@@ -179,7 +180,7 @@ class MetricsMirror(Callback):
         connector = trainer._logger_connector
         if trainer.is_global_zero or isinstance(connector, _MirroredConnector):
             return
-        connector.__class__ = _mirrored_class(type(connector))
+        connector.__class__ = _mirrored_class(type(connector))  # type: ignore[arg-type]  # a class is hashable
         connector._dynpipe_mirror = self  # type: ignore[attr-defined]
 
     @staticmethod
@@ -211,6 +212,7 @@ class _MirroredConnector:
     _dynpipe_base: type
 
 
+@functools.cache
 def _mirrored_class(base: type) -> type:
     """A subclass of Lightning's logger connector class ``base`` whose ``callback_metrics`` resolves the mirror."""
 
