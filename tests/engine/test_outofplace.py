@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lightning_dynpipe.engine.outofplace import out_of_place_step, stash_aware_step
+from lightning_dynpipe.engine.outofplace import direct_step, out_of_place_step, stash_aware_step
 from lightning_dynpipe.engine.stash import WeightStash
 
 _SGD_CONFIGS = [
@@ -33,9 +34,31 @@ def _set_grads(model: nn.Module, step: int) -> None:
         p.grad = None if (i == 4 and step % 2) else torch.randn(p.shape, generator=g).to(p.dtype)
 
 
+def _reproduction(opt: torch.optim.Optimizer, in_place: bool) -> Any:
+    step = direct_step(opt) if in_place else out_of_place_step(opt)
+    assert step is not None and step != opt.step
+    return step
+
+
+def _check_storage(
+    opt: torch.optim.Optimizer, model: nn.Module, old: list[tuple[torch.Tensor, torch.Tensor, int]], in_place: bool
+) -> None:
+    """Fresh storage leaves the old memory as it was; in place writes it and bumps the version counter, as
+    ``step()`` does (autograd's check that a saved tensor was not modified relies on it)."""
+    updated = {id(p) for g in opt.param_groups for p in g["params"]}
+    for p, (storage, values, version) in zip(model.parameters(), old):
+        if p.grad is None or id(p) not in updated:
+            assert p.data_ptr() == storage.data_ptr() and torch.equal(p.data, values)
+        elif in_place:
+            assert p.data_ptr() == storage.data_ptr() and p._version > version
+        else:
+            assert p.data_ptr() != storage.data_ptr() and torch.equal(storage, values)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["fresh", "in_place"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", _SGD_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_sgd_out_of_place_equals_step_bit_for_bit(config: dict, dtype: torch.dtype) -> None:
+def test_sgd_reproductions_equal_step_bit_for_bit(config: dict, dtype: torch.dtype, in_place: bool) -> None:
     ours, theirs = _model(dtype), _model(dtype)
     layers = list(ours.children()), list(theirs.children())
     opts = [
@@ -50,20 +73,14 @@ def test_sgd_out_of_place_equals_step_bit_for_bit(config: dict, dtype: torch.dty
         for step in range(6):
             _set_grads(ours, step)
             _set_grads(theirs, step)
-            old = [p.data for p in ours.parameters()]
-            old_values = [t.clone() for t in old]
-            fresh = out_of_place_step(opts[0])
-            assert fresh is not None
-            fresh()
+            old = [(p.data, p.data.clone(), p._version) for p in ours.parameters()]
+            _reproduction(opts[0], in_place)()
             opts[1].step()
             for s in scheds:
                 s.step()
             for p, q in zip(ours.parameters(), theirs.parameters()):
                 assert torch.equal(p, q)
-            for p, o, v in zip(ours.parameters(), old, old_values):
-                assert torch.equal(o, v)  # the old storage was not written
-                if p.grad is not None:
-                    assert p.data_ptr() != o.data_ptr()
+            _check_storage(opts[0], ours, old, in_place)
     for o_ours, o_theirs in zip(opts[0].state.values(), opts[1].state.values()):
         for key in o_theirs:
             assert torch.equal(o_ours[key], o_theirs[key])
@@ -77,11 +94,12 @@ _ADAM_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["fresh", "in_place"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("cls", "config"), _ADAM_CONFIGS, ids=lambda c: c.__name__ if isinstance(c, type) else f"{c}".replace(" ", "")
 )
-def test_adam_out_of_place_equals_step_bit_for_bit(cls: type, config: dict, dtype: torch.dtype) -> None:
+def test_adam_reproductions_equal_step_bit_for_bit(cls: type, config: dict, dtype: torch.dtype, in_place: bool) -> None:
     ours, theirs = _model(dtype), _model(dtype)
     groups = [
         [{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 3e-3}]
@@ -91,15 +109,12 @@ def test_adam_out_of_place_equals_step_bit_for_bit(cls: type, config: dict, dtyp
     for step in range(6):
         _set_grads(ours, step)
         _set_grads(theirs, step)
-        old = [(p.data, p.data.clone()) for p in ours.parameters()]
-        fresh = out_of_place_step(opts[0])
-        assert fresh is not None
-        fresh()
+        old = [(p.data, p.data.clone(), p._version) for p in ours.parameters()]
+        _reproduction(opts[0], in_place)()
         opts[1].step()
         for p, q in zip(ours.parameters(), theirs.parameters()):
             assert torch.equal(p, q)
-        for storage, values in old:
-            assert torch.equal(storage, values)  # the old storage was not written
+        _check_storage(opts[0], ours, old, in_place)
     for s_ours, s_theirs in zip(opts[0].state.values(), opts[1].state.values()):
         assert list(s_ours) == list(s_theirs)
         for key in s_theirs:
@@ -125,11 +140,16 @@ def test_unsupported_optimizers_get_none(monkeypatch: pytest.MonkeyPatch) -> Non
     ]
     for opt in refused:
         assert out_of_place_step(opt) is None, opt
+        assert direct_step(opt) == opt.step, opt  # the optimizer's own step, wrapper and all
 
     hooked = torch.optim.SGD(params, lr=0.1)
     handle = hooked.register_step_pre_hook(lambda *a: None)
     assert out_of_place_step(hooked) is None
+    assert direct_step(hooked) == hooked.step  # the hook runs
     handle.remove()
+    assert direct_step(hooked) != hooked.step
+    with torch.autograd.profiler.profile():  # a profiler records the step's range: the real step keeps it
+        assert direct_step(hooked) == hooked.step
     assert out_of_place_step(hooked) is not None
 
     handle = register_optimizer_step_post_hook(lambda *a: None)
@@ -164,11 +184,12 @@ def test_stash_aware_step_copies_or_writes_fresh_storage() -> None:
     before = copy.deepcopy(stash.params(v))
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
 
-    assert stash_aware_step(opt, None, user_code_first=False) == opt.step  # nothing stashed: plain step
+    plain = stash_aware_step(opt, None, user_code_first=False)  # nothing stashed: the step in place
+    assert plain != opt.step and plain.__qualname__ == direct_step(opt).__qualname__
 
     layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.ones(2)
     step = stash_aware_step(opt, stash, user_code_first=True)  # user code may write the weights: copy first
-    assert stash.copies_made == 1 and step == opt.step
+    assert stash.copies_made == 1 and step.__qualname__ == plain.__qualname__
     step()
     stash.bump()
     assert all(torch.equal(stash.params(v)[k], before[k]) for k in before)
