@@ -307,9 +307,9 @@ class SendChannel:
             work.wait()  # completed: raises the send's error, if any
             if len(bufs) == 1 and len(self._spare) < _SPARE_BUFFERS:
                 self._spare.append(bufs[0])
-        out = next((b for b in self._spare if b.numel() == size), None)
-        if out is not None:
-            self._spare.remove(out)
+        # the most recently freed buffer: the likeliest still in the cache
+        i = next((i for i in range(len(self._spare) - 1, -1, -1) if self._spare[i].numel() == size), None)
+        out = None if i is None else self._spare.pop(i)
         return pack(header, payload, size, sent, not_before, out=out)
 
     def _wait_one(self) -> None:

@@ -137,16 +137,16 @@ def pack(
     ``tensors`` are the present ones, contiguous, on one device; ``size`` is at least their
     :func:`message_size` (a larger buffer is padded, which is how control messages keep the receiver's size).
     ``out``: a ``uint8`` buffer of ``size`` bytes on that device to write into (a sender's buffer whose earlier
-    send has completed) instead of a new one.
+    send has completed) instead of a new one. The times are written into ``header`` (a CPU tensor) too.
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     if out is not None and (out.dtype != torch.uint8 or out.numel() != size or out.device != device):
         raise ValueError(f"pack's out must be a uint8 buffer of {size} bytes on {device}; got {out.dtype} "
                          f"{out.numel()} bytes on {out.device}.")  # fmt: skip
     buf = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
+    values = header.numpy()  # the header's own memory: two stores, then one copy of the whole header
+    values[6], values[7] = _bits(sent_at), _bits(not_before)
     buf[:HEADER_BYTES].copy_(header.view(torch.uint8))
-    buf[:HEADER_BYTES].view(torch.int64)[6] = _bits(sent_at)
-    buf[:HEADER_BYTES].view(torch.int64)[7] = _bits(not_before)
     offset = HEADER_BYTES
     for t in tensors:
         n = t.numel() * t.element_size()
@@ -202,7 +202,7 @@ def unpack(buf: Tensor, header: Header) -> list[Tensor | None]:
         numel = 1
         for d in spec.shape:
             numel *= d
-        n = numel * torch.empty((), dtype=spec.dtype).element_size()
+        n = numel * spec.dtype.itemsize
         if offset + n > buf.numel():
             raise CommunicationError(
                 f"A pipeline message of {buf.numel()} bytes is too short for its header's tensors ({offset + n} "
