@@ -201,13 +201,19 @@ class Sections:
         else:  # shadows an inherited method or a class's method on an instance: remove the shadow again
             self._restore.append(lambda: delattr(owner, attr))
 
-    def patch_out_of_place(self, optimizer_cls: type, name: str) -> None:
-        """Charges the fresh-storage update of ``optimizer_cls`` (:mod:`lightning_dynpipe.engine.outofplace`,
-        which runs instead of its ``step`` while a weight version is stashed) to ``name``."""
+    def patch_out_of_place(self, optimizer_cls: type, fresh: str, in_place: str) -> None:
+        """Charges the reproduced updates of ``optimizer_cls`` (:mod:`lightning_dynpipe.engine.outofplace`, which
+        run instead of its ``step``) to ``fresh`` (to fresh storage, while a weight version is stashed) or to
+        ``in_place`` (:func:`~lightning_dynpipe.engine.outofplace.direct_step`)."""
         from lightning_dynpipe.engine.outofplace import OUT_OF_PLACE_STEPS
 
         supported, step = OUT_OF_PLACE_STEPS[optimizer_cls]
-        OUT_OF_PLACE_STEPS[optimizer_cls] = (supported, self.wrap(step, name))
+        to_fresh, to_live = self.wrap(step, fresh), self.wrap(step, in_place)
+
+        def charged(optimizer: Any, spare: Any, live: bool) -> None:
+            (to_live if live else to_fresh)(optimizer, spare, live)
+
+        OUT_OF_PLACE_STEPS[optimizer_cls] = (supported, charged)
         self._restore.append(lambda: OUT_OF_PLACE_STEPS.__setitem__(optimizer_cls, (supported, step)))
 
     def patch_instance_forward(self, module: torch.nn.Module, name: str) -> None:
@@ -412,7 +418,7 @@ def _patch_dynpipe(s: Sections) -> None:
     s.patch(PipelineStage, "_optimizer_step", "DynPipe optimizer step (glue, optimizer.step)")
     s.patch(WeightStash, "acquire", "DynPipe weight stash acquire")
     s.patch(WeightStash, "before_update", "DynPipe weight stash copy")
-    s.patch_out_of_place(torch.optim.SGD, "optimizer arithmetic (sgd, to fresh storage)")
+    s.patch_out_of_place(torch.optim.SGD, "optimizer arithmetic (sgd, to fresh storage)", "optimizer arithmetic (sgd)")
     s.patch(WeightStash, "release", "DynPipe weight stash acquire")
     s.patch(p2p.SendChannel, "send", "DynPipe send (isend)")
     s.patch(p2p, "encode", "DynPipe header encode")
