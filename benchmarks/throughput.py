@@ -383,16 +383,15 @@ def _calibrate(cfg: Config, stage_idx: int, iters: int = 16) -> dict[str, float]
 def _run_baseline(
     system: str, cfg: Config, rank: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, Any]:
-    """torch's schedules and the hand-written loop: stage ``k`` on rank ``k``, the CPU probe around the whole call
-    (warm-up and stage set-up included: only its rates, CPU and wait per second, are compared)."""
+    """torch's schedules and the hand-written loop: stage ``k`` on rank ``k``, the CPU probe around the timed
+    steps (as DynPipe's: warm-up and set-up excluded)."""
     from benchmarks.baselines.handwritten import time_handwritten_async
     from benchmarks.baselines.torch_pipelining import time_torch_schedule
 
     stage = _stage_module(cfg, rank)
     args = (stage, rank, NUM_STAGES, cfg.num_microbatches, batches)
-    options: dict[str, Any] = {"lr": cfg.lr, "loss_fn": _loss_fn(cfg), "warmup_steps": cfg.warmup}
     probe = _CpuProbe()
-    probe.start()
+    options: dict[str, Any] = {"lr": cfg.lr, "loss_fn": _loss_fn(cfg), "warmup_steps": cfg.warmup, "window": probe}
     ops = None
     if system == "hand-async":
         res = time_handwritten_async(*args, **options)
@@ -401,7 +400,7 @@ def _run_baseline(
         ops |= {f"{k}_wall": v / n for k, v in res["op_wall_s"].items()}
     else:
         seconds = time_torch_schedule("1f1b" if system == "torch-1f1b" else "gpipe", *args, **options)
-    cpu = probe.stop()
+    cpu = probe.result
     gathered: list[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, {"rank": rank, "stage": rank, "cpu": cpu, "ops": ops})
     gathered.sort(key=lambda g: g["stage"])
@@ -797,9 +796,7 @@ def summarise(runs: list[dict[str, Any]], calibration: list[dict[str, Any]], cfg
         stages = []
         for k in range(NUM_STAGES):
             samples = [next(c["cpu"] for c in by[s][rep]["cpu"] if c["stage"] == k) for rep in sorted(by[s])]
-            # DynPipe's probe covers the timed steps; torch's and the hand-written loop's the whole call (warm-up and
-            # stage set-up included).
-            per_step = cfg.steps + cfg.warmup if s.startswith(("torch-", "hand-")) else cfg.steps
+            per_step = cfg.steps  # every system's probe covers its timed steps only
             entry = {
                 "stage": k,
                 "cores_used": median([c["process_cpu_s"] / c["wall_s"] for c in samples]),
@@ -1480,7 +1477,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(render_breakdown(summary))
     print()
     print(
-        "CPU per stage process: CPU time of all threads per step (torch: averaged over warm-up and set-up too), "
+        "CPU per stage process: CPU time of all threads per timed step, "
         "cores used = CPU time / wall time, run-queue wait = share of wall time the main thread was runnable "
         "but another process had the core:"
     )

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.baselines._checks import check_stage_call
+from benchmarks.baselines.torch_pipelining import TimedWindow
 from lightning_dynpipe.engine.outofplace import out_of_place_step
 
 __all__ = ["time_handwritten_async"]
@@ -68,6 +69,7 @@ def time_handwritten_async(
     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
     warmup_steps: int = 2,
     group: dist.ProcessGroup | None = None,
+    window: TimedWindow | None = None,
 ) -> dict[str, Any]:
     """Trains ``stage_module`` as stage ``stage_idx`` on the micro-batches of ``batches``, asynchronously.
 
@@ -85,6 +87,8 @@ def time_handwritten_async(
         loss_fn: ``loss_fn(output, target)`` on the last stage.
         warmup_steps: leading batches that train but are not timed.
         group: the pipeline's process group; ``None`` is the default (world) group.
+        window: when given, its ``start()`` runs as this rank's clock starts and its ``stop()`` as it stops (a
+            CPU probe of the timed micro-batches, say).
 
     Returns:
         ``{"seconds": ..., "op_cpu_s": {op: seconds}, "op_wall_s": {op: seconds}, "micro_batches": n}``: the
@@ -163,6 +167,8 @@ def time_handwritten_async(
         if fwd < n and fwd - bwd < limit:
             if fwd == timed_from:
                 timing, start = True, time.perf_counter()
+                if window is not None:
+                    window.start()
             t = clock()
             if is_first:
                 x = inputs[fwd]
@@ -197,6 +203,8 @@ def time_handwritten_async(
             bwd += 1
             if bwd == n:
                 end = time.perf_counter()
+                if window is not None:
+                    window.stop()
     while sends:
         sends.popleft()[0].wait()
     window = torch.tensor([end - start], dtype=torch.float64)

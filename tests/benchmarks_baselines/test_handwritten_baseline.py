@@ -36,14 +36,30 @@ def _stages(model: torch.nn.Sequential, balance: list[int]) -> list[torch.nn.Seq
     return [model[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
+class _Window:
+    """Records the calls a CPU probe of the timed micro-batches gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
 def _worker(rank: int, balance: list[int], port: int, out_dir: str) -> None:
     S = len(balance)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=S)
     try:
         stage = _stages(halves.model(), balance)[rank]
-        result = time_handwritten_async(stage, rank, S, NUM_MICROBATCHES, halves.batches(), lr=LR, warmup_steps=1)
-        torch.save({"state": stage.state_dict(), **result}, f"{out_dir}/{rank}.pt")
+        window = _Window()
+        result = time_handwritten_async(
+            stage, rank, S, NUM_MICROBATCHES, halves.batches(), lr=LR, warmup_steps=1, window=window
+        )
+        torch.save({"state": stage.state_dict(), "window": window.calls, **result}, f"{out_dir}/{rank}.pt")
         with pytest.raises(ValueError, match="divisible by num_microbatches"):
             time_handwritten_async(stage, rank, S, 4, [(torch.zeros(6, 20), torch.zeros(6))] * 2, lr=LR, warmup_steps=1)
         dist.barrier()
@@ -74,6 +90,7 @@ def test_handwritten_async_equals_the_pipedream_replay_bit_for_bit(tmp_path: Pat
             assert torch.equal(result["state"][name], want), f"stage {rank} {name}"
             assert not torch.equal(want, before[rank].state_dict()[name])  # training moved every weight
         assert result["micro_batches"] == 4 * NUM_MICROBATCHES  # the batches after the warm-up one
+        assert result["window"] == ["start", "stop"]  # a probe of the timed micro-batches, told once each
         assert result["op_cpu_s"]["backward"] > 0 and result["op_wall_s"]["backward"] > 0
         assert result["seconds"] == results[0]["seconds"] > 0  # the longest rank's window, on every rank
     assert all(r["op_cpu_s"]["send"] > 0 for r in results)  # activations forward, gradients back
