@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the partitions to measure instead, layers per stage, e.g. '2,7;3,6;4,5' (overrides --partitions)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=6, help="steps per measured window")
+    p.add_argument(
+        "--clean-rounds", type=int, default=SweepSettings.clean_rounds,
+        help="rounds of measuring every layer set without interference (each keeps its median round)",
+    )  # fmt: skip
     p.add_argument("--core", type=int, default=None, help="the core the worker runs on (default: the last allowed)")
     p.add_argument("--out", default="dynpipe-forest.npz", help="where to save the forest")
     p.add_argument("--runs-out", default=None, help="also save every measured window as JSON (for benchmarks)")
@@ -104,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     balances = (
         tuple(p.balance for p in _parse_balances(a.balances, a.num_stages, cost.num_layers)) if a.balances else None
     )
-    settings = SweepSettings(scenarios, a.partitions, a.steps, balances, a.core)
+    settings = SweepSettings(scenarios, a.partitions, a.steps, balances, a.core, a.clean_rounds)
     result = calibrate_pipeline(
         pipeline, sample, cost, num_stages=a.num_stages, num_microbatches=a.num_microbatches, settings=settings
     )

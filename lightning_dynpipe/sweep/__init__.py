@@ -16,6 +16,7 @@ from lightning_dynpipe.sweep.core import (
     calibrate_pipeline,
     calibration_samples,
     candidate_partitions,
+    median_reading,
     run_sweep,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "CalibrationRun",
     "candidate_partitions",
     "run_sweep",
+    "median_reading",
     "calibration_samples",
     "calibrate_pipeline",
 ]

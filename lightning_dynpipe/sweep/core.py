@@ -53,6 +53,7 @@ __all__ = [
     "CalibrationRun",
     "candidate_partitions",
     "run_sweep",
+    "median_reading",
     "calibration_samples",
     "calibrate_pipeline",
 ]
@@ -111,9 +112,12 @@ class SweepSettings:
         steps: measured steps per window (one more warms up).
         balances: the partitions to measure instead (layers per stage), e.g. ``((2, 7), (3, 6))``.
         core: the core the worker runs on (default: the last one this process may use).
+        clean_rounds: how many times each stage's layer set is measured without interference, in rounds over all
+            of them; each keeps its median round (see :func:`run_sweep`).
 
     Raises:
-        ConfigurationError: an unknown scenario, fewer than 2 partitions or steps, an empty balance list.
+        ConfigurationError: an unknown scenario, fewer than 2 partitions or steps, an empty balance list, fewer
+            than 1 clean round.
     """
 
     scenarios: tuple[str, ...] = DEFAULT_SCENARIOS
@@ -121,6 +125,7 @@ class SweepSettings:
     steps: int = 3
     balances: tuple[tuple[int, ...], ...] | None = None
     core: int | None = None
+    clean_rounds: int = 3
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -136,6 +141,11 @@ class SweepSettings:
             )
         if self.balances is not None and len(self.balances) < 2:
             raise ConfigurationError(f"A calibration sweep's balances name at least 2 partitions; got {self.balances}.")
+        if self.clean_rounds < 1:
+            raise ConfigurationError(
+                f"A calibration sweep measures every layer set without interference at least once; got "
+                f"clean_rounds={self.clean_rounds}."
+            )
 
 
 # ---------------------------------------------------------------------------------------------- the link
@@ -255,8 +265,15 @@ def run_sweep(
     num_microbatches: int,
     steps: int,
     link: _SocketLink,
+    clean_rounds: int = 1,
 ) -> list[CalibrationRun]:
-    """Measures every partition under every scenario (see the module docstring); returns the windows."""
+    """Measures every partition under every scenario (see the module docstring); returns the windows.
+
+    Every stage's layer set is measured without interference ``clean_rounds`` times, in rounds over all of them,
+    and keeps its median round by compute time. Those readings are every scenario's stages that the scenario does
+    not touch, so one window caught by a burst of other load on the machine (a window is a few steps, tens of
+    milliseconds) would otherwise be the clean reading of its layer set under every scenario.
+    """
     M = num_microbatches
 
     def measure(first: int, stop: int, other_per_mb: float) -> StageTimes:
@@ -264,12 +281,14 @@ def run_sweep(
         times: StageTimes = conn.recv()
         return times
 
-    clean: dict[tuple[Partition, int], StageTimes] = {}
-    for p in partitions:  # every stage's layer set without interference, at the pace of its partition
-        profile = [cost.compute_s(r.start, r.stop) for r in (p.stage_layers(k) for k in range(p.num_stages))]
-        for k in range(p.num_stages):
-            r = p.stage_layers(k)
-            clean[(p, k)] = measure(r.start, r.stop, max(profile))
+    readings: dict[tuple[Partition, int], list[StageTimes]] = {}
+    for _ in range(clean_rounds):
+        for p in partitions:  # every stage's layer set without interference, at the pace of its partition
+            profile = [cost.compute_s(r.start, r.stop) for r in (p.stage_layers(k) for k in range(p.num_stages))]
+            for k in range(p.num_stages):
+                r = p.stage_layers(k)
+                readings.setdefault((p, k), []).append(measure(r.start, r.stop, max(profile)))
+    clean = {key: median_reading(times) for key, times in readings.items()}
     runs: list[CalibrationRun] = []
     for sc in scenarios:
         for p in partitions:
@@ -315,6 +334,20 @@ def run_sweep(
                 )
             runs.append(CalibrationRun(sc.name, PipelineWindow(p, tuple(final), M)))
     return runs
+
+
+def median_reading(readings: Sequence[StageTimes]) -> StageTimes:
+    """The reading of median compute time (the lower middle one of an even number), kept whole so that its
+    fields (compute, step, CPU share) stay those of one window.
+
+    Example::
+
+        >>> slow, fast, mid = (StageTimes(compute_s=c, step_s=0.1) for c in (0.09, 0.02, 0.03))
+        >>> median_reading([slow, fast, mid]).compute_s
+        0.03
+    """
+    ordered = sorted(readings, key=lambda t: t.compute_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def calibration_samples(cost: ModelCost, comm: CommModel, runs: Sequence[CalibrationRun]) -> LabelledSamples:
@@ -413,6 +446,7 @@ def calibrate_pipeline(
             num_microbatches=num_microbatches,
             steps=s.steps,
             link=link,
+            clean_rounds=s.clean_rounds,
         )
     except (EOFError, ConnectionError) as exc:
         raise ConfigurationError(f"The calibration worker ended early (exit code {proc.poll()}).") from exc

@@ -12,7 +12,9 @@ from torch import nn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
-from lightning_dynpipe.sweep import SweepSettings, calibrate_pipeline
+from lightning_dynpipe.plan.partition import Partition
+from lightning_dynpipe.predictor import StageTimes
+from lightning_dynpipe.sweep import SCENARIOS, SweepSettings, calibrate_pipeline, run_sweep
 from lightning_dynpipe.sweep.worker import _backward, _stage_input
 
 COST = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
@@ -49,3 +51,50 @@ def test_a_stage_input_is_detached_with_gradients_on_its_floating_leaves() -> No
     w = nn.Parameter(torch.ones(3))
     _backward(((x * w).sum(1), p))  # the int64 leaf takes no gradient
     assert torch.equal(w.grad, x.detach().sum(0)) and torch.equal(x.grad, w.detach().expand(2, 3))
+
+
+class _Worker:
+    """Stands in for the sweep's worker connection: answers each window with a compute time, one of them slow."""
+
+    def __init__(self, slow_call: int) -> None:
+        self.windows: list[tuple[int, int]] = []
+        self.slow_call = slow_call
+
+    def send(self, cmd: tuple[int, int, int, int, float]) -> None:
+        self.windows.append(cmd[:2])
+
+    def recv(self) -> StageTimes:
+        compute = (
+            0.05 if len(self.windows) - 1 == self.slow_call else 0.01 * (self.windows[-1][1] - self.windows[-1][0])
+        )
+        return StageTimes(compute_s=compute, step_s=compute)
+
+
+class _Link:
+    def message_s(self, nbytes: int, delay: object) -> float:
+        return 1e-4
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_clean_readings_are_taken_in_rounds_and_keep_their_median(rounds: int) -> None:
+    """Every layer set is measured clean once per round, the rounds going over all of them; a window caught by a
+    burst of other load (here the second one measured) does not become that layer set's clean reading when there
+    are three rounds, and is with one."""
+    partitions = [Partition((2, 2)), Partition((3, 1))]
+    worker = _Worker(slow_call=1)
+    runs = run_sweep(
+        COST, worker, 0, 0, scenarios=[SCENARIOS["none"]], partitions=partitions, num_microbatches=2, steps=2,
+        link=_Link(), clean_rounds=rounds,  # type: ignore[arg-type]
+    )  # fmt: skip
+    one_round = [(0, 2), (2, 4), (0, 3), (3, 4)]
+    assert worker.windows == one_round * rounds
+    measured = [t.compute_s for run in runs for t in run.window.stages]
+    expected = [0.02, 0.02, 0.03, 0.01]
+    if rounds == 1:
+        expected[1] = 0.05  # the burst's window is the only reading of (2, 4)
+    assert measured == pytest.approx(expected)
+
+
+def test_clean_rounds_must_be_at_least_one() -> None:
+    with pytest.raises(ConfigurationError, match="at least once; got clean_rounds=0"):
+        SweepSettings(clean_rounds=0)
