@@ -44,6 +44,7 @@ and a dated report ``benchmarks/results/<date>-predictor.md`` with machine, vers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -62,7 +63,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
 from benchmarks import detection as _detection  # noqa: E402
 from benchmarks._common import command_line, describe_machine, format_table, machine_info  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, ModelCost  # noqa: E402
-from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor  # noqa: E402
+from lightning_dynpipe.predictor import ForestPredictor, LabelledSamples, MeasuredSlowdownPredictor  # noqa: E402
 from lightning_dynpipe.predictor.features import effective_compute_s  # noqa: E402
 from lightning_dynpipe.sweep import SCENARIOS, CalibrationRun, calibration_samples  # noqa: E402
 
@@ -134,7 +135,9 @@ def _interfered(run: CalibrationRun, k: int) -> bool:
 def _errors(
     cost: ModelCost, comm: CommModel, forest: ForestPredictor, pairs: Sequence[tuple[CalibrationRun, CalibrationRun]]
 ) -> dict[str, list[float]]:
-    base, prior = MeasuredSlowdownPredictor(), ForestPredictor()  # an untrained forest answers its prior
+    base = MeasuredSlowdownPredictor()
+    # an untrained forest answers its prior (with the fixed cost per micro-batch the trained one was given)
+    prior = ForestPredictor().fit(dataclasses.replace(LabelledSamples.empty(), fixed_s=forest.fixed_s))
     names = ("forest", "base", "prior", "forest_hit", "base_hit", "prior_hit", "cover", "bforest", "bbase", "bcover")
     out: dict[str, list[float]] = {k: [] for k in names}
     for a, b in pairs:

@@ -15,8 +15,10 @@ Two kinds of rows, each a fixed vector of floats whose columns the :class:`Featu
 
 The forest predicts the **residual** over an analytic prior, as a log ratio:
 
-* stage: ``prior = slowdown * profiled compute of the candidate's layers`` per micro-batch, where the slowdown is
-  the stage's measured compute over the profile of the layers it held (:func:`prior_slowdowns`), at least
+* stage: ``prior = slowdown * (profiled compute of the candidate's layers + fixed)`` per micro-batch, where
+  ``fixed`` is what running a layer set as a stage costs per micro-batch beyond its layers' profile, measured by the
+  calibration sweep across layer sets (:func:`estimate_fixed_s`; 0 without one), and the slowdown is the stage's
+  measured compute over the profile of the layers it held plus ``fixed`` (:func:`prior_slowdowns` without it), at least
   ``1/q`` under a CPU limit of ``q`` cores, and there at least all the stage's measured CPU per step over ``q``,
   with the layers it gains or gives away priced by their profile (the framework's CPU around the layers stays with
   the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where the predictor has seen the
@@ -37,7 +39,10 @@ Pure numpy.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,14 +174,16 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 5, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 6, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
 layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
 beside a limited stage is measured on its other side; 4: a stage's prior carries what it read quiet as a fixed cost,
 where the predictor has seen such a window, and the ``fixed_share`` column says how much of the prior that is; a
 boundary beside a stage that competes for its cores, a CPU limit or not, is measured on its other side; 5: a stage
 that competes for its cores under no CPU limit is floored like a limited one at the share of its core it obtained,
-and a boundary beside such a stage is the lower of its two sides' readings)."""
+and a boundary beside such a stage is the lower of its two sides' readings; 6: a stage's prior, without a quiet
+reading, stretches its layers' profile plus the pipeline's fixed cost per micro-batch and stage measured by the
+calibration sweep, and ``fixed_share`` says how much of the prior that is)."""
 
 
 class QuietReadings(Protocol):
@@ -241,13 +248,58 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
     return tuple(out)
 
 
+def estimate_fixed_s(model_cost: ModelCost, windows: Sequence[PipelineWindow]) -> float:
+    """The fixed cost per micro-batch of running a layer set as a stage, in the profile's seconds, from
+    ``windows`` measured without interference under several partitions (0 where they cannot tell).
+
+    The set-up profile times each layer alone; a stage also pays, per micro-batch, for what is not in any layer
+    (taking its input, the backward's start and end). Across layer sets measured clean, a stage's compute per
+    micro-batch is about ``stretch * (profile + fixed)``: a line in the profile whose intercept over its slope is
+    ``fixed``. The line is the Theil-Sen estimate (medians of pairwise slopes and of intercepts), which one window
+    caught by other load does not move. Fewer than three distinct layer-set profiles, or a slope that is not
+    positive, give 0.
+
+    Example::
+
+        >>> from lightning_dynpipe.plan.costs import ModelCost
+        >>> from lightning_dynpipe.plan.partition import Partition
+        >>> from lightning_dynpipe.predictor import PipelineWindow, StageTimes
+        >>> cost = ModelCost.from_arrays([5e-4] * 6, [5e-4] * 6)  # 1 ms per layer
+        >>> def window(balance):  # measured: 1.5 x (profile + 0.4 ms) per micro-batch, M = 2
+        ...     stages = [StageTimes(compute_s=2 * 1.5 * (n * 1e-3 + 4e-4), step_s=0.1) for n in balance]
+        ...     return PipelineWindow(Partition(balance), tuple(stages), 2)
+        >>> round(estimate_fixed_s(cost, [window((1, 5)), window((2, 4)), window((3, 3))]) * 1e3, 3)
+        0.4
+    """
+    points = []
+    for w in windows:
+        M = w.num_microbatches
+        for k, t in enumerate(w.stages):
+            profile, c = _profile_s(model_cost, w.partition, k), effective_compute_s(t)
+            if profile > 0 and c > 0:
+                points.append((profile, c / M))
+    if len({round(x, 12) for x, _ in points}) < 3:
+        return 0.0
+    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in itertools.combinations(points, 2) if x1 != x0]
+    slope = statistics.median(slopes)
+    if not slope > 0:
+        return 0.0
+    intercept = statistics.median([y - slope * x for x, y in points])
+    return max(intercept / slope, 0.0)
+
+
 def _stage_parts(
-    model_cost: ModelCost, window: PipelineWindow, quiet: QuietReadings | None
+    model_cost: ModelCost, window: PipelineWindow, quiet: QuietReadings | None, fixed_s: float = 0.0
 ) -> list[tuple[float, float]]:
     """Per stage of the window, ``(stretch, fixed)``: the stage's compute per micro-batch under any layers costs
     ``stretch * (their profile + fixed)`` seconds (before a CPU limit's floor).
 
-    Without a quiet reading the stage's whole reading stretches its layers: ``(prior slowdown, 0)``. Where ``quiet``
+    Without a quiet reading the stage's whole reading stretches its layers: ``(prior slowdown, 0)``, the slowdown at
+    least 1 (at least ``1/q`` under a CPU limit of ``q`` cores). Given ``fixed_s`` (the pipeline's fixed cost per
+    micro-batch and stage, :func:`estimate_fixed_s`), the reading stretches the layers and that cost together,
+    ``(reading / (profile + fixed_s), fixed_s)``, with no floor of 1 (across layer sets the line of clean readings
+    can rise more slowly than the profile: the layers inside a stage run faster than each one alone), at least
+    ``1/q`` under a CPU limit. Where ``quiet``
     holds the stage's reading under the layers it holds now, with nothing beside it and under no CPU limit below
     one core, what that reading exceeds the pipeline's speed by is a fixed cost per micro-batch that stays with the
     stage, and the rest of the reading stretches its layers and that cost together
@@ -257,6 +309,13 @@ def _stage_parts(
     """
     slow = prior_slowdowns(model_cost, window)
     out = [(s, 0.0) for s in slow]
+    if fixed_s > 0:  # no floor of 1 here: the layers inside a stage may run faster than each one alone
+        M = window.num_microbatches
+        for k, t in enumerate(window.stages):
+            profile, c = _profile_s(model_cost, window.partition, k), effective_compute_s(t)
+            if profile > 0 and c > 0:
+                q = t.binding_cpu_limit
+                out[k] = (max(c / (M * (profile + fixed_s)), 1.0 / q if q is not None else 0.0), fixed_s)
     if quiet is None:
         return out
     M = window.num_microbatches
@@ -282,15 +341,20 @@ def _stage_parts(
 
 
 def stage_priors(
-    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, quiet: QuietReadings | None = None
+    model_cost: ModelCost,
+    window: PipelineWindow,
+    candidate: Partition,
+    quiet: QuietReadings | None = None,
+    fixed_s: float = 0.0,
 ) -> FloatArray:
     """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds): its layers' profile
-    times the stage's :func:`prior_slowdowns`, with what the stage read quiet carried as a fixed cost where
-    ``quiet`` holds such a reading (see :func:`_stage_parts`), and under a CPU limit no less than all the stage's CPU
-    per step over the limit, the layers it gains or gives away priced by their profile
+    plus ``fixed_s`` (:func:`estimate_fixed_s`), stretched as the stage's reading stretches its own, with what the
+    stage read quiet carried as a fixed cost instead where ``quiet`` holds such a reading (see
+    :func:`_stage_parts`), and under a CPU limit no less than all the stage's CPU per step over the limit, the layers
+    it gains or gives away priced by their profile
     (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`)."""
     check_same_pipeline(window, candidate)
-    return _priors(model_cost, window, candidate, _stage_parts(model_cost, window, quiet))
+    return _priors(model_cost, window, candidate, _stage_parts(model_cost, window, quiet, fixed_s))
 
 
 def _priors(
@@ -307,14 +371,18 @@ def _priors(
 
 
 def stage_rows(
-    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, quiet: QuietReadings | None = None
+    model_cost: ModelCost,
+    window: PipelineWindow,
+    candidate: Partition,
+    quiet: QuietReadings | None = None,
+    fixed_s: float = 0.0,
 ) -> FloatArray:
     """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``, with the
-    priors of :func:`stage_priors` under the same ``quiet`` readings."""
+    priors of :func:`stage_priors` under the same ``quiet`` readings and ``fixed_s``."""
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
-    parts = _stage_parts(model_cost, window, quiet)
+    parts = _stage_parts(model_cost, window, quiet, fixed_s)
     priors = _priors(model_cost, window, candidate, parts)
     rows = []
     for k, t in enumerate(window.stages):
@@ -456,12 +524,15 @@ class LabelledSamples:
             compute, :func:`effective_compute_s`).
         boundary_x: ``(m, len(BOUNDARY_FEATURES))`` boundary rows.
         boundary_y: ``(m,)`` boundary residuals, ``log(measured message time / prior)``.
+        fixed_s: the fixed cost per micro-batch and stage the stage priors were built with
+            (:func:`estimate_fixed_s`); rows built with different ones do not mix.
     """
 
     stage_x: FloatArray
     stage_y: FloatArray
     boundary_x: FloatArray
     boundary_y: FloatArray
+    fixed_s: float = 0.0
 
     @classmethod
     def empty(cls) -> LabelledSamples:
@@ -475,7 +546,17 @@ class LabelledSamples:
 
     @classmethod
     def concat(cls, parts: list[LabelledSamples]) -> LabelledSamples:
-        """All rows of ``parts``, in order."""
+        """All rows of ``parts``, in order; those without rows aside, they must share one :attr:`fixed_s`.
+
+        Raises:
+            ValueError: parts whose stage rows were built with different fixed costs.
+        """
+        fixed = {p.fixed_s for p in parts if len(p.stage_y) or len(p.boundary_y)}
+        if len(fixed) > 1:
+            raise ValueError(
+                f"Labelled samples built with different fixed costs per micro-batch ({sorted(fixed)} s) cannot be "
+                "mixed: their residuals are over different priors."
+            )
         if not parts:
             return cls.empty()
         return cls(
@@ -483,6 +564,7 @@ class LabelledSamples:
             np.concatenate([p.stage_y for p in parts]),
             np.concatenate([p.boundary_x for p in parts]),
             np.concatenate([p.boundary_y for p in parts]),
+            fixed.pop() if fixed else 0.0,
         )
 
     def __len__(self) -> int:
@@ -498,16 +580,18 @@ def samples_from_windows(
     before: PipelineWindow,
     after: PipelineWindow,
     quiet: QuietReadings | None = None,
+    fixed_s: float = 0.0,
 ) -> LabelledSamples:
     """Labelled samples: the environment measured in ``before``, the layers and times measured in ``after``.
 
     ``after`` may run the same partition (the next window: how the environment carries forward) or another one
-    (a migration's outcome, or a calibration run of another layer set under the same interference). ``quiet``: the
-    readings known when ``before`` was priced (the rows and priors are those a prediction from ``before`` used).
+    (a migration's outcome, or a calibration run of another layer set under the same interference). ``quiet`` and
+    ``fixed_s``: the readings and the fixed cost known when ``before`` was priced (the rows and priors are those a
+    prediction from ``before`` used).
     """
     cand = after.partition
-    sx = stage_rows(model_cost, before, cand, quiet)
-    prior = stage_priors(model_cost, before, cand, quiet)
+    sx = stage_rows(model_cost, before, cand, quiet, fixed_s)
+    prior = stage_priors(model_cost, before, cand, quiet, fixed_s)
     measured = np.asarray([effective_compute_s(t) / after.num_microbatches for t in after.stages])
     keep = (prior > _FLOOR_S) & (measured > _FLOOR_S)
     sy = np.log(np.where(keep, measured, 1.0) / np.where(keep, prior, 1.0))
@@ -516,4 +600,4 @@ def samples_from_windows(
     bmeasured = np.asarray([m for m, _ in measured_message_s(after)])
     bkeep = (bprior > _FLOOR_S) & (bmeasured > _FLOOR_S)
     by = np.log(np.where(bkeep, bmeasured, 1.0) / np.where(bkeep, bprior, 1.0))
-    return LabelledSamples(sx[keep], sy[keep], bx[bkeep], by[bkeep])
+    return LabelledSamples(sx[keep], sy[keep], bx[bkeep], by[bkeep], fixed_s)

@@ -387,12 +387,30 @@ class ForestPredictor:
     def fit(self, samples: LabelledSamples) -> ForestPredictor:
         """Fits both forests now on ``samples`` (e.g. a calibration sweep's) plus the online buffer; returns self.
 
-        These rows stay in every later refit (they are not part of the bounded online buffer).
+        These rows stay in every later refit (they are not part of the bounded online buffer). Their fixed cost
+        per micro-batch and stage (:attr:`LabelledSamples.fixed_s`) becomes the one every later row and prediction
+        is priced with; rows observed before under another one are dropped (their residuals are over another prior).
         """
         _check_columns(samples)
+        if self._online and self._online[0].fixed_s != samples.fixed_s:
+            log.info(
+                "DynPipe forest: dropping %d observed rows priced with a fixed cost of %.3g ms per micro-batch; the "
+                "new rows use %.3g ms.",
+                self._online_rows,
+                self._online[0].fixed_s * 1e3,
+                samples.fixed_s * 1e3,
+            )
+            self._online.clear()
+            self._online_rows = 0
         self._base = samples
         self._stage, self._boundary = self.fit_pair(self.samples)
         return self
+
+    @property
+    def fixed_s(self) -> float:
+        """The fixed cost per micro-batch and stage this forest's priors carry (the calibration rows'; 0 without
+        any, :func:`~lightning_dynpipe.predictor.features.estimate_fixed_s`)."""
+        return self._base.fixed_s
 
     @property
     def samples(self) -> LabelledSamples:
@@ -437,7 +455,7 @@ class ForestPredictor:
                     )
         previous, self._last = self._last, window
         if previous is not None and previous.partition.num_stages == window.partition.num_stages:
-            new = samples_from_windows(model_cost, comm, previous, window, self._readings(model_cost))
+            new = samples_from_windows(model_cost, comm, previous, window, self._readings(model_cost), self.fixed_s)
             if self.refit_on == "miss":  # a prediction per window, only where it decides something
                 self._count_misses(new)
             self._add(new)
@@ -675,8 +693,8 @@ class ForestPredictor:
             return []
         S = window.partition.num_stages
         quiet = self._readings(model_cost)
-        sx = np.concatenate([stage_rows(model_cost, window, c, quiet) for c in candidates])
-        sp = np.concatenate([stage_priors(model_cost, window, c, quiet) for c in candidates])
+        sx = np.concatenate([stage_rows(model_cost, window, c, quiet, self.fixed_s) for c in candidates])
+        sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s) for c in candidates])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in candidates])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
         s_val, s_lo, s_hi = _residuals(self._stage, sx)
@@ -711,7 +729,7 @@ class ForestPredictor:
         """The ``n`` most important stage features with their values for ``stage_idx`` of the window, for logs."""
         if self._stage is None:
             return []
-        row = stage_rows(model_cost, window, window.partition, self._readings(model_cost))[stage_idx]
+        row = stage_rows(model_cost, window, window.partition, self._readings(model_cost), self.fixed_s)[stage_idx]
         order = np.argsort(-self._stage.importances, kind="stable")[:n]
         return [f"{STAGE_FEATURES[j]}={row[j]:.3g}" for j in order]
 
@@ -724,6 +742,7 @@ class ForestPredictor:
             "schema": self.schema.to_dict(),
             "versions": _library_versions(),
             "params": self._params(),
+            "fixed_s": rows.fixed_s,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         target = Path(path)
@@ -773,7 +792,7 @@ class ForestPredictor:
             log.info("%s was written with scikit-learn %s; refitting its rows with %s.", where, theirs, ours)
         params = {**meta.get("params", {}), **overrides}
         predictor = cls(**params)
-        return predictor.fit(LabelledSamples(**arrays))
+        return predictor.fit(LabelledSamples(**arrays, fixed_s=float(meta.get("fixed_s", 0.0))))
 
     def _params(self) -> dict[str, Any]:
         return {

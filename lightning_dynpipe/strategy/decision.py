@@ -359,7 +359,7 @@ def _calibrate(
     except Exception as exc:  # the run goes on; the predictor learns from the run's windows only
         return None, f"{type(exc).__name__}: {exc}", None
     rows = result.samples
-    arrays = {k: getattr(rows, k) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y")}
+    arrays = {k: getattr(rows, k) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y", "fixed_s")}
     return arrays, result.summary(), result.seconds
 
 
@@ -374,7 +374,15 @@ def _fit_predictor(config: DynPipeConfig, arrays: dict[str, Any] | None, text: s
     rows = LabelledSamples(**arrays)
     before = getattr(predictor, "samples", None)
     if isinstance(before, LabelledSamples) and (len(before) or len(before.boundary_y)):
-        rows = LabelledSamples.concat([before, rows])  # a loaded forest keeps its own rows
+        if before.fixed_s == rows.fixed_s:
+            rows = LabelledSamples.concat([before, rows])  # a loaded forest keeps its own rows
+        else:
+            rank_zero_warn(
+                f"DynPipe's calibration sweep measured a fixed cost of {rows.fixed_s * 1e3:.3g} ms per micro-batch "
+                f"and stage, where the predictor's {len(before)} earlier stage rows were priced with "
+                f"{before.fixed_s * 1e3:.3g} ms; their residuals are over another prior, so the predictor is fitted "
+                "on the sweep's rows only. Calibrate once (a file or calibrate=True) to keep every row."
+            )
     predictor.fit(rows)
     rank_zero_info(f"DynPipe calibration sweep: {text}; predictor fitted on {len(rows)} stage rows.")
 

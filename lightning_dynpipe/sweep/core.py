@@ -42,7 +42,7 @@ from lightning_dynpipe.interference.link import DelayInjector
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import LabelledSamples, PipelineWindow, StageTimes
-from lightning_dynpipe.predictor.features import samples_from_windows
+from lightning_dynpipe.predictor.features import estimate_fixed_s, samples_from_windows
 
 __all__ = [
     "Scenario",
@@ -351,14 +351,27 @@ def median_reading(readings: Sequence[StageTimes]) -> StageTimes:
 
 
 def calibration_samples(cost: ModelCost, comm: CommModel, runs: Sequence[CalibrationRun]) -> LabelledSamples:
-    """Every ordered pair of windows of the same scenario: the environment of one, the times of the other."""
+    """Every ordered pair of windows of the same scenario: the environment of one, the times of the other.
+
+    The stage priors carry the fixed cost per micro-batch and stage that the sweep's clean readings show across
+    layer sets (:func:`~lightning_dynpipe.predictor.features.estimate_fixed_s`, from the windows of no interference,
+    or of a link scenario, whose stages are the clean readings too; 0 without either).
+    """
     by_scenario: dict[str, list[PipelineWindow]] = {}
     for r in runs:
         by_scenario.setdefault(r.scenario, []).append(r.window)
+    clean = [r.window for r in runs if r.scenario in SCENARIOS and SCENARIOS[r.scenario].kind == "none"]
+    if not clean:
+        clean = [r.window for r in runs if r.scenario in SCENARIOS and SCENARIOS[r.scenario].kind == "delay"]
+    fixed_s = estimate_fixed_s(cost, clean)
     parts = [
-        samples_from_windows(cost, comm, a, b) for windows in by_scenario.values() for a in windows for b in windows
+        samples_from_windows(cost, comm, a, b, fixed_s=fixed_s)
+        for windows in by_scenario.values()
+        for a in windows
+        for b in windows
     ]
-    return LabelledSamples.concat(parts)
+    samples = LabelledSamples.concat(parts)
+    return samples if parts else LabelledSamples.empty()
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ from lightning_dynpipe.predictor.features import (
     MISSING,
     STAGE_FEATURES,
     FeatureSchema,
+    LabelledSamples,
     boundary_priors,
     boundary_rows,
+    estimate_fixed_s,
     measured_message_s,
     samples_from_windows,
     stage_priors,
@@ -294,3 +296,48 @@ def test_under_a_cpu_limit_a_stage_needs_at_least_its_cpu_time_over_the_limit() 
     # the other stage's prior (3 layers of 3 ms at 1x) sets the pace the limited stage must keep
     assert rows[1, _col("pace_ms")] == pytest.approx(9.0)
     assert rows[1, _col("quota_pressure")] > 0 and rows[0, _col("quota_pressure")] == 0.0
+
+
+def _clean(balance: tuple[int, ...], fixed_s: float, stretch: float = 1.5, slow: float = 1.0) -> PipelineWindow:
+    """A window of COST's layers (3 ms each) measured at ``stretch * (profile + fixed_s)`` per micro-batch, M = 4;
+    ``slow`` multiplies stage 0's reading (a window caught by other load)."""
+    stages = tuple(
+        StageTimes(compute_s=4 * stretch * (n * 3e-3 + fixed_s) * (slow if k == 0 else 1.0), step_s=0.1)
+        for k, n in enumerate(balance)
+    )
+    return PipelineWindow(Partition(balance), stages, 4)
+
+
+def test_the_fixed_cost_per_micro_batch_is_the_clean_readings_intercept_and_one_slow_window_does_not_move_it() -> None:
+    windows = [_clean(b, 0.5e-3) for b in ((1, 3), (2, 2), (3, 1))]
+    assert estimate_fixed_s(COST, windows) == pytest.approx(0.5e-3)
+    caught = [_clean((1, 3), 0.5e-3, slow=1.5), *windows[1:]]  # one window 50% slow
+    assert estimate_fixed_s(COST, caught) == pytest.approx(0.5e-3)
+    assert estimate_fixed_s(COST, windows[:1]) == 0.0  # two layer-set sizes cannot tell a line
+    below = [_clean(b, 0.0, stretch=1.0) for b in ((1, 3), (2, 2), (3, 1))]
+    assert estimate_fixed_s(COST, [replace(w, stages=tuple(replace(t, compute_s=t.compute_s - 2e-3)
+                                                            for t in w.stages)) for w in below]) == 0.0  # fmt: skip
+
+
+def test_a_stage_prior_stretches_its_layers_and_the_fixed_cost_together() -> None:
+    """Measured 1.5 x (6 ms + 0.5 ms) on two layers: one layer is 1.5 x (3 ms + 0.5 ms), not half the reading."""
+    window = _clean((2, 2), 0.5e-3)
+    with_fixed = stage_priors(COST, window, Partition((1, 3)), fixed_s=0.5e-3)
+    assert with_fixed == pytest.approx([1.5 * 3.5e-3, 1.5 * 9.5e-3])
+    without = stage_priors(COST, window, Partition((1, 3)))
+    assert without == pytest.approx([1.5 * 6.5e-3 / 6e-3 * 3e-3, 1.5 * 6.5e-3 / 6e-3 * 9e-3])  # a pure stretch
+    rows = stage_rows(COST, window, Partition((1, 3)), fixed_s=0.5e-3)
+    assert rows[0, _col("fixed_share")] == pytest.approx(0.5 / 3.5)
+    limited = PipelineWindow(window.partition, (replace(window.stages[0], cpu_limit=0.25), window.stages[1]), 4)
+    assert stage_priors(COST, limited, Partition((1, 3)), fixed_s=0.5e-3)[0] >= 4.0 * 3.5e-3  # a quarter core
+
+
+def test_samples_record_the_fixed_cost_they_were_priced_with_and_do_not_mix() -> None:
+    a, b = _clean((2, 2), 0.5e-3), _clean((1, 3), 0.5e-3)
+    priced = samples_from_windows(COST, LINK, a, b, fixed_s=0.5e-3)
+    assert priced.fixed_s == 0.5e-3 and priced.stage_y == pytest.approx([0.0, 0.0])  # the prior is the truth here
+    plain = samples_from_windows(COST, LINK, a, b)
+    assert plain.fixed_s == 0.0 and abs(plain.stage_y[0]) > 0.05
+    assert LabelledSamples.concat([LabelledSamples.empty(), priced]).fixed_s == 0.5e-3  # an empty part has none
+    with pytest.raises(ValueError, match="different fixed costs per micro-batch"):
+        LabelledSamples.concat([priced, plain])

@@ -209,6 +209,39 @@ def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_pa
     assert meta["format"] == FILE_FORMAT and "scikit-learn" in meta["versions"] and meta["schema"]["version"] >= 1
 
 
+def test_the_fixed_cost_per_micro_batch_is_kept_in_files_prices_every_row_and_old_rows_do_not_mix(
+    tmp_path: Path,
+) -> None:
+    fixed = LabelledSamples.concat(
+        [
+            samples_from_windows(COST, sim.LINK, a, b, fixed_s=2e-4)
+            for _, w in _windows(TRAIN[:3], seed=1)
+            for a in w.values()
+            for b in w.values()
+        ]  # fmt: skip
+    )
+    forest = ForestPredictor().fit(fixed)
+    assert forest.fixed_s == 2e-4
+    loaded = ForestPredictor.load(forest.save(tmp_path / "fixed.npz"))
+    assert loaded.fixed_s == 2e-4
+    _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=6)[0]
+    window = wins[PARTS[5]]
+    assert loaded.predict_many(COST, sim.LINK, window, PARTS) == forest.predict_many(COST, sim.LINK, window, PARTS)
+    untrained = ForestPredictor().fit(dataclasses.replace(LabelledSamples.empty(), fixed_s=2e-4))
+    for cand in PARTS[:3]:  # an untrained forest answers the prior with the fixed cost
+        want = stage_priors(COST, window, cand, fixed_s=2e-4)
+        got = [i.value for i in untrained.predict(COST, sim.LINK, window, cand).stage_compute_s]
+        assert got == pytest.approx(list(want))
+
+    learning = ForestPredictor(min_samples=1000)  # observed rows priced without a fixed cost ...
+    for w in list(wins.values())[:3]:
+        learning.observe(COST, sim.LINK, dataclasses.replace(w, partition=window.partition, stages=window.stages))
+    assert len(learning.samples) > 0 and learning.samples.fixed_s == 0.0
+    learning.fit(fixed)  # ... are dropped when rows priced with one arrive
+    assert learning.samples.fixed_s == 2e-4 and len(learning.samples) == len(fixed)
+    learning.close()
+
+
 def _rewrite_meta(src: Path, dst: Path, **changes: object) -> Path:
     with np.load(src, allow_pickle=False) as data:
         arrays = {k: data[k] for k in data.files}

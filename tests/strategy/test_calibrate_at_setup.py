@@ -71,3 +71,31 @@ def test_the_sweep_at_setup_fits_every_ranks_forest_alike_and_leaves_the_model_a
     proc = run_popen_script(SCRIPT)
     assert "CALIBRATE_FIT_OK" in proc.stdout, proc.stdout[-2000:]
     assert "DynPipe calibration sweep: calibrated on 6 windows (2 scenarios x 3 partitions" in proc.stdout + proc.stderr
+
+
+def test_sweep_rows_priced_with_another_fixed_cost_than_a_loaded_forests_replace_them_with_a_warning() -> None:
+    """A forest loaded from a file keeps its rows when the sweep at set-up priced its rows with the same fixed cost
+    per micro-batch; with another one the rows cannot mix, and the sweep's (this run's) are kept, with a warning."""
+    import numpy as np
+
+    from lightning_dynpipe.predictor import ForestPredictor, LabelledSamples
+    from lightning_dynpipe.predictor.features import BOUNDARY_FEATURES, STAGE_FEATURES
+    from lightning_dynpipe.strategy.decision import _fit_predictor
+
+    def rows(n: int, fixed_s: float) -> dict[str, object]:
+        rng = np.random.default_rng(n)
+        return {
+            "stage_x": rng.random((n, len(STAGE_FEATURES))),
+            "stage_y": rng.random(n),
+            "boundary_x": rng.random((n, len(BOUNDARY_FEATURES))),
+            "boundary_y": rng.random(n),
+            "fixed_s": fixed_s,
+        }
+
+    same = ForestPredictor().fit(LabelledSamples(**rows(30, 1e-4)))  # type: ignore[arg-type]
+    _fit_predictor(SimpleNamespace(predictor=same), rows(24, 1e-4), "sweep")  # type: ignore[arg-type]
+    assert len(same.samples) == 54
+    other = ForestPredictor().fit(LabelledSamples(**rows(30, 3e-4)))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"fixed cost of 0.1 ms per micro-batch and stage, where the predictor's 30"):
+        _fit_predictor(SimpleNamespace(predictor=other), rows(24, 1e-4), "sweep")  # type: ignore[arg-type]
+    assert len(other.samples) == 24 and other.fixed_s == 1e-4

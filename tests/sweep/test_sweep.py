@@ -11,10 +11,17 @@ import torch
 from torch import nn
 
 from lightning_dynpipe.errors import ConfigurationError
-from lightning_dynpipe.plan.costs import ModelCost
+from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.predictor import StageTimes
-from lightning_dynpipe.sweep import SCENARIOS, SweepSettings, calibrate_pipeline, run_sweep
+from lightning_dynpipe.predictor import PipelineWindow, StageTimes
+from lightning_dynpipe.sweep import (
+    SCENARIOS,
+    CalibrationRun,
+    SweepSettings,
+    calibrate_pipeline,
+    calibration_samples,
+    run_sweep,
+)
 from lightning_dynpipe.sweep.worker import _backward, _stage_input
 
 COST = ModelCost.from_arrays([1.0] * 4, [2.0] * 4)
@@ -98,3 +105,18 @@ def test_clean_readings_are_taken_in_rounds_and_keep_their_median(rounds: int) -
 def test_clean_rounds_must_be_at_least_one() -> None:
     with pytest.raises(ConfigurationError, match="at least once; got clean_rounds=0"):
         SweepSettings(clean_rounds=0)
+
+
+def test_calibration_rows_carry_the_fixed_cost_the_clean_windows_show() -> None:
+    """Clean readings of 1.2 x (profile + 0.5 s) per micro-batch across three layer-set sizes (COST's layers take 3 s
+    each): the rows are priced with a fixed cost of 0.5 s, from the windows of no interference only."""
+
+    def window(balance: tuple[int, int], extra: float = 0.0) -> PipelineWindow:
+        stages = tuple(StageTimes(compute_s=2 * (1.2 * (3.0 * n + 0.5) + extra), step_s=30.0) for n in balance)
+        return PipelineWindow(Partition(balance), stages, 2)
+
+    runs = [CalibrationRun("none", window(b)) for b in ((1, 3), (2, 2), (3, 1))]
+    runs += [CalibrationRun("hog50", window(b, extra=1.0)) for b in ((1, 3), (2, 2), (3, 1))]
+    samples = calibration_samples(COST, CommModel(1e-4, 1e9), runs)
+    assert samples.fixed_s == pytest.approx(0.5)
+    assert len(samples) == 2 * 9 * 2  # two scenarios, every ordered pair of three windows, two stages each
