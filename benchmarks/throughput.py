@@ -125,6 +125,14 @@ NUM_STAGES = 2
 WORLD_SIZE = NUM_STAGES
 
 _DEFAULT_PLOT = _ROOT / "docs" / "img" / "throughput.png"
+
+
+def default_plot(model: str) -> Path:
+    """Where a run's plot goes by default: ``docs/img/throughput.png`` for the MLP, ``throughput-<model>.png`` for
+    another model, so that one model's run does not overwrite another's documented plot."""
+    return _DEFAULT_PLOT if model == "mlp" else _DEFAULT_PLOT.with_name(f"throughput-{model}.png")
+
+
 _DEFAULT_OUT = _ROOT / "benchmarks" / "out"
 
 
@@ -1367,7 +1375,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         "--plot",
         type=Path,
         default=None,
-        help="plot path (default docs/img/throughput.png; with --quick: OUT_DIR/throughput-quick.png)",
+        help="plot path (default docs/img/throughput.png, throughput-MODEL.png for --model other than mlp; with "
+        "--quick: OUT_DIR/throughput-quick.png)",
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
@@ -1496,7 +1505,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if not a.no_plot:
         quick = a.quick or payload["config"]["repeats"] == 1
-        plot_path = a.plot or (json_path.parent / "throughput-quick.png" if quick else _DEFAULT_PLOT)
+        plot_path = a.plot or (json_path.parent / "throughput-quick.png" if quick else default_plot(cfg.model))
         plot(runs, summary, cfg, machine, plot_path)
         print(f"\nplot: {plot_path}")
     payload["summary"] = summary

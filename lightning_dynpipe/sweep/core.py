@@ -370,8 +370,7 @@ def calibration_samples(cost: ModelCost, comm: CommModel, runs: Sequence[Calibra
         for a in windows
         for b in windows
     ]
-    samples = LabelledSamples.concat(parts)
-    return samples if parts else LabelledSamples.empty()
+    return LabelledSamples.concat(parts)
 
 
 @dataclass(frozen=True)

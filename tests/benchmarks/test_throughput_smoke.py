@@ -137,3 +137,11 @@ def test_steal_share_is_the_hypervisors_part_of_the_machines_cpu_time_between_tw
     steal, total = machine_steal_counters()  # (steal, total) ticks of the whole machine
     assert 0 <= steal <= total and total > 0
     assert machine_steal_counters(b"cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 1 2 3\n") == (35.0, 1000.0)
+
+
+def test_each_model_has_its_own_default_plot() -> None:
+    """A run on the GPT example does not overwrite the MLP's documented plot."""
+    from benchmarks.throughput import default_plot
+
+    assert default_plot("mlp").name == "throughput.png" and default_plot("mlp").parent.name == "img"
+    assert default_plot("gpt") == default_plot("mlp").with_name("throughput-gpt.png")
