@@ -307,22 +307,19 @@ def _stage_parts(
     :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor` prices it); the stage's current layers are
     priced at what it measured either way.
     """
+    M = window.num_microbatches
+    profiles = [_profile_s(model_cost, window.partition, k) for k in range(len(window.stages))]
     slow = prior_slowdowns(model_cost, window)
     out = [(s, 0.0) for s in slow]
     if fixed_s > 0:  # no floor of 1 here: the layers inside a stage may run faster than each one alone
-        M = window.num_microbatches
         for k, t in enumerate(window.stages):
-            profile, c = _profile_s(model_cost, window.partition, k), effective_compute_s(t)
-            if profile > 0 and c > 0:
+            c = effective_compute_s(t)
+            if profiles[k] > 0 and c > 0:
                 q = t.binding_cpu_limit
-                out[k] = (max(c / (M * (profile + fixed_s)), 1.0 / q if q is not None else 0.0), fixed_s)
+                out[k] = (max(c / (M * (profiles[k] + fixed_s)), 1.0 / q if q is not None else 0.0), fixed_s)
     if quiet is None:
         return out
-    M = window.num_microbatches
-    ratios = []
-    for k, t in enumerate(window.stages):
-        profile = _profile_s(model_cost, window.partition, k)
-        ratios.append(t.compute_s / (M * profile) if profile > 0 and t.compute_s > 0 else None)
+    ratios = [t.compute_s / (M * p) if p > 0 and t.compute_s > 0 else None for p, t in zip(profiles, window.stages)]
     measured = [r for r in ratios if r is not None]
     if not measured:
         return out
@@ -335,7 +332,7 @@ def _stage_parts(
         q = quiet.quiet_ratio(k, layers)
         if q is None or ratios[k] is None or t.binding_cpu_limit is not None:
             continue
-        stretch, fixed = quiet_split(q / base, slow[k] / base, _profile_s(model_cost, window.partition, k))
+        stretch, fixed = quiet_split(q / base, slow[k] / base, profiles[k])
         out[k] = (base * stretch, fixed)  # in seconds: the pipeline's speed times the relative stretch
     return out
 
