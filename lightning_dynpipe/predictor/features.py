@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,6 +63,7 @@ __all__ = [
     "STAGE_FEATURES",
     "BOUNDARY_FEATURES",
     "LabelledSamples",
+    "window_label",
     "effective_compute_s",
     "stage_rows",
     "stage_priors",
@@ -75,6 +77,7 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 MISSING = -1.0
 """The value of a column the machine does not report (every real value of these columns is >= 0)."""
@@ -523,6 +526,10 @@ class LabelledSamples:
         boundary_y: ``(m,)`` boundary residuals, ``log(measured message time / prior)``.
         fixed_s: the fixed cost per micro-batch and stage the stage priors were built with
             (:func:`estimate_fixed_s`); rows built with different ones do not mix.
+        stage_window: ``(n,)`` a label of the measured window each stage row's time comes from (rows paired with
+            one window share its noise; the forest holds them out together when it calibrates its intervals).
+            ``None``: unknown, each row its own label (derived from its content).
+        boundary_window: the same for the boundary rows.
     """
 
     stage_x: FloatArray
@@ -530,6 +537,21 @@ class LabelledSamples:
     boundary_x: FloatArray
     boundary_y: FloatArray
     fixed_s: float = 0.0
+    stage_window: IntArray | None = None
+    boundary_window: IntArray | None = None
+
+    def __post_init__(self) -> None:
+        for name, x, y in (
+            ("stage_window", self.stage_x, self.stage_y),
+            ("boundary_window", self.boundary_x, self.boundary_y),
+        ):
+            labels = getattr(self, name)
+            if labels is None:
+                labels = [_label(np.append(row, target)) for row, target in zip(x, y)]
+            labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+            if len(labels) != len(y):
+                raise ValueError(f"LabelledSamples.{name} needs one label per row: {len(labels)} for {len(y)} rows.")
+            object.__setattr__(self, name, labels)
 
     @classmethod
     def empty(cls) -> LabelledSamples:
@@ -562,7 +584,15 @@ class LabelledSamples:
             np.concatenate([p.boundary_x for p in parts]),
             np.concatenate([p.boundary_y for p in parts]),
             fixed.pop() if fixed else 0.0,
+            np.concatenate([p.windows("stage") for p in parts]),
+            np.concatenate([p.windows("boundary") for p in parts]),
         )
+
+    def windows(self, kind: str) -> IntArray:
+        """:attr:`stage_window` (``kind="stage"``) or :attr:`boundary_window` (``"boundary"``), never ``None``."""
+        labels = self.stage_window if kind == "stage" else self.boundary_window
+        assert labels is not None  # filled in by __post_init__
+        return labels
 
     def __len__(self) -> int:
         return len(self.stage_y)
@@ -597,4 +627,26 @@ def samples_from_windows(
     bmeasured = np.asarray([m for m, _ in measured_message_s(after)])
     bkeep = (bprior > _FLOOR_S) & (bmeasured > _FLOOR_S)
     by = np.log(np.where(bkeep, bmeasured, 1.0) / np.where(bkeep, bprior, 1.0))
-    return LabelledSamples(sx[keep], sy[keep], bx[bkeep], by[bkeep], fixed_s)
+    label = window_label(after)
+    return LabelledSamples(
+        sx[keep],
+        sy[keep],
+        bx[bkeep],
+        by[bkeep],
+        fixed_s,
+        np.full(int(keep.sum()), label, dtype=np.int64),
+        np.full(int(bkeep.sum()), label, dtype=np.int64),
+    )
+
+
+def window_label(window: PipelineWindow) -> int:
+    """A label of ``window`` from what it measured: the same on every rank and in every process, and (but for a
+    collision of 32-bit checksums) different for windows that measured anything differently."""
+    values = [float(window.num_microbatches), *map(float, window.partition.balance)]
+    for t in window.stages:
+        values += [float(v) if v is not None else math.nan for v in vars(t).values()]
+    return _label(np.asarray(values, dtype=np.float64))
+
+
+def _label(values: FloatArray) -> int:
+    return zlib.crc32(np.ascontiguousarray(values, dtype=np.float64).tobytes())

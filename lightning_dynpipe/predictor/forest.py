@@ -11,12 +11,20 @@ per micro-batch in its prior, not a stretch of the layers it would receive (the 
 is, so rows priced either way train one forest).
 
 **Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
-widened (or narrowed) by one constant: the smallest that makes ``coverage`` of the calibration intervals hold the
-measured value (split-conformal calibration). Two calibrations, the larger constant wins: out of bag (for every
-training row, the trees that did not see it give its interval), and by layer set (the rows split by the
-candidate's layer set into three folds; forests fitted on two folds give the intervals of the third), so that a
-partition that never ran is covered too. ``tests/predictor/test_forest.py`` checks the coverage on held-out rows,
-``benchmarks/predictor.py`` on held-out scenarios and partitions.
+widened (or narrowed) by a constant: the smallest that makes ``coverage`` of the calibration intervals hold the
+measured value (split-conformal calibration: forests fitted on two of three folds of the rows give the intervals of
+the third). Which constant depends on the candidate stage's layer set:
+
+* one the training rows hold (measured under some scenario, by the sweep or in this run) gets the constant of folds
+  split by measured window (:attr:`~lightning_dynpipe.predictor.features.LabelledSamples.stage_window`: the rows
+  paired with one window share its noise, so they are held out together; out of bag, where a held-out row's twins
+  stay in the trees, if that is larger);
+* one never measured gets the larger constant of folds split by layer set, so that a partition that never ran is
+  covered too.
+
+The boundary forest does the same by message size. ``tests/predictor/test_forest.py`` checks the coverage on
+held-out rows and windows, ``benchmarks/predictor.py`` on held-out scenarios (layer sets measured) and on partitions
+never run.
 
 **Determinism.** Fixed ``random_state``, one thread, and rows in the order they were observed: the same samples
 give the same forest on every rank, so every rank prices candidates the same.
@@ -143,8 +151,14 @@ class QuantileForest:
 
     Example::
 
-        forest = QuantileForest(n_estimators=32, coverage=0.9, random_state=0).fit(x, y)
-        value, low, high = forest.predict(x_new)
+        forest = QuantileForest(n_estimators=32, coverage=0.9, random_state=0).fit(x, y, groups=g)
+        value, low, high = forest.predict(x_new, groups=g_new)
+
+    Attributes:
+        margin: the constant added to the trees' spread for a row of a group the trees never saw (the largest of
+            the calibrations; without groups, :attr:`seen_margin`).
+        seen_margin: the constant for a row of a group among the training rows' (held out by window, or out of
+            bag, the larger).
 
     Args:
         n_estimators: trees (small: the forest is queried at every check).
@@ -167,6 +181,8 @@ class QuantileForest:
         self.random_state = random_state
         self._trees: list[Any] = []
         self.margin = 0.0
+        self.seen_margin = 0.0
+        self._seen: frozenset[Any] = frozenset()
         self.importances: FloatArray = np.zeros(0)
         self.fit_s = 0.0
 
@@ -178,36 +194,69 @@ class QuantileForest:
     def _score_level(self, n: int) -> float:
         return min(1.0, math.ceil((n + 1) * self.coverage) / n)
 
-    def fit(self, x: FloatArray, y: FloatArray, groups: npt.ArrayLike | None = None) -> QuantileForest:
-        """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margin.
+    def fit(
+        self,
+        x: FloatArray,
+        y: FloatArray,
+        groups: npt.ArrayLike | None = None,
+        windows: npt.ArrayLike | None = None,
+    ) -> QuantileForest:
+        """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margins.
+
+        Both margins are split-conformal: forests fitted on two of three folds of the rows give the intervals of
+        the third, and the margin is the smallest that makes ``coverage`` of them hold the measured values.
 
         Args:
             x: rows.
             y: targets.
-            groups: optional group label per row (e.g. the candidate's layer set). With three groups or more the
-                margin must also cover rows of groups the trees never saw: the rows are split by group into three
-                folds, forests fitted on two folds are scored on the third, and the margin is the larger of that
-                and the out-of-bag one.
+            groups: optional group label per row (e.g. the candidate's layer set). With three groups or more,
+                rows of a group the trees never saw get :attr:`margin`, calibrated on folds split by group;
+                rows of the training groups get :attr:`seen_margin` (:meth:`predict` tells them apart by the labels
+                it is given).
+            windows: optional label per row of the measurement its target comes from (rows of one measurement
+                share its noise). With three labels or more, :attr:`seen_margin` is calibrated on folds split by
+                it, scored on the held-out rows whose group the other folds hold; without, out of bag (each row
+                scored by the trees that did not draw it, which may have drawn rows sharing its noise).
         """
         t0 = time.perf_counter()
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.asarray(y, dtype=np.float64)
-        trees, importances, margin = self._fit_trees(x, y, calibrate=True)
-        if groups is not None:
-            labels = np.unique(np.asarray(groups), return_inverse=True)[1]
-            if labels.max(initial=0) >= 2:
-                fold = labels % 3
-                scores = []
-                for f in range(3):
-                    out = fold == f
-                    held, _, _ = self._fit_trees(x[~out], y[~out], calibrate=False)
-                    lo, hi = np.quantile(np.stack([t.predict(x[out])[:, 0] for t in held]), _TREE_QUANTILES, axis=0)
-                    scores.append(np.maximum(lo - y[out], y[out] - hi))
-                pooled = np.concatenate(scores)
-                margin = max(margin, float(np.quantile(pooled, self._score_level(len(pooled)), method="higher")))
+        trees, importances, seen_margin = self._fit_trees(x, y, calibrate=True)
+        keys = np.asarray(groups) if groups is not None else None
+        if windows is not None:
+            scored = self._fold_scores(x, y, np.asarray(windows), keys)
+            if len(scored):
+                seen_margin = max(seen_margin, self._conformal(scored))
+        margin, seen = seen_margin, frozenset[Any]()
+        if keys is not None and len(np.unique(keys)) >= 3:
+            margin = max(margin, self._conformal(self._fold_scores(x, y, keys, None)))
+            seen = frozenset(keys.tolist())
         self._trees, self.margin, self.importances = trees, margin, importances
+        self.seen_margin, self._seen = seen_margin, seen
         self.fit_s = time.perf_counter() - t0
         return self
+
+    def _conformal(self, scores: FloatArray) -> float:
+        return float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
+
+    def _fold_scores(self, x: Any, y: FloatArray, labels: Any, groups: Any) -> FloatArray:
+        """The conformity scores of rows held out three folds at a time by ``labels`` (none with fewer than three
+        labels); with ``groups``, only of the held-out rows whose group the training folds hold."""
+        index = np.unique(labels, return_inverse=True)[1]
+        if index.max(initial=0) < 2:
+            return np.zeros(0)
+        fold = index % 3
+        scores = []
+        for f in range(3):
+            out = fold == f
+            if groups is not None:
+                out &= np.isin(groups, groups[~out])
+            if not out.any():
+                continue
+            held, _, _ = self._fit_trees(x[fold != f], y[fold != f], calibrate=False)
+            lo, hi = np.quantile(np.stack([t.predict(x[out])[:, 0] for t in held]), _TREE_QUANTILES, axis=0)
+            scores.append(np.maximum(lo - y[out], y[out] - hi))
+        return np.concatenate(scores) if scores else np.zeros(0)
 
     def _fit_trees(self, x: Any, y: FloatArray, *, calibrate: bool) -> tuple[list[Any], FloatArray, float]:
         """The trees, their feature importances and (with ``calibrate``) the out-of-bag margin."""
@@ -235,15 +284,24 @@ class QuantileForest:
             margin = float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
         return trees, importances, margin
 
-    def predict(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """``(value, low, high)`` per row; ``low <= value <= high``."""
+    def predict(self, x: FloatArray, groups: npt.ArrayLike | None = None) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """``(value, low, high)`` per row; ``low <= value <= high``.
+
+        Args:
+            x: rows.
+            groups: the rows' group labels, as :meth:`fit` took them: a row of a training group gets
+                :attr:`seen_margin`, any other row :attr:`margin`. Without labels every row gets :attr:`margin`.
+        """
         if not self._trees:
             raise ConfigurationError("QuantileForest.predict needs a fitted forest; call fit(x, y) first.")
         x = np.ascontiguousarray(x, dtype=np.float32)
         per_tree = np.stack([t.predict(x)[:, 0] for t in self._trees])
         value = per_tree.mean(axis=0)
         lo, hi = np.quantile(per_tree, _TREE_QUANTILES, axis=0)
-        lo, hi = lo - self.margin, hi + self.margin
+        margin = np.full(len(value), self.margin)
+        if groups is not None and self._seen:
+            margin[[g in self._seen for g in np.asarray(groups).tolist()]] = self.seen_margin
+        lo, hi = lo - margin, hi + margin
         return value, np.minimum(lo, value), np.maximum(hi, value)
 
 
@@ -375,12 +433,18 @@ class ForestPredictor:
         computes (in the refit process)."""
         stage = boundary = None
         if len(samples) >= self.min_samples:
-            layer_set = samples.stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6)
-            groups = [hash(tuple(r)) for r in layer_set.tolist()]
-            stage = self._forest().fit(samples.stage_x, samples.stage_y, groups=groups)
+            stage = self._forest().fit(
+                samples.stage_x,
+                samples.stage_y,
+                groups=_layer_sets(samples.stage_x),
+                windows=samples.windows("stage"),
+            )
         if len(samples.boundary_y) >= self.min_samples:
             boundary = self._forest().fit(
-                samples.boundary_x, samples.boundary_y, groups=samples.boundary_x[:, _BYTES_COL].round(6)
+                samples.boundary_x,
+                samples.boundary_y,
+                groups=_sizes(samples.boundary_x),
+                windows=samples.windows("boundary"),
             )
         return stage, boundary
 
@@ -481,7 +545,7 @@ class ForestPredictor:
             if forest is None:
                 self._misses_since_refit += len(y)
                 continue
-            _, lo, hi = forest.predict(x)
+            _, lo, hi = forest.predict(x, groups=_layer_sets(x) if forest is self._stage else _sizes(x))
             self._misses_since_refit += int(((y < lo) | (y > hi)).sum())
 
     def _explained(self) -> bool:
@@ -697,8 +761,8 @@ class ForestPredictor:
         sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s) for c in candidates])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in candidates])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in candidates])
-        s_val, s_lo, s_hi = _residuals(self._stage, sx)
-        b_val, b_lo, b_hi = _residuals(self._boundary, bx)
+        s_val, s_lo, s_hi = _residuals(self._stage, sx, _layer_sets(sx))
+        b_val, b_lo, b_hi = _residuals(self._boundary, bx, _sizes(bx))
         # How the window's environment stretches each stage's profiled work, the same for every candidate: what the
         # controller prices a stage's updates with. Not a candidate's price over its layers' profile: that holds the
         # CPU a stage spends besides its layers (under a CPU limit, all of it over the limit, its updates included),
@@ -754,6 +818,8 @@ class ForestPredictor:
                 stage_y=rows.stage_y,
                 boundary_x=rows.boundary_x,
                 boundary_y=rows.boundary_y,
+                stage_window=rows.windows("stage"),
+                boundary_window=rows.windows("boundary"),
             )
         return target
 
@@ -772,9 +838,11 @@ class ForestPredictor:
         try:
             with np.load(where, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
-                arrays = {
+                arrays: dict[str, Any] = {
                     k: np.asarray(data[k], dtype=np.float64) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y")
                 }
+                for k in ("stage_window", "boundary_window"):  # absent from older files: each row its own label
+                    arrays[k] = np.asarray(data[k], dtype=np.int64) if k in data.files else None
         except (OSError, KeyError, ValueError) as exc:
             raise ConfigurationError(
                 f"{where} is not a forest file of lightning_dynpipe ({exc}). Give a file written by "
@@ -819,11 +887,23 @@ def _binomial_tail(n: int, k: int, p: float) -> float:
     return 1.0 - sum(math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(min(k, n + 1)))
 
 
-def _residuals(forest: QuantileForest | None, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+def _residuals(
+    forest: QuantileForest | None, x: FloatArray, groups: list[Any]
+) -> tuple[FloatArray, FloatArray, FloatArray]:
     if forest is None or not len(x):
         zero = np.zeros(len(x))
         return zero, zero, zero
-    return forest.predict(x)
+    return forest.predict(x, groups=groups)
+
+
+def _layer_sets(stage_x: FloatArray) -> list[Any]:
+    """Each stage row's layer set, as the stage forest groups its rows: the candidate's profile and layer count."""
+    return [hash(tuple(r)) for r in stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6).tolist()]
+
+
+def _sizes(boundary_x: FloatArray) -> list[float]:
+    """Each boundary row's message size, as the boundary forest groups its rows."""
+    return [float(v) for v in boundary_x[:, _BYTES_COL].round(6)]
 
 
 def _check_columns(samples: LabelledSamples) -> None:

@@ -359,7 +359,8 @@ def _calibrate(
     except Exception as exc:  # the run goes on; the predictor learns from the run's windows only
         return None, f"{type(exc).__name__}: {exc}", None
     rows = result.samples
-    arrays = {k: getattr(rows, k) for k in ("stage_x", "stage_y", "boundary_x", "boundary_y", "fixed_s")}
+    keys = ("stage_x", "stage_y", "boundary_x", "boundary_y", "fixed_s", "stage_window", "boundary_window")
+    arrays = {k: getattr(rows, k) for k in keys}
     return arrays, result.summary(), result.seconds
 
 

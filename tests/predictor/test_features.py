@@ -27,6 +27,7 @@ from lightning_dynpipe.predictor.features import (
     samples_from_windows,
     stage_priors,
     stage_rows,
+    window_label,
 )
 from lightning_dynpipe.predictor.link import LinkEstimate
 
@@ -341,3 +342,25 @@ def test_samples_record_the_fixed_cost_they_were_priced_with_and_do_not_mix() ->
     assert LabelledSamples.concat([LabelledSamples.empty(), priced]).fixed_s == 0.5e-3  # an empty part has none
     with pytest.raises(ValueError, match="different fixed costs per micro-batch"):
         LabelledSamples.concat([priced, plain])
+
+
+def test_rows_carry_the_label_of_the_window_their_times_come_from() -> None:
+    """Rows paired with one measured window share its noise: they carry its label (the same in every process, from
+    what the window measured), whatever window they were priced from; other windows get other labels."""
+
+    def linked(w: PipelineWindow) -> PipelineWindow:  # messages measured too: boundary rows
+        return replace(w, stages=tuple(replace(t, comm_s=0.004) for t in w.stages))
+
+    a, b = linked(_clean((2, 2), 0.5e-3)), linked(_clean((1, 3), 0.5e-3))
+    from_a, from_b = samples_from_windows(COST, LINK, a, b), samples_from_windows(COST, LINK, b, b)
+    assert len(from_a) == 2 and len(from_a.boundary_y) == 1
+    assert set(from_a.windows("stage")) == set(from_b.windows("stage")) == {window_label(b)}
+    assert set(from_a.windows("boundary")) == {window_label(b)}
+    slower = replace(b, stages=tuple(replace(t, compute_s=t.compute_s * 1.01) for t in b.stages))
+    assert len({window_label(a), window_label(b), window_label(slower)}) == 3
+    both = LabelledSamples.concat([from_a, samples_from_windows(COST, LINK, a, a)])
+    assert both.windows("stage").tolist() == [window_label(b)] * 2 + [window_label(a)] * 2
+    unknown = LabelledSamples(from_a.stage_x, from_a.stage_y, from_a.boundary_x, from_a.boundary_y)
+    assert len(set(unknown.windows("stage"))) == len(unknown)  # each row its own label
+    with pytest.raises(ValueError, match="one label per row"):
+        LabelledSamples(from_a.stage_x, from_a.stage_y, from_a.boundary_x, from_a.boundary_y, stage_window=[1])

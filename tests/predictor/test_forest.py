@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -18,10 +19,11 @@ import numpy as np
 import pytest
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.plan.costs import ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow, StageTimes
 from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows, stage_priors
-from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor
+from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor, QuantileForest
 
 from . import sim
 
@@ -144,6 +146,65 @@ def test_on_held_out_scenarios_and_partitions_never_run_the_forest_is_accurate_a
     assert np.mean(covered) >= 0.80
 
 
+def test_a_layer_set_never_measured_gets_the_by_layer_set_margin_and_one_measured_the_narrower_one() -> None:
+    """Trained without partition ``P``'s windows, with a profile that prices the first layer at half its time (a
+    profile is never exact): how far off a layer set's prior is depends on its layers, so ``P``'s layer sets, never
+    measured, get the larger margin (calibrated on layer sets held out) and are still covered; every other
+    candidate's layer sets were measured under some scenario, and get the margin of held-out windows."""
+    forward, backward = [c.forward_s for c in COST.layers], [c.backward_s for c in COST.layers]
+    forward[0], backward[0] = forward[0] / 2, backward[0] / 2
+    profile = ModelCost.from_arrays(
+        forward,
+        backward,
+        activation_bytes=[c.activation_bytes for c in COST.layers],
+        param_bytes=[c.param_bytes for c in COST.layers],
+    )
+    never = PARTS[2]
+    parts = []
+    for _, wins in _windows(TRAIN, seed=1):
+        measured = [w for p, w in wins.items() if p != never]
+        parts += [samples_from_windows(profile, sim.LINK, a, b) for a in measured for b in measured]
+    forest = ForestPredictor().fit(LabelledSamples.concat(parts))
+    stage = forest._stage
+    assert stage is not None and stage.seen_margin < stage.margin
+    covered, unseen_widths, seen_widths = [], [], []
+    for env, wins in _windows(HELD_OUT, seed=3):
+        truth, _ = sim.true_compute(COST, never, env, M)
+        for a in PARTS:
+            if a == never:
+                continue
+            p = forest.predict(profile, sim.LINK, wins[a], never)
+            covered += [i.low <= t / M <= i.high for i, t in zip(p.stage_compute_s, truth)]
+            unseen_widths += [math.log(i.high / i.low) for i in p.stage_compute_s]
+            other = PARTS[1] if a != PARTS[1] else PARTS[3]
+            seen = forest.predict(profile, sim.LINK, wins[a], other).stage_compute_s
+            seen_widths += [math.log(i.high / i.low) for i in seen]
+    assert np.mean(covered) >= 0.80
+    # the interval is the trees' 5th-95th percentile widened by the margin on each side
+    assert min(unseen_widths) >= 2 * stage.margin - 1e-9
+    assert min(seen_widths) < 2 * stage.margin
+
+
+def test_a_quantile_forest_gives_rows_of_training_groups_their_own_margin() -> None:
+    """Each group has its own offset, which the trees learn from the group's rows but cannot guess for a group they
+    never saw: the by-group margin is the wider, and it is the one a row of an unknown group (or with no label) gets."""
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(6), 40)
+    offset = rng.normal(0.0, 0.3, 6)
+    x = np.column_stack([groups * 1.0 + rng.normal(0, 0.01, len(groups)), rng.uniform(0, 1, len(groups))])
+    y = offset[groups] + 0.2 * x[:, 1] + rng.normal(0, 0.02, len(groups))
+    forest = QuantileForest(random_state=0).fit(x, y, groups=groups)
+    assert 0.0 < forest.seen_margin < forest.margin
+    value, lo, hi = forest.predict(x[:3])
+    _, lo_seen, hi_seen = forest.predict(x[:3], groups=groups[:3])
+    _, lo_new, hi_new = forest.predict(x[:3], groups=[99, 99, 99])
+    assert np.allclose(hi - hi_seen, forest.margin - forest.seen_margin)
+    assert np.allclose(lo_seen - lo, forest.margin - forest.seen_margin)
+    assert np.array_equal(lo_new, lo) and np.array_equal(hi_new, hi)
+    unfolded = QuantileForest(random_state=0).fit(x, y)  # no groups: one margin, out of bag
+    assert unfolded.margin == unfolded.seen_margin == forest.seen_margin
+
+
 def test_boundary_times_follow_a_delayed_link_that_the_link_model_does_not_know(forest: ForestPredictor) -> None:
     env = sim.Env(delay_s=5e-3, jitter_s=2e-3)
     _, wins = _windows([env], seed=4)[0]
@@ -207,6 +268,14 @@ def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_pa
     with np.load(path, allow_pickle=False) as data:
         meta = json.loads(str(data["meta"]))
     assert meta["format"] == FILE_FORMAT and "scikit-learn" in meta["versions"] and meta["schema"]["version"] >= 1
+    for kind in ("stage", "boundary"):  # the rows keep the labels of the windows they were measured in
+        assert np.array_equal(loaded.samples.windows(kind), forest.samples.windows(kind))
+    assert len(set(forest.samples.windows("stage"))) < len(forest.samples)
+    with np.load(path, allow_pickle=False) as data:  # a file written before rows had labels: each row its own
+        older = {k: data[k] for k in data.files if not k.endswith("_window")}
+    np.savez(tmp_path / "older.npz", **older)
+    unlabelled = ForestPredictor.load(tmp_path / "older.npz")
+    assert len(set(unlabelled.samples.windows("stage"))) == len(unlabelled.samples)
 
 
 def test_the_fixed_cost_per_micro_batch_is_kept_in_files_prices_every_row_and_old_rows_do_not_mix(
@@ -579,3 +648,33 @@ def test_prepare_waits_for_the_refit_process_imports_and_both_of_its_lines_are_s
     stage, _ = child.result()
     assert stage is not None
     child.close()
+
+
+def test_rows_that_share_a_windows_noise_are_held_out_together_when_the_margin_is_calibrated() -> None:
+    """Every layer set measured under every scenario, one window each, several rows per window (priced from several
+    other windows): the rows of one window share its noise, and the trees, which can tell the window by its layer
+    set and scenario, learn that noise. Out of bag, a row is scored by trees that drew its window's other rows, so
+    the margin leaves out the noise a new window brings; held out by window, it is wider and covers new windows
+    better."""
+    rng = np.random.default_rng(0)
+    offset = rng.normal(0.0, 0.3, 6)
+
+    def measure(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        r = np.random.default_rng(seed)
+        g, s = np.meshgrid(np.arange(6), np.arange(5), indexing="ij")
+        g, s = np.repeat(g.ravel(), 6), np.repeat(s.ravel(), 6)
+        window = g * 5 + s + 100 * seed
+        noise = r.normal(0.0, 0.1, 30)[window % 100]
+        x = np.column_stack([g * 1.0, s * 1.0, r.uniform(0, 1, len(g))])
+        return x, offset[g] + 0.1 * s + noise + r.normal(0, 0.01, len(g)), g, window
+
+    x, y, g, window = measure(1)
+    held_out = QuantileForest(random_state=0).fit(x, y, groups=g, windows=window)
+    out_of_bag = QuantileForest(random_state=0).fit(x, y, groups=g)
+    assert held_out.seen_margin > out_of_bag.seen_margin
+    new_x, new_y, new_g, _ = measure(2)  # the same layer sets and scenarios, new windows
+    covered = {}
+    for name, forest in (("held out", held_out), ("out of bag", out_of_bag)):
+        _, lo, hi = forest.predict(new_x, groups=new_g)
+        covered[name] = float(np.mean((lo <= new_y) & (new_y <= hi)))
+    assert covered["held out"] >= 0.80 and covered["held out"] > covered["out of bag"], covered
