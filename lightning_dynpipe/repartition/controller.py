@@ -16,7 +16,9 @@ applies it (a live migration at the next step). At every check:
    candidate's predicted step time (and time to accuracy) follows from those through the planner's model of the
    schedule and its staleness, and is at least the schedule's slowest round trip through several stages
    (:meth:`~lightning_dynpipe.schedule.Schedule.round_trip_time`, which a slow link makes binding);
-4. the best candidate and the lower end of its predicted gain go to the policy;
+4. the candidate whose predicted gain has the largest lower end (the shortest predicted time at the upper ends of
+   the predictor's intervals; with a point predictor, the shortest predicted time) goes to the policy with that
+   lower end; a candidate priced shorter but less surely never holds back one whose lower end pays;
 5. with ``max_extra_in_flight > 0`` and the partition staying, the current partition is priced under ``async+d``
    for every ``d`` up to it (the convergence model charging each depth's staleness), and the best depth goes to
    the depth policy (:class:`~lightning_dynpipe.repartition.inflight.InFlightPolicy`); its answer is in
@@ -393,9 +395,16 @@ class AdaptiveController:
             predictions = [current_prediction, *(self.predictor.predict(cost, link, window, p) for p in unique)]
         priced = [self._price(p, pred, comm) for p, pred in zip([window.partition, *unique], predictions)]
         paired, depths_here = self._pair_depths(step, window, priced, comm)
-        # ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice)
+        # The candidate the policy judges: the one whose predicted gain has the largest lower end, i.e. the shortest
+        # time at the upper ends of the predictor's intervals (with a point predictor, the shortest predicted time).
+        # The policy moves only when that lower end pays, so no other candidate could pay where this one does not; a
+        # candidate priced shorter but less surely (layers never measured together) would hold back a move that pays.
+        # Ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice).
         current = priced[0]
-        best = min((c for c in priced if c.fits or c is current), key=lambda c: c.value.time_to_accuracy_s)
+        best = min(
+            (c for c in priced if c.fits or c is current),
+            key=lambda c: (c.high.time_to_accuracy_s, c.value.time_to_accuracy_s),
+        )
         # a plan's time to accuracy over I0 is its seconds per micro-batch with the staleness's extra steps: the
         # policy's per-step currency, whatever I0 a calibrated convergence model carries. A step is M micro-batches
         # of every replica, and the plan's time per micro-batch is the replicas' together (a stage's time / dp)

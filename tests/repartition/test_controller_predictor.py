@@ -32,8 +32,15 @@ PART = Partition((4, 4))
 class _Scripted:
     """A predictor with a fixed per-layer cost per stage and a relative interval; records what it was asked."""
 
-    def __init__(self, per_layer: tuple[float, float], spread: float = 0.0, favourite: Partition | None = None):
+    def __init__(
+        self,
+        per_layer: tuple[float, float],
+        spread: float = 0.0,
+        favourite: Partition | None = None,
+        spreads: dict[Partition, float] | None = None,
+    ):
         self.per_layer, self.spread, self.favourite = per_layer, spread, favourite
+        self.spreads = spreads or {}
         self.observed: list[PipelineWindow] = []
         self.asked: list[Partition] = []
 
@@ -50,7 +57,8 @@ class _Scripted:
             v = self.per_layer[k] * n
             if self.favourite is not None and candidate == self.favourite:
                 v *= 0.5  # something the slowdowns of the current partition cannot know
-            stages.append(Interval(v, v * (1 - self.spread), v * (1 + self.spread)))
+            spread = self.spreads.get(candidate, self.spread)
+            stages.append(Interval(v, v * (1 - spread), v * (1 + spread)))
         slow = tuple(s.value / (0.003 * n) for s, n in zip(stages, candidate.balance))
         return PartitionPrediction(candidate, slow, tuple(stages), (Interval.point(0.0),))
 
@@ -101,6 +109,19 @@ def test_a_wide_interval_holds_a_move_whose_central_gain_would_pay() -> None:
     unsure = _controller(_Scripted((0.003, 0.0045), spread=0.5)).check(10, times, PART, remaining_steps=1000)
     assert unsure is not None and not unsure.repartition and "lower end" in unsure.reason
     assert unsure.inputs.candidate_step_upper_s > unsure.inputs.candidate_step_s
+
+
+def test_the_candidate_judged_is_the_one_whose_gain_has_the_largest_lower_end() -> None:
+    """[6, 2] is priced fastest, but its layer sets were never measured (a wide interval): its lower end does not
+    pay. [5, 3] is priced slower and surely: its lower end pays, and it is the move, not no move."""
+    times = [StageTimes(0.048, 0.15), StageTimes(0.144, 0.15)]  # as priced: 12 and 36 ms per micro-batch
+    unsure = {Partition((6, 2)): 0.9}
+    d = _controller(_Scripted((0.003, 0.009), spreads=unsure)).check(10, times, PART, remaining_steps=1000)
+    assert d is not None and d.repartition and d.partition == Partition((5, 3))
+    assert d.inputs.candidate_step_upper_s == pytest.approx(d.inputs.candidate_step_s)
+    # with the same interval everywhere the fastest is also the surest
+    d = _controller(_Scripted((0.003, 0.009), spread=0.05)).check(10, times, PART, remaining_steps=1000)
+    assert d is not None and d.repartition and d.partition == Partition((6, 2))
 
 
 def test_candidates_are_priced_with_the_updates_of_their_layers() -> None:
