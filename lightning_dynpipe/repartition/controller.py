@@ -399,12 +399,14 @@ class AdaptiveController:
         # time at the upper ends of the predictor's intervals (with a point predictor, the shortest predicted time).
         # The policy moves only when that lower end pays, so no other candidate could pay where this one does not; a
         # candidate priced shorter but less surely (layers never measured together) would hold back a move that pays.
+        # Where that is the current partition no candidate can pay, and the fastest goes to the policy, whose reason
+        # then says why it does not (the lower end of its gain), not that the current partition is the fastest.
         # Ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice).
         current = priced[0]
-        best = min(
-            (c for c in priced if c.fits or c is current),
-            key=lambda c: (c.high.time_to_accuracy_s, c.value.time_to_accuracy_s),
-        )
+        allowed = [c for c in priced if c.fits or c is current]
+        best = min(allowed, key=lambda c: (c.high.time_to_accuracy_s, c.value.time_to_accuracy_s))
+        if best is current:
+            best = min(allowed, key=lambda c: c.value.time_to_accuracy_s)
         # a plan's time to accuracy over I0 is its seconds per micro-batch with the staleness's extra steps: the
         # policy's per-step currency, whatever I0 a calibrated convergence model carries. A step is M micro-batches
         # of every replica, and the plan's time per micro-batch is the replicas' together (a stage's time / dp)

@@ -122,6 +122,12 @@ def test_the_candidate_judged_is_the_one_whose_gain_has_the_largest_lower_end() 
     # with the same interval everywhere the fastest is also the surest
     d = _controller(_Scripted((0.003, 0.009), spread=0.05)).check(10, times, PART, remaining_steps=1000)
     assert d is not None and d.repartition and d.partition == Partition((6, 2))
+    # every candidate's upper end above the current partition's: the fastest is judged, and the reason is its lower
+    # end (not that the current partition is the fastest)
+    sure_here = _Scripted((0.003, 0.009), spread=1.2, spreads={PART: 0.0})
+    d = _controller(sure_here).check(10, times, PART, remaining_steps=1000)
+    assert d is not None and not d.repartition and d.inputs.candidate == Partition((6, 2))
+    assert "lower end" in d.reason
 
 
 def test_candidates_are_priced_with_the_updates_of_their_layers() -> None:
