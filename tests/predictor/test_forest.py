@@ -22,8 +22,8 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow, StageTimes
-from lightning_dynpipe.predictor.features import LabelledSamples, samples_from_windows, stage_priors
-from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor, QuantileForest
+from lightning_dynpipe.predictor.features import LabelledSamples, boundary_rows, samples_from_windows, stage_priors
+from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor, QuantileForest, _sizes
 
 from . import sim
 
@@ -167,7 +167,7 @@ def test_a_layer_set_never_measured_gets_the_by_layer_set_margin_and_one_measure
     forest = ForestPredictor().fit(LabelledSamples.concat(parts))
     stage = forest._stage
     assert stage is not None and stage.seen_margin < stage.margin
-    covered, unseen_widths, seen_widths = [], [], []
+    covered, unseen_widths, seen_widths, boundary_widths = [], [], [], []
     for env, wins in _windows(HELD_OUT, seed=3):
         truth, _ = sim.true_compute(COST, never, env, M)
         for a in PARTS:
@@ -176,6 +176,7 @@ def test_a_layer_set_never_measured_gets_the_by_layer_set_margin_and_one_measure
             p = forest.predict(profile, sim.LINK, wins[a], never)
             covered += [i.low <= t / M <= i.high for i, t in zip(p.stage_compute_s, truth)]
             unseen_widths += [math.log(i.high / i.low) for i in p.stage_compute_s]
+            boundary_widths += [math.log(i.high / i.low) for i in p.boundary_s]
             other = PARTS[1] if a != PARTS[1] else PARTS[3]
             seen = forest.predict(profile, sim.LINK, wins[a], other).stage_compute_s
             seen_widths += [math.log(i.high / i.low) for i in seen]
@@ -183,6 +184,13 @@ def test_a_layer_set_never_measured_gets_the_by_layer_set_margin_and_one_measure
     # the interval is the trees' 5th-95th percentile widened by the margin on each side
     assert min(unseen_widths) >= 2 * stage.margin - 1e-9
     assert min(seen_widths) < 2 * stage.margin
+    # the boundary forest knows its groups by message size, the same way when it fits and when it predicts: the
+    # sizes of the partitions measured are its training groups, the size at the boundary of P is not
+    boundary = forest._boundary
+    assert boundary is not None and min(boundary_widths) >= 2 * boundary.margin - 1e-9
+    window = _windows(HELD_OUT, seed=3)[0][1][PARTS[1]]
+    assert not {*_sizes(boundary_rows(profile, sim.LINK, window, never))} & boundary._seen
+    assert {*_sizes(boundary_rows(profile, sim.LINK, window, PARTS[4]))} <= boundary._seen
 
 
 def test_a_quantile_forest_gives_rows_of_training_groups_their_own_margin() -> None:
