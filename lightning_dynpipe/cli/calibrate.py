@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--clean-rounds", type=int, default=SweepSettings.clean_rounds,
         help="rounds of measuring every layer set without interference (each keeps its median round)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-planned", action="store_true",
+        help="measure only the candidate partitions, not also those the planner proposes from their windows",
+    )  # fmt: skip
     p.add_argument("--core", type=int, default=None, help="the core the worker runs on (default: the last allowed)")
     p.add_argument("--out", default="dynpipe-forest.npz", help="where to save the forest")
     p.add_argument("--runs-out", default=None, help="also save every measured window as JSON (for benchmarks)")
@@ -108,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     balances = (
         tuple(p.balance for p in _parse_balances(a.balances, a.num_stages, cost.num_layers)) if a.balances else None
     )
-    settings = SweepSettings(scenarios, a.partitions, a.steps, balances, a.core, a.clean_rounds)
+    settings = SweepSettings(scenarios, a.partitions, a.steps, balances, a.core, a.clean_rounds, not a.no_planned)
     result = calibrate_pipeline(
         pipeline, sample, cost, num_stages=a.num_stages, num_microbatches=a.num_microbatches, settings=settings
     )

@@ -17,6 +17,7 @@ from lightning_dynpipe.sweep.core import (
     calibration_samples,
     candidate_partitions,
     median_reading,
+    planned_partitions,
     run_sweep,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "SweepResult",
     "CalibrationRun",
     "candidate_partitions",
+    "planned_partitions",
     "run_sweep",
     "median_reading",
     "calibration_samples",

@@ -14,7 +14,10 @@ The sweep, in one worker process pinned to one core with one torch thread (what 
    CPU limit on the worker (cgroup quota where allowed, else the SIGSTOP throttle), or an emulated slower link
    across the boundaries: a delay with jitter, and a bandwidth, per message (measured over a local socket pair
    carrying the boundary's activation bytes);
-3. pairs every two partitions measured under the same scenario (the environment seen under one, the times measured
+3. measures the same way the partitions the planner proposes from those windows (:func:`planned_partitions`:
+   under a slower link, for example, the cut at a smaller activation), which the adaptive loop's solve would
+   propose under each scenario; the forest is sure only of layer sets it has measured;
+4. pairs every two partitions measured under the same scenario (the environment seen under one, the times measured
    under the other: what pricing a partition that has not run needs) into the forest's labelled rows.
 
 Each run is a few steps: the whole sweep takes tens of seconds for a small model.
@@ -52,6 +55,7 @@ __all__ = [
     "SweepResult",
     "CalibrationRun",
     "candidate_partitions",
+    "planned_partitions",
     "run_sweep",
     "median_reading",
     "calibration_samples",
@@ -114,6 +118,10 @@ class SweepSettings:
         core: the core the worker runs on (default: the last one this process may use).
         clean_rounds: how many times each stage's layer set is measured without interference, in rounds over all
             of them; each keeps its median round (see :func:`run_sweep`).
+        planned: then also measure, under every scenario, the partitions the planner proposes from the sweep's
+            windows (:func:`planned_partitions`: what the adaptive loop's solve would propose under each scenario),
+            up to ``partitions`` more; not with ``balances``. The forest's intervals are narrow only on layer sets
+            it has measured, and these are the ones a decision is likely to judge.
 
     Raises:
         ConfigurationError: an unknown scenario, fewer than 2 partitions or steps, an empty balance list, fewer
@@ -126,6 +134,7 @@ class SweepSettings:
     balances: tuple[tuple[int, ...], ...] | None = None
     core: int | None = None
     clean_rounds: int = 3
+    planned: bool = True
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -243,6 +252,42 @@ def candidate_partitions(cost: ModelCost, num_stages: int, count: int) -> list[P
             if min(bal) >= 1 and Partition(tuple(bal)) not in out and len(out) < count:
                 out.append(Partition(tuple(bal)))
         shift += 1
+    return out
+
+
+def planned_partitions(
+    cost: ModelCost, comm: CommModel, runs: Sequence[CalibrationRun], known: Sequence[Partition], limit: int
+) -> list[Partition]:
+    """The partitions the planner proposes from the windows of ``runs`` that are not in ``known``, at most ``limit``,
+    in the order first proposed.
+
+    For each window: the link as its messages measured it (:class:`~lightning_dynpipe.predictor.link.LinkEstimate`
+    over ``comm``), each stage's slowdown as the measured predictor reads it, and the planner's best partition of as
+    many stages under them (what the adaptive loop's solve proposes from such a window).
+    """
+    from lightning_dynpipe.plan.auto import best_plan
+    from lightning_dynpipe.predictor import MeasuredSlowdownPredictor
+    from lightning_dynpipe.predictor.link import LinkEstimate
+
+    seen, out = set(known), list[Partition]()
+    for run in runs:
+        if len(out) >= limit:
+            break
+        window = run.window
+        link = LinkEstimate(comm).observe(cost, window).model()
+        slowdowns = MeasuredSlowdownPredictor().predict(cost, link, window, window.partition).slowdowns
+        S = window.partition.num_stages
+        proposed = best_plan(
+            cost,
+            S,
+            num_stages=S,
+            comm=CommModel(latency_s=link.latency_s, bandwidth_Bps=link.bandwidth_Bps, overlap=window.comm_overlap),
+            num_microbatches=window.num_microbatches,
+            slowdowns=list(slowdowns),
+        ).partition
+        if proposed not in seen:
+            seen.add(proposed)
+            out.append(Partition(proposed.balance))
     return out
 
 
@@ -460,6 +505,21 @@ def calibrate_pipeline(
             link=link,
             clean_rounds=s.clean_rounds,
         )
+        more = planned_partitions(cost, comm, runs, partitions, s.partitions) if s.planned and not s.balances else []
+        if more:
+            runs += run_sweep(
+                cost,
+                conn,
+                proc.pid,
+                core,
+                scenarios=[SCENARIOS[n] for n in s.scenarios],
+                partitions=more,
+                num_microbatches=num_microbatches,
+                steps=s.steps,
+                link=link,
+                clean_rounds=s.clean_rounds,
+            )
+            partitions = [*partitions, *more]
     except (EOFError, ConnectionError) as exc:
         raise ConfigurationError(f"The calibration worker ended early (exit code {proc.poll()}).") from exc
     finally:

@@ -20,6 +20,7 @@ from lightning_dynpipe.sweep import (
     SweepSettings,
     calibrate_pipeline,
     calibration_samples,
+    planned_partitions,
     run_sweep,
 )
 from lightning_dynpipe.sweep.worker import _backward, _stage_input
@@ -120,3 +121,22 @@ def test_calibration_rows_carry_the_fixed_cost_the_clean_windows_show() -> None:
     samples = calibration_samples(COST, CommModel(1e-4, 1e9), runs)
     assert samples.fixed_s == pytest.approx(0.5)
     assert len(samples) == 2 * 9 * 2  # two scenarios, every ordered pair of three windows, two stages each
+
+
+def test_the_sweep_also_measures_the_partitions_the_planner_proposes_from_its_windows() -> None:
+    """A window of [2, 2] with every stage at its profile proposes nothing new; the same window whose 1 MiB messages
+    took 20 ms each (a slower link) proposes the cut at the 1 KiB activation, [3, 1]; the cap holds."""
+    cost = ModelCost.from_arrays([1e-3] * 4, [2e-3] * 4, activation_bytes=[1 << 20, 1 << 20, 1 << 10, 1 << 20])
+    comm = CommModel(latency_s=1e-5, bandwidth_Bps=1e9)
+
+    def window(comm_s: float) -> PipelineWindow:
+        stages = tuple(
+            StageTimes(compute_s=4 * 6e-3, step_s=0.03 + comm_s, comm_s=comm_s, exposed_comm_s=comm_s) for _ in range(2)
+        )
+        return PipelineWindow(Partition((2, 2)), stages, 4)
+
+    known = [Partition((2, 2)), Partition((1, 3))]
+    assert planned_partitions(cost, comm, [CalibrationRun("none", window(0.0))], known, 2) == []
+    slow = [CalibrationRun("delay", window(4 * 0.02))]
+    assert planned_partitions(cost, comm, slow, known, 2) == [Partition((3, 1))]
+    assert planned_partitions(cost, comm, slow, known, 0) == []

@@ -5,7 +5,7 @@ block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``cali
 
 1. every rank's forest is fitted before the first step, on the same rows (the sweep runs on rank 0 and its rows
    travel with the set-up decision), as many as the sweep measures: every ordered pair of partitions under each
-   scenario, per stage;
+   scenario, per stage (the candidate partitions and those the planner proposed from their windows);
 2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
    weights equal plain single-process training with Adam to 1e-6, and the tie holds;
 3. with ``one_rank_refits=True``, each of the run's refits (one per window here) ran on one rank, the one with
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import re
 import sys
 from typing import Any
 
@@ -70,12 +71,16 @@ if __name__ == "__main__":
 
     # 1. fitted before the first step, on the same rows everywhere, as many as the sweep measures
     assert fitted_at_start == [True], fitted_at_start
-    assert strategy.calibration is not None and strategy.calibration.startswith("calibrated on 6 windows")
+    # the 3 candidate partitions and those the planner proposed from their windows (at most 3 more)
+    found = re.match(r"calibrated on (\d+) windows \(2 scenarios x (\d+) partitions", strategy.calibration or "")
+    assert found is not None, strategy.calibration
+    windows, measured = int(found[1]), int(found[2])
+    assert windows == 2 * measured and SETTINGS.partitions <= measured <= 2 * SETTINGS.partitions, strategy.calibration
     assert strategy.calibration_s is not None and strategy.calibration_s > 0
     digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest(forest))
     assert len(set(digests)) == 1, digests
-    pairs = len(SETTINGS.scenarios) * SETTINGS.partitions**2
+    pairs = len(SETTINGS.scenarios) * measured**2
     assert len(forest.samples) >= pairs * 2, len(forest.samples)  # 2 stages per window (then the run's own)
     # 2. the model is what plain training gives
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
