@@ -493,32 +493,18 @@ def calibrate_pipeline(
     try:
         _wait_ready(conn, proc)
         comm = link.comm_model()
-        runs = run_sweep(
-            cost,
-            conn,
-            proc.pid,
-            core,
-            scenarios=[SCENARIOS[n] for n in s.scenarios],
-            partitions=partitions,
-            num_microbatches=num_microbatches,
-            steps=s.steps,
-            link=link,
-            clean_rounds=s.clean_rounds,
-        )
+        scenarios = [SCENARIOS[n] for n in s.scenarios]
+
+        def sweep(measured: list[Partition]) -> list[CalibrationRun]:
+            return run_sweep(
+                cost, conn, proc.pid, core, scenarios=scenarios, partitions=measured,
+                num_microbatches=num_microbatches, steps=s.steps, link=link, clean_rounds=s.clean_rounds,
+            )  # fmt: skip
+
+        runs = sweep(partitions)
         more = planned_partitions(cost, comm, runs, partitions, s.partitions) if s.planned and not s.balances else []
         if more:
-            runs += run_sweep(
-                cost,
-                conn,
-                proc.pid,
-                core,
-                scenarios=[SCENARIOS[n] for n in s.scenarios],
-                partitions=more,
-                num_microbatches=num_microbatches,
-                steps=s.steps,
-                link=link,
-                clean_rounds=s.clean_rounds,
-            )
+            runs += sweep(more)
             partitions = [*partitions, *more]
     except (EOFError, ConnectionError) as exc:
         raise ConfigurationError(f"The calibration worker ended early (exit code {proc.poll()}).") from exc
