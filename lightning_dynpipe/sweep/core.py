@@ -263,7 +263,9 @@ def planned_partitions(
 
     For each window: the link as its messages measured it (:class:`~lightning_dynpipe.predictor.link.LinkEstimate`
     over ``comm``), each stage's slowdown as the measured predictor reads it, and the planner's best partition of as
-    many stages under them (what the adaptive loop's solve proposes from such a window).
+    many stages under them (what the adaptive loop's solve proposes from such a window). The planner prices the
+    default ``async`` schedule without a convergence model: the sweep does not know the run's, and a proposal only
+    chooses what to measure; the run's own loop prices every candidate with its schedule.
     """
     from lightning_dynpipe.plan.auto import best_plan
     from lightning_dynpipe.predictor import MeasuredSlowdownPredictor
