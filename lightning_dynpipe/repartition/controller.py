@@ -397,8 +397,10 @@ class AdaptiveController:
         paired, depths_here = self._pair_depths(step, window, priced, comm)
         # The candidate the policy judges: the one whose predicted gain has the largest lower end, i.e. the shortest
         # time at the upper ends of the predictor's intervals (with a point predictor, the shortest predicted time).
-        # The policy moves only when that lower end pays, so no other candidate could pay where this one does not; a
-        # candidate priced shorter but less surely (layers never measured together) would hold back a move that pays.
+        # The policy moves only when that lower end pays the migration, so no other candidate's lower end pays where
+        # this one's does not; a candidate priced shorter but less surely (layers never measured together) would hold
+        # back a move that pays. (The policy also asks the saving at the values to reach its minimum: a candidate
+        # surer but with a smaller saving is judged before one with a larger saving whose lower end pays less.)
         # Where that is the current partition no candidate can pay, and the fastest goes to the policy, whose reason
         # then says why it does not (the lower end of its gain), not that the current partition is the fastest.
         # Ties: current, planner; a candidate over the memory cap is never chosen (the current one stays a choice).
