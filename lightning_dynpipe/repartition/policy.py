@@ -407,7 +407,7 @@ class GainOverCostPolicy:
     no faster). The predicted saving is the one at the predictor's values (``candidate_step_s``): the interval already
     guards against a prediction the predictor is unsure of, through the lower end that must pay the migration, and
     ``min_relative_gain`` asks the same size of saving of every predictor (a point predictor's value is its lower end).
-    Asked of the lower end instead, a saving of 10-20% at the values whose interval reached +-30% never moved: a forest
+    Asked of the lower end instead, a saving of 10-20% at the values whose intervals reached +-35% never moved: a forest
     calibrated at set-up held a CNN under a half-core quota where the cut it priced 20% faster measured 12% faster.
     A move needs both at ``patience`` consecutive checks with the same candidate that cover at least ``patience_s``
     of the pipeline's time (a fast model's checks are a tenth of a second apart, and a neighbour's bursts of work kept a
