@@ -108,6 +108,17 @@ def test_clean_rounds_must_be_at_least_one() -> None:
         SweepSettings(clean_rounds=0)
 
 
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_the_default_scenarios_limit_the_first_stages_layer_sets_and_the_last_stages(num_stages: int) -> None:
+    """``calibrate=True`` measures a CPU limit on the first stage's layer sets (``quota50``) and on the last stage's
+    (``quota25``): a small last stage's time is mostly fixed costs, which a limit stretches, and without rows of it
+    the forest priced a limited last stage from the first stage's."""
+    defaults = [SCENARIOS[name] for name in SweepSettings().scenarios]
+    limited = {sc.name: sc.stage % num_stages for sc in defaults if sc.kind == "limit"}
+    assert limited == {"quota50": 0, "quota25": num_stages - 1}
+    assert {sc.kind for sc in defaults} == {"none", "hog", "limit", "delay"}
+
+
 def test_calibration_rows_carry_the_fixed_cost_the_clean_windows_show() -> None:
     """Clean readings of 1.2 x (profile + 0.5 s) per micro-batch across three layer-set sizes (COST's layers take 3 s
     each): the rows are priced with a fixed cost of 0.5 s, from the windows of no interference only."""
