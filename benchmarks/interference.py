@@ -14,6 +14,8 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
 * ``forest-cal``: ``forest`` trained first by the calibration sweep at set-up (``calibrate=True``: rank 0 runs the
   model's own layer sets under the default sweep's scenarios before the first step); like the set-up profile, the
   sweep is not in the time to accuracy, and its seconds are printed per run; opt-in through ``--systems``;
+* ``forest-cal-raw``: ``forest-cal`` with ``ForestPredictor(anchored=False)``: each candidate priced at its prior
+  times the forest's residual alone, not relative to the window's own partition; opt-in through ``--systems``;
 * ``measured``: the same with ``predictor="measured"`` (the baseline: measured slowdowns carried over); ``adaptive``
   in result files of earlier versions;
 * ``varuna``, ``dynpipe-2x``: the rules of :mod:`lightning_dynpipe.repartition.rules` as the policy, with the
@@ -187,6 +189,7 @@ SCENARIOS: tuple[str, ...] = (
 ALL_SYSTEMS: tuple[str, ...] = (
     "forest",
     "forest-cal",
+    "forest-cal-raw",
     "measured",
     "measured-probe",
     "measured-beta",
@@ -465,8 +468,11 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     system = system.partition("+")[0]
     if system == "static" or system.startswith("cut"):
         return False, "measured"
-    if system in ("forest", "forest-cal"):
-        return True, ForestPredictor.load(cfg.forest_file) if cfg.forest_file else ForestPredictor()
+    if system in ("forest", "forest-cal", "forest-cal-raw"):
+        anchored = system != "forest-cal-raw"
+        if cfg.forest_file:
+            return True, ForestPredictor.load(cfg.forest_file, anchored=anchored)
+        return True, ForestPredictor(anchored=anchored)
     if system in ("measured", "measured-probe", "measured-beta", "measured-depth", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
@@ -547,7 +553,7 @@ def _fit(
         balance=list(cfg.balance),
         adaptive=adaptive,
         predictor=predictor,
-        calibrate=system == "forest-cal",
+        calibrate=system in ("forest-cal", "forest-cal-raw"),
         lr_scale=cfg.lr_scale,
         convergence=convergence,
         max_extra_in_flight=2 if system == "measured-depth" else 0,
@@ -1131,7 +1137,7 @@ def render_targets(summary: dict[str, Any], *, noise: bool = False) -> str:
                 out.append(
                     f"{system} {s}: static/{system} {r:.2f}x (target >= 1.0x) -> {'met' if r >= 1.0 else 'MISSED'}"
                 )
-    for forest in ("forest", "forest-cal"):
+    for forest in ("forest", "forest-cal", "forest-cal-raw"):
         if forest not in systems or "measured" not in systems:
             continue
         worse = [
