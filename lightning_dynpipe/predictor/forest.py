@@ -10,16 +10,18 @@ stage has read quiet under the layers it holds, the excess of that reading over 
 per micro-batch in its prior, not a stretch of the layers it would receive (the rows say how much of the prior that
 is, so rows priced either way train one forest).
 
-**Anchored to the window.** The window measured its own partition, so that partition needs no prediction: its
-prior is what the window measured (each stage's compute per micro-batch, or all its CPU over its limit; each
-boundary's message time). What the forest can add is how a candidate's stage differs from it, so by default
-(``anchored=True``) a candidate's stage ``k`` is priced at its prior times ``exp(r_cand - r_own)``: the forest's
-residual for it less its residual for stage ``k`` of the window's own partition, from the same window (its interval
-likewise shifted); boundaries the same. Without it, where the forest mispriced the running partition it mispriced
-every candidate by about as much, and a saving that is a share of the measured step looked smaller or larger than it
-is: on the CNN under a quarter-core quota on its last stage, a forest trained by the set-up sweep priced the running
-partition at 69 ms per step against 106 measured (the sweep's worker, throttled alone, ran faster than a pipeline
-stage's process does under the same quota).
+**Anchored to the window.** The window measured its own partition, so that partition needs no prediction: each
+stage's compute per micro-batch (under a CPU limit, at least its CPU over the limit) and each boundary's message
+time are known. What the forest can add is how a candidate's stage differs from it. So by default
+(``anchored=True``) a fitted forest prices the window's own partition too, and shifts every candidate's residual for
+stage ``k`` by what it got wrong about stage ``k`` there: a candidate's stage is priced at
+``prior * exp(r_cand) * measured_own / (prior_own * exp(r_own))``, its interval shifted alike; boundaries the same.
+The window's own partition is then priced at what it measured. Without it, where the forest mispriced the running
+partition it mispriced every candidate by about as much, and a saving, a share of the measured step, looked smaller
+or larger than it is: on the CNN under a quarter-core quota on its last stage, a forest trained by the set-up sweep
+priced the running partition at 69 ms per step against 106 measured (the sweep's worker, throttled alone, ran
+faster than a pipeline stage's process does under the same quota); with nothing beside it, a stage that ran faster
+than its profile was priced at its profile (the prior's slowdown is at least 1).
 
 **Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
 widened (or narrowed) by a constant: the smallest that makes ``coverage`` of the calibration intervals hold the
@@ -114,6 +116,8 @@ from lightning_dynpipe.predictor.features import (
     QuietReadings,
     boundary_priors,
     boundary_rows,
+    effective_compute_s,
+    measured_message_s,
     samples_from_windows,
     stage_priors,
     stage_rows,
@@ -135,6 +139,7 @@ _LAYERS_COL = STAGE_FEATURES.index("candidate_num_layers")
 _BYTES_COL = BOUNDARY_FEATURES.index("candidate_mib")
 _SKLEARN_HINT = "The forest predictor needs scikit-learn: pip install 'scikit-learn>=1.3'"
 _TREE_QUANTILES = (0.05, 0.95)
+_FLOOR_S = 1e-9  # as the rows': a time of 0 (no transfer measured) has no log ratio, and is not anchored to
 
 
 def _sklearn_forest() -> Any:
@@ -360,8 +365,8 @@ class ForestPredictor:
             on the 2-core benchmark machine it saved the other ranks' refit CPU but measured about 2% fewer
             samples/s than every rank refitting (benchmarks/results/2026-12-04-one-rank-refits.md).
         anchored: price each candidate relative to the window's own partition (see "Anchored to the window" in
-            the module): the forest's residual for a candidate's stage less its residual for the same stage under
-            the partition the window measured, so that partition is priced at what it measured. ``False``: each
+            the module): a candidate's stage carries what the forest got wrong about the same stage under the
+            partition the window measured, so that partition is priced at what it measured. ``False``: each
             candidate at its prior times the forest's residual alone.
     """
 
@@ -784,9 +789,13 @@ class ForestPredictor:
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in priced])
         s_val, s_lo, s_hi = _residuals(self._stage, sx, _layer_sets(sx))
         b_val, b_lo, b_hi = _residuals(self._boundary, bx, _sizes(bx))
-        if self.anchored:  # see "Anchored to the window" in the module docstring
-            s_val, s_lo, s_hi = _anchor(s_val, s_lo, s_hi, S)
-            b_val, b_lo, b_hi = _anchor(b_val, b_lo, b_hi, S - 1)
+        # see "Anchored to the window" in the module docstring (an untrained forest answers its prior)
+        if self.anchored and self._stage is not None:
+            s_own = np.asarray([effective_compute_s(t) / window.num_microbatches for t in window.stages])
+            s_val, s_lo, s_hi = _anchor(s_val, s_lo, s_hi, s_own, sp[:S])
+        if self.anchored and self._boundary is not None:
+            b_own = np.asarray([m for m, _ in measured_message_s(window)])
+            b_val, b_lo, b_hi = _anchor(b_val, b_lo, b_hi, b_own, bp[: S - 1])
         # drop the window's own partition (first in ``priced``)
         sp, s_val, s_lo, s_hi = (a[S:] for a in (sp, s_val, s_lo, s_hi))
         bp, b_val, b_lo, b_hi = (a[S - 1 :] for a in (bp, b_val, b_lo, b_hi))
@@ -925,15 +934,19 @@ def _residuals(
 
 
 def _anchor(
-    value: FloatArray, low: FloatArray, high: FloatArray, per: int
+    value: FloatArray, low: FloatArray, high: FloatArray, measured: FloatArray, prior: FloatArray
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """Residuals of ``per`` rows per partition, the window's own partition first, less that partition's value at the
-    same position (stage or boundary): each candidate's residual relative to the window's own (which becomes 0, so
-    its price is its prior: what the window measured)."""
+    """Residuals of ``len(measured)`` rows per partition, the window's own partition first, shifted so that the
+    window's own partition is priced at what it measured: each row's residual plus, for its stage (or boundary),
+    the log ratio of the ``measured`` time to the ``prior`` less the forest's residual for it under the window's own
+    partition (no shift where either time is not positive: priced as without the anchor)."""
+    per = len(measured)
     if not per or not len(value):
         return value, low, high
-    own = np.tile(value[:per], len(value) // per)
-    return value - own, low - own, high - own
+    usable = (measured > _FLOOR_S) & (prior > _FLOOR_S)
+    ratio = np.log(np.where(usable, measured, 1.0) / np.where(usable, prior, 1.0))
+    shift = np.tile(np.where(usable, ratio - value[:per], 0.0), len(value) // per)
+    return value + shift, low + shift, high + shift
 
 
 def _layer_sets(stage_x: FloatArray) -> list[Any]:

@@ -22,7 +22,15 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor import InterferencePredictor, MeasuredSlowdownPredictor, PipelineWindow, StageTimes
-from lightning_dynpipe.predictor.features import LabelledSamples, boundary_rows, samples_from_windows, stage_priors
+from lightning_dynpipe.predictor.features import (
+    STAGE_FEATURES,
+    LabelledSamples,
+    boundary_rows,
+    effective_compute_s,
+    measured_message_s,
+    samples_from_windows,
+    stage_priors,
+)
 from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor, QuantileForest, _sizes
 
 from . import sim
@@ -240,6 +248,42 @@ def test_the_same_samples_give_the_same_answers_and_a_check_is_cheap(
     assert len(top) == 3 and all("=" in t for t in top)
 
 
+def test_anchored_the_running_partition_is_priced_at_what_it_measured_and_a_bias_of_the_training_rows_cancels(
+    samples: LabelledSamples,
+) -> None:
+    """Training rows whose limited stages ran a third faster than the pipeline's do (a set-up sweep's worker,
+    throttled alone, against a pipeline stage's process under the same quota): the raw forest prices the running
+    partition and every candidate that much low, so a saving looked a third smaller than it was. Anchored (the
+    default), the running partition is priced at what the window measured, stage and boundary, and each candidate
+    carries what the forest got wrong there: its limited stage is priced close to the truth."""
+    limit = samples.stage_x[:, STAGE_FEATURES.index("cpu_limit_cores")]
+    limited = (limit > 0) & (limit < 1)
+    assert limited.sum() >= 20
+    biased = dataclasses.replace(samples, stage_y=samples.stage_y + np.where(limited, math.log(2 / 3), 0.0))
+    anchored, raw = ForestPredictor().fit(biased), ForestPredictor(anchored=False).fit(biased)
+    assert anchored.anchored and not raw.anchored
+    env = sim.Env(quota=(None, 0.25))
+    _, wins = _windows([env], seed=6)[0]
+    err: dict[bool, list[float]] = {True: [], False: []}
+    for a in PARTS:
+        window = wins[a]
+        own = anchored.predict(COST, sim.LINK, window, a)
+        measured = [effective_compute_s(t) / M for t in window.stages]
+        assert [i.value for i in own.stage_compute_s] == pytest.approx(measured)
+        assert [i.value for i in own.boundary_s] == pytest.approx([m for m, _ in measured_message_s(window)])
+        assert all(i.low <= i.value <= i.high for i in (*own.stage_compute_s, *own.boundary_s))
+        for b in PARTS:
+            if b == a:
+                continue
+            t = sim.true_compute(COST, b, env, M)[0][1] / M
+            for predictor in (anchored, raw):
+                err[predictor.anchored].append(
+                    predictor.predict(COST, sim.LINK, window, b).stage_compute_s[1].value / t - 1
+                )
+    assert statistics.median(err[False]) < -0.2, err[False]  # the bias: a third low
+    assert abs(statistics.median(err[True])) <= 0.1, err[True]
+
+
 def test_its_slowdowns_are_the_windows_stretch_for_every_candidate_not_its_price_over_the_profile(
     forest: ForestPredictor,
 ) -> None:
@@ -378,6 +422,8 @@ def test_constructor_arguments_are_checked() -> None:
         ForestPredictor(adopt_after=0)
     with pytest.raises(ConfigurationError, match="0 < coverage < 1"):
         ForestPredictor(coverage=1.5)
+    with pytest.raises(ConfigurationError, match="anchored"):
+        ForestPredictor(anchored=1)  # type: ignore[arg-type]
 
 
 def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_but_never_blocks() -> None:
