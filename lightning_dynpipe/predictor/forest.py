@@ -139,7 +139,7 @@ _LAYERS_COL = STAGE_FEATURES.index("candidate_num_layers")
 _BYTES_COL = BOUNDARY_FEATURES.index("candidate_mib")
 _SKLEARN_HINT = "The forest predictor needs scikit-learn: pip install 'scikit-learn>=1.3'"
 _TREE_QUANTILES = (0.05, 0.95)
-_FLOOR_S = 1e-9  # as the rows': a time of 0 (no transfer measured) has no log ratio, and is not anchored to
+_FLOOR_S = 1e-9  # as the rows': a time of 0 (no transfer measured) has no log ratio; such a stage is not anchored
 
 
 def _sklearn_forest() -> Any:
@@ -909,7 +909,6 @@ class ForestPredictor:
             "refit_every": self.refit_every,
             "adopt_after": self.adopt_after,
             "refit_on": self.refit_on,
-            "anchored": self.anchored,
         }
 
     def __repr__(self) -> str:

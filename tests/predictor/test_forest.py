@@ -328,6 +328,9 @@ def test_save_and_load_round_trip_without_pickle(forest: ForestPredictor, tmp_pa
     np.savez(tmp_path / "older.npz", **older)
     unlabelled = ForestPredictor.load(tmp_path / "older.npz")
     assert len(set(unlabelled.samples.windows("stage"))) == len(unlabelled.samples)
+    # how candidates are priced is not the file's: a loaded forest is anchored unless the caller says otherwise
+    assert loaded.anchored and not ForestPredictor.load(path, anchored=False).anchored
+    assert "anchored" not in meta["params"]
 
 
 def test_the_fixed_cost_per_micro_batch_is_kept_in_files_prices_every_row_and_old_rows_do_not_mix(
