@@ -20,8 +20,9 @@ The window's own partition is then priced at what it measured. Without it, where
 partition it mispriced every candidate by about as much, and a saving, a share of the measured step, looked smaller
 or larger than it is: on the CNN under a quarter-core quota on its last stage, a forest trained by the set-up sweep
 priced the running partition at 69 ms per step against 106 measured (the sweep's worker, throttled alone, ran
-faster than a pipeline stage's process does under the same quota); with nothing beside it, a stage that ran faster
-than its profile was priced at its profile (the prior's slowdown is at least 1).
+faster than a pipeline stage's process does under the same quota). The prior itself is not always the measurement:
+its slowdown is at least 1 where the stage has a quiet reading, so a stage that ran faster than its profile could be
+priced at its profile.
 
 **Intervals.** Each tree predicts a residual; the interval starts as the trees' 5th to 95th percentile and is
 widened (or narrowed) by a constant: the smallest that makes ``coverage`` of the calibration intervals hold the
