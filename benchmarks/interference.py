@@ -16,6 +16,8 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
   sweep is not in the time to accuracy, and its seconds are printed per run; opt-in through ``--systems``;
 * ``forest-cal-raw``: ``forest-cal`` with ``ForestPredictor(anchored=False)``: each candidate priced at its prior
   times the forest's residual alone, not relative to the window's own partition; opt-in through ``--systems``;
+* ``forest-cal-pooled``: ``forest-cal`` with ``ForestPredictor(stratified=False)``: one interval margin for every
+  stage, interfered or quiet; opt-in through ``--systems``;
 * ``measured``: the same with ``predictor="measured"`` (the baseline: measured slowdowns carried over); ``adaptive``
   in result files of earlier versions;
 * ``varuna``, ``dynpipe-2x``: the rules of :mod:`lightning_dynpipe.repartition.rules` as the policy, with the
@@ -190,6 +192,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "forest",
     "forest-cal",
     "forest-cal-raw",
+    "forest-cal-pooled",
     "measured",
     "measured-probe",
     "measured-beta",
@@ -468,11 +471,12 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     system = system.partition("+")[0]
     if system == "static" or system.startswith("cut"):
         return False, "measured"
-    if system in ("forest", "forest-cal", "forest-cal-raw"):
+    if system in ("forest", "forest-cal", "forest-cal-raw", "forest-cal-pooled"):
         anchored = system != "forest-cal-raw"
+        stratified = system != "forest-cal-pooled"
         if cfg.forest_file:
-            return True, ForestPredictor.load(cfg.forest_file, anchored=anchored)
-        return True, ForestPredictor(anchored=anchored)
+            return True, ForestPredictor.load(cfg.forest_file, anchored=anchored, stratified=stratified)
+        return True, ForestPredictor(anchored=anchored, stratified=stratified)
     if system in ("measured", "measured-probe", "measured-beta", "measured-depth", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
@@ -553,7 +557,7 @@ def _fit(
         balance=list(cfg.balance),
         adaptive=adaptive,
         predictor=predictor,
-        calibrate=system in ("forest-cal", "forest-cal-raw"),
+        calibrate=system in ("forest-cal", "forest-cal-raw", "forest-cal-pooled"),
         lr_scale=cfg.lr_scale,
         convergence=convergence,
         max_extra_in_flight=2 if system == "measured-depth" else 0,
@@ -1137,7 +1141,7 @@ def render_targets(summary: dict[str, Any], *, noise: bool = False) -> str:
                 out.append(
                     f"{system} {s}: static/{system} {r:.2f}x (target >= 1.0x) -> {'met' if r >= 1.0 else 'MISSED'}"
                 )
-    for forest in ("forest", "forest-cal", "forest-cal-raw"):
+    for forest in ("forest", "forest-cal", "forest-cal-raw", "forest-cal-pooled"):
         if forest not in systems or "measured" not in systems:
             continue
         worse = [

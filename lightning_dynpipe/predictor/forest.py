@@ -105,6 +105,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_dynpipe.errors import ConfigurationError
+from lightning_dynpipe.monitor.stats import INTERFERENCE_SIGNS
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import Interval, PartitionPrediction, PipelineWindow
@@ -138,8 +139,18 @@ FILE_FORMAT = "dynpipe-forest/1"
 _PROFILE_COL = STAGE_FEATURES.index("candidate_profile_ms")
 _LAYERS_COL = STAGE_FEATURES.index("candidate_num_layers")
 _BYTES_COL = BOUNDARY_FEATURES.index("candidate_mib")
+_LIMIT_COL = STAGE_FEATURES.index("cpu_limit_cores")
+_OTHER_COL = STAGE_FEATURES.index("other_cpu_load")
+_WAIT_COL = STAGE_FEATURES.index("run_queue_wait_share")
+_THROTTLED_COL = STAGE_FEATURES.index("gpu_throttled")
 _SKLEARN_HINT = "The forest predictor needs scikit-learn: pip install 'scikit-learn>=1.3'"
 _TREE_QUANTILES = (0.05, 0.95)
+_Scores = tuple[npt.NDArray[np.intp], FloatArray]  # the rows a calibration scored, and their conformity scores
+_NO_SCORES: _Scores = (np.zeros(0, dtype=np.intp), np.zeros(0))
+
+MIN_STRATUM_SCORES = 20
+"""Conformity scores a stratum needs in a calibration for its own margin (:meth:`QuantileForest.fit`); with fewer,
+its rows keep the pooled one."""
 _FLOOR_S = 1e-9  # as the rows': a time of 0 (no transfer measured) has no log ratio; such a stage is not anchored
 
 
@@ -176,6 +187,7 @@ class QuantileForest:
             the calibrations; without groups, :attr:`seen_margin`).
         seen_margin: the constant for a row of a group among the training rows' (held out by window, or out of
             bag, the larger).
+        stratum_margins: ``(seen_margin, margin)`` of each stratum :meth:`fit` calibrated on its own rows' scores.
 
     Args:
         n_estimators: trees (small: the forest is queried at every check).
@@ -199,6 +211,7 @@ class QuantileForest:
         self._trees: list[Any] = []
         self.margin = 0.0
         self.seen_margin = 0.0
+        self.stratum_margins: dict[Any, tuple[float, float]] = {}
         self._seen: frozenset[Any] = frozenset()
         self.importances: FloatArray = np.zeros(0)
         self.fit_s = 0.0
@@ -217,6 +230,7 @@ class QuantileForest:
         y: FloatArray,
         groups: npt.ArrayLike | None = None,
         windows: npt.ArrayLike | None = None,
+        strata: npt.ArrayLike | None = None,
     ) -> QuantileForest:
         """Fits the trees on rows ``x`` and targets ``y`` and calibrates the interval margins.
 
@@ -234,36 +248,77 @@ class QuantileForest:
                 share its noise). With three labels or more, :attr:`seen_margin` is calibrated on folds split by
                 it, scored on the held-out rows whose group the other folds hold; without, out of bag (each row
                 scored by the trees that did not draw it, which may have drawn rows sharing its noise).
+            strata: optional label per row of a kind of row whose errors differ from the others' (e.g. a stage
+                under interference or not). Each stratum with at least :data:`MIN_STRATUM_SCORES` scores of a
+                calibration gets its own margins from its own rows' scores (Mondrian conformal calibration: the
+                coverage then holds within each stratum, not only over all rows); the others keep the pooled
+                margins. :meth:`predict` takes the strata of the rows it prices.
         """
         t0 = time.perf_counter()
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.asarray(y, dtype=np.float64)
-        trees, importances, seen_margin = self._fit_trees(x, y, calibrate=True)
+        trees, importances, oob = self._fit_trees(x, y, calibrate=True)
         keys = np.asarray(groups) if groups is not None else None
-        if windows is not None:
-            scored = self._fold_scores(x, y, np.asarray(windows), keys)
-            if len(scored):
-                seen_margin = max(seen_margin, self._conformal(scored))
-        margin, seen = seen_margin, frozenset[Any]()
+        held = self._fold_scores(x, y, np.asarray(windows), keys) if windows is not None else _NO_SCORES
+        by_group = _NO_SCORES
+        seen: frozenset[Any] = frozenset()
         if keys is not None and len(np.unique(keys)) >= 3:
-            margin = max(margin, self._conformal(self._fold_scores(x, y, keys, None)))
+            by_group = self._fold_scores(x, y, keys, None)
             seen = frozenset(keys.tolist())
-        self._trees, self.margin, self.importances = trees, margin, importances
-        self.seen_margin, self._seen = seen_margin, seen
+        everything = np.ones(len(y), dtype=bool)
+        self.seen_margin, self.margin = self._margins(oob, held, by_group, everything, minimum=1, grouped=bool(seen))
+        self.stratum_margins = {}
+        if strata is not None:
+            labels = np.asarray(strata)
+            for label in np.unique(labels).tolist():
+                member = labels == label
+                pair = self._margins(oob, held, by_group, member, minimum=MIN_STRATUM_SCORES, grouped=bool(seen))
+                if pair is not None:
+                    self.stratum_margins[label] = pair
+        self._trees, self.importances, self._seen = trees, importances, seen
         self.fit_s = time.perf_counter() - t0
         return self
+
+    def _margins(
+        self,
+        oob: _Scores,
+        held: _Scores,
+        by_group: _Scores,
+        member: npt.NDArray[np.bool_],
+        *,
+        minimum: int,
+        grouped: bool,
+    ) -> Any:
+        """``(seen_margin, margin)`` from the scores of the rows in ``member``.
+
+        The calibrations used are those with scores for all rows: out of bag with at least 5 (else a margin of 0),
+        held out by window, and (``grouped``) held out by group, which only :attr:`margin` takes. ``None`` where
+        ``member`` has fewer than ``minimum`` scores in one of them (a stratum too small for its own margins)."""
+        used = [(oob, 5), (held, 1)] + ([(by_group, 1)] if grouped else [])
+        found: list[float | None] = []
+        for (rows, values), at_least in used:
+            if len(values) < at_least:
+                found.append(None)
+                continue
+            mine = values[member[rows]]
+            if len(mine) < max(at_least, minimum):
+                return None
+            found.append(self._conformal(mine))
+        seen_margin = max((q for q in found[:2] if q is not None), default=0.0)
+        unseen = found[2] if grouped else None
+        return seen_margin, max(seen_margin, unseen) if unseen is not None else seen_margin
 
     def _conformal(self, scores: FloatArray) -> float:
         return float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
 
-    def _fold_scores(self, x: Any, y: FloatArray, labels: Any, groups: Any) -> FloatArray:
-        """The conformity scores of rows held out three folds at a time by ``labels`` (none with fewer than three
-        labels); with ``groups``, only of the held-out rows whose group the training folds hold."""
+    def _fold_scores(self, x: Any, y: FloatArray, labels: Any, groups: Any) -> _Scores:
+        """The rows held out three folds at a time by ``labels`` (none with fewer than three labels) and their
+        conformity scores; with ``groups``, only the held-out rows whose group the training folds hold."""
         index = np.unique(labels, return_inverse=True)[1]
         if index.max(initial=0) < 2:
-            return np.zeros(0)
+            return _NO_SCORES
         fold = index % 3
-        scores = []
+        rows, scores = [], []
         for f in range(3):
             out = fold == f
             if groups is not None:
@@ -272,11 +327,14 @@ class QuantileForest:
                 continue
             held, _, _ = self._fit_trees(x[fold != f], y[fold != f], calibrate=False)
             lo, hi = np.quantile(np.stack([t.predict(x[out])[:, 0] for t in held]), _TREE_QUANTILES, axis=0)
+            rows.append(np.flatnonzero(out))
             scores.append(np.maximum(lo - y[out], y[out] - hi))
-        return np.concatenate(scores) if scores else np.zeros(0)
+        if not rows:
+            return _NO_SCORES
+        return np.concatenate(rows), np.concatenate(scores)
 
-    def _fit_trees(self, x: Any, y: FloatArray, *, calibrate: bool) -> tuple[list[Any], FloatArray, float]:
-        """The trees, their feature importances and (with ``calibrate``) the out-of-bag margin."""
+    def _fit_trees(self, x: Any, y: FloatArray, *, calibrate: bool) -> tuple[list[Any], FloatArray, _Scores]:
+        """The trees, their feature importances and (with ``calibrate``) the out-of-bag rows and scores."""
         forest = _sklearn_forest()(
             n_estimators=self.n_estimators,
             min_samples_leaf=self.min_samples_leaf,
@@ -287,27 +345,29 @@ class QuantileForest:
         trees = [est.tree_ for est in forest.estimators_]
         importances = np.asarray(forest.feature_importances_, dtype=np.float64)
         if not calibrate:
-            return trees, importances, 0.0
+            return trees, importances, _NO_SCORES
         per_tree = np.stack([t.predict(x)[:, 0] for t in trees])  # (T, n)
         in_bag = np.zeros_like(per_tree, dtype=bool)
         for t, rows in enumerate(forest.estimators_samples_):
             in_bag[t, rows] = True
         oob = np.where(in_bag, np.nan, per_tree)
         seen = (~in_bag).sum(axis=0) >= 2
-        margin = 0.0
-        if seen.sum() >= 5:
-            lo, hi = np.nanquantile(oob[:, seen], _TREE_QUANTILES, axis=0)
-            scores = np.maximum(lo - y[seen], y[seen] - hi)
-            margin = float(np.quantile(scores, self._score_level(len(scores)), method="higher"))
-        return trees, importances, margin
+        if not seen.any():
+            return trees, importances, _NO_SCORES
+        lo, hi = np.nanquantile(oob[:, seen], _TREE_QUANTILES, axis=0)
+        return trees, importances, (np.flatnonzero(seen), np.maximum(lo - y[seen], y[seen] - hi))
 
-    def predict(self, x: FloatArray, groups: npt.ArrayLike | None = None) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def predict(
+        self, x: FloatArray, groups: npt.ArrayLike | None = None, strata: npt.ArrayLike | None = None
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """``(value, low, high)`` per row; ``low <= value <= high``.
 
         Args:
             x: rows.
             groups: the rows' group labels, as :meth:`fit` took them: a row of a training group gets
                 :attr:`seen_margin`, any other row :attr:`margin`. Without labels every row gets :attr:`margin`.
+            strata: the rows' strata, as :meth:`fit` took them: a row of a stratum with its own margins
+                (:attr:`stratum_margins`) gets those instead of the pooled ones.
         """
         if not self._trees:
             raise ConfigurationError("QuantileForest.predict needs a fitted forest; call fit(x, y) first.")
@@ -315,9 +375,19 @@ class QuantileForest:
         per_tree = np.stack([t.predict(x)[:, 0] for t in self._trees])
         value = per_tree.mean(axis=0)
         lo, hi = np.quantile(per_tree, _TREE_QUANTILES, axis=0)
-        margin = np.full(len(value), self.margin)
-        if groups is not None and self._seen:
-            margin[[g in self._seen for g in np.asarray(groups).tolist()]] = self.seen_margin
+        known = (
+            np.asarray([g in self._seen for g in np.asarray(groups).tolist()], dtype=bool)
+            if groups is not None and self._seen
+            else np.zeros(len(value), dtype=bool)
+        )
+        labels = np.asarray(strata).tolist() if strata is not None else [None] * len(value)
+        margin = np.asarray(
+            [
+                self.stratum_margins.get(label, (self.seen_margin, self.margin))[0 if is_known else 1]
+                for label, is_known in zip(labels, known.tolist())
+            ],
+            dtype=np.float64,
+        ).reshape(len(value))
         lo, hi = lo - margin, hi + margin
         return value, np.minimum(lo, value), np.maximum(hi, value)
 
@@ -369,6 +439,9 @@ class ForestPredictor:
             the module): a candidate's stage carries what the forest got wrong about the same stage under the
             partition the window measured, so that partition is priced at what it measured. ``False``: each
             candidate at its prior times the forest's residual alone.
+        stratified: calibrate the stage intervals separately for stages whose environment shows interference and
+            for quiet ones (see "Intervals" in the module), so that each kind's intervals hold ``coverage`` of its
+            values. ``False``: one margin for all stages.
     """
 
     def __init__(
@@ -385,6 +458,7 @@ class ForestPredictor:
         refit_on: str = "miss",
         one_rank_refits: bool = False,
         anchored: bool = True,
+        stratified: bool = True,
     ) -> None:
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
@@ -410,6 +484,9 @@ class ForestPredictor:
         if not isinstance(anchored, bool):
             raise ConfigurationError(f"ForestPredictor(anchored=...) takes True or False; got {anchored!r}.")
         self.anchored = anchored
+        if not isinstance(stratified, bool):
+            raise ConfigurationError(f"ForestPredictor(stratified=...) takes True or False; got {stratified!r}.")
+        self.stratified = stratified
         self.schema: FeatureSchema = FEATURE_SCHEMA
         self._base = LabelledSamples.empty()
         self._online: deque[LabelledSamples] = deque()
@@ -463,6 +540,7 @@ class ForestPredictor:
                 samples.stage_y,
                 groups=_layer_sets(samples.stage_x),
                 windows=samples.windows("stage"),
+                strata=_strata(samples.stage_x) if self.stratified else None,
             )
         if len(samples.boundary_y) >= self.min_samples:
             boundary = self._forest().fit(
@@ -570,7 +648,10 @@ class ForestPredictor:
             if forest is None:
                 self._misses_since_refit += len(y)
                 continue
-            _, lo, hi = forest.predict(x, groups=_layer_sets(x) if forest is self._stage else _sizes(x))
+            if forest is self._stage:
+                _, lo, hi = forest.predict(x, groups=_layer_sets(x), strata=_strata(x))
+            else:
+                _, lo, hi = forest.predict(x, groups=_sizes(x))
             self._misses_since_refit += int(((y < lo) | (y > hi)).sum())
 
     def _explained(self) -> bool:
@@ -733,7 +814,7 @@ class ForestPredictor:
         worker = self._ensure_worker()
         if worker is not None:
             try:
-                worker.submit(self._params(), rows)
+                worker.submit({**self._params(), "stratified": self.stratified}, rows)
                 return
             except OSError as exc:
                 self._no_worker(exc)
@@ -788,7 +869,7 @@ class ForestPredictor:
         sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s) for c in priced])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in priced])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in priced])
-        s_val, s_lo, s_hi = _residuals(self._stage, sx, _layer_sets(sx))
+        s_val, s_lo, s_hi = _residuals(self._stage, sx, _layer_sets(sx), _strata(sx))
         b_val, b_lo, b_hi = _residuals(self._boundary, bx, _sizes(bx))
         # see "Anchored to the window" in the module docstring (an untrained forest answers its prior)
         if self.anchored and self._stage is not None:
@@ -925,12 +1006,12 @@ def _binomial_tail(n: int, k: int, p: float) -> float:
 
 
 def _residuals(
-    forest: QuantileForest | None, x: FloatArray, groups: list[Any]
+    forest: QuantileForest | None, x: FloatArray, groups: list[Any], strata: list[int] | None = None
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     if forest is None or not len(x):
         zero = np.zeros(len(x))
         return zero, zero, zero
-    return forest.predict(x, groups=groups)
+    return forest.predict(x, groups=groups, strata=strata)
 
 
 def _anchor(
@@ -952,6 +1033,23 @@ def _anchor(
 def _layer_sets(stage_x: FloatArray) -> list[Any]:
     """Each stage row's layer set, as the stage forest groups its rows: the candidate's profile and layer count."""
     return [hash(tuple(r)) for r in stage_x[:, [_PROFILE_COL, _LAYERS_COL]].round(6).tolist()]
+
+
+def _strata(stage_x: FloatArray) -> list[int]:
+    """Each stage row's stratum, as the stage forest calibrates its margins: 1 where the stage's environment shows
+    interference (by the monitor's thresholds, :data:`~lightning_dynpipe.monitor.stats.INTERFERENCE_SIGNS`: a CPU
+    limit below one core, other processes' load on its cores, its main thread waiting for a core, a throttled GPU),
+    else 0. Such a stage's time is far less certain than a quiet one's; one margin for both covered the quiet
+    stages nearly always and the interfered ones much less often than nominal."""
+    signs = INTERFERENCE_SIGNS
+    limit = stage_x[:, _LIMIT_COL]
+    interfered = (
+        ((limit > 0) & (limit < signs["cpu_limit"]))
+        | (stage_x[:, _OTHER_COL] >= signs["other_cpu_load"])
+        | (stage_x[:, _WAIT_COL] >= signs["run_queue_wait_share"])
+        | (stage_x[:, _THROTTLED_COL] >= signs["gpu_throttled"])
+    )
+    return [int(v) for v in interfered]
 
 
 def _sizes(boundary_x: FloatArray) -> list[float]:
