@@ -26,8 +26,10 @@ error below it means much.
 
 Reported: the median absolute percentage error of the stage times (all stages, and the stages the interference
 was on), the same for boundary message times, the share of measured values inside the forest's interval
-(nominal 90%), and the forest's cost per check (pricing every candidate of a check in one call). The forest is the
-default ``ForestPredictor``, each candidate priced relative to the window's own partition; the same trees priced
+(nominal 90%; also apart for the stages the interference was on and the others, and for the same rows with one
+interval margin for both kinds, ``stratified=False``), and the forest's cost per check (pricing every candidate of
+a check in one call). The forest is the default ``ForestPredictor``, each candidate priced relative to the
+window's own partition; the same trees priced
 without that (``anchored=False``) are reported beside it.
 
 Usage (from the repository root)::
@@ -141,10 +143,12 @@ def _errors(
     base = MeasuredSlowdownPredictor()
     raw = copy.copy(forest)  # the same trees, each candidate priced at its prior times its own residual alone
     raw.anchored = False
+    pooled = ForestPredictor(stratified=False).fit(forest.samples)  # the same rows, one margin for every stage
     # an untrained forest answers its prior (with the fixed cost per micro-batch the trained one was given)
     prior = ForestPredictor().fit(dataclasses.replace(LabelledSamples.empty(), fixed_s=forest.fixed_s))
     names = ("forest", "base", "prior", "forest_hit", "base_hit", "prior_hit", "cover", "bforest", "bbase", "bcover")
-    names += ("raw", "raw_hit", "raw_cover", "braw")
+    names += ("raw", "raw_hit", "raw_cover", "braw", "cover_hit", "cover_quiet", "pooled_cover_hit")
+    names += ("pooled_cover_quiet",)
     out: dict[str, list[float]] = {k: [] for k in names}
     for a, b in pairs:
         M = b.window.num_microbatches
@@ -152,6 +156,7 @@ def _errors(
         pb = base.predict(cost, comm, a.window, b.window.partition)
         pp = prior.predict(cost, comm, a.window, b.window.partition)
         pr = raw.predict(cost, comm, a.window, b.window.partition)
+        po = pooled.predict(cost, comm, a.window, b.window.partition)
         for k, t in enumerate(b.window.stages):
             truth = effective_compute_s(t) / M
             ef = abs(pf.stage_compute_s[k].value / truth - 1)
@@ -163,7 +168,12 @@ def _errors(
             out["forest"].append(ef)
             out["base"].append(eb)
             out["prior"].append(ep)
-            out["cover"].append(float(pf.stage_compute_s[k].low <= truth <= pf.stage_compute_s[k].high))
+            inside = float(pf.stage_compute_s[k].low <= truth <= pf.stage_compute_s[k].high)
+            pooled_inside = float(po.stage_compute_s[k].low <= truth <= po.stage_compute_s[k].high)
+            out["cover"].append(inside)
+            kind = "hit" if _interfered(b, k) else "quiet"
+            out[f"cover_{kind}"].append(inside)
+            out[f"pooled_cover_{kind}"].append(pooled_inside)
             if _interfered(b, k):
                 out["forest_hit"].append(ef)
                 out["base_hit"].append(eb)
@@ -273,6 +283,10 @@ def _summary(result: dict[str, Any], kind: str) -> dict[str, float]:
         "raw_hit": _med(pool.get("raw_hit", [])),
         "raw_cover": statistics.mean(pool["raw_cover"]) if pool.get("raw_cover") else float("nan"),
         "braw": _med(pool.get("braw", [])),
+        **{
+            k: statistics.mean(pool[k]) if pool.get(k) else float("nan")
+            for k in ("cover_hit", "cover_quiet", "pooled_cover_hit", "pooled_cover_quiet")
+        },
     }
 
 
@@ -324,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(interfered {_pct(held['raw_hit'])}, coverage {_pct(held['raw_cover'])}) on held-out scenarios, "
         f"{_pct(unseen['raw'])} ({_pct(unseen['raw_hit'])}, {_pct(unseen['raw_cover'])}) on partitions never run; "
         f"boundaries {_pct(held['braw'])} and {_pct(unseen['braw'])}",
+        f"coverage by kind of stage, interfered / quiet: {_pct(held['cover_hit'])} / {_pct(held['cover_quiet'])} "
+        f"on held-out scenarios, {_pct(unseen['cover_hit'])} / {_pct(unseen['cover_quiet'])} on partitions never "
+        f"run; with one margin for both (stratified=False) {_pct(held['pooled_cover_hit'])} / "
+        f"{_pct(held['pooled_cover_quiet'])} and {_pct(unseen['pooled_cover_hit'])} / "
+        f"{_pct(unseen['pooled_cover_quiet'])}",
         f"cost: {costs['per_check_s'] * 1e3:.2f} ms per check ({costs['candidates']:.0f} candidates in one call); a "
         f"refit on {costs['rows']:.0f} rows {costs['fit_s'] * 1e3:.0f} ms",
     ]

@@ -36,6 +36,15 @@ the third). Which constant depends on the candidate stage's layer set:
 * one never measured gets the larger constant of folds split by layer set, so that a partition that never ran is
   covered too.
 
+Both constants are calibrated apart for two strata of stage rows (Mondrian conformal calibration,
+``stratified=True``, the default): stages whose environment shows interference by the monitor's thresholds
+(:data:`~lightning_dynpipe.monitor.stats.INTERFERENCE_SIGNS`: a CPU limit below one core, other processes' load on
+its cores, its main thread waiting for a core, a throttled GPU) and quiet ones, each from its own rows' scores. One
+constant for both covered the quiet stages nearly always and the interfered ones far less often than nominal (on a
+CNN sweep, held-out scenario types: 100% and 64% at a nominal 90%), because an interfered stage's time is far less
+certain and the trees' spread does not show how much. A stratum with fewer than :data:`MIN_STRATUM_SCORES` scores
+in a calibration keeps the pooled constants.
+
 The boundary forest does the same by message size. ``tests/predictor/test_forest.py`` checks the coverage on
 held-out rows and windows, ``benchmarks/predictor.py`` on held-out scenarios (layer sets measured) and on partitions
 never run.
@@ -127,7 +136,7 @@ from lightning_dynpipe.predictor.features import (
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor
 from lightning_dynpipe.predictor.refit import RefitProcess
 
-__all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT"]
+__all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT", "MIN_STRATUM_SCORES"]
 
 log = logging.getLogger(__name__)
 

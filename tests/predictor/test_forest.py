@@ -30,8 +30,16 @@ from lightning_dynpipe.predictor.features import (
     measured_message_s,
     samples_from_windows,
     stage_priors,
+    stage_rows,
 )
-from lightning_dynpipe.predictor.forest import FILE_FORMAT, ForestPredictor, QuantileForest, _sizes
+from lightning_dynpipe.predictor.forest import (
+    FILE_FORMAT,
+    MIN_STRATUM_SCORES,
+    ForestPredictor,
+    QuantileForest,
+    _sizes,
+    _strata,
+)
 
 from . import sim
 
@@ -219,6 +227,95 @@ def test_a_quantile_forest_gives_rows_of_training_groups_their_own_margin() -> N
     assert np.array_equal(lo_new, lo) and np.array_equal(hi_new, hi)
     unfolded = QuantileForest(random_state=0).fit(x, y)  # no groups: one margin, out of bag
     assert unfolded.margin == unfolded.seen_margin == forest.seen_margin
+
+
+def _two_noise_levels(rng: np.random.Generator, n: int) -> tuple[Any, Any, Any]:
+    """Rows of two kinds: stratum 0 measured to 2%, stratum 1 (as under interference) to 30%; the trees see the
+    kind as a column, but their spread does not follow the noise."""
+    stratum = (rng.uniform(0, 1, n) < 0.25).astype(int)
+    x = np.column_stack([stratum * 1.0, rng.uniform(0, 1, n), rng.uniform(0, 1, n)])
+    y = 0.5 * x[:, 1] + rng.normal(0.0, np.where(stratum == 1, 0.3, 0.02))
+    return x, y, stratum
+
+
+def test_with_strata_each_kind_of_row_gets_the_margin_that_covers_its_own_values() -> None:
+    """One margin for rows of very different noise covers the quiet rows always and the noisy ones far less often
+    than nominal (on a CNN sweep: 100% and 64%); calibrated per stratum, each holds about ``coverage``."""
+    rng = np.random.default_rng(0)
+    x, y, stratum = _two_noise_levels(rng, 600)
+    windows = np.arange(len(y)) // 2  # pairs of rows share a measurement
+    pooled = QuantileForest(random_state=0).fit(x, y, windows=windows)
+    split = QuantileForest(random_state=0).fit(x, y, windows=windows, strata=stratum)
+    assert pooled.stratum_margins == {} and set(split.stratum_margins) == {0, 1}
+    quiet_seen, quiet_unseen = split.stratum_margins[0]
+    noisy_seen, noisy_unseen = split.stratum_margins[1]
+    assert quiet_seen < pooled.seen_margin < noisy_seen
+    assert (quiet_unseen, noisy_unseen) == (quiet_seen, noisy_seen)  # without groups: one margin per stratum
+    xt, yt, st = _two_noise_levels(np.random.default_rng(1), 4000)
+    cover: dict[str, list[float]] = {}
+    for name, forest, strata in (("pooled", pooled, None), ("split", split, st)):
+        _, lo, hi = forest.predict(xt, strata=strata)
+        inside = (lo <= yt) & (yt <= hi)
+        cover[name] = [float(inside[st == k].mean()) for k in (0, 1)]
+    assert cover["pooled"][0] > 0.99 and cover["pooled"][1] < 0.80, cover
+    assert all(0.85 <= c <= 0.99 for c in cover["split"]), cover
+    # rows of a stratum the forest has no margins for, or without strata, get the pooled margins
+    _, lo_none, hi_none = split.predict(xt[:5])
+    _, lo_other, hi_other = split.predict(xt[:5], strata=[7] * 5)
+    _, lo_pool, hi_pool = pooled.predict(xt[:5])
+    assert np.allclose(lo_none, lo_pool) and np.allclose(hi_none, hi_pool)
+    assert np.allclose(lo_other, lo_pool) and np.allclose(hi_other, hi_pool)
+
+
+def test_a_stratum_with_too_few_scores_keeps_the_pooled_margins() -> None:
+    rng = np.random.default_rng(2)
+    x, y, _ = _two_noise_levels(rng, 300)
+    strata = np.zeros(len(y), dtype=int)
+    strata[: MIN_STRATUM_SCORES // 2] = 1  # far too few rows for its own margin in any calibration
+    forest = QuantileForest(random_state=0).fit(x, y, windows=np.arange(len(y)), strata=strata)
+    assert set(forest.stratum_margins) == {0}
+    _, lo, hi = forest.predict(x[:3], strata=[1, 1, 1])
+    _, lo_pool, hi_pool = forest.predict(x[:3])
+    assert np.allclose(lo, lo_pool) and np.allclose(hi, hi_pool)
+
+
+def test_a_stage_row_is_in_the_interfered_stratum_by_the_monitors_thresholds() -> None:
+    col = {name: STAGE_FEATURES.index(name) for name in STAGE_FEATURES}
+    rows = np.zeros((7, len(STAGE_FEATURES)))
+    rows[:, col["cpu_limit_cores"]] = -1.0  # not reported: no limit
+    rows[:, col["other_cpu_load"]] = -1.0
+    rows[:, col["gpu_throttled"]] = -1.0
+    rows[1, col["cpu_limit_cores"]] = 0.5  # a limit below one core
+    rows[2, col["cpu_limit_cores"]] = 2.0  # a container's limit above what the stage uses: quiet
+    rows[3, col["other_cpu_load"]] = 0.3  # other processes on its cores
+    rows[4, col["run_queue_wait_share"]] = 0.4  # its main thread waiting for a core
+    rows[5, col["gpu_throttled"]] = 1.0
+    rows[6, col["other_cpu_load"]] = 0.1  # below the threshold
+    assert _strata(rows) == [0, 1, 0, 1, 1, 1, 0]
+
+
+def test_the_forest_calibrates_interfered_and_quiet_stages_apart_unless_told_not_to() -> None:
+    parts = []
+    for _, wins in _windows(TRAIN, seed=1):
+        parts += [samples_from_windows(COST, sim.LINK, a, b) for a in wins.values() for b in wins.values()]
+    samples = LabelledSamples.concat(parts)
+    split, pooled = ForestPredictor().fit(samples), ForestPredictor(stratified=False).fit(samples)
+    assert split._stage is not None and pooled._stage is not None
+    assert set(split._stage.stratum_margins) == {0, 1} and pooled._stage.stratum_margins == {}
+    assert split._stage.margin == pooled._stage.margin  # the pooled margins are the same either way
+    # a candidate's stage is priced at the same value, with the margin of its kind (its layer sets were measured)
+    _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=6)[0]
+    window = wins[PARTS[1]]
+    kinds = _strata(stage_rows(COST, window, PARTS[3]))
+    assert kinds == [0, 1]  # the quota is on the last stage
+    ps, pp = split.predict(COST, sim.LINK, window, PARTS[3]), pooled.predict(COST, sim.LINK, window, PARTS[3])
+    for k, kind in enumerate(kinds):
+        a, b = ps.stage_compute_s[k], pp.stage_compute_s[k]
+        assert a.value == pytest.approx(b.value)
+        wider = math.log(a.high / a.low) - math.log(b.high / b.low)
+        assert wider == pytest.approx(2 * (split._stage.stratum_margins[kind][0] - pooled._stage.seen_margin))
+    with pytest.raises(ConfigurationError, match="stratified"):
+        ForestPredictor(stratified="yes")  # type: ignore[arg-type]
 
 
 def test_boundary_times_follow_a_delayed_link_that_the_link_model_does_not_know(forest: ForestPredictor) -> None:
