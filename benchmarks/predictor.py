@@ -51,6 +51,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def _errors(
     prior = ForestPredictor().fit(dataclasses.replace(LabelledSamples.empty(), fixed_s=forest.fixed_s))
     names = ("forest", "base", "prior", "forest_hit", "base_hit", "prior_hit", "cover", "bforest", "bbase", "bcover")
     names += ("raw", "raw_hit", "raw_cover", "braw", "cover_hit", "cover_quiet", "pooled_cover_hit")
-    names += ("pooled_cover_quiet",)
+    names += ("pooled_cover_quiet", "width_hit", "width_quiet", "pooled_width_hit", "pooled_width_quiet")
     out: dict[str, list[float]] = {k: [] for k in names}
     for a, b in pairs:
         M = b.window.num_microbatches
@@ -173,6 +174,8 @@ def _errors(
             out["cover"].append(inside)
             kind = "hit" if _interfered(b, k) else "quiet"
             out[f"cover_{kind}"].append(inside)
+            out[f"width_{kind}"].append(math.log(pf.stage_compute_s[k].high / pf.stage_compute_s[k].low))
+            out[f"pooled_width_{kind}"].append(math.log(po.stage_compute_s[k].high / po.stage_compute_s[k].low))
             out[f"pooled_cover_{kind}"].append(pooled_inside)
             if _interfered(b, k):
                 out["forest_hit"].append(ef)
@@ -283,6 +286,7 @@ def _summary(result: dict[str, Any], kind: str) -> dict[str, float]:
         "raw_hit": _med(pool.get("raw_hit", [])),
         "raw_cover": statistics.mean(pool["raw_cover"]) if pool.get("raw_cover") else float("nan"),
         "braw": _med(pool.get("braw", [])),
+        **{k: _med(pool.get(k, [])) for k in ("width_hit", "width_quiet", "pooled_width_hit", "pooled_width_quiet")},
         **{
             k: statistics.mean(pool[k]) if pool.get(k) else float("nan")
             for k in ("cover_hit", "cover_quiet", "pooled_cover_hit", "pooled_cover_quiet")
@@ -295,7 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=_PROBLEM)
     p.add_argument("--init-args", default='{"width": 384}')
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="the sweep's scenarios; with --from-json, the saved windows of these scenarios only",
+    )
     p.add_argument("--partitions", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--from-json", type=Path, default=None, help="a sweep saved by `calibrate --runs-out`")
@@ -316,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(describe_machine(machine))
     runs_path = args.from_json or _sweep(args, out_dir)
     cost, comm, runs = _load(runs_path)
+    if args.from_json:
+        runs = [r for r in runs if r.scenario in args.scenarios.split(",")]
     repeat_path = args.repeat_json if args.from_json else _repeat_sweep(args, out_dir, runs)
     repeat = repeatability(runs, _load(repeat_path)[2]) if repeat_path is not None else None
     result = evaluate(cost, comm, runs)
@@ -342,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"on held-out scenarios, {_pct(unseen['cover_hit'])} / {_pct(unseen['cover_quiet'])} on partitions never "
         f"run; with one margin for both (stratified=False) {_pct(held['pooled_cover_hit'])} / "
         f"{_pct(held['pooled_cover_quiet'])} and {_pct(unseen['pooled_cover_hit'])} / "
-        f"{_pct(unseen['pooled_cover_quiet'])}",
+        f"{_pct(unseen['pooled_cover_quiet'])}; median log(high / low) {held['width_hit']:.2f} / "
+        f"{held['width_quiet']:.2f} and {unseen['width_hit']:.2f} / {unseen['width_quiet']:.2f}, with one margin "
+        f"{held['pooled_width_hit']:.2f} / {held['pooled_width_quiet']:.2f} and {unseen['pooled_width_hit']:.2f} / "
+        f"{unseen['pooled_width_quiet']:.2f}",
         f"cost: {costs['per_check_s'] * 1e3:.2f} ms per check ({costs['candidates']:.0f} candidates in one call); a "
         f"refit on {costs['rows']:.0f} rows {costs['fit_s'] * 1e3:.0f} ms",
     ]
