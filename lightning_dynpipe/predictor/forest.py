@@ -275,7 +275,9 @@ class QuantileForest:
             by_group = self._fold_scores(x, y, keys, None)
             seen = frozenset(keys.tolist())
         everything = np.ones(len(y), dtype=bool)
-        self.seen_margin, self.margin = self._margins(oob, held, by_group, everything, minimum=1, grouped=bool(seen))
+        pooled = self._margins(oob, held, by_group, everything, minimum=1, grouped=bool(seen))
+        assert pooled is not None  # with minimum=1, every calibration that has scores has scores of all rows
+        self.seen_margin, self.margin = pooled
         self.stratum_margins = {}
         if strata is not None:
             labels = np.asarray(strata)
@@ -297,7 +299,7 @@ class QuantileForest:
         *,
         minimum: int,
         grouped: bool,
-    ) -> Any:
+    ) -> tuple[float, float] | None:
         """``(seen_margin, margin)`` from the scores of the rows in ``member``.
 
         The calibrations used are those with scores for all rows: out of bag with at least 5 (else a margin of 0),
