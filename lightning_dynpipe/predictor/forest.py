@@ -1050,8 +1050,10 @@ def _strata(stage_x: FloatArray) -> list[int]:
     """Each stage row's stratum, as the stage forest calibrates its margins: 1 where the stage's environment shows
     interference (by the monitor's thresholds, :data:`~lightning_dynpipe.monitor.stats.INTERFERENCE_SIGNS`: a CPU
     limit below one core, other processes' load on its cores, its main thread waiting for a core, a throttled GPU),
-    else 0. Such a stage's time is far less certain than a quiet one's; one margin for both covered the quiet
-    stages nearly always and the interfered ones much less often than nominal."""
+    else 0. The thresholds apply to the row's own readings, not to their excess over the least affected stage as
+    in :func:`~lightning_dynpipe.predictor.base.cpu_contended`: a row carries one stage, and a sweep's row was
+    measured alone. Such a stage's time is far less certain than a quiet one's; one margin for both covered the
+    quiet stages nearly always and the interfered ones much less often than nominal."""
     signs = INTERFERENCE_SIGNS
     limit = stage_x[:, _LIMIT_COL]
     interfered = (
