@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,17 +193,44 @@ def test_pure_packages_load_without_lightning_or_torch() -> None:
     assert out == "[]"
 
 
-@pytest.mark.parametrize("order", ["package-first", "lightning-first", "strategy-module-first"])
-def test_importing_the_package_registers_the_strategy_names(order: str) -> None:
+_ORDERS = ("package-first", "lightning-first", "strategy-module-first")
+
+
+def _registration_code(order: str) -> str:
     first, second = "import lightning_dynpipe", "from lightning.pytorch.strategies import StrategyRegistry"
     if order == "lightning-first":
         first, second = second, first
     elif order == "strategy-module-first":  # Lightning is first imported from inside the strategy package
         first = "import lightning_dynpipe.strategy.callbacks"
-    out = _run(
+    return (
         f"{first}\n{second}\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "from lightning_dynpipe import DynPipeStrategy\n"
         "print(all(StrategyRegistry[n]['strategy'] is DynPipeStrategy for n in ('dynpipe', 'dynpipe_spawn')))"
     )
+
+
+@pytest.fixture(scope="module")
+def registrations() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """One fresh interpreter per import order, all started at once: each spends most of its time importing
+    Lightning (about 8 s on the 2-core CI machine), which they then do side by side."""
+    procs = {
+        order: subprocess.Popen(
+            [sys.executable, "-c", _registration_code(order)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for order in _ORDERS
+    }
+    yield procs
+    for proc in procs.values():  # those of tests that did not run
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_importing_the_package_registers_the_strategy_names(
+    order: str, registrations: dict[str, subprocess.Popen[str]]
+) -> None:
+    out, err = registrations[order].communicate(timeout=120)
+    assert registrations[order].returncode == 0, err
+    out = out.strip()
     assert out == "True"
