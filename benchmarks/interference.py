@@ -188,11 +188,16 @@ SCENARIOS: tuple[str, ...] = (
     "delay",
     "mix",
 )
+FOREST_SYSTEMS: dict[str, dict[str, bool]] = {
+    "forest": {},
+    "forest-cal": {},
+    "forest-cal-raw": {"anchored": False},
+    "forest-cal-pooled": {"stratified": False},
+}
+"""The systems with the forest predictor, and the :class:`~lightning_dynpipe.predictor.ForestPredictor` options each
+sets; every one but ``forest`` is trained by the calibration sweep at set-up."""
 ALL_SYSTEMS: tuple[str, ...] = (
-    "forest",
-    "forest-cal",
-    "forest-cal-raw",
-    "forest-cal-pooled",
+    *FOREST_SYSTEMS,
     "measured",
     "measured-probe",
     "measured-beta",
@@ -471,12 +476,11 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
     system = system.partition("+")[0]
     if system == "static" or system.startswith("cut"):
         return False, "measured"
-    if system in ("forest", "forest-cal", "forest-cal-raw", "forest-cal-pooled"):
-        anchored = system != "forest-cal-raw"
-        stratified = system != "forest-cal-pooled"
+    if system in FOREST_SYSTEMS:
+        options = FOREST_SYSTEMS[system]
         if cfg.forest_file:
-            return True, ForestPredictor.load(cfg.forest_file, anchored=anchored, stratified=stratified)
-        return True, ForestPredictor(anchored=anchored, stratified=stratified)
+            return True, ForestPredictor.load(cfg.forest_file, **options)
+        return True, ForestPredictor(**options)
     if system in ("measured", "measured-probe", "measured-beta", "measured-depth", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
@@ -557,7 +561,7 @@ def _fit(
         balance=list(cfg.balance),
         adaptive=adaptive,
         predictor=predictor,
-        calibrate=system in ("forest-cal", "forest-cal-raw", "forest-cal-pooled"),
+        calibrate=system in FOREST_SYSTEMS and system != "forest",
         lr_scale=cfg.lr_scale,
         convergence=convergence,
         max_extra_in_flight=2 if system == "measured-depth" else 0,
@@ -1141,7 +1145,7 @@ def render_targets(summary: dict[str, Any], *, noise: bool = False) -> str:
                 out.append(
                     f"{system} {s}: static/{system} {r:.2f}x (target >= 1.0x) -> {'met' if r >= 1.0 else 'MISSED'}"
                 )
-    for forest in ("forest", "forest-cal", "forest-cal-raw", "forest-cal-pooled"):
+    for forest in FOREST_SYSTEMS:
         if forest not in systems or "measured" not in systems:
             continue
         worse = [
