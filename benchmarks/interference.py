@@ -106,6 +106,11 @@ either did not reach it), and ``of limit per step`` its share
 of the limit over the run. Near a plateau of the accuracy curve the steps to the target vary by seed far more than
 the step time does, and the adaptation controls only the latter.
 
+A second table counts what each adaptive system's checks came to over all seeds (:func:`check_outcome`): a move, a
+predicted saving below the policy's minimum share of the step, a lower end of the saving that does not pay the
+migration over the horizon, the current partition already priced best, or another reason (a second check awaited, a
+cool-down, a recall). An interval predictor can hold for either of the middle two; the table says which.
+
 System ``measured-beta`` is ``measured`` planning with ``ConvergenceModel(beta=--beta)``, a ``beta`` calibrated on
 this model's own cuts with ``benchmarks/beta_cuts.py``, where the others use the default.
 
@@ -1100,6 +1105,55 @@ def render_table(summary: dict[str, Any], cfg: Config, *, markdown: bool = False
     return format_table(headers, rows, markdown=markdown)
 
 
+CHECK_OUTCOMES: tuple[str, ...] = (
+    "moved",
+    "below the minimum saving",
+    "lower end does not pay",
+    "already best",
+    "other",
+)
+"""What an adaptive system's checks came to (:func:`check_outcomes`)."""
+
+
+def check_outcome(decision: dict[str, Any]) -> str:
+    """One recorded check's outcome among :data:`CHECK_OUTCOMES`, from its ``repartition`` flag and the policy's
+    reason: the predicted saving below the policy's ``min_relative_gain`` of the step, the lower end of the saving
+    over the horizon not paying the migration, the current partition already the best priced, or another reason
+    (waiting for a second check, a cool-down, a recall, ...)."""
+    reason = str(decision.get("reason", ""))
+    if decision.get("repartition"):
+        return "moved"
+    if "% of the step time" in reason and " below " in reason:
+        return "below the minimum saving"
+    if "does not pay" in reason:
+        return "lower end does not pay"
+    if reason.startswith("the current partition is already the best"):
+        return "already best"
+    return "other"
+
+
+def check_outcomes(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, int]]:
+    """Per scenario and adaptive system, how many of its runs' checks came to each of :data:`CHECK_OUTCOMES`:
+    whether the loop held because the predicted saving was too small, or because its lower end did not pay."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for r in runs:
+        if not r.get("decisions"):
+            continue
+        counts = out.setdefault((r["scenario"], r["system"]), dict.fromkeys(CHECK_OUTCOMES, 0))
+        for d in r["decisions"]:
+            counts[check_outcome(d)] += 1
+    return out
+
+
+def render_check_outcomes(runs: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
+    """:func:`check_outcomes` as a table (all seeds together)."""
+    rows = [
+        [scenario, system, *(str(c[k]) for k in CHECK_OUTCOMES)]
+        for (scenario, system), c in check_outcomes(runs).items()
+    ]
+    return format_table(["scenario", "system", *CHECK_OUTCOMES], rows, markdown=markdown)
+
+
 def render_targets(summary: dict[str, Any], *, noise: bool = False) -> str:
     """The issue's end-to-end targets, per adaptive system."""
     out = []
@@ -1599,6 +1653,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(render_table(summary, cfg))
     print()
+    print("the adaptive systems' checks, all seeds (see check_outcome):")
+    print(render_check_outcomes(payload["runs"]))
+    print()
     print(render_targets(summary, noise=cfg.noise))
     if not a.no_plot and payload["runs"]:
         quick = a.quick
@@ -1610,6 +1667,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload["markdown"] = {
         "table": render_table(summary, cfg, markdown=True),
         "targets": render_targets(summary, noise=cfg.noise),
+        "checks": render_check_outcomes(payload["runs"], markdown=True),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)  # a merge of --from-json files writes into --out-dir
     json_path.write_text(json.dumps(payload), encoding="utf-8")

@@ -29,6 +29,8 @@ def test_quick_run_prints_scenario_table(
     rows = table_rows(proc.stdout, HEADER, 2)
     assert [r.split()[:2] for r in rows] == [["none", "forest"], ["quota25", "forest"]], "\n".join(rows)
     assert "machine:" in proc.stdout and "command:" in proc.stdout
+    checks = table_rows(proc.stdout, ("scenario", "system", "moved", "below the minimum saving"), 2)
+    assert sorted(r.split()[:2] for r in checks) == [["none", "forest"], ["quota25", "forest"]], "\n".join(checks)
 
     (raw,) = tmp_path.glob("interference-*.json")
     payload = json.loads(raw.read_text())
@@ -301,3 +303,43 @@ def test_the_noise_option_puts_a_bursty_neighbour_on_the_stages_cores() -> None:
     summary = {"none": {"ratios": {"measured": {"median": 1.0}}, "systems": {"measured": {"migrations": [0, 2]}}}}
     assert "(target: 0 in every seed) -> MISSED" in render_targets(summary)
     assert "-> missed under --noise (not a clean run)" in render_targets(summary, noise=True)
+
+
+def test_each_check_is_counted_by_what_held_or_moved_the_partition() -> None:
+    """The reasons are the policy's own: a saving below the minimum at the predictor's values, and a lower end that
+    does not pay, are told apart, per scenario and system over all seeds; runs without checks are left out."""
+    from benchmarks.interference import CHECK_OUTCOMES, check_outcomes
+    from lightning_dynpipe.repartition.policy import _gain_refusal
+
+    kw: dict[str, Any] = dict(min_relative_gain=0.1, margin=2.0, cost="migration cost")
+    small = _gain_refusal(0.001, 0.1, 100, 0.05, predicted_saving_s=0.004, **kw)  # 4% at the values
+    unpaid = _gain_refusal(0.0002, 0.1, 100, 0.05, predicted_saving_s=0.02, **kw)  # 20%, lower end 0.02 s < 0.1 s
+    point = _gain_refusal(0.004, 0.1, 100, 0.05, **kw)  # a point prediction's 4%
+    assert small and unpaid and point and "does not pay" in unpaid
+
+    def check(reason: str, moved: bool = False) -> dict[str, Any]:
+        return {"repartition": moved, "reason": reason}
+
+    runs = [
+        {"scenario": "quota50", "system": "forest-cal", "decisions": [check(small), check(unpaid), check(point)]},
+        {
+            "scenario": "quota50",
+            "system": "forest-cal",
+            "decisions": [check("predicted gain pays the migration", True)],
+        },
+        {
+            "scenario": "quota50",
+            "system": "measured",
+            "decisions": [
+                check("the current partition is already the best"),
+                check("waiting for 2 checks in a row"),
+            ],
+        },  # fmt: skip
+        {"scenario": "quota50", "system": "static", "decisions": []},
+    ]
+    counts = check_outcomes(runs)
+    assert set(counts) == {("quota50", "forest-cal"), ("quota50", "measured")}
+    assert counts[("quota50", "forest-cal")] == dict(
+        zip(CHECK_OUTCOMES, (1, 2, 1, 0, 0))
+    )  # moved, below the minimum, lower end, best, other
+    assert counts[("quota50", "measured")] == dict(zip(CHECK_OUTCOMES, (0, 0, 0, 1, 1)))
