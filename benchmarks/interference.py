@@ -18,6 +18,9 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
   times the forest's residual alone, not relative to the window's own partition; opt-in through ``--systems``;
 * ``forest-cal-pooled``: ``forest-cal`` with ``ForestPredictor(stratified=False)``: one interval margin for every
   stage, interfered or quiet; opt-in through ``--systems``;
+* ``forest-cal-gain5``: ``forest-cal`` with ``GainOverCostPolicy(min_relative_gain=0.05)``: a saving of 5% of the
+  step at the forest's values is enough, its interval's lower end still has to pay the migration; opt-in through
+  ``--systems``;
 * ``measured``: the same with ``predictor="measured"`` (the baseline: measured slowdowns carried over); ``adaptive``
   in result files of earlier versions;
 * ``varuna``, ``dynpipe-2x``: the rules of :mod:`lightning_dynpipe.repartition.rules` as the policy, with the
@@ -198,9 +201,13 @@ FOREST_SYSTEMS: dict[str, dict[str, bool]] = {
     "forest-cal": {},
     "forest-cal-raw": {"anchored": False},
     "forest-cal-pooled": {"stratified": False},
+    "forest-cal-gain5": {},
 }
 """The systems with the forest predictor, and the :class:`~lightning_dynpipe.predictor.ForestPredictor` options each
 sets; every one but ``forest`` is trained by the calibration sweep at set-up."""
+FOREST_POLICIES: dict[str, dict[str, float]] = {"forest-cal-gain5": {"min_relative_gain": 0.05}}
+"""The forest systems whose :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` is not the default, and
+its options (the others: ``adaptive=True``)."""
 ALL_SYSTEMS: tuple[str, ...] = (
     *FOREST_SYSTEMS,
     "measured",
@@ -483,9 +490,10 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return False, "measured"
     if system in FOREST_SYSTEMS:
         options = FOREST_SYSTEMS[system]
+        policy = GainOverCostPolicy(**FOREST_POLICIES[system]) if system in FOREST_POLICIES else True
         if cfg.forest_file:
-            return True, ForestPredictor.load(cfg.forest_file, **options)
-        return True, ForestPredictor(**options)
+            return policy, ForestPredictor.load(cfg.forest_file, **options)
+        return policy, ForestPredictor(**options)
     if system in ("measured", "measured-probe", "measured-beta", "measured-depth", "measured-1s"):
         return True, "measured"
     if system == "measured-norecall":
