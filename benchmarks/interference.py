@@ -151,6 +151,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -649,6 +650,10 @@ def _run(
                 "cause_age_s": [a if math.isfinite(a) else "inf" for a in d.inputs.cause_age_s],
                 "link_age_s": d.inputs.link_age_s if math.isfinite(d.inputs.link_age_s) else "inf",
                 "stages": [asdict(t) for t in d.inputs.window.stages] if d.inputs.window else [],
+                "priced": [
+                    {"partition": list(p.partition.balance), "step_s": p.step_s, "step_high_s": p.step_high_s}
+                    for p in d.inputs.priced
+                ],
             }
             for d in rec.decisions
         ],
@@ -1162,6 +1167,100 @@ def render_check_outcomes(runs: Sequence[dict[str, Any]], *, markdown: bool = Fa
     return format_table(["scenario", "system", *CHECK_OUTCOMES], rows, markdown=markdown)
 
 
+PRICING_COLUMNS: tuple[str, ...] = (
+    "checks",
+    "running: median error",
+    "others: median |error|",
+    "others: median error",
+    "others: upper end holds",
+    "fastest priced fastest",
+)
+"""The columns of :func:`render_pricing`."""
+
+
+def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per scenario and adaptive system: how the partitions priced at its checks compare with the same partitions run
+    fixed under the same scenario and seed (the cut runs of :data:`CUT_SCENARIOS` whose interference is on from the
+    first step; ``mix`` changes phase and is left out).
+
+    Each priced partition's step time (:class:`~lightning_dynpipe.repartition.policy.PricedPartition`, the
+    convergence factor left out) is set against the cut's measured mean ms per step (:func:`_ms_per_step`): its
+    relative error ``predicted / measured - 1``. The running partition is priced at what the window measured, so its
+    error is the difference between the two runs (another process, another window of steps): the noise floor the
+    other partitions' errors are read against. "Upper end holds": the measured step at or below the upper end of the
+    prediction (what the policy's lower end of the gain rests on). "Fastest priced fastest": the checks whose partition
+    of the shortest predicted step is the fastest cut measured.
+    """
+    cut_ms: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
+    for r in runs:
+        if r["system"].startswith("cut") and "@" not in r["system"] and r["scenario"] in CUT_SCENARIOS:
+            if r["scenario"] in EARLIER_PHASE:
+                continue
+            cut = tuple(int(x) for x in r["system"][3:].split(","))
+            cut_ms.setdefault((r["scenario"], r["seed"]), {})[cut] = _ms_per_step(r) / 1e3
+    acc: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in runs:
+        measured = cut_ms.get((r["scenario"], r["seed"]))
+        if not measured or not r.get("decisions"):
+            continue
+        a = acc.setdefault((r["scenario"], r["system"]), {"running": [], "others": [], "holds": [], "fastest": []})
+        for d in r["decisions"]:
+            if not d.get("priced"):
+                continue
+            current = tuple(d["priced"][0]["partition"])  # the controller lists the running partition first
+            priced = [p for p in d["priced"] if tuple(p["partition"]) in measured]
+            if not priced:
+                continue
+            for p in priced:
+                truth = measured[tuple(p["partition"])]
+                err = p["step_s"] / truth - 1.0
+                if tuple(p["partition"]) == current:
+                    a["running"].append(err)
+                else:
+                    a["others"].append(err)
+                    a["holds"].append(float(truth <= p["step_high_s"]))
+            best_priced = min(priced, key=lambda p: p["step_s"])["partition"]
+            a["fastest"].append(float(tuple(best_priced) == min(measured, key=lambda c: measured[c])))
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, a in acc.items():
+        if not a["fastest"]:
+            continue
+        out[key] = {
+            "checks": len(a["fastest"]),
+            "running_median_error": statistics.median(a["running"]) if a["running"] else math.nan,
+            "others_median_abs_error": statistics.median(abs(e) for e in a["others"]) if a["others"] else math.nan,
+            "others_median_error": statistics.median(a["others"]) if a["others"] else math.nan,
+            "others_upper_holds": statistics.fmean(a["holds"]) if a["holds"] else math.nan,
+            "fastest_priced_fastest": statistics.fmean(a["fastest"]),
+        }
+    return out
+
+
+def render_pricing(runs: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
+    """:func:`pricing_errors` as a table (all seeds together)."""
+
+    def pct(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x * 100:+.1f}%"
+
+    def share(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x * 100:.0f}%"
+
+    rows = [
+        [
+            scenario,
+            system,
+            str(e["checks"]),
+            pct(e["running_median_error"]),
+            "-" if math.isnan(e["others_median_abs_error"]) else f"{e['others_median_abs_error'] * 100:.1f}%",
+            pct(e["others_median_error"]),
+            share(e["others_upper_holds"]),
+            share(e["fastest_priced_fastest"]),
+        ]
+        for (scenario, system), e in pricing_errors(runs).items()
+    ]
+    return format_table(["scenario", "system", *PRICING_COLUMNS], rows, markdown=markdown)
+
+
 def render_targets(summary: dict[str, Any], *, noise: bool = False) -> str:
     """The issue's end-to-end targets, per adaptive system."""
     out = []
@@ -1663,6 +1762,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print()
     print("the adaptive systems' checks, all seeds (see check_outcome):")
     print(render_check_outcomes(payload["runs"]))
+    pricing = render_pricing(payload["runs"])
+    if pricing.count("\n") > 1:
+        print()
+        print(
+            "the adaptive systems' prices against the cuts run fixed under the same scenario and seed (all seeds; see "
+            "pricing_errors):"
+        )
+        print(pricing)
     print()
     print(render_targets(summary, noise=cfg.noise))
     if not a.no_plot and payload["runs"]:
@@ -1676,6 +1783,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "table": render_table(summary, cfg, markdown=True),
         "targets": render_targets(summary, noise=cfg.noise),
         "checks": render_check_outcomes(payload["runs"], markdown=True),
+        "pricing": render_pricing(payload["runs"], markdown=True),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)  # a merge of --from-json files writes into --out-dir
     json_path.write_text(json.dumps(payload), encoding="utf-8")

@@ -12,7 +12,13 @@ from lightning_dynpipe.plan.replicas import ReplicaSplit
 from lightning_dynpipe.repartition.controller import AdaptiveController
 from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy
 from lightning_dynpipe.repartition.ladder import EscalationLadder, LadderDecision, ReplicaWindow
-from lightning_dynpipe.repartition.policy import Decision, GainOverCostPolicy, PolicyInputs, RepartitionPolicy
+from lightning_dynpipe.repartition.policy import (
+    Decision,
+    GainOverCostPolicy,
+    PolicyInputs,
+    PricedPartition,
+    RepartitionPolicy,
+)
 
 __all__ = [
     "AdaptiveController",
@@ -26,6 +32,7 @@ __all__ = [
     "Decision",
     "GainOverCostPolicy",
     "PolicyInputs",
+    "PricedPartition",
     "RepartitionPolicy",
     "LayerMove",
     "plan_moves",

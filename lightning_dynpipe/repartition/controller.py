@@ -58,7 +58,7 @@ from lightning_dynpipe.predictor.base import InterferencePredictor, PartitionPre
 from lightning_dynpipe.predictor.link import LinkEstimate
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor, measured_slowdowns
 from lightning_dynpipe.repartition.inflight import DepthDecision, DepthInputs, InFlightPolicy, waits_bound
-from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, RepartitionPolicy
+from lightning_dynpipe.repartition.policy import Decision, PolicyInputs, PricedPartition, RepartitionPolicy
 from lightning_dynpipe.schedule import AsyncSchedule, Schedule, get_schedule
 
 __all__ = ["AdaptiveController", "Outcome", "neighbours", "measured_slowdowns", "StageTimes"]
@@ -450,6 +450,10 @@ class AdaptiveController:
             cause_age_s=cause_ages,
             window_s=span_s,
             link_age_s=link_age,
+            priced=tuple(
+                PricedPartition(c.partition, c.value.iteration_time_s * M * dp, c.high.iteration_time_s * M * dp)
+                for c in priced
+            ),
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

@@ -21,7 +21,23 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import PipelineWindow
 
-__all__ = ["PolicyInputs", "Decision", "RepartitionPolicy", "GainOverCostPolicy"]
+__all__ = ["PricedPartition", "PolicyInputs", "Decision", "RepartitionPolicy", "GainOverCostPolicy"]
+
+
+@dataclass(frozen=True)
+class PricedPartition:
+    """One partition the controller priced at a check, in seconds per step as the pipeline would measure them (the
+    convergence model's factor left out, unlike :attr:`PolicyInputs.current_step_s`).
+
+    Attributes:
+        partition: the partition (the running one among them).
+        step_s: its predicted step time at the predictor's values.
+        step_high_s: the same at the upper ends of the predictor's intervals (``step_s`` for a point predictor).
+    """
+
+    partition: Partition
+    step_s: float
+    step_high_s: float
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,8 @@ class PolicyInputs:
             first) at the measured step time; 0 when not known.
         link_age_s: for how long the link has measured slower than the set-up probe, at consecutive checks (the time
             they cover, as for :attr:`cause_age_s`); ``math.inf`` when not known.
+        priced: every partition the controller priced at this check under the running schedule, the current one
+            first (``()``: not given), for logs and for judging the predictor against partitions run later.
     """
 
     step: int
@@ -98,6 +116,7 @@ class PolicyInputs:
     cause_age_s: tuple[float, ...] = ()
     window_s: float = 0.0
     link_age_s: float = math.inf
+    priced: tuple[PricedPartition, ...] = ()
 
     @property
     def explained(self) -> bool:

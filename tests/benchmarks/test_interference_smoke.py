@@ -343,3 +343,52 @@ def test_each_check_is_counted_by_what_held_or_moved_the_partition() -> None:
         zip(CHECK_OUTCOMES, (1, 2, 1, 0, 0))
     )  # moved, below the minimum, lower end, best, other
     assert counts[("quota50", "measured")] == dict(zip(CHECK_OUTCOMES, (0, 0, 0, 1, 1)))
+
+
+def test_the_prices_of_each_check_are_set_against_the_cuts_run_fixed_under_the_same_scenario_and_seed() -> None:
+    """Every priced partition against the same cut run fixed (same scenario and seed): the running partition's error
+    apart (what the window measured, against another run), the others' median error and absolute error, how often the
+    measured step stays under the upper end, and how often the partition priced fastest is the fastest cut. Cuts of
+    another seed, phases of ``mix`` and checks without prices count for nothing."""
+    import math
+
+    from benchmarks.interference import PRICING_COLUMNS, pricing_errors, render_pricing
+
+    def cut(name: str, ms: float, seed: int = 0, scenario: str = "quota50") -> dict[str, Any]:
+        steps = [{"step": i, "t": i * ms / 1e3} for i in range(20)]
+        return {"system": name, "scenario": scenario, "seed": seed, "steps": [steps]}
+
+    def priced(*rows: tuple[tuple[int, int], float, float]) -> list[dict[str, Any]]:
+        return [{"partition": list(p), "step_s": v, "step_high_s": h} for p, v, h in rows]
+
+    runs = [
+        cut("cut1,2", 100.0),
+        cut("cut2,1", 50.0),
+        cut("cut1,2", 10.0, seed=1),  # another seed's cuts: not this run's truth
+        cut("cut2,1@delay", 10.0, scenario="mix"),
+        {
+            "system": "forest-cal",
+            "scenario": "quota50",
+            "seed": 0,
+            "decisions": [
+                # running [1, 2] priced 110 ms (measured 100: +10%); [2, 1] priced 60 (50: +20%), upper end 70 holds
+                {"partition": [1, 2], "priced": priced(((1, 2), 0.110, 0.110), ((2, 1), 0.06, 0.07))},
+                # [2, 1] priced 40 (-20%), upper end 45 below the 50 measured; [2, 1] is the fastest priced and measured
+                {"partition": [2, 1], "priced": priced(((1, 2), 0.09, 0.09), ((2, 1), 0.04, 0.045))},
+                {"partition": [2, 1], "priced": []},
+            ],
+        },
+        {"system": "measured", "scenario": "hog", "seed": 0, "decisions": [{"priced": priced(((1, 2), 0.1, 0.1))}]},
+    ]  # fmt: skip
+    errors = pricing_errors(runs)
+    assert set(errors) == {("quota50", "forest-cal")}
+    e = errors[("quota50", "forest-cal")]
+    assert e["checks"] == 2
+    assert e["running_median_error"] == pytest.approx(0.0)  # +10% and -10%
+    assert e["others_median_abs_error"] == pytest.approx(0.2)
+    assert e["others_median_error"] == pytest.approx(0.0)  # +20% and -20%
+    assert e["others_upper_holds"] == pytest.approx(0.5)
+    assert e["fastest_priced_fastest"] == pytest.approx(1.0)
+    table = render_pricing(runs)
+    assert all(c in table for c in PRICING_COLUMNS) and "+0.0%" in table and "20.0%" in table
+    assert not math.isnan(e["others_median_error"])

@@ -109,6 +109,8 @@ def test_a_wide_interval_holds_a_move_whose_central_gain_would_pay() -> None:
     unsure = _controller(_Scripted((0.003, 0.0045), spread=0.5)).check(10, times, PART, remaining_steps=1000)
     assert unsure is not None and not unsure.repartition and "lower end" in unsure.reason
     assert unsure.inputs.candidate_step_upper_s > unsure.inputs.candidate_step_s
+    judged = next(p for p in unsure.inputs.priced if p.partition == unsure.inputs.candidate)
+    assert judged.step_high_s > judged.step_s  # the upper end of every priced partition is kept too
 
 
 def test_the_candidate_judged_is_the_one_whose_gain_has_the_largest_lower_end() -> None:
@@ -259,6 +261,37 @@ def test_the_policy_sees_seconds_per_step_whatever_i0_the_convergence_model_carr
     assert plain.convergence_factor == pytest.approx(1 + 0.3 * share)
     # the predicted step is in the measured step's units: a few tens of ms here, not I0 times that
     assert plain.current_step_s < 10 * plain.measured_step_s
+
+
+def test_every_priced_partition_is_in_the_inputs_in_seconds_per_step_without_the_convergence_factor() -> None:
+    """What :attr:`PolicyInputs.priced` lists: the current partition first, then each candidate once, each at the step
+    time the pipeline would measure (the policy's step times divided by that partition's convergence factor)."""
+    params = [layer.param_bytes for layer in SHRINKING.layers]
+
+    def factor(p: Partition) -> float:  # stage 0 of two is one update stale
+        return 1 + 0.3 * sum(params[: p.balance[0]]) / sum(params)
+
+    for i0 in (1.0, 700.0):
+        controller = AdaptiveController(
+            GainOverCostPolicy(patience=2, horizon_steps=500),
+            model_cost=SHRINKING,
+            comm=QUIET_LINK,
+            schedule="async",
+            num_microbatches=M,
+            convergence=ConvergenceModel(i0=i0, beta=0.3),
+            consider_stage_counts=False,
+        )
+        decision = controller.check(10, _link_times(0.040), Partition((3, 3)), remaining_steps=2000)
+        assert decision is not None
+        inputs = decision.inputs
+        priced = {p.partition: p for p in inputs.priced}
+        assert inputs.priced[0].partition == Partition((3, 3)) and len(priced) == len(inputs.priced) >= 3
+        assert set(neighbours(Partition((3, 3)))) <= set(priced)
+        here, there = priced[inputs.current], priced[inputs.candidate]
+        assert here.step_s * factor(inputs.current) == pytest.approx(inputs.current_step_s)
+        assert there.step_s * factor(inputs.candidate) == pytest.approx(inputs.candidate_step_s)
+        assert all(p.step_high_s == pytest.approx(p.step_s) for p in inputs.priced)  # a point predictor
+        assert 0.2 * inputs.measured_step_s < here.step_s < 5 * inputs.measured_step_s  # the measured step's units
 
 
 def _link_controller() -> AdaptiveController:
