@@ -1170,8 +1170,9 @@ def render_check_outcomes(runs: Sequence[dict[str, Any]], *, markdown: bool = Fa
 PRICING_COLUMNS: tuple[str, ...] = (
     "checks",
     "running: median error",
-    "others: median |error|",
-    "others: median error",
+    "others: median abs. error",
+    "others: median abs. speed-up error",
+    "others: median speed-up error",
     "others: upper end holds",
     "fastest priced fastest",
 )
@@ -1186,10 +1187,13 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
     Each priced partition's step time (:class:`~lightning_dynpipe.repartition.policy.PricedPartition`, the
     convergence factor left out) is set against the cut's measured mean ms per step (:func:`_ms_per_step`): its
     relative error ``predicted / measured - 1``. The running partition is priced at what the window measured, so its
-    error is the difference between the two runs (another process, another window of steps): the noise floor the
-    other partitions' errors are read against. "Upper end holds": the measured step at or below the upper end of the
-    prediction (what the policy's lower end of the gain rests on). "Fastest priced fastest": the checks whose partition
-    of the shortest predicted step is the fastest cut measured.
+    error is the difference between the two runs (another process, another window of steps, a step measured
+    otherwise: the window's slowest stage without its slowest step, the cut's wall time per step on rank 0): the
+    offset the other partitions' errors are read against. What a decision rests on is the speed-up, a partition's
+    step over the running one's: its error is ``(predicted / predicted running) / (measured / measured running) - 1``,
+    both cuts of the same seed, which the offset cancels out of. "Upper end holds": the measured step at or below the
+    upper end of the prediction (what the policy's lower end of the gain rests on). "Fastest priced fastest": the
+    checks whose partition of the shortest predicted step is the fastest cut measured.
     """
     cut_ms: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
     for r in runs:
@@ -1203,11 +1207,14 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
         measured = cut_ms.get((r["scenario"], r["seed"]))
         if not measured or not r.get("decisions"):
             continue
-        a = acc.setdefault((r["scenario"], r["system"]), {"running": [], "others": [], "holds": [], "fastest": []})
+        a = acc.setdefault(
+            (r["scenario"], r["system"]), {"running": [], "others": [], "speedup": [], "holds": [], "fastest": []}
+        )
         for d in r["decisions"]:
             if not d.get("priced"):
                 continue
-            current = tuple(d["priced"][0]["partition"])  # the controller lists the running partition first
+            here = d["priced"][0]  # the controller lists the running partition first
+            current = tuple(here["partition"])
             priced = [p for p in d["priced"] if tuple(p["partition"]) in measured]
             if not priced:
                 continue
@@ -1216,9 +1223,11 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
                 err = p["step_s"] / truth - 1.0
                 if tuple(p["partition"]) == current:
                     a["running"].append(err)
-                else:
-                    a["others"].append(err)
-                    a["holds"].append(float(truth <= p["step_high_s"]))
+                    continue
+                a["others"].append(err)
+                a["holds"].append(float(truth <= p["step_high_s"]))
+                if current in measured and here["step_s"] > 0:
+                    a["speedup"].append((p["step_s"] / here["step_s"]) / (truth / measured[current]) - 1.0)
             best_priced = min(priced, key=lambda p: p["step_s"])["partition"]
             a["fastest"].append(float(tuple(best_priced) == min(measured, key=lambda c: measured[c])))
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -1230,6 +1239,10 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
             "running_median_error": statistics.median(a["running"]) if a["running"] else math.nan,
             "others_median_abs_error": statistics.median(abs(e) for e in a["others"]) if a["others"] else math.nan,
             "others_median_error": statistics.median(a["others"]) if a["others"] else math.nan,
+            "others_median_abs_speedup_error": (
+                statistics.median(abs(e) for e in a["speedup"]) if a["speedup"] else math.nan
+            ),
+            "others_median_speedup_error": statistics.median(a["speedup"]) if a["speedup"] else math.nan,
             "others_upper_holds": statistics.fmean(a["holds"]) if a["holds"] else math.nan,
             "fastest_priced_fastest": statistics.fmean(a["fastest"]),
         }
@@ -1245,14 +1258,18 @@ def render_pricing(runs: Sequence[dict[str, Any]], *, markdown: bool = False) ->
     def share(x: float) -> str:
         return "-" if math.isnan(x) else f"{x * 100:.0f}%"
 
+    def size(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x * 100:.1f}%"
+
     rows = [
         [
             scenario,
             system,
             str(e["checks"]),
             pct(e["running_median_error"]),
-            "-" if math.isnan(e["others_median_abs_error"]) else f"{e['others_median_abs_error'] * 100:.1f}%",
-            pct(e["others_median_error"]),
+            size(e["others_median_abs_error"]),
+            size(e["others_median_abs_speedup_error"]),
+            pct(e["others_median_speedup_error"]),
             share(e["others_upper_holds"]),
             share(e["fastest_priced_fastest"]),
         ]

@@ -347,9 +347,10 @@ def test_each_check_is_counted_by_what_held_or_moved_the_partition() -> None:
 
 def test_the_prices_of_each_check_are_set_against_the_cuts_run_fixed_under_the_same_scenario_and_seed() -> None:
     """Every priced partition against the same cut run fixed (same scenario and seed): the running partition's error
-    apart (what the window measured, against another run), the others' median error and absolute error, how often the
-    measured step stays under the upper end, and how often the partition priced fastest is the fastest cut. Cuts of
-    another seed, phases of ``mix`` and checks without prices count for nothing."""
+    apart (what the window measured, against another run), the others' median absolute error, the error of their
+    speed-up over the running partition, how often the measured step stays under the upper end, and how often the
+    partition priced fastest is the fastest cut. Cuts of another seed, phases of ``mix`` and checks without prices
+    count for nothing."""
     import math
 
     from benchmarks.interference import PRICING_COLUMNS, pricing_errors, render_pricing
@@ -387,8 +388,11 @@ def test_the_prices_of_each_check_are_set_against_the_cuts_run_fixed_under_the_s
     assert e["running_median_error"] == pytest.approx(0.0)  # +10% and -10%
     assert e["others_median_abs_error"] == pytest.approx(0.2)
     assert e["others_median_error"] == pytest.approx(0.0)  # +20% and -20%
+    # the speed-up over the running partition: 60/110 against 50/100 (+9.1%), 40/90 against 50/100 (-11.1%)
+    assert e["others_median_abs_speedup_error"] == pytest.approx((0.6 / 1.1 / 0.5 - 1 + 1 - 0.4 / 0.9 / 0.5) / 2)
+    assert e["others_median_speedup_error"] == pytest.approx((0.6 / 1.1 / 0.5 + 0.4 / 0.9 / 0.5) / 2 - 1)
     assert e["others_upper_holds"] == pytest.approx(0.5)
     assert e["fastest_priced_fastest"] == pytest.approx(1.0)
     table = render_pricing(runs)
-    assert all(c in table for c in PRICING_COLUMNS) and "+0.0%" in table and "20.0%" in table
+    assert all(c in table for c in PRICING_COLUMNS) and "+0.0%" in table and "20.0%" in table and "-1.0%" in table
     assert not math.isnan(e["others_median_error"])
