@@ -1197,11 +1197,10 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
     """
     cut_ms: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
     for r in runs:
-        if r["system"].startswith("cut") and "@" not in r["system"] and r["scenario"] in CUT_SCENARIOS:
-            if r["scenario"] in EARLIER_PHASE:
-                continue
+        name, scenario = r["system"], r["scenario"]
+        if name.startswith("cut") and "@" not in name and scenario in CUT_SCENARIOS and scenario not in EARLIER_PHASE:
             cut = tuple(int(x) for x in r["system"][3:].split(","))
-            cut_ms.setdefault((r["scenario"], r["seed"]), {})[cut] = _ms_per_step(r) / 1e3
+            cut_ms.setdefault((scenario, r["seed"]), {})[cut] = _ms_per_step(r) / 1e3
     acc: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in runs:
         measured = cut_ms.get((r["scenario"], r["seed"]))
@@ -1238,7 +1237,6 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
             "checks": len(a["fastest"]),
             "running_median_error": statistics.median(a["running"]) if a["running"] else math.nan,
             "others_median_abs_error": statistics.median(abs(e) for e in a["others"]) if a["others"] else math.nan,
-            "others_median_error": statistics.median(a["others"]) if a["others"] else math.nan,
             "others_median_abs_speedup_error": (
                 statistics.median(abs(e) for e in a["speedup"]) if a["speedup"] else math.nan
             ),

@@ -233,21 +233,27 @@ def _measured_controller(
     )
 
 
+def _stale_controller(i0: float) -> AdaptiveController:
+    """The measured predictor's controller on ``SHRINKING`` with a convergence model that charges staleness
+    (``beta=0.3``) and carries ``i0``."""
+    return AdaptiveController(
+        GainOverCostPolicy(patience=2, horizon_steps=500),
+        model_cost=SHRINKING,
+        comm=QUIET_LINK,
+        schedule="async",
+        num_microbatches=M,
+        convergence=ConvergenceModel(i0=i0, beta=0.3),
+        consider_stage_counts=False,
+    )
+
+
 def test_the_policy_sees_seconds_per_step_whatever_i0_the_convergence_model_carries() -> None:
     """A calibrated model carries I0 in micro-batches (hundreds); the policy's step times and the current
     partition's convergence factor must not depend on it, or every gain would pay its migration I0 times over."""
     times = _link_times(0.040)
     inputs = []
     for i0 in (1.0, 700.0):
-        controller = AdaptiveController(
-            GainOverCostPolicy(patience=2, horizon_steps=500),
-            model_cost=SHRINKING,
-            comm=QUIET_LINK,
-            schedule="async",
-            num_microbatches=M,
-            convergence=ConvergenceModel(i0=i0, beta=0.3),
-            consider_stage_counts=False,
-        )
+        controller = _stale_controller(i0)
         decision = controller.check(10, times, Partition((3, 3)), remaining_steps=2000)
         assert decision is not None
         inputs.append(decision.inputs)
@@ -272,15 +278,7 @@ def test_every_priced_partition_is_in_the_inputs_in_seconds_per_step_without_the
         return 1 + 0.3 * sum(params[: p.balance[0]]) / sum(params)
 
     for i0 in (1.0, 700.0):
-        controller = AdaptiveController(
-            GainOverCostPolicy(patience=2, horizon_steps=500),
-            model_cost=SHRINKING,
-            comm=QUIET_LINK,
-            schedule="async",
-            num_microbatches=M,
-            convergence=ConvergenceModel(i0=i0, beta=0.3),
-            consider_stage_counts=False,
-        )
+        controller = _stale_controller(i0)
         decision = controller.check(10, _link_times(0.040), Partition((3, 3)), remaining_steps=2000)
         assert decision is not None
         inputs = decision.inputs
