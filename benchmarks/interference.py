@@ -1209,6 +1209,7 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
         a = acc.setdefault(
             (r["scenario"], r["system"]), {"running": [], "others": [], "speedup": [], "holds": [], "fastest": []}
         )
+        fastest_cut = min(measured, key=lambda c: measured[c])
         for d in r["decisions"]:
             if not d.get("priced"):
                 continue
@@ -1228,7 +1229,7 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
                 if current in measured and here["step_s"] > 0:
                     a["speedup"].append((p["step_s"] / here["step_s"]) / (truth / measured[current]) - 1.0)
             best_priced = min(priced, key=lambda p: p["step_s"])["partition"]
-            a["fastest"].append(float(tuple(best_priced) == min(measured, key=lambda c: measured[c])))
+            a["fastest"].append(float(tuple(best_priced) == fastest_cut))
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for key, a in acc.items():
         if not a["fastest"]:
