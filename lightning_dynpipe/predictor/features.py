@@ -21,7 +21,10 @@ The forest predicts the **residual** over an analytic prior, as a log ratio:
   measured compute over the profile of the layers it held plus ``fixed`` (:func:`prior_slowdowns` without it), at least
   ``1/q`` under a CPU limit of ``q`` cores, and there at least all the stage's measured CPU per step over ``q``,
   with the layers it gains or gives away priced by their profile (the framework's CPU around the layers stays with
-  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where the predictor has seen the
+  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where that floor applies, the
+  slowdown is taken from the layers' forward+backward time, not from the CPU over the limit, which the floor
+  already holds: a stage left with a small layer spends most of its CPU around it, and that CPU read as a stretch
+  would multiply every layer it receives. Where the predictor has seen the
   stage quiet under the layers it holds (:class:`QuietReadings`), what it read then over the pipeline's speed is a
   fixed cost per micro-batch that stays with the stage, and only the rest of the reading stretches the candidate's
   layers, as in the measured predictor (the ``fixed_share`` column: that cost's share of the prior);
@@ -177,7 +180,7 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 6, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 7, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
 layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
 beside a limited stage is measured on its other side; 4: a stage's prior carries what it read quiet as a fixed cost,
@@ -186,7 +189,8 @@ boundary beside a stage that competes for its cores, a CPU limit or not, is meas
 that competes for its cores under no CPU limit is floored like a limited one at the share of its core it obtained,
 and a boundary beside such a stage is the lower of its two sides' readings; 6: a stage's prior, without a quiet
 reading, stretches its layers' profile plus the pipeline's fixed cost per micro-batch and stage measured by the
-calibration sweep, and ``fixed_share`` says how much of the prior that is)."""
+calibration sweep, and ``fixed_share`` says how much of the prior that is; 7: where a CPU floor prices a stage, its
+stretch comes from its layers' forward+backward time, not from its CPU over the limit)."""
 
 
 class QuietReadings(Protocol):
@@ -241,14 +245,29 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
     """
     M = window.num_microbatches
     out = []
-    for k, t in enumerate(window.stages):
+    for k, c in enumerate(_stretched_s(model_cost, window)):
+        t = window.stages[k]
         profile = _profile_s(model_cost, window.partition, k)
-        c = effective_compute_s(t)
         raw = c / (M * profile) if profile > 0 and c > 0 else 1.0
         q = t.binding_cpu_limit
         floor = 1.0 / q if q is not None else 1.0
         out.append(max(raw, floor))
     return tuple(out)
+
+
+def _stretched_s(model_cost: ModelCost, window: PipelineWindow) -> list[float]:
+    """Per stage of the window, the reading per step that stretches its layers in the prior.
+
+    Its :func:`effective_compute_s`, except where the CPU a stage gets is below one core and its CPU per step is
+    measured (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors` gives it a floor): there its layers'
+    own forward+backward time. The floor carries all the stage's CPU over what it gets, the framework's work around
+    its layers included; counted in the stretch as well, that work would multiply every layer the stage receives.
+    On the CNN under a quarter-core quota, a last stage left with its classifier (0.19 ms profiled) used 4.8 ms of
+    CPU per micro-batch: its CPU over the quota, 19 ms, read as a 100x stretch priced its taking back one layer of
+    0.76 ms at 94 ms per micro-batch instead of about 22.
+    """
+    floors = cpu_limited_floors(model_cost, window, window.partition)
+    return [t.compute_s if floor is not None else effective_compute_s(t) for t, floor in zip(window.stages, floors)]
 
 
 def estimate_fixed_s(model_cost: ModelCost, windows: Sequence[PipelineWindow]) -> float:
@@ -315,8 +334,7 @@ def _stage_parts(
     slow = prior_slowdowns(model_cost, window)
     out = [(s, 0.0) for s in slow]
     if fixed_s > 0:  # no floor of 1 here: the layers inside a stage may run faster than each one alone
-        for k, t in enumerate(window.stages):
-            c = effective_compute_s(t)
+        for k, (t, c) in enumerate(zip(window.stages, _stretched_s(model_cost, window))):
             if profiles[k] > 0 and c > 0:
                 q = t.binding_cpu_limit
                 out[k] = (max(c / (M * (profiles[k] + fixed_s)), 1.0 / q if q is not None else 0.0), fixed_s)

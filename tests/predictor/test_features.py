@@ -109,6 +109,25 @@ def test_a_limited_stages_prior_keeps_the_cpu_spent_around_its_layers() -> None:
     assert stage_priors(COST, beside, Partition((3, 1)))[1] == pytest.approx((10e-3 / 4 + 1.25 * 3e-3) / 0.5)
 
 
+def test_a_limited_stages_cpu_around_its_layers_is_its_floor_not_a_stretch_of_the_layers_it_receives() -> None:
+    """Stage 1 under a quarter core holds one layer (3 ms profiled) and spends 40 ms of CPU per step of 4
+    micro-batches, 28 ms of it around the layer; it uses its whole quota, so its CPU over the limit is 40 ms per
+    micro-batch, 13.3x its layer's profile, while its forward+backward read 4x (the quota's stretch). Given a second
+    layer it needs (28 ms / 4 + 6 ms) / 0.25 = 52 ms per micro-batch; stretching both layers by 13.3x would say
+    80."""
+    limited = StageTimes(compute_s=48e-3, step_s=160e-3, cpu_limit=0.25, cpu_share=0.25, cpu_s=40e-3)
+    window = PipelineWindow(Partition((3, 1)), (StageTimes(compute_s=36e-3, step_s=160e-3), limited), 4)
+    needed = (28e-3 / 4 + 6e-3) / 0.25
+    assert stage_priors(COST, window, Partition((2, 2)))[1] == pytest.approx(needed)
+    # with the sweep's fixed cost per micro-batch as well: the stretch is the quota's 4x of 7 ms, below the floor
+    assert stage_priors(COST, window, Partition((2, 2)), fixed_s=1e-3)[1] == pytest.approx(needed)
+    # its own layer is priced at what it measured: its CPU over the limit
+    assert stage_priors(COST, window, window.partition)[1] == pytest.approx(40e-3)
+    # without its CPU per step measured there is no floor, and its time over the limit stretches its layers
+    unmeasured = PipelineWindow(window.partition, (window.stages[0], replace(limited, cpu_s=0.0)), 4)
+    assert stage_priors(COST, unmeasured, Partition((2, 2)))[1] == pytest.approx(40e-3 / 3e-3 * 6e-3)
+
+
 class _Quiet:
     """Quiet readings for the tests: the pipeline's speed and what stages read quiet under given layers."""
 
