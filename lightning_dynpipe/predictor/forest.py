@@ -992,6 +992,8 @@ class ForestPredictor:
         return predictor.fit(LabelledSamples(**arrays, fixed_s=float(meta.get("fixed_s", 0.0))))
 
     def _params(self) -> dict[str, Any]:
+        """What fitting a forest takes (the refit process builds ``ForestPredictor(**params)`` to fit; a file keeps
+        them); how candidates are priced (``anchored``) and who refits are not a fit's."""
         return {
             "n_estimators": self.n_estimators,
             "min_samples_leaf": self.min_samples_leaf,
@@ -1002,6 +1004,7 @@ class ForestPredictor:
             "refit_every": self.refit_every,
             "adopt_after": self.adopt_after,
             "refit_on": self.refit_on,
+            "stratified": self.stratified,
         }
 
     def __repr__(self) -> str:

@@ -303,6 +303,9 @@ def test_the_forest_calibrates_interfered_and_quiet_stages_apart_unless_told_not
     assert split._stage is not None and pooled._stage is not None
     assert set(split._stage.stratum_margins) == {0, 1} and pooled._stage.stratum_margins == {}
     assert split._stage.margin == pooled._stage.margin  # the pooled margins are the same either way
+    # a refit (the refit process builds ForestPredictor(**params)) and a file keep the choice
+    refit, _ = ForestPredictor(**pooled._params()).fit_pair(samples)
+    assert refit is not None and refit.stratum_margins == {}
     # a candidate's stage is priced at the same value, with the margin of its kind (its layer sets were measured)
     _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=6)[0]
     window = wins[PARTS[1]]
