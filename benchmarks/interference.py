@@ -409,6 +409,19 @@ def _layer_costs(cfg: Config) -> dict[str, list[float]]:
 
 
 # ---------------------------------------------------------------------------------------------- recording
+def _controller_setup(controller: Any) -> dict[str, Any]:
+    """What the adaptive controller priced candidates from besides its windows: its set-up profile, link, schedule
+    and micro-batches (kept with a run's decisions, so that ``benchmarks/reprice.py`` can price its windows again)."""
+    return {
+        "layers": [asdict(layer) for layer in controller.model_cost.layers],
+        "comm": asdict(controller.comm),
+        "schedule": controller.schedule.name,
+        "num_microbatches": controller.num_microbatches,
+        "replicas": controller.replicas,
+        "max_shift": controller.max_shift,
+    }
+
+
 def _recorder(target: float) -> Any:
     """Per-step records on every rank, evaluations, stop at target; shaped like ``throughput._step_timer``."""
     from lightning.pytorch import Callback
@@ -426,6 +439,7 @@ def _recorder(target: float) -> Any:
             self.strategy: Any = None
             self.decisions: list[Any] = []
             self.depth_decisions: list[Any] = []
+            self.setup: dict[str, Any] | None = None
 
         def _t(self) -> float:
             return time.perf_counter() - self.start - self.eval_s
@@ -433,9 +447,11 @@ def _recorder(target: float) -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.strategy = trainer.strategy
             self.stage_idx = int(trainer.strategy.stage_idx)
-            if trainer.strategy.controller is not None:  # teardown clears the controller; keep its log
-                self.decisions = trainer.strategy.controller.decisions
-                self.depth_decisions = trainer.strategy.controller.depth_decisions
+            controller = trainer.strategy.controller
+            if controller is not None:  # teardown clears the controller; keep its log
+                self.decisions = controller.decisions
+                self.depth_decisions = controller.depth_decisions
+                self.setup = _controller_setup(controller)
             dist.barrier()
             self.probe.start()
             self.start = time.perf_counter()
@@ -675,6 +691,7 @@ def _run(
             }
             for e in (interference.events if interference else [])
         ],
+        "setup": rec.setup,
         "train_end_s": rec.end - rec.start - rec.eval_s,
         "eval_s": rec.eval_s,
         "calibration_s": strategy.calibration_s,
@@ -699,6 +716,7 @@ def _run(
         "migrations": last["migrations"],
         "schedule_changes": last["schedule_changes"],
         "decisions": last["decisions"],
+        "setup": last["setup"],
         "depth_decisions": last["depth_decisions"],
         "interference_events": [ev for g in per_stage for ev in g["interference_events"]],
         "steps": [g["steps"] for g in res["stages"]],  # per stage: per-step records
