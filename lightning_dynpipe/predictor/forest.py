@@ -825,7 +825,7 @@ class ForestPredictor:
         worker = self._ensure_worker()
         if worker is not None:
             try:
-                worker.submit({**self._params(), "stratified": self.stratified}, rows)
+                worker.submit(self._params(), rows)
                 return
             except OSError as exc:
                 self._no_worker(exc)
