@@ -422,8 +422,10 @@ def _controller_setup(controller: Any) -> dict[str, Any]:
     }
 
 
-def _recorder(target: float) -> Any:
-    """Per-step records on every rank, evaluations, stop at target; shaped like ``throughput._step_timer``."""
+def _recorder(target: float, forest_path: str | None = None) -> Any:
+    """Per-step records on every rank, evaluations, stop at target; shaped like ``throughput._step_timer``. With
+    ``forest_path``, the last stage saves a calibrated forest's rows there at the start of training (its set-up
+    sweep's: ``ForestPredictor.save``), so that ``benchmarks/reprice.py`` can replay the run's checks with it."""
     from lightning.pytorch import Callback
 
     class Recorder(Callback):
@@ -440,6 +442,7 @@ def _recorder(target: float) -> Any:
             self.decisions: list[Any] = []
             self.depth_decisions: list[Any] = []
             self.setup: dict[str, Any] | None = None
+            self.forest_file: str | None = None
 
         def _t(self) -> float:
             return time.perf_counter() - self.start - self.eval_s
@@ -452,6 +455,10 @@ def _recorder(target: float) -> Any:
                 self.decisions = controller.decisions
                 self.depth_decisions = controller.depth_decisions
                 self.setup = _controller_setup(controller)
+                rows = getattr(controller.predictor, "samples", None)
+                last = self.stage_idx == trainer.strategy.num_stages - 1
+                if forest_path and last and rows is not None and len(rows):  # a sweep's rows, before any window's
+                    self.forest_file = str(controller.predictor.save(forest_path))
             dist.barrier()
             self.probe.start()
             self.start = time.perf_counter()
@@ -619,7 +626,10 @@ def _run(
     seed: int,
     batches: list[Any],
     val: list[Any],
+    out_prefix: str | None = None,
 ) -> dict[str, Any]:
+    """One run of ``system`` under ``scenario``; with ``out_prefix``, a calibrated forest's rows are saved to
+    ``<out_prefix>-<scenario>-<system>-seed<seed>.npz`` (see :func:`_recorder`)."""
     from lightning_dynpipe.interference import InterferenceCallback
 
     eval_every = cfg.eval_every
@@ -630,7 +640,8 @@ def _run(
             # that lasts the whole run (its time to accuracy)
             cfg = replace(cfg, target_acc=2.0)
             batches, eval_every = batches[: cfg.cut_steps], cfg.cut_steps + 1
-    rec = _recorder(cfg.target_acc)
+    forest_path = f"{out_prefix}-{scenario}-{system}-seed{seed}.npz" if out_prefix else None
+    rec = _recorder(cfg.target_acc, forest_path)
     interference = InterferenceCallback(schedule) if schedule else None
     with _probe_link_only(system == "measured-probe"), _readings_every_second(system == "measured-1s"):
         res, strategy = _fit(system, cfg, seed, batches, val, rec, interference, eval_every)
@@ -692,6 +703,7 @@ def _run(
             for e in (interference.events if interference else [])
         ],
         "setup": rec.setup,
+        "forest_file": rec.forest_file,
         "train_end_s": rec.end - rec.start - rec.eval_s,
         "eval_s": rec.eval_s,
         "calibration_s": strategy.calibration_s,
@@ -717,6 +729,7 @@ def _run(
         "schedule_changes": last["schedule_changes"],
         "decisions": last["decisions"],
         "setup": last["setup"],
+        "forest_file": next((g["forest_file"] for g in per_stage if g["forest_file"]), None),
         "depth_decisions": last["depth_decisions"],
         "interference_events": [ev for g in per_stage for ev in g["interference_events"]],
         "steps": [g["steps"] for g in res["stages"]],  # per stage: per-step records
@@ -782,7 +795,9 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         schedule = schedule_for(scenario, cfg, onset)
                     load = os.getloadavg()[0]
                     dist.barrier()
-                    r = _run(system, scenario, schedule, cfg, seed, batches, val)
+                    r = _run(
+                        system, scenario, schedule, cfg, seed, batches, val, str(Path(result_path).with_suffix(""))
+                    )
                     r.update(position=position, load1=load, onset=onset)
                     runs.append(r)
                     if scenario == "none" and system == "static" and r["steps_to_acc"]:
