@@ -759,7 +759,7 @@ def _noise(cfg: Config) -> CpuBursts | None:
     return CpuBursts(sorted({_stage_core(rank) for rank in range(WORLD_SIZE)}), seed=cfg.first_seed)
 
 
-def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
+def _worker(rank: int, cfg: Config, port: int, result_path: str, forest_prefix: str | None = None) -> None:
     from lightning_dynpipe.interference import pin_current_process
 
     external_launch_env(rank, WORLD_SIZE, port)
@@ -795,9 +795,7 @@ def _worker(rank: int, cfg: Config, port: int, result_path: str) -> None:
                         schedule = schedule_for(scenario, cfg, onset)
                     load = os.getloadavg()[0]
                     dist.barrier()
-                    r = _run(
-                        system, scenario, schedule, cfg, seed, batches, val, str(Path(result_path).with_suffix(""))
-                    )
+                    r = _run(system, scenario, schedule, cfg, seed, batches, val, forest_prefix)
                     r.update(position=position, load1=load, onset=onset)
                     runs.append(r)
                     if scenario == "none" and system == "static" and r["steps_to_acc"]:
@@ -1772,11 +1770,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json_path = a.out_dir / f"interference-{time.strftime('%Y%m%d-%H%M%S')}.json"
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "runs.json")
+            json_path.parent.mkdir(parents=True, exist_ok=True)  # a calibrated forest's rows go beside the record
             noise = _noise(cfg)
             try:
                 if noise is not None:
                     noise.start()
-                spawn(_worker, args=(cfg, free_port(), result_path), nprocs=WORLD_SIZE, join=True)
+                forests = str(json_path.with_suffix(""))
+                spawn(_worker, args=(cfg, free_port(), result_path, forests), nprocs=WORLD_SIZE, join=True)
             finally:
                 if noise is not None:
                     noise.stop()

@@ -212,23 +212,32 @@ def speedups(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[tuple
     return out
 
 
-def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
-    """Predicted against measured speed-up per scenario, one colour per (pseudo-)system."""
+def plot(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]], path: Path) -> None:
+    """Priced against measured speed-up per scenario: one colour per replayed predictor (all the runs it replayed
+    together), and the recorded prices per system."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    pairs = speedups(runs)
-    scenarios = sorted({s for s, _ in pairs})
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for runs, name in ((recorded, lambda s: f"recorded: {s}"), (replayed, lambda s: s.split(" (")[0])):
+        for (scenario, system), xy in speedups(runs).items():
+            groups.setdefault((scenario, name(system)), []).extend(xy)
+    scenarios = sorted({s for s, _ in groups})
+    labels = sorted({label for _, label in groups})
+    colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
     fig, axes = plt.subplots(1, max(1, len(scenarios)), figsize=(4.2 * max(1, len(scenarios)), 4.0), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
-        for (s, system), xy in sorted(pairs.items()):
-            if s != scenario:
-                continue
-            ax.scatter([x for x, _ in xy], [y for _, y in xy], s=12, alpha=0.6, label=system)
+        for label in labels:
+            xy = groups.get((scenario, label))
+            if xy:
+                ax.scatter([x for x, _ in xy], [y for _, y in xy], s=10, alpha=0.5, color=colours[label], label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_minor_formatter(NullFormatter())
         lo, hi = ax.get_xlim()
         ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
         ax.set_title(scenario)
@@ -319,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     path = args.out / f"reprice-{stamp}.json"
     path.write_text(json.dumps(result), encoding="utf-8")
-    plot([*todo, *pseudo, *cuts], args.out / f"reprice-{stamp}.png")
+    plot([*todo, *cuts], [*pseudo, *cuts], args.out / f"reprice-{stamp}.png")
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
     return result
 
