@@ -136,7 +136,7 @@ from lightning_dynpipe.predictor.features import (
 from lightning_dynpipe.predictor.measured import MeasuredSlowdownPredictor
 from lightning_dynpipe.predictor.refit import RefitProcess
 
-__all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT", "MIN_STRATUM_SCORES"]
+__all__ = ["ForestPredictor", "QuantileForest", "FILE_FORMAT", "MIN_STRATUM_SCORES", "RELATIVE_STAGE_FEATURES"]
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,24 @@ _NO_SCORES: _Scores = (np.zeros(0, dtype=np.intp), np.zeros(0))
 MIN_STRATUM_SCORES = 20
 """Conformity scores a stratum needs in a calibration for its own margin (:meth:`QuantileForest.fit`); with fewer,
 its rows keep the pooled one."""
+RELATIVE_STAGE_FEATURES: tuple[str, ...] = tuple(
+    c
+    for c in STAGE_FEATURES
+    if c
+    not in (
+        "measured_profile_ms",
+        "candidate_profile_ms",
+        "candidate_param_mib",
+        "candidate_activation_out_mib",
+        "candidate_working_set_mib",
+        "candidate_num_layers",
+        "pace_ms",
+        "rss_mib",
+    )
+)
+"""The stage columns without what names a layer set or a model (profiles in ms, bytes, layer counts, the other
+stages' pace in ms, the process's RSS): the environment, the stage's measured stretch and duty, and the candidate's
+work relative to what the stage held (``ForestPredictor(stage_features=RELATIVE_STAGE_FEATURES)``)."""
 _FLOOR_S = 1e-9  # as the rows': a time of 0 (no transfer measured) has no log ratio; such a stage is not anchored
 
 
@@ -453,6 +471,10 @@ class ForestPredictor:
         stratified: calibrate the stage intervals separately for stages whose environment shows interference and
             for quiet ones (see "Intervals" in the module), so that each kind's intervals hold ``coverage`` of its
             values. ``False``: one margin for all stages.
+        stage_features: the columns of :data:`~lightning_dynpipe.predictor.features.STAGE_FEATURES` the stage trees
+            may split on (``None``: all). The rows keep every column either way (a file, the refits); e.g.
+            :data:`RELATIVE_STAGE_FEATURES` leaves out what names a layer set (its profile, bytes and layer
+            count), so the trees cannot learn a residual per layer set from a sweep's noisy readings of it.
     """
 
     def __init__(
@@ -470,6 +492,7 @@ class ForestPredictor:
         one_rank_refits: bool = False,
         anchored: bool = True,
         stratified: bool = True,
+        stage_features: Sequence[str] | None = None,
     ) -> None:
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
@@ -498,6 +521,21 @@ class ForestPredictor:
         if not isinstance(stratified, bool):
             raise ConfigurationError(f"ForestPredictor(stratified=...) takes True or False; got {stratified!r}.")
         self.stratified = stratified
+        if stage_features is not None:
+            unknown = sorted(set(stage_features) - set(STAGE_FEATURES))
+            if unknown or not stage_features:
+                raise ConfigurationError(
+                    f"ForestPredictor(stage_features=...) takes a non-empty list of stage columns; got "
+                    f"{list(stage_features)!r} (unknown: {unknown}). The columns: {list(STAGE_FEATURES)}."
+                )
+        self.stage_features: tuple[str, ...] | None = (
+            tuple(c for c in STAGE_FEATURES if c in set(stage_features)) if stage_features is not None else None
+        )
+        self._stage_cols = (
+            np.asarray([STAGE_FEATURES.index(c) for c in self.stage_features], dtype=np.intp)
+            if self.stage_features is not None
+            else np.arange(len(STAGE_FEATURES), dtype=np.intp)
+        )
         self.schema: FeatureSchema = FEATURE_SCHEMA
         self._base = LabelledSamples.empty()
         self._online: deque[LabelledSamples] = deque()
@@ -547,7 +585,7 @@ class ForestPredictor:
         stage = boundary = None
         if len(samples) >= self.min_samples:
             stage = self._forest().fit(
-                samples.stage_x,
+                samples.stage_x[:, self._stage_cols],
                 samples.stage_y,
                 groups=_layer_sets(samples.stage_x),
                 windows=samples.windows("stage"),
@@ -660,7 +698,7 @@ class ForestPredictor:
                 self._misses_since_refit += len(y)
                 continue
             if forest is self._stage:
-                _, lo, hi = forest.predict(x, groups=_layer_sets(x), strata=_strata(x))
+                _, lo, hi = forest.predict(x[:, self._stage_cols], groups=_layer_sets(x), strata=_strata(x))
             else:
                 _, lo, hi = forest.predict(x, groups=_sizes(x))
             self._misses_since_refit += int(((y < lo) | (y > hi)).sum())
@@ -880,7 +918,7 @@ class ForestPredictor:
         sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s) for c in priced])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in priced])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in priced])
-        s_val, s_lo, s_hi = _residuals(self._stage, sx, _layer_sets(sx), _strata(sx))
+        s_val, s_lo, s_hi = _residuals(self._stage, sx[:, self._stage_cols], _layer_sets(sx), _strata(sx))
         b_val, b_lo, b_hi = _residuals(self._boundary, bx, _sizes(bx))
         # see "Anchored to the window" in the module docstring (an untrained forest answers its prior)
         if self.anchored and self._stage is not None:
@@ -923,7 +961,7 @@ class ForestPredictor:
         if self._stage is None:
             return []
         row = stage_rows(model_cost, window, window.partition, self._readings(model_cost), self.fixed_s)[stage_idx]
-        order = np.argsort(-self._stage.importances, kind="stable")[:n]
+        order = self._stage_cols[np.argsort(-self._stage.importances, kind="stable")[:n]]
         return [f"{STAGE_FEATURES[j]}={row[j]:.3g}" for j in order]
 
     # ------------------------------------------------------------------ files
@@ -1005,6 +1043,7 @@ class ForestPredictor:
             "adopt_after": self.adopt_after,
             "refit_on": self.refit_on,
             "stratified": self.stratified,
+            "stage_features": list(self.stage_features) if self.stage_features is not None else None,
         }
 
     def __repr__(self) -> str:

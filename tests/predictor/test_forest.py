@@ -294,6 +294,38 @@ def test_a_stage_row_is_in_the_interfered_stratum_by_the_monitors_thresholds() -
     assert _strata(rows) == [0, 1, 0, 1, 1, 1, 0]
 
 
+def test_the_stage_trees_split_only_on_the_columns_given_and_the_choice_travels_with_a_refit_and_a_file(
+    tmp_path: Path,
+) -> None:
+    from lightning_dynpipe.predictor.forest import RELATIVE_STAGE_FEATURES
+
+    samples = _training_samples()
+    relative = ForestPredictor(n_estimators=8, stage_features=RELATIVE_STAGE_FEATURES).fit(samples)
+    assert relative._stage is not None and len(relative._stage.importances) == len(RELATIVE_STAGE_FEATURES)
+    assert "candidate_profile_ms" not in RELATIVE_STAGE_FEATURES and "work_ratio" in RELATIVE_STAGE_FEATURES
+    # the same trees as a forest fitted on those columns alone (the rows keep every column)
+    cols = [STAGE_FEATURES.index(c) for c in RELATIVE_STAGE_FEATURES]
+    alone = QuantileForest(n_estimators=8).fit(samples.stage_x[:, cols], samples.stage_y)
+    x = samples.stage_x[:, cols]
+    assert np.array_equal(alone.predict(x)[0], relative._stage.predict(x)[0])
+    _, wins = _windows([sim.Env(quota=(None, 0.35))], seed=6)[0]
+    window = wins[PARTS[3]]
+    prices = relative.predict_many(COST, sim.LINK, window, PARTS)
+    assert all(i.low <= i.value <= i.high for p in prices for i in p.stage_compute_s)
+    assert all(f.split("=")[0] in RELATIVE_STAGE_FEATURES for f in relative.top_features(COST, window, 1, n=5))
+    refit, _ = ForestPredictor(**relative._params()).fit_pair(samples)
+    assert refit is not None and len(refit.importances) == len(RELATIVE_STAGE_FEATURES)
+    loaded = ForestPredictor.load(relative.save(tmp_path / "relative.npz"))
+    assert (
+        loaded.stage_features == RELATIVE_STAGE_FEATURES
+        and loaded.predict_many(COST, sim.LINK, window, PARTS) == prices
+    )
+    every = ForestPredictor(n_estimators=8).fit(samples)._stage
+    assert every is not None and every.importances.shape == (len(STAGE_FEATURES),)
+    with pytest.raises(ConfigurationError, match="stage_features.*unknown: \\['cpu'\\]"):
+        ForestPredictor(stage_features=["cpu", "work_ratio"])
+
+
 def test_the_forest_calibrates_interfered_and_quiet_stages_apart_unless_told_not_to() -> None:
     parts = []
     for _, wins in _windows(TRAIN, seed=1):
