@@ -681,6 +681,7 @@ def _run(
                     {"partition": list(p.partition.balance), "step_s": p.step_s, "step_high_s": p.step_high_s}
                     for p in d.inputs.priced
                 ],
+                "agreed_refit": d.inputs.agreed_refit,
             }
             for d in rec.decisions
         ],

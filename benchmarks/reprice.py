@@ -20,14 +20,16 @@ Predictors (``--predictors``):
 * ``forest``: a :class:`~lightning_dynpipe.predictor.ForestPredictor` learning from the replayed windows as it would
   in the run (refits in its refit process, each adopted ``adopt_after`` windows after it started);
 * ``forest-cal``: the same, starting from the rows of the run's own set-up sweep, which ``interference.py`` saves
-  beside its record for the calibrated forest systems (``forest_file``); the runs without such a file are skipped.
+  beside its record for the calibrated forest systems (``forest_file``); the runs without such a file are skipped;
+* ``forest-rel``, ``forest-cal-rel``: ``forest`` and ``forest-cal`` whose stage trees split only on
+  :data:`~lightning_dynpipe.predictor.forest.RELATIVE_STAGE_FEATURES` (no column that names a layer set).
 
 **Self-check.** Replaying a run with the predictor it ran with reproduces its recorded prices: exactly for
-``measured``; for the forests, up to when each refit is adopted (in a fit every rank switches at the first check
-after all ranks finished it, in the replay ``adopt_after`` windows after it started), so the forest in use differs
-at some checks (on the CNN record of 2026-12-07, up to 21% on one partition's price). For every replay of a run by
-its own predictor the script prints the largest relative difference between the recorded and the replayed price of
-the same partition at the same check.
+``measured``. A forest switches to a refit at the check the fit's ranks agreed on, which the record keeps per check
+(``agreed_refit``); a record without it is replayed switching ``adopt_after`` windows after each refit started, so
+the forest in use differs at some checks (on the CNN record of 2026-12-07 07:52, up to 21% on one partition's
+price). For every replay of a run by its own predictor the script prints the largest relative difference between
+the recorded and the replayed price of the same partition at the same check.
 
 Usage (from the repository root)::
 
@@ -65,6 +67,7 @@ from benchmarks.interference import (  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, LayerCost, ModelCost  # noqa: E402
 from lightning_dynpipe.plan.partition import Partition  # noqa: E402
 from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor, StageTimes  # noqa: E402
+from lightning_dynpipe.predictor.forest import RELATIVE_STAGE_FEATURES  # noqa: E402
 from lightning_dynpipe.repartition.controller import AdaptiveController  # noqa: E402
 from lightning_dynpipe.repartition.policy import Decision, PolicyInputs  # noqa: E402
 
@@ -78,10 +81,10 @@ def _prior(run: dict[str, Any]) -> ForestPredictor:
     return forest
 
 
-def _calibrated(run: dict[str, Any]) -> ForestPredictor | None:
+def _calibrated(run: dict[str, Any], **options: Any) -> ForestPredictor | None:
     """The run's own calibrated forest, from the rows its set-up sweep gave (``None`` for a run without one)."""
     path = run.get("forest_file")
-    return ForestPredictor.load(path) if path and Path(path).exists() else None
+    return ForestPredictor.load(path, **options) if path and Path(path).exists() else None
 
 
 PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -89,6 +92,8 @@ PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "prior": _prior,
     "forest": lambda run: ForestPredictor(),
     "forest-cal": _calibrated,
+    "forest-rel": lambda run: ForestPredictor(stage_features=RELATIVE_STAGE_FEATURES),
+    "forest-cal-rel": lambda run: _calibrated(run, stage_features=RELATIVE_STAGE_FEATURES),
 }
 """What ``--predictors`` names: a fresh predictor for a replayed run, ``None`` where it does not apply to the run
 (``forest-cal`` replays only the runs whose set-up sweep's rows the record kept: ``forest_file``)."""
@@ -134,7 +139,10 @@ def replay(run: dict[str, Any], predictor: Any) -> list[dict[str, Any]]:
                 continue
             times = [StageTimes(**{k: v for k, v in s.items() if k in fields}) for s in d["stages"]]
             partition = Partition(tuple(d["priced"][0]["partition"]))  # the partition the window measured
-            decision = controller.check(int(d["step"]), times, partition, remaining_steps=None)
+            # the refit the fit's ranks had agreed on, where the record has it: the replayed forest switches when
+            # the fit's did (without it, adopt_after windows after each refit started)
+            agreed = d.get("agreed_refit")
+            decision = controller.check(int(d["step"]), times, partition, remaining_steps=None, agreed_refit=agreed)
             if decision is None:
                 continue
             out.append(

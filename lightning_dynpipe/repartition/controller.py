@@ -454,6 +454,7 @@ class AdaptiveController:
                 PricedPartition(c.partition, c.value.iteration_time_s * M * dp, c.high.iteration_time_s * M * dp)
                 for c in priced
             ),
+            agreed_refit=agreed_refit,
         )
         decision = self.policy.decide(inputs)
         self.decisions.append(decision)

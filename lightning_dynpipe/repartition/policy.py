@@ -92,6 +92,9 @@ class PolicyInputs:
             they cover, as for :attr:`cause_age_s`); ``math.inf`` when not known.
         priced: every partition the controller priced at this check under the running schedule, the current one
             first (``()``: not given), for logs and for judging the predictor against partitions run later.
+        agreed_refit: the newest refit of the predictor every rank had finished at this check, as the controller
+            was given it (``None``: not given); with :attr:`window` it lets a check be replayed with the forest the
+            fit was using (``benchmarks/reprice.py``).
     """
 
     step: int
@@ -117,6 +120,7 @@ class PolicyInputs:
     window_s: float = 0.0
     link_age_s: float = math.inf
     priced: tuple[PricedPartition, ...] = ()
+    agreed_refit: int | None = None
 
     @property
     def explained(self) -> bool:

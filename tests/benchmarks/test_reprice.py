@@ -24,7 +24,9 @@ COST = synthetic_model_cost(4, seed=0)
 ENV = Env(quota=(None, 0.5))
 
 
-def _record(system: str = "measured", predictor: Any = None, forest_file: str | None = None) -> dict[str, Any]:
+def _record(
+    system: str = "measured", predictor: Any = None, forest_file: str | None = None, agreed: bool = False
+) -> dict[str, Any]:
     """A ``measured`` run under a half-core quota on stage 1, checked by the strategy's kind of controller (its own
     policy, other stage counts considered), three checks under ``[2, 2]`` then three under ``[3, 1]``, with every
     2-stage cut run fixed under the same quota; shaped as ``interference.py`` writes it."""
@@ -49,7 +51,9 @@ def _record(system: str = "measured", predictor: Any = None, forest_file: str | 
     for i, balance in enumerate([(2, 2)] * 3 + [(3, 1)] * 3):
         window = synthetic_window(COST, Partition(balance), ENV, M, rng)
         step = 10 * (i + 1)
-        d = controller.check(step, list(window.stages), window.partition, remaining_steps=500)
+        # agreed: as in a fit, the forest switches to a refit at the check the ranks agree on (here one in two)
+        token = i // 2 if agreed else None
+        d = controller.check(step, list(window.stages), window.partition, remaining_steps=500, agreed_refit=token)
         assert d is not None
         decisions.append(
             {
@@ -59,6 +63,7 @@ def _record(system: str = "measured", predictor: Any = None, forest_file: str | 
                     {"partition": list(p.partition.balance), "step_s": p.step_s, "step_high_s": p.step_high_s}
                     for p in d.inputs.priced
                 ],
+                "agreed_refit": d.inputs.agreed_refit,
             }
         )
     runs: list[dict[str, Any]] = [
@@ -122,7 +127,8 @@ def test_a_calibrated_forest_run_is_replayed_from_the_rows_saved_beside_its_reco
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``interference.py`` saves a calibrated forest's sweep rows beside the record (``forest_file``); the replay
-    loads them and, learning online from the same windows as the run's forest did, prices as it did."""
+    loads them and, learning online from the same windows as the run's forest did and switching to each refit at the
+    check the record says the fit did (``agreed_refit``), prices as it did."""
     import json
 
     from lightning_dynpipe.predictor import ForestPredictor
@@ -136,8 +142,9 @@ def test_a_calibrated_forest_run_is_replayed_from_the_rows_saved_beside_its_reco
         for _ in range(3)
     ]
     rows = LabelledSamples.concat([samples_from_windows(COST, LINK, a, b) for a, b in zip(windows, windows[1:])])
-    saved = ForestPredictor(n_estimators=8).fit(rows).save(tmp_path / "sweep.npz")
-    data = _record("forest-cal", ForestPredictor.load(saved), str(saved))
+    saved = ForestPredictor(n_estimators=8, refit_every=2, refit_on="every").fit(rows).save(tmp_path / "sweep.npz")
+    data = _record("forest-cal", ForestPredictor.load(saved), str(saved), agreed=True)
+    assert any(d["agreed_refit"] for d in data["runs"][0]["decisions"])  # the refits the fit switched to
     record = tmp_path / "interference-cal.json"
     record.write_text(json.dumps(data))
     result = main([str(record), "--predictors", "forest-cal,prior", "--out", str(tmp_path)])
