@@ -139,9 +139,12 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/interference.py --from-json A.json B.json                         # merge and analyse
 
 Outputs: the tables on stdout, ``benchmarks/out/interference-<stamp>.json`` (config, machine, versions, command,
-every run with its per-step records, evaluations, migrations, decisions with each check's per-stage readings, and
-interference events), and plots ``docs/img/interference_accuracy.png`` and ``docs/img/interference_stages.png``
-(``--quick`` writes them to ``--out-dir``).
+every run with its per-step records, evaluations, migrations, decisions with each check's per-stage readings, the
+partitions it priced and the refit the ranks agreed on, the controller's set-up (profile, link, schedule,
+micro-batches), and interference events); for each run of a calibrated forest system, its set-up sweep's rows
+beside the record (``interference-<stamp>-<scenario>-<system>-seed<seed>.npz``, ``ForestPredictor.save``); and
+plots ``docs/img/interference_accuracy.png`` and ``docs/img/interference_stages.png`` (``--quick`` writes them to
+``--out-dir``). ``benchmarks/reprice.py`` prices a record's checks again with other predictors.
 """
 
 from __future__ import annotations
