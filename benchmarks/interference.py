@@ -1214,6 +1214,18 @@ PRICING_COLUMNS: tuple[str, ...] = (
 """The columns of :func:`render_pricing`."""
 
 
+def cut_steps(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[tuple[int, ...], float]]:
+    """Per scenario and seed, each cut run fixed and its mean seconds per step (:func:`_ms_per_step`): the cut runs
+    of :data:`CUT_SCENARIOS` whose interference is on from the first step (``mix`` changes phase and is left out)."""
+    out: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
+    for r in runs:
+        name, scenario = r["system"], r["scenario"]
+        if name.startswith("cut") and "@" not in name and scenario in CUT_SCENARIOS and scenario not in EARLIER_PHASE:
+            cut = tuple(int(x) for x in name[3:].split(","))
+            out.setdefault((scenario, r["seed"]), {})[cut] = _ms_per_step(r) / 1e3
+    return out
+
+
 def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per scenario and adaptive system: how the partitions priced at its checks compare with the same partitions run
     fixed under the same scenario and seed (the cut runs of :data:`CUT_SCENARIOS` whose interference is on from the
@@ -1230,12 +1242,7 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
     upper end of the prediction (what the policy's lower end of the gain rests on). "Fastest priced fastest": the
     checks whose partition of the shortest predicted step is the fastest cut measured.
     """
-    cut_ms: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
-    for r in runs:
-        name, scenario = r["system"], r["scenario"]
-        if name.startswith("cut") and "@" not in name and scenario in CUT_SCENARIOS and scenario not in EARLIER_PHASE:
-            cut = tuple(int(x) for x in r["system"][3:].split(","))
-            cut_ms.setdefault((scenario, r["seed"]), {})[cut] = _ms_per_step(r) / 1e3
+    cut_ms = cut_steps(runs)
     acc: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in runs:
         measured = cut_ms.get((r["scenario"], r["seed"]))

@@ -57,13 +57,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
     sys.path.insert(0, str(_ROOT))
 
 from benchmarks._common import command_line, describe_machine, machine_info, save_figure  # noqa: E402
-from benchmarks.interference import (  # noqa: E402
-    CUT_SCENARIOS,
-    EARLIER_PHASE,
-    _ms_per_step,
-    pricing_errors,
-    render_pricing,
-)
+from benchmarks.interference import cut_steps, pricing_errors, render_pricing  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, LayerCost, ModelCost  # noqa: E402
 from lightning_dynpipe.plan.partition import Partition  # noqa: E402
 from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor, StageTimes  # noqa: E402
@@ -178,11 +172,7 @@ def self_check(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, 
 
 def replayable(runs: Sequence[dict[str, Any]], systems: Sequence[str] | None) -> list[dict[str, Any]]:
     """The adaptive runs with checks, a controller set-up and fixed cuts of the same scenario and seed."""
-    cuts = {
-        (r["scenario"], r["seed"])
-        for r in runs
-        if r["system"].startswith("cut") and r["scenario"] in CUT_SCENARIOS and r["scenario"] not in EARLIER_PHASE
-    }
+    cuts = cut_steps(runs)
     return [
         r
         for r in runs
@@ -197,11 +187,7 @@ def replayable(runs: Sequence[dict[str, Any]], systems: Sequence[str] | None) ->
 def speedups(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """Per scenario and (pseudo-)system: ``(measured, predicted)`` speed-up over the running partition of every
     partition priced that ran as a fixed cut (the pairs :func:`~benchmarks.interference.pricing_errors` scores)."""
-    cut_s: dict[tuple[str, int], dict[tuple[int, ...], float]] = {}
-    for r in runs:
-        if r["system"].startswith("cut") and "@" not in r["system"]:
-            cut = tuple(int(x) for x in r["system"][3:].split(","))
-            cut_s.setdefault((r["scenario"], r["seed"]), {})[cut] = _ms_per_step(r)
+    cut_s = cut_steps(runs)
     out: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in runs:
         measured = cut_s.get((r["scenario"], r["seed"]))
