@@ -1209,6 +1209,7 @@ PRICING_COLUMNS: tuple[str, ...] = (
     "others: median abs. speed-up error",
     "others: median speed-up error",
     "others: upper end holds",
+    "others: speed-up's upper end holds",
     "fastest priced fastest",
 )
 """The columns of :func:`render_pricing`."""
@@ -1239,8 +1240,10 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
     offset the other partitions' errors are read against. What a decision rests on is the speed-up, a partition's
     step over the running one's: its error is ``(predicted / predicted running) / (measured / measured running) - 1``,
     both cuts of the same seed, which the offset cancels out of. "Upper end holds": the measured step at or below the
-    upper end of the prediction (what the policy's lower end of the gain rests on). "Fastest priced fastest": the
-    checks whose partition of the shortest predicted step is the fastest cut measured.
+    upper end of the prediction. "Speed-up's upper end holds": the same with the offset cancelled, the measured step
+    over the running cut's at or below the upper end over the running partition's price (the policy's lower end of
+    the gain is a share of the measured step, so this is the coverage a decision rests on). "Fastest priced fastest":
+    the checks whose partition of the shortest predicted step is the fastest cut measured.
     """
     cut_ms = cut_steps(runs)
     acc: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -1248,9 +1251,8 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
         measured = cut_ms.get((r["scenario"], r["seed"]))
         if not measured or not r.get("decisions"):
             continue
-        a = acc.setdefault(
-            (r["scenario"], r["system"]), {"running": [], "others": [], "speedup": [], "holds": [], "fastest": []}
-        )
+        kinds = ("running", "others", "speedup", "holds", "holds_speedup", "fastest")
+        a = acc.setdefault((r["scenario"], r["system"]), {kind: [] for kind in kinds})
         fastest_cut = min(measured, key=lambda c: measured[c])
         for d in r["decisions"]:
             if not d.get("priced"):
@@ -1270,6 +1272,7 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
                 a["holds"].append(float(truth <= p["step_high_s"]))
                 if current in measured and here["step_s"] > 0:
                     a["speedup"].append((p["step_s"] / here["step_s"]) / (truth / measured[current]) - 1.0)
+                    a["holds_speedup"].append(float(truth / measured[current] <= p["step_high_s"] / here["step_s"]))
             best_priced = min(priced, key=lambda p: p["step_s"])["partition"]
             a["fastest"].append(float(tuple(best_priced) == fastest_cut))
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -1285,6 +1288,7 @@ def pricing_errors(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict
             ),
             "others_median_speedup_error": statistics.median(a["speedup"]) if a["speedup"] else math.nan,
             "others_upper_holds": statistics.fmean(a["holds"]) if a["holds"] else math.nan,
+            "others_speedup_upper_holds": statistics.fmean(a["holds_speedup"]) if a["holds_speedup"] else math.nan,
             "fastest_priced_fastest": statistics.fmean(a["fastest"]),
         }
     return out
@@ -1312,6 +1316,7 @@ def render_pricing(runs: Sequence[dict[str, Any]], *, markdown: bool = False) ->
             size(e["others_median_abs_speedup_error"]),
             pct(e["others_median_speedup_error"]),
             share(e["others_upper_holds"]),
+            share(e["others_speedup_upper_holds"]),
             share(e["fastest_priced_fastest"]),
         ]
         for (scenario, system), e in pricing_errors(runs).items()

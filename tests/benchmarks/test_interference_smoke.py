@@ -389,6 +389,8 @@ def test_the_prices_of_each_check_are_set_against_the_cuts_run_fixed_under_the_s
     assert e["others_median_abs_speedup_error"] == pytest.approx((0.6 / 1.1 / 0.5 - 1 + 1 - 0.4 / 0.9 / 0.5) / 2)
     assert e["others_median_speedup_error"] == pytest.approx((0.6 / 1.1 / 0.5 + 0.4 / 0.9 / 0.5) / 2 - 1)
     assert e["others_upper_holds"] == pytest.approx(0.5)
+    # with the offset between the two runs cancelled: 70/110 and 45/90 over the running price, against 50/100 measured
+    assert e["others_speedup_upper_holds"] == pytest.approx(1.0)
     assert e["fastest_priced_fastest"] == pytest.approx(1.0)
     table = render_pricing(runs)
     assert all(c in table for c in PRICING_COLUMNS) and "+0.0%" in table and "20.0%" in table and "-1.0%" in table
