@@ -243,10 +243,14 @@ def prior_slowdowns(model_cost: ModelCost, window: PipelineWindow) -> tuple[floa
     relative to the least slowed stage: when every stage is slowed, the prior should say so (the trees see the
     relative slowdown as a feature too).
     """
+    return _slowdowns(model_cost, window, _stretched_s(model_cost, window))
+
+
+def _slowdowns(model_cost: ModelCost, window: PipelineWindow, stretched: Sequence[float]) -> tuple[float, ...]:
+    """:func:`prior_slowdowns` from each stage's reading that stretches its layers (:func:`_stretched_s`)."""
     M = window.num_microbatches
     out = []
-    for k, c in enumerate(_stretched_s(model_cost, window)):
-        t = window.stages[k]
+    for k, (t, c) in enumerate(zip(window.stages, stretched)):
         profile = _profile_s(model_cost, window.partition, k)
         raw = c / (M * profile) if profile > 0 and c > 0 else 1.0
         q = t.binding_cpu_limit
@@ -331,10 +335,11 @@ def _stage_parts(
     """
     M = window.num_microbatches
     profiles = [_profile_s(model_cost, window.partition, k) for k in range(len(window.stages))]
-    slow = prior_slowdowns(model_cost, window)
+    stretched = _stretched_s(model_cost, window)
+    slow = _slowdowns(model_cost, window, stretched)
     out = [(s, 0.0) for s in slow]
     if fixed_s > 0:  # no floor of 1 here: the layers inside a stage may run faster than each one alone
-        for k, (t, c) in enumerate(zip(window.stages, _stretched_s(model_cost, window))):
+        for k, (t, c) in enumerate(zip(window.stages, stretched)):
             if profiles[k] > 0 and c > 0:
                 q = t.binding_cpu_limit
                 out[k] = (max(c / (M * (profiles[k] + fixed_s)), 1.0 / q if q is not None else 0.0), fixed_s)
