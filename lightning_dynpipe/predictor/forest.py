@@ -453,7 +453,10 @@ class ForestPredictor:
         min_samples_leaf: rows per leaf at least.
         coverage: the nominal coverage of the intervals.
         random_state: the seed.
-        min_samples: rows a forest needs before it is fitted (until then the prior is the answer).
+        min_samples: rows a forest needs before it is fitted (until then the prior is the answer, with no
+            interval); ``None``: the fewest whose conformal quantile at ``coverage`` is a score
+            (:func:`conformal_min_rows`: 9 at 0.9). An untrained forest fits as soon as it has them; a fitted one
+            refits every ``refit_every`` windows.
         buffer_size: online rows kept (oldest dropped first); calibration rows given to :meth:`fit` are kept.
         refit_every: observed windows between two refits.
         adopt_after: observed windows from a refit's start to the switch to its forest (>= 1).
@@ -484,7 +487,7 @@ class ForestPredictor:
         min_samples_leaf: int = 3,
         coverage: float = 0.9,
         random_state: int = 0,
-        min_samples: int = 20,
+        min_samples: int | None = None,
         buffer_size: int = 2048,
         refit_every: int = 5,
         adopt_after: int = 2,
@@ -494,6 +497,9 @@ class ForestPredictor:
         stratified: bool = True,
         stage_features: Sequence[str] | None = None,
     ) -> None:
+        QuantileForest(n_estimators=n_estimators, min_samples_leaf=min_samples_leaf, coverage=coverage)  # validates
+        if min_samples is None:
+            min_samples = conformal_min_rows(coverage)
         if min_samples < 2 or buffer_size < 1 or refit_every < 1 or adopt_after < 1:
             raise ConfigurationError(
                 f"ForestPredictor needs min_samples >= 2, buffer_size >= 1, refit_every >= 1 and adopt_after >= 1; "
@@ -504,7 +510,6 @@ class ForestPredictor:
                 f"ForestPredictor's refit_on must be 'miss' (refit when new rows fall outside their intervals more "
                 f"often than 1 - coverage) or 'every' (every refit_every windows); got {refit_on!r}."
             )
-        QuantileForest(n_estimators=n_estimators, min_samples_leaf=min_samples_leaf, coverage=coverage)  # validates
         self.n_estimators = n_estimators
         self.min_samples_leaf = min_samples_leaf
         self.coverage = coverage
@@ -677,7 +682,8 @@ class ForestPredictor:
             self._add(new)
         self._quiet.observe(model_cost, comm, window)  # after the labels: they price from what was known then
         self._quiet_cost = model_cost
-        if self._refit is None and self._since_refit >= self.refit_every and len(self.samples) >= self.min_samples:
+        due = self._since_refit >= self.refit_every or (self._stage is None and not self._refits_started)
+        if self._refit is None and due and len(self.samples) >= self.min_samples:
             if self._explained():
                 self.refits_skipped += 1
                 self._since_refit = 0
@@ -1051,6 +1057,18 @@ class ForestPredictor:
             f"ForestPredictor(n_estimators={self.n_estimators}, rows={len(self.samples)}, fitted={self.fitted}, "
             f"refits={self.refits})"
         )
+
+
+def conformal_min_rows(coverage: float) -> int:
+    """The fewest calibration scores ``n`` whose split-conformal quantile at ``coverage`` is one of the scores:
+    ``ceil((n + 1) * coverage) <= n`` (9 at 0.9, 19 at 0.95). With fewer, the margin that holds ``coverage`` is
+    unbounded, and the largest score covers only ``n / (n + 1)`` of new values."""
+    if not 0.0 < coverage < 1.0:
+        raise ConfigurationError(f"conformal_min_rows needs 0 < coverage < 1; got {coverage}.")
+    n = 1
+    while math.ceil((n + 1) * coverage) > n:
+        n += 1
+    return n
 
 
 def _binomial_tail(n: int, k: int, p: float) -> float:

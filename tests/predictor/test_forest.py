@@ -39,6 +39,7 @@ from lightning_dynpipe.predictor.forest import (
     QuantileForest,
     _sizes,
     _strata,
+    conformal_min_rows,
 )
 
 from . import sim
@@ -559,6 +560,36 @@ def test_constructor_arguments_are_checked() -> None:
         ForestPredictor(coverage=1.5)
     with pytest.raises(ConfigurationError, match="anchored"):
         ForestPredictor(anchored=1)  # type: ignore[arg-type]
+
+
+def test_the_fewest_rows_is_where_the_conformal_quantile_is_a_score() -> None:
+    for coverage, n in ((0.8, 4), (0.9, 9), (0.95, 19)):
+        assert conformal_min_rows(coverage) == n
+        assert math.ceil((n + 1) * coverage) <= n < math.ceil(n * coverage) + 1  # n - 1 scores would not do
+    assert ForestPredictor().min_samples == 9
+    assert ForestPredictor(coverage=0.95).min_samples == 19
+    with pytest.raises(ConfigurationError, match="0 < coverage < 1"):
+        conformal_min_rows(1.0)
+
+
+def test_an_untrained_forest_fits_as_soon_as_it_has_its_rows_and_a_fitted_one_refits_on_schedule() -> None:
+    f = ForestPredictor(n_estimators=8, refit_every=8, adopt_after=1, refit_on="every")
+    f.refit_in_process = False
+    rng = np.random.default_rng(4)
+    env = sim.Env(quota=(None, 0.5))
+    part = PARTS[4]
+    started = []
+    for _ in range(16):
+        f.observe(COST, sim.LINK, sim.window(COST, part, env, M, rng))
+        started.append(f._refits_started)
+    per_window = part.num_stages  # stage rows a window adds (paired with the window before it)
+    first = next(i for i in range(16) if i * per_window >= f.min_samples)  # 0-based window with enough rows
+    assert first < f.refit_every  # without the rule it would wait refit_every windows of rows
+    assert started[first - 1] == 0 and started[first] == 1
+    # the next refits keep the schedule: refit_every windows after the one before
+    assert started.index(2) == first + f.refit_every
+    assert f.fitted
+    f.close()
 
 
 def test_with_the_ranks_finished_refits_agreed_a_slow_refit_delays_the_switch_but_never_blocks() -> None:
