@@ -11,6 +11,8 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
   the :class:`~lightning_dynpipe.predictor.ForestPredictor` (learning online; ``--forest FILE`` starts it from a
   ``python -m lightning_dynpipe calibrate`` file), which prices the candidates;
   :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` migrates layers;
+* ``forest-shared``: ``forest`` with ``ForestPredictor(one_rank_refits=True)``: each refit runs on the process with
+  the most CPU to spare at the check and the others receive its forests; opt-in through ``--systems``;
 * ``forest-cal``: ``forest`` trained first by the calibration sweep at set-up (``calibrate=True``: rank 0 runs the
   model's own layer sets under the default sweep's scenarios before the first step); like the set-up profile, the
   sweep is not in the time to accuracy, and its seconds are printed per run; opt-in through ``--systems``;
@@ -202,13 +204,16 @@ SCENARIOS: tuple[str, ...] = (
 )
 FOREST_SYSTEMS: dict[str, dict[str, bool]] = {
     "forest": {},
+    "forest-shared": {"one_rank_refits": True},
     "forest-cal": {},
     "forest-cal-raw": {"anchored": False},
     "forest-cal-pooled": {"stratified": False},
     "forest-cal-gain5": {},
 }
 """The systems with the forest predictor, and the :class:`~lightning_dynpipe.predictor.ForestPredictor` options each
-sets; every one but ``forest`` is trained by the calibration sweep at set-up."""
+sets; every one but ``forest`` and ``forest-shared`` is trained by the calibration sweep at set-up."""
+LEARNING_ONLINE: tuple[str, ...] = ("forest", "forest-shared")
+"""The forest systems that start untrained and learn from the run's own windows alone."""
 FOREST_POLICIES: dict[str, dict[str, float]] = {"forest-cal-gain5": {"min_relative_gain": 0.05}}
 """The forest systems whose :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` is not the default, and
 its options (the others: ``adaptive=True``)."""
@@ -601,7 +606,7 @@ def _fit(
         balance=list(cfg.balance),
         adaptive=adaptive,
         predictor=predictor,
-        calibrate=system in FOREST_SYSTEMS and system != "forest",
+        calibrate=system in FOREST_SYSTEMS and system not in LEARNING_ONLINE,
         lr_scale=cfg.lr_scale,
         convergence=convergence,
         max_extra_in_flight=2 if system == "measured-depth" else 0,

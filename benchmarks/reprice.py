@@ -92,7 +92,11 @@ PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
 """What ``--predictors`` names: a fresh predictor for a replayed run, ``None`` where it does not apply to the run
 (``forest-cal`` replays only the runs whose set-up sweep's rows the record kept: ``forest_file``)."""
 
-_OWN = {"measured": ("measured",), "forest": ("forest",), "forest-cal": ("forest-cal", "forest-cal-gain5")}
+_OWN = {
+    "measured": ("measured",),
+    "forest": ("forest", "forest-shared"),
+    "forest-cal": ("forest-cal", "forest-cal-gain5"),
+}
 """The recorded systems each predictor is the predictor of (its replay of their runs is the self-check)."""
 
 
