@@ -54,10 +54,12 @@ give the same forest on every rank, so every rank prices candidates the same.
 
 **Online refits.** :meth:`ForestPredictor.observe` turns each window into labelled samples (its environment
 paired with the next window's times, under the same partition or, after a migration, under the new one) in a
-bounded buffer. Every ``refit_every`` observed windows it copies the buffer and refits, unless the forest already
-explains the new rows: with ``refit_on="miss"`` (the default) a fitted forest refits only when more of the rows
-observed since its last refit fell outside their intervals than its nominal miss rate (``1 - coverage``) gives with
-probability 5% (a binomial test). A refit costs CPU (several forest fits), and on a stage under a CPU limit the
+bounded buffer. An untrained forest fits as soon as the buffer holds ``min_samples`` rows (by default
+:func:`conformal_min_rows`, 9 at a coverage of 0.9); until then it answers its prior, a point. After that, every
+``refit_every`` observed windows it copies the buffer and refits, unless the forest already explains the new rows:
+with ``refit_on="miss"`` (the default) a fitted forest refits only when more of the rows observed since its last
+refit fell outside their intervals than its nominal miss rate (``1 - coverage``) gives with probability 5% (a
+binomial test). A refit costs CPU (several forest fits), and on a stage under a CPU limit the
 refit process's CPU comes out of that stage's limit; ``refit_on="every"`` refits on schedule. Refits run in a child
 process at the lowest CPU priority (nice 19 and ``SCHED_IDLE``; :mod:`~lightning_dynpipe.predictor.refit`: a refit
 thread would share the training thread's GIL, and stalled the pipeline on a contended core; a thread is the
