@@ -35,6 +35,7 @@ from typing import Protocol
 __all__ = [
     "register_helper",
     "unregister_helper",
+    "helper_pids",
     "helpers_cpu_s",
     "process_cpu_s",
     "INTERFERENCE_SIGNS",
@@ -796,6 +797,11 @@ def register_helper(pid: int) -> None:
 def unregister_helper(pid: int) -> None:
     """Undoes :func:`register_helper` (when the helper ends)."""
     _HELPERS.discard(pid)
+
+
+def helper_pids() -> list[int]:
+    """The processes registered with :func:`register_helper`."""
+    return sorted(_HELPERS)
 
 
 def helpers_cpu_s() -> float:

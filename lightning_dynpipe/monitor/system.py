@@ -9,8 +9,9 @@ paths. On Linux it reads
 * RSS from ``/proc/self/statm`` through a file descriptor kept open (~2 us),
 * steal from ``/proc/stat``, at most every ``steal_interval_s`` (the counters tick at 100 Hz for the whole
   machine, so a per-step share would be mostly 0 or a whole tick), and from the same read the CPU time other
-  processes used on the cores this process may run on (not counting its helpers, nor the same job's processes
-  on this machine that :meth:`ProcessSampler.set_siblings` named: the other stages are the job's own load),
+  processes used on the cores this process may run on (not counting the job's own processes: this process's
+  children, such as the forest's refit process and data-loader workers, and the same job's processes on this
+  machine that :meth:`ProcessSampler.set_siblings` named, with their children: :class:`JobCpu`),
 * the cgroup CPU limit through descriptors kept open (:class:`~lightning_dynpipe.monitor.cgroups.CpuLimitReader`,
   a few microseconds), every sample, so a quota shows in the step it starts,
 * the main thread's run-queue wait from ``/proc/self/schedstat`` (~2 us) and the involuntary context switches
@@ -36,9 +37,9 @@ import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import CpuLimitReader
-from lightning_dynpipe.monitor.stats import SystemReading, helpers_cpu_s, process_cpu_s
+from lightning_dynpipe.monitor.stats import SystemReading, helper_pids
 
-__all__ = ["ProcessSampler", "load_pynvml", "machine_steal_counters"]
+__all__ = ["JobCpu", "ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,126 @@ def machine_steal_counters(proc_stat: bytes | None = None) -> tuple[float, float
     steal = float(getattr(t, "steal", 0.0))
     total = sum(float(getattr(t, f)) for f in t._fields if f not in ("guest", "guest_nice"))
     return steal, total
+
+
+class JobCpu:
+    """The CPU that the job's other processes on this machine spent on a set of cores, span by span.
+
+    The job's processes are, besides this one: its children and their children (the forest's refit process,
+    data-loader workers, the ranks a launcher started from here) and the processes named with :meth:`set_roots`
+    (the other stages' ranks on this machine) with theirs, found at every reading in
+    ``/proc/<pid>/task/<tid>/children``, and the helpers registered with
+    :func:`~lightning_dynpipe.monitor.stats.register_helper`. A process counts by the share of the cores it may
+    run on that are among ``cores`` (its CPU assumed spread evenly over them): a stage and its refit process pinned
+    to another core count 0, a process allowed on every core of this one counts in full.
+
+    Each reading returns the CPU seconds since the previous one (or :meth:`restart`). A process found for the first
+    time counts from its start when it started after the previous reading, and from this reading otherwise (its CPU
+    before it was seen is not known to fall in the span). A process that ended loses its last span's CPU.
+
+    A rank's refit process that floats over the cores of a machine without pinning is the reason: counted as another
+    process's load, one rank's refit raised the other rank's ``other_cpu_load`` by 0.2-0.4 of a core.
+    """
+
+    def __init__(self, cores: frozenset[int]) -> None:
+        self._cores = cores
+        self._roots: tuple[int, ...] = ()
+        self._ref: dict[int, float] = {}
+        self._at = _boot_s()
+        self.restart()
+
+    def set_roots(self, pids: Sequence[int]) -> None:
+        """Names the job's other processes on this machine (this process's pid among them is ignored); restarts."""
+        me = os.getpid()
+        self._roots = tuple(int(p) for p in pids if int(p) != me)
+        self.restart()
+
+    def members(self) -> set[int]:
+        """The job's processes on this machine now, this one left out."""
+        me = os.getpid()
+        found: set[int] = set()
+        todo = [me, *self._roots, *helper_pids()]
+        while todo:
+            pid = todo.pop()
+            if pid in found:
+                continue
+            found.add(pid)
+            todo.extend(_children(pid))
+        found.discard(me)
+        return found
+
+    def restart(self) -> None:
+        """The next reading counts from now."""
+        self._ref = {pid: _cpu_and_start_s(pid)[0] for pid in self.members()}
+        self._at = _boot_s()
+
+    def cpu_on_cores_s(self) -> float:
+        """CPU seconds the job's other processes spent on ``cores`` since the previous reading."""
+        total, ref = 0.0, {}
+        at = self._at
+        for pid in self.members():
+            cpu, start = _cpu_and_start_s(pid)
+            if cpu < 0.0:  # gone between the listing and the read
+                continue
+            ref[pid] = cpu
+            base = self._ref.get(pid)
+            if base is None:
+                base = 0.0 if start + 1.0 / _CLOCK_TICKS_PER_S > at else cpu  # start times are in whole ticks
+            share = self._share(pid)
+            if share > 0.0:
+                total += share * max(0.0, cpu - base)
+        self._ref, self._at = ref, _boot_s()
+        return total
+
+    def _share(self, pid: int) -> float:
+        try:
+            theirs = os.sched_getaffinity(pid)
+        except (AttributeError, OSError):  # gone, or no affinity to read (not Linux)
+            return 0.0
+        return len(theirs & self._cores) / len(theirs) if theirs else 0.0
+
+
+def _children(pid: int) -> list[int]:
+    """The children of process ``pid`` (of every thread: a child belongs to the thread that started it); empty
+    where ``/proc`` does not list them."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        try:
+            out.extend(int(c) for c in _read(f"/proc/{pid}/task/{tid}/children").split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _read(path: str) -> bytes:
+    """The start of a small ``/proc`` file (``os.open`` and ``os.read``: a third of ``open()``'s cost)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def _cpu_and_start_s(pid: int) -> tuple[float, float]:
+    """Process ``pid``'s CPU seconds (user + system) and its start, in seconds since boot; ``(-1, 0)`` where
+    ``/proc`` cannot tell (gone, not Linux)."""
+    try:
+        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()  # after the command name: field 3 onwards
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S, int(fields[19]) / _CLOCK_TICKS_PER_S
+    except (OSError, IndexError, ValueError):
+        return -1.0, 0.0
+
+
+def _boot_s() -> float:
+    """Seconds since boot, the clock of ``/proc/<pid>/stat``'s start times."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return time.monotonic()
 
 
 class _ProcFile:
@@ -185,10 +306,10 @@ class ProcessSampler:
         self._gpu_throttled: float | None = None
         self._gpu_other_mem: int | None = None
         self._cores = self._allowed_cores()
-        self._siblings: tuple[tuple[int, float], ...] = ()  # (pid, share of its CPU that falls on our cores)
+        self._job = JobCpu(self._cores)
         self._other_cpu_load: float | None = None
         self._busy_ref = self._busy_of_cores(self._stat_text())
-        self._busy_cpu_ref = self._job_cpu_s(time.process_time())
+        self._busy_cpu_ref = time.process_time()
         self._steal_at, self._steal_ref = time.perf_counter(), self._steal_counters()
         self._steal_share = 0.0
         self._limit = CpuLimitReader()
@@ -262,38 +383,23 @@ class ProcessSampler:
 
     def set_siblings(self, pids: Sequence[int]) -> None:
         """Names the same job's other processes on this machine (the other stages' ranks): their CPU on this
-        process's cores is the job's own load, not other processes', and the other-load reading leaves it out.
+        process's cores, and that of their children (another rank's refit process or data-loader workers), is the
+        job's own load, not other processes', and the other-load reading leaves it out (:class:`JobCpu`).
 
         Without this, stages that share cores see each other as other processes, and the stage that waits more
         (it uses less CPU) looked busier with other processes by the difference (``interference_excess`` then
-        named the faster stage as interfered with). A sibling allowed on cores this process is not allowed on
-        counts by the share of its cores that are also this process's (its CPU assumed spread evenly).
-        Restarts the spans.
+        named the faster stage as interfered with). Restarts the spans.
         """
-        siblings = []
-        for pid in pids:
-            if pid == os.getpid():
-                continue
-            try:
-                theirs = frozenset(os.sched_getaffinity(pid))
-            except (AttributeError, OSError):  # gone, or no affinity to read (not Linux)
-                continue
-            shared = len(theirs & self._cores)
-            if shared and theirs:
-                siblings.append((pid, shared / len(theirs)))
-        self._siblings = tuple(siblings)
+        self._job.set_roots(pids)
         self.refresh()
-
-    def _job_cpu_s(self, own_cpu_s: float) -> float:
-        """This process's CPU seconds with its helpers' and (the share on its cores of) its siblings'."""
-        return own_cpu_s + helpers_cpu_s() + sum(w * process_cpu_s(pid) for pid, w in self._siblings)
 
     def refresh(self) -> None:
         """Restarts the steal and other-load spans now (e.g. after the caller changed the interference on this
         process), so the next :meth:`sample` that computes them covers only the new conditions. (The cgroup
         limit needs no refresh: every sample reads it.)"""
         now, cpu = time.perf_counter(), time.process_time()
-        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), self._job_cpu_s(cpu)
+        self._busy_ref, self._busy_cpu_ref = self._busy_of_cores(self._stat_text()), cpu
+        self._job.restart()
         self._steal_at, self._steal_ref = now, self._steal_counters()
 
     def close(self) -> None:
@@ -367,10 +473,10 @@ class ProcessSampler:
 
     def _update_other_load(self, now: float, cpu: float) -> None:
         busy = self._busy_of_cores(self._stat_text())
-        cpu = self._job_cpu_s(cpu)  # its helpers (a forest refit process) and siblings are not other load
+        job = self._job.cpu_on_cores_s()  # the job's other processes: siblings, children, theirs
         span = now - self._steal_at
         if busy is not None and self._busy_ref is not None and span > 0:
-            own = cpu - self._busy_cpu_ref
+            own = cpu - self._busy_cpu_ref + job
             self._other_cpu_load = max(0.0, (busy - self._busy_ref - own) / span)
         self._busy_ref, self._busy_cpu_ref = busy, cpu
 

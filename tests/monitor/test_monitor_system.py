@@ -336,25 +336,93 @@ def test_a_registered_helper_process_counts_as_own_cpu_not_other_load() -> None:
     assert helpers_cpu_s() == 0.0
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="reads /proc/stat and /proc/<pid>/stat")
+def _orphan(code: str) -> int:
+    """Starts ``python -c code`` as a process that is not this process's child (its parent, a shell, exits at once):
+    another job's process, or another rank's, which a launcher started elsewhere."""
+    import shlex
+    import subprocess
+
+    out = subprocess.run(
+        ["sh", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.split()[0])
+
+
+def _kill_tree(pid: int) -> None:
+    import signal
+
+    for child in psutil.Process(pid).children(recursive=True):
+        child.kill()
+    os.kill(pid, signal.SIGKILL)
+
+
+def _other_loads(sampler_setup: Any) -> dict[bool, float]:
+    """``other_cpu_load`` over 0.6 s while this process idles, without and with ``sampler_setup(sampler)``."""
+    readings: dict[bool, float] = {}
+    for named in (False, True):
+        sampler = ProcessSampler(steal_interval_s=0.0)
+        if named:
+            sampler_setup(sampler)
+        time.sleep(0.6)  # this process idles: the cores' busy time is the others'
+        reading = sampler.sample().other_cpu_load
+        assert reading is not None
+        readings[named] = reading
+    return readings
+
+
+SPIN = "while True: pass"
+JOBS = pytest.mark.skipif(
+    not os.path.exists("/proc/self/task") or not hasattr(os, "sched_getaffinity"),
+    reason="reads /proc/stat, /proc/<pid>/stat and /proc/<pid>/task/<tid>/children",
+)
+
+
+@JOBS
 def test_a_sibling_process_on_the_same_cores_is_the_jobs_own_load_not_other_load() -> None:
     """Stages that share cores saw each other as other processes: the one that waited more looked busier with
     other processes by the difference. Named as siblings, the same job's processes are left out of the reading."""
-    import subprocess
-
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the other stage, busy on our cores
+    spin = _orphan(SPIN)  # the other stage, busy on our cores
     try:
         time.sleep(0.3)  # it is running
-        readings = {}
-        for named in (False, True):
-            sampler = ProcessSampler(steal_interval_s=0.0)
-            if named:
-                sampler.set_siblings([spin.pid, os.getpid()])  # every rank's pid on this machine, ours included
-            time.sleep(0.6)  # this process idles: the cores' busy time is the sibling's
-            readings[named] = sampler.sample().other_cpu_load
-        assert readings[False] is not None and readings[True] is not None
+        readings = _other_loads(lambda s: s.set_siblings([spin, os.getpid()]))  # every rank's pid, ours included
         assert readings[False] > 0.6, readings  # about one core
         assert readings[True] < readings[False] - 0.5, readings
+    finally:
+        _kill_tree(spin)
+
+
+@JOBS
+def test_a_siblings_child_is_the_jobs_own_load_not_other_load() -> None:
+    """Another rank's refit process floats over the machine's cores when nothing pins it: its CPU on this rank's
+    cores is the job's own load once the rank is named, not another process's (one rank's refit raised the other
+    rank's other_cpu_load by 0.2-0.4 of a core when it counted)."""
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {SPIN!r}]); time.sleep(60)"
+    rank = _orphan(code)  # an idle rank whose child spins
+    try:
+        time.sleep(0.5)  # its child is running
+        assert len(psutil.Process(rank).children()) == 1
+        readings = _other_loads(lambda s: s.set_siblings([rank]))
+        assert readings[False] > 0.6, readings
+        assert readings[True] < readings[False] - 0.5, readings
+    finally:
+        _kill_tree(rank)
+
+
+@JOBS
+def test_this_processs_children_are_the_jobs_own_load_not_other_load() -> None:
+    """A child of the stage process (a refit process, a data-loader worker) is the job's own load without being
+    named; one started after the sampler counts from its start."""
+    import subprocess
+
+    sampler = ProcessSampler(steal_interval_s=0.0)
+    spin = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        time.sleep(0.6)
+        reading = sampler.sample().other_cpu_load
+        assert reading is not None and reading < 0.4, reading  # one core busy, none of it another job's
     finally:
         spin.kill()
         spin.wait()
