@@ -267,23 +267,26 @@ class AdaptationWiring:
 
 def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
     """The global rank of the process with the most CPU to spare in ``snapshot``: where background work (a forest
-    refit at the lowest priority, in the process's cgroup and on its cores) costs the pipeline least.
+    refit at the lowest priority, in the process's cgroup and on its cores) costs the pipeline least and is done
+    soonest.
 
-    In order: the highest cgroup CPU limit (none is highest: a limited process's refit CPU comes out of its
-    limit); the least other processes' load on its cores (in quarter cores: a hog leaves an idle-priority refit
-    nothing); the least CPU used by the process itself (in tenths of a core: a stage that waits leaves its core
-    idle); the lowest rank. Every rank sees the same snapshot, so every rank names the same process.
+    A process's spare CPU is what its cgroup limit (at most one core: a stage's training thread and its refit share
+    the stage's core) leaves over the CPU the process used and other processes' load on its cores, in quarter
+    cores; a tie goes to the lowest rank. A refit at the lowest priority gets only that spare CPU: on the process
+    of the pipeline's slowest stage, which keeps its core busy, it waited for tens of seconds, while a stage under
+    a CPU limit that waits for the others had most of its limit to spare. Every rank sees the same snapshot, so
+    every rank names the same process.
     """
     known = [r for r in snapshot.replicas if r.rank >= 0]
     if not known:
         return 0
 
-    def key(r: StageReport) -> tuple[float, float, float, int]:
+    def key(r: StageReport) -> tuple[int, int]:
         s = r.summary
-        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
+        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else 1.0
         other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
         used = s.cpu_share if math.isfinite(s.cpu_share) else 0.0
-        return (-limit, round(other * 4), round(used * 10), r.rank)
+        return (-round((min(limit, 1.0) - used - other) * 4), r.rank)
 
     return min(known, key=key).rank
 

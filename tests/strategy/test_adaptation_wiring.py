@@ -196,7 +196,7 @@ def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spa
     assert forest.fits_here and forest._broadcast is None  # a later fit in one process refits on its own
 
 
-def test_the_rank_with_spare_cpu_is_the_least_limited_then_least_loaded_then_least_busy() -> None:
+def test_the_rank_with_spare_cpu_is_the_one_whose_limit_leaves_the_most_over_its_use_and_other_load() -> None:
     base = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
 
     def snap(*summaries: StageSummary) -> Any:
@@ -211,6 +211,12 @@ def test_the_rank_with_spare_cpu_is_the_least_limited_then_least_loaded_then_lea
     assert spare_cpu_rank(snap(with_(other_cpu_load=1.0), base)) == 1  # a hog on its core
     assert spare_cpu_rank(snap(with_(other_cpu_load=0.05), base)) == 0  # within a quarter core: no difference
     assert spare_cpu_rank(snap(with_(cpu_share=0.95), with_(cpu_share=0.6))) == 1  # the stage that waits more
+    # the slowest stage keeps its core busy; a limited stage that waits for it has half of its limit to spare
+    # (a CNN under a half-core quota after the move to [3, 2]: a refit at the lowest priority waited 8 s and more
+    # on the first, 0.6 s on the second)
+    busy, limited = with_(cpu_share=1.0), with_(cpu_limit=0.5, cpu_share=0.27)
+    assert spare_cpu_rank(snap(busy, limited)) == 1
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.5, cpu_share=0.5), with_(cpu_share=0.5))) == 1  # none left at 0.5
     assert spare_cpu_rank(SimpleNamespace(replicas=[StageReport(0, 0, base)])) == 0  # ranks unknown
 
 

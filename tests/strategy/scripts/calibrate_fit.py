@@ -7,7 +7,8 @@ block), ``schedule="sync"``, Adam, ``predictor=ForestPredictor(...)`` and ``cali
    travel with the set-up decision), as many as the sweep measures: every ordered pair of partitions under each
    scenario, per stage (the candidate partitions and those the planner proposed from their windows);
 2. the sweep ran the model's own layer sets (its log line names the windows) and left the model alone: the final
-   weights equal plain single-process training with Adam to 1e-6, and the tie holds;
+   weights equal plain single-process training with Adam to 1e-5 (the micro-batches' gradients are summed in
+   another order than the batch's; after 90 Adam steps a bias differed by 1.9e-6 in this test), and the tie holds;
 3. with ``one_rank_refits=True``, each of the run's refits (one per window here) ran on one rank, the one with
    CPU to spare at its check: a rank that fitted none spent no CPU on refits, and every rank switched to the same
    forests (the fitting rank's, received in the broadcast at each switch).
@@ -37,7 +38,10 @@ from lightning_dynpipe.predictor import ForestPredictor  # noqa: E402
 from lightning_dynpipe.sweep import SweepSettings  # noqa: E402
 
 SETTINGS = SweepSettings(scenarios=("none", "delay1"), partitions=3, steps=2)
-EPOCHS = 5  # 30 steps: windows every 3 steps, refits adopted during the fit
+# 60 steps, windows every 3 steps. A refit runs at the lowest CPU priority, in the time the stages leave: on
+# 2 cores it took 0.15-0.22 s of CPU and 0.5 s of wall time, and with 30 steps (0.75 s) the one refit, on the busier
+# rank, at times had not finished when the fit ended, so none was adopted.
+EPOCHS = 10
 
 
 def digest(forest: ForestPredictor) -> str:
@@ -91,7 +95,7 @@ if __name__ == "__main__":
             opt.step()
     assert model.pipeline[-1].out.weight is model.pipeline[0].tok.weight
     for k, v in ref.state_dict().items():
-        assert torch.allclose(model.state_dict()[k], v, atol=1e-6, rtol=0), (
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-5, rtol=0), (
             f"{k}: {(model.state_dict()[k] - v).abs().max():.3g}"
         )
     # 3. each refit on one rank, the same forests everywhere
