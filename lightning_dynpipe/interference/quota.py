@@ -30,6 +30,7 @@ from lightning_dynpipe.interference.base import (
 )
 from lightning_dynpipe.interference.throttle import CpuThrottle
 from lightning_dynpipe.monitor.cgroups import cgroup_dir, cgroup_mounts, process_cgroups
+from lightning_dynpipe.monitor.stats import process_descendants
 
 __all__ = ["CpuQuota", "CpuLimit"]
 
@@ -171,7 +172,9 @@ class CpuQuota(Lifecycle):
             print(exc)                  # why not (read-only cgroupfs, no cpu controller, ...)
 
     :meth:`start` creates ``dynpipe-quota-<pid>-<token>`` under the process's current cgroup (cgroup v2: or the
-    hierarchy root when the current one may not hold controllers), writes the limit, and moves the process in;
+    hierarchy root when the current one may not hold controllers), writes the limit, and moves the process in with
+    the processes it started (its children, theirs, and so on), as a container's limit holds a job with its helper
+    processes: a stage's forest refit process, started at set-up, then runs within the stage's limit, not beside it;
     processes it forks later are limited with it. :meth:`stop` (idempotent; also run when the object is
     garbage-collected and at exit) moves every member back and removes the cgroup. If the owning process is
     killed with SIGKILL, nothing runs: the limited process stays limited until it exits, and an empty
@@ -274,6 +277,12 @@ class CpuQuota(Lifecycle):
             _write(made.cgroup / "cpu.cfs_period_us", str(self.period_us))
             _write(made.cgroup / "cpu.cfs_quota_us", str(self.quota_us))
         _write(made.cgroup / "cgroup.procs", str(self.pid))
+        for child in process_descendants(self.pid):  # what the process started (a refit process) shares its limit
+            try:
+                _write(made.cgroup / "cgroup.procs", str(child))
+            except OSError as exc:
+                if exc.errno != errno.ESRCH:  # a child that ended meanwhile is not an error
+                    raise
 
     def stop(self) -> None:
         """Moves the process (and anything it forked meanwhile) back and removes the cgroup; idempotent."""

@@ -36,6 +36,9 @@ __all__ = [
     "register_helper",
     "unregister_helper",
     "helper_pids",
+    "process_children",
+    "process_descendants",
+    "read_proc",
     "helpers_cpu_s",
     "process_cpu_s",
     "INTERFERENCE_SIGNS",
@@ -810,6 +813,44 @@ def helpers_cpu_s() -> float:
 
 
 _CLOCK_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def process_children(pid: int) -> list[int]:
+    """The children of process ``pid`` (of every thread: a child belongs to the thread that started it), from
+    ``/proc/<pid>/task/<tid>/children``; empty where ``/proc`` does not list them."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        try:
+            out.extend(int(c) for c in read_proc(f"/proc/{pid}/task/{tid}/children").split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def process_descendants(pid: int) -> list[int]:
+    """The children of process ``pid``, their children, and so on (``pid`` left out)."""
+    found: list[int] = []
+    todo = process_children(pid)
+    while todo:
+        child = todo.pop()
+        if child == pid or child in found:
+            continue
+        found.append(child)
+        todo.extend(process_children(child))
+    return found
+
+
+def read_proc(path: str) -> bytes:
+    """The start (4 KiB) of a small ``/proc`` file, with ``os.open`` and ``os.read`` (a third of ``open()``'s cost)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def process_cpu_s(pid: int) -> float:

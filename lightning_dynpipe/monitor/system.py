@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import CpuLimitReader
-from lightning_dynpipe.monitor.stats import SystemReading, helper_pids
+from lightning_dynpipe.monitor.stats import SystemReading, helper_pids, process_children, read_proc
 
 __all__ = ["JobCpu", "ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
@@ -141,7 +141,7 @@ class JobCpu:
             if pid in found:
                 continue
             found.add(pid)
-            todo.extend(_children(pid))
+            todo.extend(process_children(pid))
         found.discard(me)
         return found
 
@@ -176,36 +176,11 @@ class JobCpu:
         return len(theirs & self._cores) / len(theirs) if theirs else 0.0
 
 
-def _children(pid: int) -> list[int]:
-    """The children of process ``pid`` (of every thread: a child belongs to the thread that started it); empty
-    where ``/proc`` does not list them."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    out: list[int] = []
-    for tid in tids:
-        try:
-            out.extend(int(c) for c in _read(f"/proc/{pid}/task/{tid}/children").split())
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def _read(path: str) -> bytes:
-    """The start of a small ``/proc`` file (``os.open`` and ``os.read``: a third of ``open()``'s cost)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, 4096)
-    finally:
-        os.close(fd)
-
-
 def _cpu_and_start_s(pid: int) -> tuple[float, float]:
     """Process ``pid``'s CPU seconds (user + system) and its start, in seconds since boot; ``(-1, 0)`` where
     ``/proc`` cannot tell (gone, not Linux)."""
     try:
-        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()  # after the command name: field 3 onwards
+        fields = read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()  # after the command name: field 3 onwards
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S, int(fields[19]) / _CLOCK_TICKS_PER_S
     except (OSError, IndexError, ValueError):
         return -1.0, 0.0

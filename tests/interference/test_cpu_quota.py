@@ -64,6 +64,39 @@ def test_cgroup_quota_limits_a_busy_process(busy: int) -> None:
     quota.stop()  # idempotent
 
 
+def test_cgroup_quota_holds_the_processes_the_target_started_within_its_limit() -> None:
+    """A container's limit holds a job with its helpers: a child the limited process started before the quota (a
+    stage's refit process, started at set-up) is moved in with it and shares the limit, and moves back after."""
+    spin = "subprocess.Popen([sys.executable, '-I', '-c', 'while True: pass'])"
+    code = f"import subprocess, sys, time; {spin}; time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-I", "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = psutil.Process(parent.pid).children()
+        before = Path(f"/proc/{child.pid}/cgroup").read_text()
+        quota = CpuQuota(parent.pid, FRACTION)
+        try:
+            quota.start()
+        except InterferenceUnavailable as exc:
+            pytest.skip(f"no cgroup CPU controller here: {exc}")
+        try:
+            cgroup = quota.cgroup
+            assert cgroup is not None
+            assert str(child.pid) in (cgroup / "cgroup.procs").read_text().split()
+            share = _share(child.pid)
+        finally:
+            quota.stop()
+        assert share < FRACTION + 0.1, share  # the parent sleeps: the child has the whole limit, and no more
+        assert Path(f"/proc/{child.pid}/cgroup").read_text() == before
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True):
+            proc.kill()
+        parent.kill()
+        parent.wait()
+
+
 def test_cgroup_quota_is_removed_when_garbage_collected(busy: int) -> None:
     quota = CpuQuota(busy, 0.5)
     try:
