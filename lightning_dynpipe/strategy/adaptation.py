@@ -272,21 +272,23 @@ def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
 
     A process's spare CPU is what its cgroup limit (at most one core: a stage's training thread and its refit share
     the stage's core) leaves over the CPU the process used and other processes' load on its cores, in quarter
-    cores; a tie goes to the lowest rank. A refit at the lowest priority gets only that spare CPU: on the process
-    of the pipeline's slowest stage, which keeps its core busy, it waited for tens of seconds, while a stage under
-    a CPU limit that waits for the others had most of its limit to spare. Every rank sees the same snapshot, so
-    every rank names the same process.
+    cores; a tie goes to the process with the higher limit (none is highest), then to the lowest rank. A refit at
+    the lowest priority gets only that spare CPU: on the process of the pipeline's slowest stage, which keeps its
+    core busy, it waited for tens of seconds, while a stage under a CPU limit that waits for the others had most of
+    its limit to spare. Where neither has a quarter core to spare, the refit goes where it can only wait: within a
+    limit it spends the stage's quota (the priority orders threads, not the quota). Every rank sees the same
+    snapshot, so every rank names the same process.
     """
     known = [r for r in snapshot.replicas if r.rank >= 0]
     if not known:
         return 0
 
-    def key(r: StageReport) -> tuple[int, int]:
+    def key(r: StageReport) -> tuple[int, float, int]:
         s = r.summary
-        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else 1.0
+        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
         other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
         used = s.cpu_share if math.isfinite(s.cpu_share) else 0.0
-        return (-round((min(limit, 1.0) - used - other) * 4), r.rank)
+        return (-round((min(limit, 1.0) - used - other) * 4), -limit, r.rank)
 
     return min(known, key=key).rank
 

@@ -217,6 +217,10 @@ def test_the_rank_with_spare_cpu_is_the_one_whose_limit_leaves_the_most_over_its
     busy, limited = with_(cpu_share=1.0), with_(cpu_limit=0.5, cpu_share=0.27)
     assert spare_cpu_rank(snap(busy, limited)) == 1
     assert spare_cpu_rank(snap(with_(cpu_limit=0.5, cpu_share=0.5), with_(cpu_share=0.5))) == 1  # none left at 0.5
+    # neither has a quarter core to spare: not within the limit, where a refit spends the stage's quota (the CNN
+    # under a quarter-core quota after the move to [4, 1]: the limited stage used 0.2 of its 0.25, the other 0.98)
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.25, cpu_share=0.2), with_(cpu_share=0.98))) == 1
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.5, cpu_share=0.45), with_(cpu_limit=0.25, cpu_share=0.2))) == 0
     assert spare_cpu_rank(SimpleNamespace(replicas=[StageReport(0, 0, base)])) == 0  # ranks unknown
 
 
