@@ -41,6 +41,7 @@ __all__ = [
     "read_proc",
     "helpers_cpu_s",
     "process_cpu_s",
+    "process_cpu_and_start_s",
     "INTERFERENCE_SIGNS",
     "InterferenceReadings",
     "interference_excess",
@@ -855,10 +856,15 @@ def read_proc(path: str) -> bytes:
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used; 0 where ``/proc`` cannot tell (gone, not Linux)."""
+    return max(0.0, process_cpu_and_start_s(pid)[0])
+
+
+def process_cpu_and_start_s(pid: int) -> tuple[float, float]:
+    """Process ``pid``'s CPU seconds (user + system) and its start, in seconds since boot; ``(-1, 0)`` where
+    ``/proc`` cannot tell (gone, not Linux)."""
     hz = _CLOCK_TICKS_PER_S
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: field 3 (state) onwards
-        return (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14 and 15)
+        fields = read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()  # after the command name: field 3 onwards
+        return (int(fields[11]) + int(fields[12])) / hz, int(fields[19]) / hz  # utime + stime, starttime
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return -1.0, 0.0

@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import CpuLimitReader
-from lightning_dynpipe.monitor.stats import SystemReading, helper_pids, process_children, read_proc
+from lightning_dynpipe.monitor.stats import SystemReading, helper_pids, process_children, process_cpu_and_start_s
 
 __all__ = ["JobCpu", "ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
@@ -147,7 +147,7 @@ class JobCpu:
 
     def restart(self) -> None:
         """The next reading counts from now."""
-        self._ref = {pid: _cpu_and_start_s(pid)[0] for pid in self.members()}
+        self._ref = {pid: process_cpu_and_start_s(pid)[0] for pid in self.members()}
         self._at = _boot_s()
 
     def cpu_on_cores_s(self) -> float:
@@ -155,7 +155,7 @@ class JobCpu:
         total, ref = 0.0, {}
         at = self._at
         for pid in self.members():
-            cpu, start = _cpu_and_start_s(pid)
+            cpu, start = process_cpu_and_start_s(pid)
             if cpu < 0.0:  # gone between the listing and the read
                 continue
             ref[pid] = cpu
@@ -174,16 +174,6 @@ class JobCpu:
         except (AttributeError, OSError):  # gone, or no affinity to read (not Linux)
             return 0.0
         return len(theirs & self._cores) / len(theirs) if theirs else 0.0
-
-
-def _cpu_and_start_s(pid: int) -> tuple[float, float]:
-    """Process ``pid``'s CPU seconds (user + system) and its start, in seconds since boot; ``(-1, 0)`` where
-    ``/proc`` cannot tell (gone, not Linux)."""
-    try:
-        fields = read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()  # after the command name: field 3 onwards
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S, int(fields[19]) / _CLOCK_TICKS_PER_S
-    except (OSError, IndexError, ValueError):
-        return -1.0, 0.0
 
 
 def _boot_s() -> float:

@@ -44,16 +44,22 @@ def _running(pid: int) -> bool:
     return psutil.Process(pid).status() != psutil.STATUS_STOPPED
 
 
-def test_cgroup_quota_limits_a_busy_process(busy: int) -> None:
-    before = Path(f"/proc/{busy}/cgroup").read_text()
-    quota = CpuQuota(busy, FRACTION)
+def _start_or_skip(quota: CpuQuota) -> Path:
+    """Starts ``quota`` (the test is skipped where this machine has no cgroup CPU controller); its cgroup."""
     try:
         quota.start()
     except InterferenceUnavailable as exc:
         pytest.skip(f"no cgroup CPU controller here: {exc}")
+    assert quota.cgroup is not None
+    return quota.cgroup
+
+
+def test_cgroup_quota_limits_a_busy_process(busy: int) -> None:
+    before = Path(f"/proc/{busy}/cgroup").read_text()
+    quota = CpuQuota(busy, FRACTION)
+    cgroup = _start_or_skip(quota)
     try:
-        cgroup = quota.cgroup
-        assert cgroup is not None and cgroup.is_dir() and quota.backend in ("cgroup v1", "cgroup v2")
+        assert cgroup.is_dir() and quota.backend in ("cgroup v1", "cgroup v2")
         assert str(busy) in (cgroup / "cgroup.procs").read_text().split()
         share = _share(busy)
     finally:
@@ -77,13 +83,8 @@ def test_cgroup_quota_holds_the_processes_the_target_started_within_its_limit() 
         (child,) = psutil.Process(parent.pid).children()
         before = Path(f"/proc/{child.pid}/cgroup").read_text()
         quota = CpuQuota(parent.pid, FRACTION)
+        cgroup = _start_or_skip(quota)
         try:
-            quota.start()
-        except InterferenceUnavailable as exc:
-            pytest.skip(f"no cgroup CPU controller here: {exc}")
-        try:
-            cgroup = quota.cgroup
-            assert cgroup is not None
             assert str(child.pid) in (cgroup / "cgroup.procs").read_text().split()
             share = _share(child.pid)
         finally:
@@ -99,12 +100,7 @@ def test_cgroup_quota_holds_the_processes_the_target_started_within_its_limit() 
 
 def test_cgroup_quota_is_removed_when_garbage_collected(busy: int) -> None:
     quota = CpuQuota(busy, 0.5)
-    try:
-        quota.start()
-    except InterferenceUnavailable as exc:
-        pytest.skip(f"no cgroup CPU controller here: {exc}")
-    cgroup = quota.cgroup
-    assert cgroup is not None
+    cgroup = _start_or_skip(quota)
     del quota
     gc.collect()
     assert not cgroup.exists()
