@@ -834,15 +834,15 @@ def process_children(pid: int) -> list[int]:
 
 def process_descendants(pid: int) -> list[int]:
     """The children of process ``pid``, their children, and so on (``pid`` left out)."""
-    found: list[int] = []
+    found: dict[int, None] = {}  # in the order found, each once
     todo = process_children(pid)
     while todo:
         child = todo.pop()
         if child == pid or child in found:
             continue
-        found.append(child)
+        found[child] = None
         todo.extend(process_children(child))
-    return found
+    return list(found)
 
 
 def read_proc(path: str) -> bytes:

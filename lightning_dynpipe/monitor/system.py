@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from lightning_dynpipe.monitor.cgroups import CpuLimitReader
-from lightning_dynpipe.monitor.stats import SystemReading, helper_pids, process_children, process_cpu_and_start_s
+from lightning_dynpipe.monitor.stats import SystemReading, helper_pids, process_cpu_and_start_s, process_descendants
 
 __all__ = ["JobCpu", "ProcessSampler", "load_pynvml", "machine_steal_counters"]
 
@@ -134,14 +134,11 @@ class JobCpu:
     def members(self) -> set[int]:
         """The job's processes on this machine now, this one left out."""
         me = os.getpid()
-        found: set[int] = set()
-        todo = [me, *self._roots, *helper_pids()]
-        while todo:
-            pid = todo.pop()
-            if pid in found:
-                continue
-            found.add(pid)
-            todo.extend(process_children(pid))
+        found = set(process_descendants(me))
+        for root in (*self._roots, *helper_pids()):
+            if root not in found:
+                found.add(root)
+                found.update(process_descendants(root))
         found.discard(me)
         return found
 
