@@ -6,7 +6,8 @@ as cgroup v1 (hybrid hosts, many containers and micro-VMs). It needs a writable 
 to move the process (root, or a delegated subtree); where that is missing it raises
 :class:`~lightning_dynpipe.interference.base.InterferenceUnavailable` with each reason.
 :class:`CpuLimit` tries :class:`CpuQuota` and falls back to :class:`~lightning_dynpipe.interference.throttle.
-CpuThrottle`, which reaches the same average share with SIGSTOP/SIGCONT from a helper process.
+CpuThrottle`, which reaches the same average share with SIGSTOP/SIGCONT from a helper process. Both hold the
+processes the limited process started (a stage's refit process) within the same limit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import secrets
 import time
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -184,14 +186,17 @@ class CpuQuota(Lifecycle):
         pid: the process to limit (0: this one).
         fraction: CPUs' worth of time per period, in (0, number of CPUs]; 0.25 is a quarter of one core.
         period_s: the CFS bandwidth period (1 ms to 1 s).
+        exclude: processes the target started that are not its helpers, left outside the limit with what they
+            started: the job's other ranks, which Lightning's default launcher starts from rank 0.
 
     Raises:
         InterferenceUnavailable: from :meth:`start`, when neither cgroup v2 nor v1 offers a writable cpu
             controller; the message lists each reason. :class:`CpuLimit` falls back to a throttle instead.
     """
 
-    def __init__(self, pid: int, fraction: float, period_s: float = 0.1) -> None:
+    def __init__(self, pid: int, fraction: float, period_s: float = 0.1, exclude: Collection[int] = ()) -> None:
         self.pid = pid or os.getpid()
+        self.exclude = frozenset(exclude)
         cpus = os.cpu_count() or 1
         self.fraction = check_fraction(
             "fraction",
@@ -277,7 +282,8 @@ class CpuQuota(Lifecycle):
             _write(made.cgroup / "cpu.cfs_period_us", str(self.period_us))
             _write(made.cgroup / "cpu.cfs_quota_us", str(self.quota_us))
         _write(made.cgroup / "cgroup.procs", str(self.pid))
-        for child in process_descendants(self.pid):  # what the process started (a refit process) shares its limit
+        # what the process started (a refit process) shares its limit; the excluded (other ranks) do not
+        for child in process_descendants(self.pid, self.exclude):
             try:
                 _write(made.cgroup / "cgroup.procs", str(child))
             except OSError as exc:
@@ -308,6 +314,8 @@ class CpuLimit(Lifecycle):
         fraction: CPUs' worth of time, in (0, number of CPUs].
         period_s: the quota period; ``None``: 0.1 s for a cgroup, 0.02 s for the throttle.
         backend: ``"auto"`` (cgroup, else throttle), ``"cgroup"`` (raise where unavailable) or ``"throttle"``.
+        exclude: processes the target started that are not its helpers and stay outside the limit, with what
+            they started (the job's other ranks, where the target launched them).
     """
 
     def __init__(
@@ -316,6 +324,7 @@ class CpuLimit(Lifecycle):
         fraction: float,
         period_s: float | None = None,
         backend: Literal["auto", "cgroup", "throttle"] = "auto",
+        exclude: Collection[int] = (),
     ) -> None:
         if backend not in ("auto", "cgroup", "throttle"):
             raise InterferenceConfigError(
@@ -326,8 +335,8 @@ class CpuLimit(Lifecycle):
         self.period_s = period_s
         self.requested_backend = backend
         # Built now so that argument errors surface at construction.
-        self._quota = CpuQuota(self.pid, fraction, period_s if period_s is not None else 0.1)
-        self._throttle = CpuThrottle(self.pid, fraction, period_s if period_s is not None else 0.02)
+        self._quota = CpuQuota(self.pid, fraction, period_s if period_s is not None else 0.1, exclude)
+        self._throttle = CpuThrottle(self.pid, fraction, period_s if period_s is not None else 0.02, exclude=exclude)
         self._running: CpuQuota | CpuThrottle | None = None
 
     def __repr__(self) -> str:

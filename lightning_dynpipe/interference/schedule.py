@@ -28,7 +28,14 @@ from typing import Any, Literal, get_args
 
 from lightning_dynpipe.interference.base import Interference, InterferenceConfigError
 
-__all__ = ["InterferenceKind", "InterferenceSpec", "InterferenceSchedule", "make_interference", "KINDS"]
+__all__ = [
+    "InterferenceKind",
+    "InterferenceSpec",
+    "InterferenceSchedule",
+    "launched_ranks",
+    "make_interference",
+    "KINDS",
+]
 
 InterferenceKind = Literal["cpu_hog", "cpu_quota", "link_delay", "gpu"]
 KINDS: tuple[str, ...] = get_args(InterferenceKind)
@@ -336,11 +343,21 @@ def _load_yaml(path: Path) -> Sequence[Mapping[str, Any]]:
     return data
 
 
+def launched_ranks(host: Any) -> list[int]:
+    """The pids of the other ranks this process launched: Lightning's default launcher (a script run again per rank)
+    starts them from rank 0's process, so they are its children but not its helpers, and a limit on rank 0's
+    stage must leave them out. Empty where this process launched none (other ranks, the spawn and fork launchers,
+    torchrun, SLURM)."""
+    launcher = getattr(host, "launcher", None)
+    return [p.pid for p in getattr(launcher, "procs", None) or () if isinstance(getattr(p, "pid", None), int)]
+
+
 def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
     """The (unstarted) source for ``spec`` on the rank whose strategy is ``host``.
 
     ``cpu_hog`` burns ``spec.cores`` (default: the cores this process may use); ``cpu_quota`` limits this
-    process with :class:`~lightning_dynpipe.interference.quota.CpuLimit`; ``link_delay`` emulates a slower link
+    process with :class:`~lightning_dynpipe.interference.quota.CpuLimit`, with the processes it started except the
+    job's other ranks (:func:`launched_ranks`); ``link_delay`` emulates a slower link
     for this rank's sends across boundary ``spec.stage``; ``gpu`` loads ``host.root_device``.
     """
     if spec.kind == "cpu_hog":
@@ -355,7 +372,7 @@ def make_interference(spec: InterferenceSpec, host: Any) -> Interference:
         from lightning_dynpipe.interference.quota import CpuLimit
 
         assert spec.fraction is not None  # required by the spec
-        return CpuLimit(os.getpid(), spec.fraction, spec.period_s)
+        return CpuLimit(os.getpid(), spec.fraction, spec.period_s, exclude=launched_ranks(host))
     if spec.kind == "link_delay":
         from lightning_dynpipe.interference.link import LinkDelay
 

@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -832,13 +832,14 @@ def process_children(pid: int) -> list[int]:
     return out
 
 
-def process_descendants(pid: int) -> list[int]:
-    """The children of process ``pid``, their children, and so on (``pid`` left out)."""
+def process_descendants(pid: int, exclude: Collection[int] = ()) -> list[int]:
+    """The children of process ``pid``, their children, and so on (``pid`` left out); the processes in ``exclude``
+    and what they started are left out too."""
     found: dict[int, None] = {}  # in the order found, each once
     todo = process_children(pid)
     while todo:
         child = todo.pop()
-        if child == pid or child in found:
+        if child == pid or child in found or child in exclude:
             continue
         found[child] = None
         todo.extend(process_children(child))

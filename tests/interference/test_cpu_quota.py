@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import pytest
@@ -114,6 +115,95 @@ def test_throttle_limits_a_busy_process(busy: int) -> None:
     assert 0.1 < share < FRACTION + 0.1, share
     assert gone(helper)
     assert _running(busy)
+
+
+def test_throttle_holds_the_processes_the_target_started_before_and_after_within_its_share(tmp_path: Path) -> None:
+    """As a cgroup quota does, the throttle holds the target's helpers: a child started before the throttle (a
+    stage's refit process, started at set-up) and one started while it runs share the target's limit; a helper
+    killed while it has them stopped leaves them stopped only until :meth:`CpuThrottle.stop` continues them."""
+    flag = tmp_path / "second"
+    spin = "subprocess.Popen([sys.executable, '-I', '-c', 'while True: pass'])"
+    wait = f"while not os.path.exists({str(flag)!r}): time.sleep(0.01)"
+    code = "\n".join(["import os, subprocess, sys, time", spin, wait, spin, "time.sleep(60)"])
+    parent = subprocess.Popen([sys.executable, "-I", "-c", code])
+
+    def children(n: int) -> list[psutil.Process]:
+        deadline = time.monotonic() + 10
+        while len(found := psutil.Process(parent.pid).children()) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(found) == n, found
+        return found
+
+    try:
+        children(1)
+        throttle = CpuThrottle(parent.pid, FRACTION)
+        throttle.start()
+        try:
+            flag.touch()
+            pids = [c.pid for c in children(2)]
+            shares = cpu_shares(pids, 1.5)
+            helper = throttle.helper_pid
+            assert helper is not None
+            os.kill(helper, signal.SIGKILL)  # maybe while the children are stopped
+            psutil.Process(helper).wait(5)
+        finally:
+            throttle.stop()
+        total = sum(cpu for cpu, _ in shares)
+        assert total < FRACTION + 0.1, shares  # the parent sleeps: its children have the whole share, and no more
+        assert all(cpu > 0.02 for cpu, _ in shares), shares  # each of them ran
+        assert all(_running(p) for p in pids)
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True):
+            proc.kill()
+        parent.kill()
+        parent.wait()
+
+
+@pytest.mark.parametrize("backend", ["cgroup", "throttle"])
+def test_a_limit_leaves_the_excluded_children_outside(backend: Literal["cgroup", "throttle"]) -> None:
+    """Lightning's default launcher starts the other ranks from rank 0's process: a limit on rank 0's stage holds
+    its helpers, not the job's other ranks (``exclude``), nor what those started."""
+    spin = "subprocess.Popen([sys.executable, '-I', '-c', 'while True: pass'])"
+    rank = (
+        "subprocess.Popen([sys.executable, '-I', '-c', 'import subprocess, sys, time; ' + SPIN + '; time.sleep(60)'])"
+    )
+    code = "\n".join(["import subprocess, sys, time", f"SPIN = {spin!r}", spin, rank, "time.sleep(60)"])
+    parent = subprocess.Popen([sys.executable, "-I", "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(parent.pid).children(recursive=True)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        helper, other_rank = sorted(psutil.Process(parent.pid).children(), key=lambda c: c.pid)
+        (its_child,) = other_rank.children()
+        limit = CpuLimit(parent.pid, FRACTION, backend=backend, exclude=[other_rank.pid])
+        try:
+            limit.start()
+        except InterferenceUnavailable as exc:
+            pytest.skip(f"no cgroup CPU controller here: {exc}")
+        try:
+            held, free = cpu_shares([helper.pid, its_child.pid], 1.5)
+        finally:
+            limit.stop()
+        assert held[0] < FRACTION + 0.1, held
+        assert free[0] > 0.6, free  # one of the two cores (the helper and the limit's own helper share the other)
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True):
+            proc.kill()
+        parent.kill()
+        parent.wait()
+
+
+def test_the_quota_entry_leaves_out_the_ranks_this_process_launched() -> None:
+    from types import SimpleNamespace
+
+    from lightning_dynpipe.interference.schedule import InterferenceSpec, launched_ranks, make_interference
+
+    host = SimpleNamespace(launcher=SimpleNamespace(procs=[SimpleNamespace(pid=123), SimpleNamespace(pid=456)]))
+    assert launched_ranks(host) == [123, 456]
+    assert launched_ranks(SimpleNamespace(launcher=None)) == [] and launched_ranks(object()) == []
+    limit = make_interference(InterferenceSpec("cpu_quota", stage=0, fraction=0.5), host)
+    assert isinstance(limit, CpuLimit)
+    assert limit._quota.exclude == limit._throttle.exclude == {123, 456}
 
 
 def test_throttle_leaves_the_target_running_however_it_ends(busy: int) -> None:
