@@ -469,6 +469,10 @@ class ForestPredictor:
             CPU to spare, and send its forests to the others (see "One rank refits" in the module). Off by default:
             on the 2-core benchmark machine it saved the other ranks' refit CPU but measured about 2% fewer
             samples/s than every rank refitting (benchmarks/results/2026-12-04-one-rank-refits.md).
+        refit_cores: where the refit process may run: ``"own"``, the cores this process may use (a stage pinned
+            to its core pins its refits too), or ``"any"``, every core the machine lets it use (a cgroup cpuset
+            still applies). At the lowest priority a refit then runs in any core's idle time, such as what a CPU
+            limit leaves of another stage's core.
         anchored: price each candidate relative to the window's own partition (see "Anchored to the window" in
             the module): a candidate's stage carries what the forest got wrong about the same stage under the
             partition the window measured, so that partition is priced at what it measured. ``False``: each
@@ -495,6 +499,7 @@ class ForestPredictor:
         adopt_after: int = 2,
         refit_on: str = "miss",
         one_rank_refits: bool = False,
+        refit_cores: str = "own",
         anchored: bool = True,
         stratified: bool = True,
         stage_features: Sequence[str] | None = None,
@@ -522,6 +527,12 @@ class ForestPredictor:
         self.adopt_after = adopt_after
         self.refit_on = refit_on
         self.one_rank_refits = bool(one_rank_refits)
+        if refit_cores not in ("own", "any"):
+            raise ConfigurationError(
+                f"ForestPredictor(refit_cores=...) takes 'own' (the refit process runs on this process's cores) or "
+                f"'any' (on every core the machine lets it use); got {refit_cores!r}."
+            )
+        self.refit_cores = refit_cores
         if not isinstance(anchored, bool):
             raise ConfigurationError(f"ForestPredictor(anchored=...) takes True or False; got {anchored!r}.")
         self.anchored = anchored
@@ -788,7 +799,7 @@ class ForestPredictor:
         """The refit process (started if needed), or ``None`` when refits run in a thread."""
         if self.refit_in_process and self._worker is None:
             try:
-                self._worker = RefitProcess()
+                self._worker = RefitProcess(self.refit_cores)
                 self._worker.start()
             except OSError as exc:
                 self._no_worker(exc)

@@ -52,7 +52,12 @@ class RefitProcess:
         worker.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cores: str = "own") -> None:
+        if cores not in ("own", "any"):
+            raise ValueError(f"RefitProcess(cores=...) takes 'own' or 'any'; got {cores!r}.")
+        self.cores = cores
+        """``"own"``: the child runs on the cores its parent may use; ``"any"``: on every core this machine lets it
+        use (a cpuset still restricts it), so its idle-priority work can take an idle core of another stage."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
         self._pending: Path | None = None
@@ -99,7 +104,13 @@ class RefitProcess:
         self._ready = False
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from lightning_dynpipe.predictor.refit import main; main()", str(self._dir)],
+            [
+                sys.executable,
+                "-c",
+                "from lightning_dynpipe.predictor.refit import main; main()",
+                str(self._dir),
+                self.cores,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,  # unbuffered: a line read never pulls the next one out of select()'s sight
@@ -204,11 +215,14 @@ def main() -> None:
     """The child: says ``ready`` once imported; then one request path per stdin line; writes ``(ok, forests or
     error)`` next to it and answers a line (``done <CPU seconds the request took>``).
 
-    Its argument is the parent's private directory, removed when stdin ends (the parent closed it, or died). A
+    Its arguments are the parent's private directory, removed when stdin ends (the parent closed it, or died), and
+    ``own`` or ``any`` (:attr:`RefitProcess.cores`). A
     parent that went away without reading its answers (it exited without :meth:`ForestPredictor.close
     <lightning_dynpipe.predictor.forest.ForestPredictor.close>`) ends it quietly.
     """
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if len(sys.argv) > 2 and sys.argv[2] == "any":
+        _any_core()
     answers = os.fdopen(os.dup(1), "wb")  # the answers' own descriptor: a stray print goes to stderr instead
     os.dup2(2, 1)
     try:
@@ -241,6 +255,19 @@ def _serve(answers: Any) -> None:
         request.with_suffix(".out").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         answers.write(f"done {time.process_time() - cpu0:.6f}\n".encode())
         answers.flush()
+
+
+def _any_core() -> None:
+    """Lets this process run on every core of the machine that its cgroup's cpuset allows: the kernel keeps the
+    allowed ones of the mask. A stage pinned to its core passes that pin to its children; at the lowest priority a
+    refit then takes only its own stage's idle moments, even where another stage's core stands idle (a stage
+    held to a quarter of its core by a CPU limit leaves three quarters of it)."""
+    setaffinity = getattr(os, "sched_setaffinity", None)
+    if setaffinity is not None:
+        try:
+            setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            pass
 
 
 def _lowest_priority() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -706,8 +707,6 @@ def test_with_shared_refits_one_rank_fits_and_every_rank_switches_to_its_forests
 def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends() -> None:
     """A refit thread shares the training thread's GIL (and stalled it on a contended core): refits run in a child
     process, which fits the same forest as this process would, and close() ends it and removes its files."""
-    import os
-
     from lightning_dynpipe.predictor.refit import RefitProcess
 
     f = ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, adopt_after=1)
@@ -814,11 +813,42 @@ def test_a_forest_that_explains_the_new_windows_skips_its_refit_and_refits_when_
     assert _binomial_tail(9, 0, 0.1) == 1.0
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 cores")
+def test_a_refit_child_of_a_pinned_process_runs_on_its_cores_or_on_any() -> None:
+    """``refit_cores="own"`` keeps the stage's pin (the child inherits it); ``"any"``: every core the machine
+    allows, so that an idle-priority refit can take another stage's idle core."""
+    from lightning_dynpipe.predictor.refit import RefitProcess
+
+    every = set(range(os.cpu_count() or 1)) & os.sched_getaffinity(0)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(every)})  # this thread, which starts the children: a stage pinned to its core
+    try:
+        own, anywhere = RefitProcess("own"), RefitProcess("any")
+        own.start()
+        anywhere.start()
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        assert own.wait_ready(60.0) and anywhere.wait_ready(60.0)  # the child sets its cores before it says ready
+        assert own._proc is not None and anywhere._proc is not None
+        assert os.sched_getaffinity(own._proc.pid) == {min(every)}
+        assert os.sched_getaffinity(anywhere._proc.pid) == every
+    finally:
+        own.close()
+        anywhere.close()
+    with pytest.raises(ConfigurationError, match="refit_cores=...\\) takes 'own'"):
+        ForestPredictor(refit_cores="all")
+    forest = ForestPredictor(refit_cores="any")
+    try:
+        worker = forest._ensure_worker()
+        assert worker is not None and worker.cores == "any"
+    finally:
+        forest.close()
+
+
 def test_the_refit_child_runs_at_the_lowest_priority() -> None:
     """Nice 19, and on Linux SCHED_IDLE: a stage thread woken by a message takes its core from a refit at once (under
     nice 19 alone a refit cost the throughput benchmark's MLP 19% of its samples/s in a short run, 8% with it)."""
-    import os
-
     from lightning_dynpipe.predictor.refit import RefitProcess
 
     child = RefitProcess()
