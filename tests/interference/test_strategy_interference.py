@@ -41,6 +41,12 @@ def test_schedule_on_a_two_stage_run(mode: str, tmp_path: Path) -> None:
         ["stop", "cpu_quota", None],
     ]
     assert ranks[1]["events"][1][3] in ("cgroup v1", "cgroup v2", "throttle")
+    if ranks[1]["events"][1][3].startswith("cgroup"):  # the quota holds stage 1's process (rank 0) from step 2 on
+        assert ["dynpipe-quota" in s["cgroup"] for s in ranks[1]["steps"]] == [
+            s["step"] >= 2 for s in ranks[1]["steps"]
+        ]
+    # and not stage 0's, which the popen launcher started from rank 0's process: a child, not one of its helpers
+    assert not any("dynpipe-quota" in s["cgroup"] for s in ranks[0]["steps"])
     assert [e[:3] for e in ranks[0]["events"]] == [
         ["start", "link_delay", 1],
         ["stop", "link_delay", 3],

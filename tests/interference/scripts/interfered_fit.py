@@ -46,6 +46,7 @@ class Recorder(L.Callback):
                 "step": trainer.global_step,
                 "delays": [c.name for c in (ch.send_activation, ch.send_grad) if c is not None and c.delay is not None],
                 "children": sorted(p.pid for p in psutil.Process().children()),
+                "cgroup": Path("/proc/self/cgroup").read_text(),
             }
         )
         if self.fail and trainer.global_step == FAIL_STEP and s.stage_idx == 0:
