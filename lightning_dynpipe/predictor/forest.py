@@ -110,7 +110,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -472,7 +472,8 @@ class ForestPredictor:
         refit_cores: where the refit process may run: ``"own"``, the cores this process may use (a stage pinned
             to its core pins its refits too), or ``"any"``, every core the machine lets it use (a cgroup cpuset
             still applies). At the lowest priority a refit then runs in any core's idle time, such as what a CPU
-            limit leaves of another stage's core.
+            limit leaves of another stage's core. ``"own"`` by default: under CPU limits on the CNN's last stage
+            ``"any"`` did not measure faster (benchmarks/results/2026-12-07-refit-cores.md).
         anchored: price each candidate relative to the window's own partition (see "Anchored to the window" in
             the module): a candidate's stage carries what the forest got wrong about the same stage under the
             partition the window measured, so that partition is priced at what it measured. ``False``: each
@@ -499,7 +500,7 @@ class ForestPredictor:
         adopt_after: int = 2,
         refit_on: str = "miss",
         one_rank_refits: bool = False,
-        refit_cores: str = "own",
+        refit_cores: Literal["own", "any"] = "own",
         anchored: bool = True,
         stratified: bool = True,
         stage_features: Sequence[str] | None = None,

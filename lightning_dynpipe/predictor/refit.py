@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["RefitProcess", "main"]
 
@@ -52,7 +52,7 @@ class RefitProcess:
         worker.close()
     """
 
-    def __init__(self, cores: str = "own") -> None:
+    def __init__(self, cores: Literal["own", "any"] = "own") -> None:
         if cores not in ("own", "any"):
             raise ValueError(f"RefitProcess(cores=...) takes 'own' or 'any'; got {cores!r}.")
         self.cores = cores
