@@ -162,7 +162,7 @@ class AdaptationWiring:
         agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
         if self._shares_refits:
             predictor: Any = self.config.predictor
-            predictor.refit_rank = spare_cpu_rank(snapshot)
+            predictor.refit_rank = spare_cpu_rank(snapshot, any_core=predictor.refit_cores == "any")
         decision = self.controller.check(
             step,
             times,
@@ -265,7 +265,7 @@ class AdaptationWiring:
         self.monitor = self._own_monitor = None
 
 
-def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
+def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int:
     """The global rank of the process with the most CPU to spare in ``snapshot``: where background work (a forest
     refit at the lowest priority, in the process's cgroup and on its cores) costs the pipeline least and is done
     soonest.
@@ -278,6 +278,13 @@ def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
     its limit to spare. Where neither has a quarter core to spare, the refit goes where it can only wait: within a
     limit it spends the stage's quota (the priority orders threads, not the quota). Every rank sees the same
     snapshot, so every rank names the same process.
+
+    With ``any_core`` (``ForestPredictor(refit_cores="any")``) a refit runs in the idle time of any core, such as
+    what a CPU limit leaves of a limited stage's core, but within its rank's cgroup limit: the process with the
+    highest limit comes first, then the order above. Without it, under a quarter-core quota on one stage neither
+    process had a quarter core to spare, and the tie sent the refit to the unlimited stage, whose core it may then
+    leave for any idle one; under a half-core quota the limited stage had a quarter core over its use, and its refit
+    spent its quota where the other stage's could have run on the idle part of its core outside the limit.
     """
     known = [r for r in snapshot.replicas if r.rank >= 0]
     if not known:
@@ -288,7 +295,8 @@ def spare_cpu_rank(snapshot: PipelineSnapshot) -> int:
         limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
         other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
         used = s.cpu_share if math.isfinite(s.cpu_share) else 0.0
-        return (-round((min(limit, 1.0) - used - other) * 4), -limit, r.rank)
+        spare = -round((min(limit, 1.0) - used - other) * 4)
+        return (-limit, spare, r.rank) if any_core else (spare, -limit, r.rank)
 
     return min(known, key=key).rank
 

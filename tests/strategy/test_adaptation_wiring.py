@@ -222,6 +222,16 @@ def test_the_rank_with_spare_cpu_is_the_one_whose_limit_leaves_the_most_over_its
     assert spare_cpu_rank(snap(with_(cpu_limit=0.25, cpu_share=0.2), with_(cpu_share=0.98))) == 1
     assert spare_cpu_rank(snap(with_(cpu_limit=0.5, cpu_share=0.45), with_(cpu_limit=0.25, cpu_share=0.2))) == 0
     assert spare_cpu_rank(SimpleNamespace(replicas=[StageReport(0, 0, base)])) == 0  # ranks unknown
+    # a refit free to run on any core runs in a limited stage's idle time from the unlimited process, outside the
+    # limit: the highest limit first, then the spare CPU
+    assert spare_cpu_rank(snap(busy, limited), any_core=True) == 0
+    assert spare_cpu_rank(snap(with_(cpu_limit=0.25, cpu_share=0.2), with_(cpu_share=0.98)), any_core=True) == 1
+    assert (
+        spare_cpu_rank(snap(with_(cpu_limit=0.5, cpu_share=0.2), with_(cpu_limit=0.5, cpu_share=0.45)), any_core=True)
+        == 0
+    )
+    assert spare_cpu_rank(snap(with_(cpu_share=0.95), with_(cpu_share=0.6)), any_core=True) == 1
+    assert spare_cpu_rank(snap(base, base), any_core=True) == 0
 
 
 def test_each_fit_starts_the_policy_from_scratch() -> None:
