@@ -13,8 +13,9 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
   :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` migrates layers;
 * ``forest-shared``: ``forest`` with ``ForestPredictor(one_rank_refits=True)``: each refit runs on the process with
   the most CPU to spare at the check and the others receive its forests; opt-in through ``--systems``;
-* ``forest-any``, ``forest-shared-any``: ``forest`` and ``forest-shared`` with ``ForestPredictor(refit_cores="any")``:
-  the refit process may run on every core, not only on its stage's pinned one; opt-in through ``--systems``;
+* ``forest-any``, ``forest-shared-any``: ``forest`` and ``forest-shared`` with ``ForestPredictor(refit_cores="any")``
+  (the default): the refit process may run on every core, not only on its stage's pinned one; ``forest-own``,
+  ``forest-shared-own``: with ``refit_cores="own"``, the stage's pinned core only; opt-in through ``--systems``;
 * ``forest-cal``: ``forest`` trained first by the calibration sweep at set-up (``calibrate=True``: rank 0 runs the
   model's own layer sets under the default sweep's scenarios before the first step); like the set-up profile, the
   sweep is not in the time to accuracy, and its seconds are printed per run; opt-in through ``--systems``;
@@ -209,6 +210,8 @@ FOREST_SYSTEMS: dict[str, dict[str, bool | str]] = {
     "forest-shared": {"one_rank_refits": True},
     "forest-any": {"refit_cores": "any"},
     "forest-shared-any": {"one_rank_refits": True, "refit_cores": "any"},
+    "forest-own": {"refit_cores": "own"},
+    "forest-shared-own": {"one_rank_refits": True, "refit_cores": "own"},
     "forest-cal": {},
     "forest-cal-raw": {"anchored": False},
     "forest-cal-pooled": {"stratified": False},
@@ -216,7 +219,14 @@ FOREST_SYSTEMS: dict[str, dict[str, bool | str]] = {
 }
 """The systems with the forest predictor, and the :class:`~lightning_dynpipe.predictor.ForestPredictor` options each
 sets; every one not in :data:`LEARNING_ONLINE` is trained by the calibration sweep at set-up."""
-LEARNING_ONLINE: tuple[str, ...] = ("forest", "forest-shared", "forest-any", "forest-shared-any")
+LEARNING_ONLINE: tuple[str, ...] = (
+    "forest",
+    "forest-shared",
+    "forest-any",
+    "forest-shared-any",
+    "forest-own",
+    "forest-shared-own",
+)
 """The forest systems that start untrained and learn from the run's own windows alone."""
 FOREST_POLICIES: dict[str, dict[str, float]] = {"forest-cal-gain5": {"min_relative_gain": 0.05}}
 """The forest systems whose :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` is not the default, and

@@ -472,8 +472,11 @@ class ForestPredictor:
         refit_cores: where the refit process may run: ``"own"``, the cores this process may use (a stage pinned
             to its core pins its refits too), or ``"any"``, every core the machine lets it use (a cgroup cpuset
             still applies). At the lowest priority a refit then runs in any core's idle time, such as what a CPU
-            limit leaves of another stage's core. ``"own"`` by default: under CPU limits on the CNN's last stage
-            ``"any"`` did not measure faster (benchmarks/results/2026-12-07-refit-cores.md).
+            limit leaves of another stage's core. ``"any"`` by default: under CPU limits on the CNN's last stage,
+            with ``"own"`` the refits of the unlimited stage, which keeps its core busy, waited: the forest first
+            switched to a refit at step 211 or 251 or never in 300 steps, and answered its prior, a point, at the
+            other checks; with ``"any"`` at step 71 in every run (benchmarks/results/2026-12-07-refit-any.md).
+            Where the stages are not pinned (a plain Lightning fit pins nothing) the two are the same.
         anchored: price each candidate relative to the window's own partition (see "Anchored to the window" in
             the module): a candidate's stage carries what the forest got wrong about the same stage under the
             partition the window measured, so that partition is priced at what it measured. ``False``: each
@@ -500,7 +503,7 @@ class ForestPredictor:
         adopt_after: int = 2,
         refit_on: str = "miss",
         one_rank_refits: bool = False,
-        refit_cores: Literal["own", "any"] = "own",
+        refit_cores: Literal["own", "any"] = "any",
         anchored: bool = True,
         stratified: bool = True,
         stage_features: Sequence[str] | None = None,

@@ -162,7 +162,8 @@ class AdaptationWiring:
         agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
         if self._shares_refits:
             predictor: Any = self.config.predictor
-            predictor.refit_rank = spare_cpu_rank(snapshot, any_core=predictor.refit_cores == "any")
+            any_core = getattr(predictor, "refit_cores", "own") == "any"
+            predictor.refit_rank = spare_cpu_rank(snapshot, any_core=any_core)
         decision = self.controller.check(
             step,
             times,

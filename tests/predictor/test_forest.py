@@ -838,12 +838,12 @@ def test_a_refit_child_of_a_pinned_process_runs_on_its_cores_or_on_any() -> None
         anywhere.close()
     with pytest.raises(ConfigurationError, match="refit_cores=...\\) takes 'own'"):
         ForestPredictor(refit_cores="all")
-    forest = ForestPredictor(refit_cores="any")
-    try:
-        worker = forest._ensure_worker()
-        assert worker is not None and worker.cores == "any"
-    finally:
-        forest.close()
+    for forest, cores in ((ForestPredictor(), "any"), (ForestPredictor(refit_cores="own"), "own")):
+        try:
+            worker = forest._ensure_worker()
+            assert worker is not None and worker.cores == cores
+        finally:
+            forest.close()
 
 
 def test_the_refit_child_runs_at_the_lowest_priority() -> None:
