@@ -291,7 +291,7 @@ def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int
     if not known:
         return 0
 
-    def key(r: StageReport) -> tuple[int, float, int]:
+    def key(r: StageReport) -> tuple[float, float, int]:
         s = r.summary
         limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
         other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
