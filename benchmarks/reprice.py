@@ -94,7 +94,7 @@ PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 _OWN = {
     "measured": ("measured",),
-    "forest": ("forest", "forest-shared"),
+    "forest": ("forest", "forest-shared", "forest-any", "forest-shared-any", "forest-own", "forest-shared-own"),
     "forest-cal": ("forest-cal", "forest-cal-gain5"),
 }
 """The recorded systems each predictor is the predictor of (its replay of their runs is the self-check)."""
