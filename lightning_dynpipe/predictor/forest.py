@@ -79,11 +79,13 @@ check without waiting for it:
 
 **One rank refits** (``one_rank_refits=True``, opt-in). In a fit of several processes the strategy then calls
 :meth:`ForestPredictor.share_refits`: each refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the
-strategy sets at every check to the process with the most spare CPU in the snapshot (every rank sees the same
-snapshot, so all name the same rank; a stage under a CPU limit refits only when every stage is limited, because its
-refit process's CPU would come out of its limit). The other ranks report the refit as finished, so the switch comes
-when the fitting rank's is done, at the same check on every rank as before, and at the switch every rank receives
-its forests in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
+strategy sets at every check from the snapshot (every rank sees the same snapshot, so all name the same rank;
+:func:`~lightning_dynpipe.strategy.adaptation.spare_cpu_rank`): with the refits on any core (``refit_cores="any"``,
+the default), the process with the highest CPU limit, then the most spare CPU, so that a stage under a CPU limit
+refits only when every stage is limited (its refit process's CPU would come out of its limit); with the refits on
+their own cores, the process with the most spare CPU on its cores. The other ranks report the refit as finished, so
+the switch comes when the fitting rank's is done, at the same check on every rank as before, and at the switch every
+rank receives its forests in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
 <lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere. By
 default every rank fits the same forest from the same rows: the same answer for ``S x R`` times the CPU, on cores
 the stages use, and on a limited stage out of its limit; yet on the 2-core benchmark machine the shared refits
@@ -466,16 +468,18 @@ class ForestPredictor:
             their intervals more often than ``1 - coverage`` explains (a binomial test at 5%); ``"every"``: every
             ``refit_every`` windows.
         one_rank_refits: in a fit of several processes, run each refit on one rank only, the one with the most
-            CPU to spare, and send its forests to the others (see "One rank refits" in the module). Off by default:
-            on the 2-core benchmark machine it saved the other ranks' refit CPU but measured about 2% fewer
-            samples/s than every rank refitting (benchmarks/results/2026-12-04-one-rank-refits.md).
+            CPU to spare (with ``refit_cores="any"``, the highest CPU limit first), and send its forests to the
+            others (see "One rank refits" in the module). Off by default: on the 2-core benchmark machine it saved
+            the other ranks' refit CPU but measured about 2% fewer samples/s than every rank refitting
+            (benchmarks/results/2026-12-04-one-rank-refits.md).
         refit_cores: where the refit process may run: ``"own"``, the cores this process may use (a stage pinned
             to its core pins its refits too), or ``"any"``, every core the machine lets it use (a cgroup cpuset
             still applies). At the lowest priority a refit then runs in any core's idle time, such as what a CPU
             limit leaves of another stage's core. ``"any"`` by default: under CPU limits on the CNN's last stage,
             with ``"own"`` the refits of the unlimited stage, which keeps its core busy, waited: the forest first
-            switched to a refit at step 211 or 251 or never in 300 steps, and answered its prior, a point, at the
-            other checks; with ``"any"`` at step 71 in every run (benchmarks/results/2026-12-07-refit-any.md).
+            switched to a refit at step 131-261 in 9 runs of 11 and not within the other two, and answered its prior,
+            a point, at the checks before; with ``"any"`` at step 71 in every run
+            (benchmarks/results/2026-12-07-refit-any.md).
             Where the stages are not pinned (a plain Lightning fit pins nothing) the two are the same.
         anchored: price each candidate relative to the window's own partition (see "Anchored to the window" in
             the module): a candidate's stage carries what the forest got wrong about the same stage under the

@@ -282,10 +282,9 @@ def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int
 
     With ``any_core`` (``ForestPredictor(refit_cores="any")``) a refit runs in the idle time of any core, such as
     what a CPU limit leaves of a limited stage's core, but within its rank's cgroup limit: the process with the
-    highest limit comes first, then the order above. Without it, under a quarter-core quota on one stage neither
-    process had a quarter core to spare, and the tie sent the refit to the unlimited stage, whose core it may then
-    leave for any idle one; under a half-core quota the limited stage had a quarter core over its use, and its refit
-    spent its quota where the other stage's could have run on the idle part of its core outside the limit.
+    highest limit comes first, then the order above. A limited stage with a quarter core over its use (under a
+    half-core quota, waiting for the other stage) would spend its quota on the refit, where the unlimited process's
+    refit can run in the idle rest of that same core outside any limit.
     """
     known = [r for r in snapshot.replicas if r.rank >= 0]
     if not known:
