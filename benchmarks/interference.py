@@ -219,15 +219,9 @@ FOREST_SYSTEMS: dict[str, dict[str, bool | str]] = {
 }
 """The systems with the forest predictor, and the :class:`~lightning_dynpipe.predictor.ForestPredictor` options each
 sets; every one not in :data:`LEARNING_ONLINE` is trained by the calibration sweep at set-up."""
-LEARNING_ONLINE: tuple[str, ...] = (
-    "forest",
-    "forest-shared",
-    "forest-any",
-    "forest-shared-any",
-    "forest-own",
-    "forest-shared-own",
-)
-"""The forest systems that start untrained and learn from the run's own windows alone."""
+LEARNING_ONLINE: tuple[str, ...] = tuple(s for s in FOREST_SYSTEMS if not s.startswith("forest-cal"))
+"""The forest systems that start untrained and learn from the run's own windows alone (every one but
+``forest-cal*``)."""
 FOREST_POLICIES: dict[str, dict[str, float]] = {"forest-cal-gain5": {"min_relative_gain": 0.05}}
 """The forest systems whose :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` is not the default, and
 its options (the others: ``adaptive=True``)."""

@@ -57,7 +57,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `benchmarks` and the pac
     sys.path.insert(0, str(_ROOT))
 
 from benchmarks._common import command_line, describe_machine, machine_info, save_figure  # noqa: E402
-from benchmarks.interference import cut_steps, pricing_errors, render_pricing  # noqa: E402
+from benchmarks.interference import LEARNING_ONLINE, cut_steps, pricing_errors, render_pricing  # noqa: E402
 from lightning_dynpipe.plan.costs import CommModel, LayerCost, ModelCost  # noqa: E402
 from lightning_dynpipe.plan.partition import Partition  # noqa: E402
 from lightning_dynpipe.predictor import ForestPredictor, MeasuredSlowdownPredictor, StageTimes  # noqa: E402
@@ -94,7 +94,7 @@ PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 _OWN = {
     "measured": ("measured",),
-    "forest": ("forest", "forest-shared", "forest-any", "forest-shared-any", "forest-own", "forest-shared-own"),
+    "forest": LEARNING_ONLINE,
     "forest-cal": ("forest-cal", "forest-cal-gain5"),
 }
 """The recorded systems each predictor is the predictor of (its replay of their runs is the self-check)."""
