@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -124,6 +126,75 @@ def test_flush_schedules_equal_plain_training(schedule: str, num_stages: int) ->
     ref = plain_training(model, list(loader()) * 2, optimizer="adam")
     _fit(model, devices=num_stages, schedule=schedule, optimizer="adam")
     _assert_close(model, ref, atol=1e-6)
+
+
+class _ValLosses(L.Callback):
+    """Each validation's epoch-level ``val_loss`` as each rank's callback metrics hold it, written to
+    ``<directory>/rank<r>.json`` (the ranks are processes of their own)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.val_losses: list[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.val_losses))
+
+
+@pytest.mark.parametrize("drained_by", ["validation", "checkpoint"])
+def test_async_drains_mid_epoch_equal_the_replay_with_its_drains(drained_by: str, tmp_path: Path) -> None:
+    """In the middle of an epoch, a validation (``val_check_interval``) or a checkpoint (``every_n_train_steps``)
+    drains an ``async`` pipeline first (the backwards still in flight run, with their updates), sees one consistent
+    set of weights, and the pipeline restarts its micro-batch count. Bit for bit the PipeDream replay that drains
+    after the same steps; each validation loss, and each checkpoint's weights, equal the replayed model's at that
+    point. Without the drains the replay ends elsewhere: the drains matter."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = TinyNet()
+    ref, no_drains = copy.deepcopy(model), copy.deepcopy(model)
+    val = loader(n=24)
+    if drained_by == "validation":
+        kw = trainer_kwargs(val_check_interval=3, callbacks=[_ValLosses(tmp_path)])
+    else:
+        every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+        kw = trainer_kwargs(enable_checkpointing=True, callbacks=[every])
+    strategy = DynPipeStrategy(
+        num_microbatches=4, schedule="async", start_method="fork", balance=[2, 3], adaptive=False
+    )
+    trainer = L.Trainer(devices=2, max_epochs=1, strategy=strategy, **kw)
+    # 8 batches: the validations or checkpoints come after the 3rd and the 6th
+    trainer.fit(model, loader(), val if drained_by == "validation" else None)
+    val_losses: list[float] = []
+    weights: list[dict[str, torch.Tensor]] = []
+
+    def at_drain(step: int, losses: list[float]) -> None:
+        if step in (2, 5):
+            weights.append({k: v.clone() for k, v in ref.state_dict().items()})
+            with torch.no_grad():  # Lightning's epoch value: the batch-size-weighted mean (equal batches here)
+                val_losses.append(sum(float(F.cross_entropy(ref.pipeline(x), y)) for x, y in val) / len(val))
+
+    common = dict(lr_scale=1 / 4, staleness=staleness_profile(2, "async"))  # DynPipe's default lr_scale: 1/M
+    batches = list(loader())
+    replay_async(
+        ref.pipeline, [2, 3], make_optimizer, batches, 4, lambda out, mb: F.cross_entropy(out, mb[1]),
+        drain_after_steps=[2, 5], on_step_end=at_drain, **common,
+    )  # fmt: skip
+    replay_async(
+        no_drains.pipeline, [2, 3], make_optimizer, batches, 4, lambda out, mb: F.cross_entropy(out, mb[1]), **common
+    )
+    _assert_close(model, ref, atol=0.0)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.parameters(), no_drains.parameters())) > 1e-4
+    if drained_by == "validation":
+        assert val_losses[0] != val_losses[1]
+        for rank in (0, 1):  # the value the last stage computed, mirrored to the other rank
+            seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+            assert seen == pytest.approx(val_losses, abs=1e-6, rel=0)
+        return
+    for step, want in zip((3, 6), weights):
+        got = torch.load(tmp_path / f"step={step}.ckpt", weights_only=True)["state_dict"]
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
 
 
 def _clipped_training(model: TinyNet, batches: list[Any], clip: float, per_stage: list[list[str]] | None) -> TinyNet:
