@@ -197,6 +197,42 @@ def test_async_drains_mid_epoch_equal_the_replay_with_its_drains(drained_by: str
         assert all(torch.equal(got[k], want[k]) for k in want), step
 
 
+def test_async_adam_resumed_from_its_checkpoint_equals_the_replay_that_drains_there(tmp_path: Path) -> None:
+    """A checkpoint written at the end of an ``async`` fit resumes, in a new fit, where the uninterrupted replay that
+    drains at that step continues: Adam's moments and its step counter (``M`` per batch under ``async``, which its
+    bias correction reads) come back as they were; bit for bit."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = TinyNet(optimizer="adam")
+    ref = copy.deepcopy(model)
+
+    def fit(epochs: int, ckpt_path: Path | None) -> None:
+        strategy = DynPipeStrategy(
+            num_microbatches=4, schedule="async", start_method="fork", balance=[2, 3], adaptive=False
+        )
+        save = ModelCheckpoint(dirpath=tmp_path / f"e{epochs}", save_last=True, save_top_k=0)
+        kw = trainer_kwargs(enable_checkpointing=True, callbacks=[save])
+        L.Trainer(devices=2, max_epochs=epochs, strategy=strategy, **kw).fit(model, loader(), ckpt_path=ckpt_path)
+
+    fit(1, None)  # 8 batches
+    first = torch.load(tmp_path / "e1" / "last.ckpt", weights_only=False)
+    assert sorted(float(s["step"]) for s in first["optimizer_states"][0]["state"].values()) == [32.0] * 6
+    fit(2, tmp_path / "e1" / "last.ckpt")  # 8 more
+    replay_async(
+        ref.pipeline,
+        [2, 3],
+        lambda ps: make_optimizer(ps, "adam"),
+        list(loader()) * 2,
+        4,
+        lambda out, mb: F.cross_entropy(out, mb[1]),
+        staleness=staleness_profile(2, "async"),
+        lr_scale=1 / 4,
+        drain_after_steps=[7],
+    )
+    _assert_close(model, ref, atol=0.0)
+
+
 def _clipped_training(model: TinyNet, batches: list[Any], clip: float, per_stage: list[list[str]] | None) -> TinyNet:
     """Plain training with Lightning's clipping by norm; ``per_stage``: each group of parameters clipped by its own
     norm instead (what a pipeline that clips each stage alone would compute)."""
