@@ -250,6 +250,12 @@ class StageExecutor:
             stage's buffers and raises :class:`~lightning_dynpipe.errors.ConfigurationError` if it wrote any.
             Default ``True`` (the strategy passes its ``microbatch_statistics`` argument).
         first_layer: the pipeline index of the stage's first layer (errors name layers by pipeline index).
+        loss_terms: on the last stage, how many terms the loss of a micro-batch averages (the module's
+            ``loss_terms(batch)`` hook: the targets a token-mean loss counts, say); ``None``: its samples. A
+            schedule that accumulates the step's micro-batches into one update (``sync``, ``gpipe``) weights each
+            micro-batch's loss by its share of the step's terms, so that the update is the gradient of the whole
+            batch's mean, as on one device; a micro-batch with no terms then adds nothing (its loss, a mean over
+            nothing, is not back-propagated). Also the weights of :attr:`microbatch_weights`.
         step_input: on the last stage of several, what the user's step must pass to ``self.pipeline(...)``,
             computed from the micro-batch as stage 0 computes its input (``None``: not checked). The first call
             compares the two: a step that changed the input before the call (preprocessing that stage 0 never
@@ -273,8 +279,10 @@ class StageExecutor:
         microbatch_statistics: bool = True,
         first_layer: int = 0,
         step_input: Callable[[Any], Any] | None = None,
+        loss_terms: Callable[[Any], Any] | None = None,
     ) -> None:
         self.stage_module = stage_module
+        self._loss_terms = loss_terms
         self.first_layer = first_layer
         num_layers = len(list(stage_module.children()))
         self.checkpoint = tuple(checkpoint) or (False,) * num_layers
@@ -317,6 +325,7 @@ class StageExecutor:
         self._steps_since_drain = 0
         self._step_batches: list[Any] = []
         self._step_sizes: list[int] = []
+        self._step_weights: list[float] = []
         self._mb_samples: dict[int, int] = {}  # samples of every micro-batch not yet applied by an update
         self.update_samples = 0
         self._fresh_storage_updates = fresh_storage_updates
@@ -358,6 +367,12 @@ class StageExecutor:
         return list(self._step_sizes)
 
     @property
+    def microbatch_weights(self) -> list[float]:
+        """The weights of the current step's micro-batches in the step's mean loss (the current or last step; last
+        stage only): their terms (``loss_terms``), else their sample counts."""
+        return list(self._step_weights)
+
+    @property
     def in_flight(self) -> int:
         """Micro-batches forwarded by this stage but not yet back-propagated."""
         return len(self._mbs)
@@ -379,6 +394,8 @@ class StageExecutor:
         if self.is_first or self.is_last:
             self._step_batches, self._step_sizes = split_microbatches(batch, self.num_microbatches)
             sizes = self._step_sizes
+            if self.is_last:
+                self._step_weights = self._weights()
         else:  # middle stages do not need the data, but must refuse the same batches as their neighbours
             sizes = microbatch_sizes(check_batch_size(batch, self.num_microbatches), self.num_microbatches)
         self._step_base = self._steps_since_drain * self.num_microbatches
@@ -628,6 +645,33 @@ class StageExecutor:
         mb.input_value = self._rebuild(inputs, msg.header.is_tuple)
         mb.sample_id = msg.header.aux  # stage 0's checksum of the micro-batch's samples, passed on by every stage
 
+    def _weights(self) -> list[float]:
+        """The step's micro-batch weights: ``loss_terms`` of each, checked, else the sample counts."""
+        if self._loss_terms is None:
+            return [float(n) for n in self._step_sizes]
+        weights = []
+        for slot, mb in enumerate(self._step_batches):
+            value = self._loss_terms(mb)
+            try:
+                w = float(value.item() if isinstance(value, Tensor) else value)
+                shown = repr(w)
+            except (TypeError, ValueError, RuntimeError):
+                w, shown = math.nan, _describe(value)
+            if not (math.isfinite(w) and w >= 0):
+                raise ConfigurationError(
+                    f"loss_terms must return how many terms the loss of a micro-batch averages: a finite number >= "
+                    f"0 (or a one-element tensor); it returned {shown} for micro-batch {slot} of this step. Count "
+                    "what the loss divides by, for example (targets != ignore_index).sum()."
+                )
+            weights.append(w)
+        if self.schedule.accumulates and not sum(weights) > 0:
+            raise ConfigurationError(
+                f"loss_terms returned 0 for every micro-batch of this step ({weights}): the step's mean loss averages "
+                f"nothing, and schedule={self.schedule.name!r} cannot weight the micro-batches by their share of it. "
+                "Leave batches without any counted target out of the data."
+            )
+        return weights
+
     def _stash_weights(self, instr: StashWeights) -> None:
         assert self.stash is not None, "StashWeights on a stage without staleness"
         self._mb(instr.mb_idx).version = self.stash.acquire()
@@ -647,7 +691,7 @@ class StageExecutor:
                 if self.is_last:
                     assert self._last_stage_loss is not None
                     if self.schedule.accumulates:  # one update for the step: weight by micro-batch size
-                        mb.scale = self._step_sizes[mb.slot] / sum(self._step_sizes)
+                        mb.scale = self._step_weights[mb.slot] / sum(self._step_weights)
                     mb.loss = self._last_stage_loss(mb.batch, mb.slot)
                     if mb.calls == 0:
                         raise ConfigurationError(
@@ -719,7 +763,9 @@ class StageExecutor:
                     "The loss returned by training_step does not require grad, so the pipeline cannot "
                     "back-propagate it. Return the loss computed from self.pipeline(...)'s output."
                 )
-            outputs: list[Tensor] = [mb.loss * mb.scale if mb.scale != 1.0 else mb.loss]
+            # a micro-batch without terms adds nothing to the step's mean (its own loss, a mean over nothing, may be
+            # NaN): nothing is back-propagated, and the stages before receive no gradient for it
+            outputs: list[Tensor] = [] if mb.scale == 0.0 else [mb.loss * mb.scale if mb.scale != 1.0 else mb.loss]
             grad_outputs: list[Tensor] | None = None
         else:
             outs, _ = _flatten(mb.output, "stage output")

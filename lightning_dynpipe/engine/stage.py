@@ -93,6 +93,7 @@ class PipelineStage:
         before_update_may_write: Callable[[], bool] | None = None,
         microbatch_statistics: bool = True,
         step_input: Callable[[Any], Any] | None = None,
+        loss_terms: Callable[[Any], Any] | None = None,
     ) -> None:
         self.shard = shard
         self.checkpoint_layers = frozenset(checkpoint_layers)
@@ -115,6 +116,7 @@ class PipelineStage:
         self._before_update_may_write = before_update_may_write or (lambda: True)
         self.microbatch_statistics = microbatch_statistics
         self._step_input = step_input
+        self._loss_terms = loss_terms
         self.failure = FailureHandler(self.stage_idx, rank)
         self.executor = self._executor(build_channels(groups, device, timeout_s, self.failure))
 
@@ -141,6 +143,7 @@ class PipelineStage:
         before_update_may_write: Callable[[], bool] | None = None,
         microbatch_statistics: bool = True,
         step_input: Callable[[Any], Any] | None = None,
+        loss_terms: Callable[[Any], Any] | None = None,
     ) -> PipelineStage:
         """Creates the process groups (collective over WORLD), partitions the module and opens the channels.
 
@@ -155,8 +158,9 @@ class PipelineStage:
         an update that a stashed weight version still shares the storage of writes the new weights to fresh
         storage instead of copying the old ones first, for the optimizers that
         :mod:`~lightning_dynpipe.engine.outofplace` reproduces exactly. ``microbatch_statistics``: whether layers
-        may update buffers once per micro-batch under a flush schedule, and ``step_input`` what the last stage's
-        step must pass to the pipeline (see :class:`StageExecutor`).
+        may update buffers once per micro-batch under a flush schedule, ``step_input`` what the last stage's
+        step must pass to the pipeline, and ``loss_terms`` how many terms a micro-batch's loss averages (see
+        :class:`StageExecutor`).
         """
         groups = build_groups(topology, rank, backend, timeout)
         # record the optimizer slots before partitioning: offloading may replace Parameter objects
@@ -185,6 +189,7 @@ class PipelineStage:
             before_update_may_write=before_update_may_write,
             microbatch_statistics=microbatch_statistics,
             step_input=step_input,
+            loss_terms=loss_terms,
         )
 
     # ------------------------------------------------------------------ where this stage sits
@@ -228,6 +233,7 @@ class PipelineStage:
             microbatch_statistics=self.microbatch_statistics,
             first_layer=self.shard.owned[0] if self.shard.owned else 0,
             step_input=self._step_input,
+            loss_terms=self._loss_terms,
         )
         # The user's self.pipeline(x) call is this stage's part of the pipeline.
         self.shard.pipeline.forward = lambda *args, **kwargs: executor.local_forward(args[0] if args else None)  # type: ignore[method-assign]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,8 @@ __all__ = [
     "check_ties",
     "check_optimizers",
     "check_replica_split",
+    "loss_terms_hook",
+    "check_loss_terms",
 ]
 
 
@@ -363,11 +365,12 @@ def check_setup(
     sync_batchnorm: bool,
     num_stages: int,
     callbacks: Sequence[Callback] = (),
+    num_replicas: int = 1,
 ) -> nn.Sequential:
     """Every refusal that needs the model and the Trainer but no process group (:func:`check_model` and, for a
-    fit, :func:`check_batch_statistics`, :func:`check_callbacks` and :func:`check_ties` with the partition the
-    configuration fixes, if any); returns the pipeline. ``num_stages``: the configured count, or the process
-    count when the planner will choose it."""
+    fit, :func:`check_batch_statistics`, :func:`check_callbacks`, :func:`check_loss_terms` and :func:`check_ties`
+    with the partition the configuration fixes, if any); returns the pipeline. ``num_stages``: the configured
+    count, or the process count when the planner will choose it; ``num_replicas``: the pipeline replicas."""
     pipeline = find_pipeline(module, config.pipeline_attr)
     stages = None if config.stages_auto else num_stages
     check_model(
@@ -390,6 +393,7 @@ def check_setup(
             pipeline_attr=config.pipeline_attr,
         )
         check_callbacks(callbacks, num_stages=num_stages)
+        check_loss_terms(module, num_replicas=num_replicas)
     if fitting:  # evaluation makes no updates: the copies of a shared parameter stay as they are
         partition = (
             Partition((len(pipeline),)) if stages == 1 else (Partition(config.balance) if config.balance else None)
@@ -414,6 +418,34 @@ def _batchnorm_layers(pipeline: nn.Sequential) -> list[str]:
         for n, m in layer.named_modules()
         if isinstance(m, _BatchNorm)
     ]
+
+
+def loss_terms_hook(module: LightningModule) -> Callable[[Any], Any] | None:
+    """The module's ``loss_terms(batch)`` hook, if it defines one: how many terms the training loss of a
+    (micro-)batch averages, for example the targets a token-mean cross-entropy counts (those not ``ignore_index``).
+    Under ``sync`` and ``gpipe`` each micro-batch's loss is then weighted by its share of the step's terms instead of
+    its share of the samples (:class:`~lightning_dynpipe.engine.executor.StageExecutor`), so the update is the
+    gradient of the whole batch's mean, as on one device."""
+    hook = getattr(module, "loss_terms", None)
+    return hook if callable(hook) else None
+
+
+def check_loss_terms(module: LightningModule, *, num_replicas: int) -> None:
+    """Refuses a ``loss_terms`` hook with several pipeline replicas.
+
+    The replicas' gradients are averaged by their samples (or equally), and a stage that does not see the data
+    cannot count a replica's terms, so the global batch's update would not be one device's.
+
+    Raises:
+        ConfigurationError: the module defines ``loss_terms`` and ``num_replicas > 1``.
+    """
+    if num_replicas > 1 and loss_terms_hook(module) is not None:
+        raise ConfigurationError(
+            f"{type(module).__name__}.loss_terms weights each micro-batch's loss by its share of the batch's terms, "
+            f"but this fit runs {num_replicas} pipeline replicas, whose gradients are averaged by their samples: "
+            "the update would not be one device's on the global batch. Run one pipeline (as many processes as "
+            "stages), or remove loss_terms (each micro-batch's loss then weighs by its samples)."
+        )
 
 
 def check_batch_statistics(

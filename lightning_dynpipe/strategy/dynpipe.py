@@ -77,12 +77,14 @@ from lightning_dynpipe.strategy.config import DynPipeConfig
 from lightning_dynpipe.strategy.contract import (
     check_accumulation,
     check_batches,
+    check_loss_terms,
     check_optimizers,
     check_replica_split,
     check_sample_order,
     check_setup,
     check_ties,
     find_pipeline,
+    loss_terms_hook,
 )
 from lightning_dynpipe.strategy.decision import decide, first_stage_input
 from lightning_dynpipe.strategy.logs import StepLogs
@@ -689,6 +691,7 @@ class DynPipeStrategy(DDPStrategy):
                 sync_batchnorm=self._layer_sync is not None,
                 num_stages=self.num_stages,
                 callbacks=getattr(trainer, "callbacks", []),
+                num_replicas=max(1, self.world_size // self.num_stages),
             )
             if trainer.state.fn == TrainerFn.FITTING and self.config.calibrate is not None:
                 self._check_calibration(is_on_meta(self._pipeline()))
@@ -838,6 +841,8 @@ class DynPipeStrategy(DDPStrategy):
             return first_stage_input(module, batch)
 
         self._running_schedule, self._pending_schedule = self.config.schedule, None
+        if fitting:  # again: with num_stages="auto" the planner fixes the replicas only now
+            check_loss_terms(module, num_replicas=self.topology.dp_size)
         self.stage = PipelineStage.start(
             pipeline=pipeline,
             partition=partition,
@@ -860,6 +865,7 @@ class DynPipeStrategy(DDPStrategy):
             # the step's pipeline argument is checked against batch[0] once, unless the module says what stage 0
             # feeds (a pipeline_input hook may draw random numbers: calling it again would change the run)
             step_input=None if callable(getattr(module, "pipeline_input", None)) else stage_zero_input,
+            loss_terms=loss_terms_hook(module),
         )
         self._start_replica_split(pipeline, fitting)
         if meta:
@@ -1110,8 +1116,8 @@ class DynPipeStrategy(DDPStrategy):
     def _last_stage_loss(self, micro_batch: Any, mb_slot: int) -> Tensor:
         if self.config.microbatch_logging == "step":
             assert self.executor is not None
-            sizes = self.executor.microbatch_sizes
-            with self._step_logs.capture(weight=sizes[mb_slot], last=mb_slot == len(sizes) - 1):
+            weights = self.executor.microbatch_weights
+            with self._step_logs.capture(weight=weights[mb_slot], last=mb_slot == len(weights) - 1):
                 out = self._lm.training_step(micro_batch, self._batch_idx)
         else:
             out = self._lm.training_step(micro_batch, self._batch_idx)

@@ -8,7 +8,9 @@ micro-batches are only recorded; at the step's last micro-batch every name is lo
 reduced as Lightning would reduce them:
 
 * ``reduce_fx="mean"`` (the default): the mean weighted by each call's ``batch_size``, or by the micro-batch's
-  sample count where no ``batch_size`` was given; logged with the sum of the given batch sizes (or none, so
+  sample count where no ``batch_size`` was given (by the terms its loss averages where the module defines
+  ``loss_terms``, so that a token-mean loss's step value is the whole batch's; a value of weight 0 counts for
+  nothing); logged with the sum of the given batch sizes (or none, so
   Lightning infers the step's batch size as before);
 * ``"sum"``, ``"max"``, ``"min"``: the sum, maximum or minimum of the step's values.
 
@@ -39,7 +41,8 @@ from lightning_dynpipe.errors import ConfigurationError
 __all__ = ["StepLogs"]
 
 _REDUCERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "mean": lambda v, w: (v * w).sum() / w.sum(),
+    # a value of weight 0 counts for nothing, NaN included (a micro-batch's mean loss over no terms)
+    "mean": lambda v, w: torch.where(w > 0, v * w, 0.0).sum() / w.sum(),
     "sum": lambda v, w: v.sum(),
     "max": lambda v, w: v.max(),
     "min": lambda v, w: v.min(),
@@ -83,7 +86,8 @@ class StepLogs:
         """Records the module's ``log`` calls inside the block; after the step's ``last`` micro-batch, logs them.
 
         Args:
-            weight: the micro-batch's sample count (the weight of its values in a mean without ``batch_size``).
+            weight: the micro-batch's weight in the step's mean (of its values without ``batch_size``): its sample
+                count, or the terms its loss averages where the module defines ``loss_terms``.
             last: whether this is the step's last micro-batch: the recorded names are logged when it ends.
         """
         self._weight = float(weight)

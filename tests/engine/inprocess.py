@@ -52,6 +52,7 @@ def build(
     fresh_storage: bool = False,
     timeout: float = 30.0,
     microbatch_statistics: bool = True,
+    loss_terms: Callable[[Any], Any] | None = None,
 ) -> InProcessPipeline:
     """One executor per stage of a ``balance`` split of ``pipeline``.
 
@@ -63,6 +64,7 @@ def build(
     (:func:`~lightning_dynpipe.engine.outofplace.stash_aware_step`), instead of the executor copying first.
     ``timeout``: how long a stage waits for a message (a test of a failing stage shortens it).
     ``microbatch_statistics``: as the executor's (``False``: buffers written by a training forward are refused).
+    ``loss_terms``: as the executor's (the module hook: how many terms a micro-batch's loss averages).
     """
     copies = list(pipeline) if not isinstance(pipeline, nn.Sequential) else None
     first = copies[0] if copies is not None else pipeline
@@ -113,6 +115,7 @@ def build(
             fresh_storage_updates=fresh_storage,
             microbatch_statistics=microbatch_statistics,
             first_layer=shard.owned[0] if shard.owned else 0,
+            loss_terms=loss_terms,
         )
         holder.append(executor)
         executors.append(executor)

@@ -147,6 +147,108 @@ def test_flush_schedules_equal_plain_training(schedule: str) -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
+T = 5  # targets per sample of the token model below
+IGNORE = -100
+
+
+def _token_batches(lengths: list[list[int]]) -> list[tuple[Tensor, Tensor]]:
+    """Batches of 8 samples with ``T`` targets each, padded (``IGNORE``) after each sample's length."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for lens in lengths:
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8, T), generator=g)
+        y[torch.arange(T)[None, :] >= torch.tensor(lens)[:, None]] = IGNORE
+        out.append((x, y))
+    return out
+
+
+def _token_mean_loss(out: Tensor, mb: tuple[Tensor, Tensor]) -> Tensor:
+    """Cross-entropy averaged over the targets that are not padding, as language models compute it."""
+    return F.cross_entropy(out.view(-1, 3), mb[1].reshape(-1), ignore_index=IGNORE)
+
+
+def _targets(mb: tuple[Tensor, Tensor]) -> Tensor:
+    return (mb[1] != IGNORE).sum()
+
+
+def _token_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Linear(16, 16), nn.Linear(16, T * 3))
+
+
+# long samples first, short ones last: the micro-batches count different numbers of targets; the third batch's
+# last two samples (its last micro-batch at M=4) are all padding
+_LENGTHS = [[5, 5, 4, 5, 1, 1, 2, 1], [3, 5, 5, 5, 2, 2, 1, 3], [5, 4, 5, 5, 2, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "gpipe"])
+@pytest.mark.parametrize("num_microbatches", [2, 4])
+def test_flush_schedules_weigh_micro_batches_by_the_terms_their_loss_averages(
+    schedule: str, num_microbatches: int
+) -> None:
+    """A loss averaged over the targets that are not padding (a token-mean cross-entropy): one device's update is
+    the gradient of the whole batch's mean over its targets. Weighting each micro-batch's mean by its samples gives
+    another update; with the module's ``loss_terms`` (the targets each micro-batch counts) the flush schedules give
+    one device's, to float tolerance, a micro-batch with no targets at all included (its own mean is NaN and adds
+    nothing)."""
+    batches = _token_batches(_LENGTHS)
+    plain = _token_model()
+    opt = _sgd(list(plain.parameters()))
+    for b in batches:
+        opt.zero_grad()
+        _token_mean_loss(plain(b[0]), b).backward()
+        opt.step()
+    weighted, by_samples = _token_model(), _token_model()
+    kw = dict(schedule=schedule, num_microbatches=num_microbatches, make_optimizer=_sgd, loss_fn=_token_mean_loss)
+    pipe = build(weighted, [1, 2], loss_terms=_targets, **kw)  # type: ignore[arg-type]
+    pipe.train(batches)
+    size = 8 // num_microbatches  # the last step's weights: each micro-batch's targets
+    expected = [float(sum(_LENGTHS[-1][i : i + size])) for i in range(0, 8, size)]
+    assert pipe.executors[-1].microbatch_weights == expected
+    assert (0.0 in expected) == (num_microbatches == 4)
+    for p, q in zip(weighted.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    if num_microbatches == 2:  # (at M=4 the all-padding micro-batch makes the samples' weighting NaN)
+        build(by_samples, [1, 2], **kw).train(batches[:2])  # type: ignore[arg-type]
+        replain = _token_model()
+        opt = _sgd(list(replain.parameters()))
+        for b in batches[:2]:
+            opt.zero_grad()
+            _token_mean_loss(replain(b[0]), b).backward()
+            opt.step()
+        assert max((p - q).abs().max().item() for p, q in zip(by_samples.parameters(), replain.parameters())) > 1e-3
+
+
+def test_async_updates_ignore_loss_terms() -> None:
+    """Under ``async`` every update is one micro-batch's own loss: ``loss_terms`` changes no weight (bit for bit),
+    only the weights of the step's logged mean (:attr:`StageExecutor.microbatch_weights`)."""
+    kw = dict(schedule="async", num_microbatches=2, make_optimizer=_sgd, loss_fn=_token_mean_loss)
+    with_terms, without = _token_model(), _token_model()
+    pipe = build(with_terms, [1, 2], loss_terms=_targets, **kw)  # type: ignore[arg-type]
+    pipe.train(_token_batches(_LENGTHS[:2]))
+    build(without, [1, 2], **kw).train(_token_batches(_LENGTHS[:2]))  # type: ignore[arg-type]
+    assert all(torch.equal(p, q) for p, q in zip(with_terms.parameters(), without.parameters()))
+    assert pipe.executors[-1].microbatch_weights == [18.0, 8.0]  # the second batch's targets per half
+
+
+@pytest.mark.parametrize(
+    ("terms", "message"),
+    [
+        (lambda mb: -1, r"finite number >= 0 .* returned -1.0 for micro-batch 0"),
+        (lambda mb: float("nan"), r"returned nan for micro-batch 0"),
+        (lambda mb: torch.ones(2), r"returned a torch.float32 tensor of shape \(2,\) for micro-batch 0"),
+        (lambda mb: 0, r"returned 0 for every micro-batch of this step \(\[0.0, 0.0\]\)"),
+    ],
+)
+def test_loss_terms_that_cannot_weigh_a_step_are_refused(terms: Callable[[object], object], message: str) -> None:
+    pipe = build(
+        _token_model(), [3], schedule="sync", num_microbatches=2, make_optimizer=_sgd, loss_fn=_token_mean_loss,
+        loss_terms=terms,
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match=message):
+        pipe.executors[0].train_step(_token_batches(_LENGTHS)[0])
+
+
 def test_stash_depth_is_bounded_by_s_minus_k() -> None:
     pipe = build(_model(), [1, 1, 1, 1], schedule="async", num_microbatches=M, make_optimizer=_sgd, loss_fn=_loss)
     pipe.train(_batches(3))

@@ -50,6 +50,16 @@ def test_mean_is_weighted_by_micro_batch_size_and_logged_once() -> None:
     assert "log" not in module.__dict__  # the instance attribute is gone after the capture
 
 
+def test_a_micro_batch_of_weight_zero_counts_for_nothing_in_the_mean() -> None:
+    """A micro-batch whose loss averages no terms (``loss_terms`` 0: all padding) has a mean loss of NaN (0/0); it
+    weighs 0 in the step's mean and changes nothing, as its padding adds nothing to one device's batch mean."""
+    module = Recorder()
+    logs = StepLogs(module)
+    _step(logs, module, [{"loss": (torch.tensor(v), {})} for v in (2.0, float("nan"), 4.0)], [3, 0, 1])
+    [(_, value, _)] = module.calls
+    assert value.item() == pytest.approx((3 * 2.0 + 1 * 4.0) / 4)
+
+
 def test_given_batch_sizes_weight_the_mean_and_are_summed() -> None:
     module = Recorder()
     logs = StepLogs(module)
