@@ -219,6 +219,25 @@ def test_flush_schedules_weigh_micro_batches_by_the_terms_their_loss_averages(
         assert max((p - q).abs().max().item() for p, q in zip(by_samples.parameters(), replain.parameters())) > 1e-3
 
 
+def test_a_summed_loss_is_weighted_by_its_micro_batches_share_under_sync() -> None:
+    """A loss summed over the samples (``reduction="sum"``) is weighted like a mean, by its micro-batch's share of
+    the samples: with equal micro-batches the update is one device's on the batch's sum divided by ``M`` (what the
+    user guide says to expect; return a mean, or scale the sum)."""
+
+    def summed(out: Tensor, mb: tuple[Tensor, Tensor]) -> Tensor:
+        return F.cross_entropy(out, mb[1], reduction="sum")
+
+    model, plain = _model(), _model()
+    build(model, [1, 3], schedule="sync", num_microbatches=M, make_optimizer=_sgd, loss_fn=summed).train(_batches())
+    opt = _sgd(list(plain.parameters()))
+    for x, y in _batches():
+        opt.zero_grad()
+        (summed(plain(x), (x, y)) / M).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_async_updates_ignore_loss_terms() -> None:
     """Under ``async`` every update is one micro-batch's own loss: ``loss_terms`` changes no weight (bit for bit),
     only the weights of the step's logged mean (:attr:`StageExecutor.microbatch_weights`)."""
