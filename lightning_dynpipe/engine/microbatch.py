@@ -32,6 +32,7 @@ __all__ = [
     "take_share",
     "batch_fingerprint",
     "sample_identity",
+    "merge_step_outputs",
 ]
 
 
@@ -170,3 +171,38 @@ def _positional_sum(t: Tensor) -> float:
     """Each sample's values summed in float64 and weighted by its position (1, 2, ...)."""
     per_sample = t.detach().reshape(t.shape[0], -1).double().sum(1)
     return float((per_sample * torch.arange(1, t.shape[0] + 1, dtype=torch.float64, device=t.device)).sum())
+
+
+def merge_step_outputs(outputs: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> dict[str, Any]:
+    """What ``training_step`` returned for a step's micro-batches besides the loss, as one batch's outputs.
+
+    ``outputs``: each micro-batch's dict without ``"loss"``, in order; ``sizes``: their sample counts. A key whose
+    value is, in every micro-batch, a tensor with one row per sample (its first dimension the micro-batch's size) is
+    concatenated along that dimension (where the other dimensions, the dtype and the device agree): the batch's
+    per-sample tensor, in the batch's order, as one device's step returns it. Any other key (a scalar, a number, a
+    key missing from some micro-batches) gives the list of the micro-batches' values (``None`` where one lacks it).
+
+    Example::
+
+        >>> merged = merge_step_outputs(
+        ...     [{"preds": torch.tensor([1, 0]), "n": 2}, {"preds": torch.tensor([2]), "n": 1}], [2, 1]
+        ... )
+        >>> merged["preds"].tolist(), merged["n"]
+        ([1, 0, 2], [2, 1])
+    """
+    keys = list(dict.fromkeys(k for out in outputs for k in out))
+    merged: dict[str, Any] = {}
+    for key in keys:
+        values = [out.get(key) for out in outputs]
+        first = values[0]
+        per_sample = isinstance(first, Tensor) and all(
+            isinstance(v, Tensor)
+            and v.dim() >= 1
+            and v.shape[0] == n
+            and v.shape[1:] == first.shape[1:]
+            and v.dtype == first.dtype
+            and v.device == first.device
+            for v, n in zip(values, sizes, strict=True)
+        )
+        merged[key] = torch.cat(values) if per_sample else values  # type: ignore[arg-type]
+    return merged

@@ -50,7 +50,7 @@ from lightning_dynpipe.engine.materialize import (
     materialized_copies,
     record_random_state,
 )
-from lightning_dynpipe.engine.microbatch import batch_fingerprint, batch_len, take_share
+from lightning_dynpipe.engine.microbatch import batch_fingerprint, batch_len, merge_step_outputs, take_share
 from lightning_dynpipe.engine.shard import Placeholder
 from lightning_dynpipe.engine.shares import IssuedShare, ShareBatchSampler, share_reading_dataloader
 from lightning_dynpipe.engine.stage import PipelineStage
@@ -484,6 +484,7 @@ class DynPipeStrategy(DDPStrategy):
         self._init_own_generator = False
         self._loaded_sharded = False  # the checkpoint being restored was read stage by stage
         self._batch_idx = 0
+        self._step_outputs: dict[int, dict[str, Any]] = {}  # training_step's other outputs, by micro-batch slot
         self._update_hooks: bool | None = None  # whether anything observes the hooks before each update (per fit)
         self._update_writers: bool | None = None  # whether user code runs before each update (per fit)
         self.restart_plan: RestartPlan | None = None  # set when the fit ended to continue under another S
@@ -1122,6 +1123,10 @@ class DynPipeStrategy(DDPStrategy):
         else:
             out = self._lm.training_step(micro_batch, self._batch_idx)
         loss = out.get("loss") if isinstance(out, Mapping) else out
+        if isinstance(out, Mapping) and len(out) > 1:  # detached, as Lightning keeps a step's other outputs
+            self._step_outputs[mb_slot] = {
+                k: v.detach() if isinstance(v, Tensor) else v for k, v in out.items() if k != "loss"
+            }
         if not isinstance(loss, Tensor):
             raise ConfigurationError(
                 f"training_step must return the loss (a Tensor, or a dict with key 'loss') on every micro-batch; "
@@ -1145,18 +1150,28 @@ class DynPipeStrategy(DDPStrategy):
             self.precision_plugin._after_closure(self._lm, optimizer)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor | dict[str, Any]:
+        """Runs this stage's part of the step. Returns the step's mean loss (what the last stage knows, or the loss
+        that travelled upstream) and, on the last stage, what ``training_step`` returned besides the loss, merged
+        over the step's micro-batches (:func:`~lightning_dynpipe.engine.microbatch.merge_step_outputs`): what
+        ``on_train_batch_end`` receives as ``outputs``."""
         batch = args[0] if args else kwargs["batch"]
         self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         assert self.executor is not None and self.stage is not None
         self.stage.check_optimizers()  # a parameter group added since the split (a finetuning callback's)
         check_accumulation(self._lm.trainer.accumulate_grad_batches, during_fit=True)
         self._step_logs.reset()
+        self._step_outputs = {}
         if self._split is not None:
             batch = self._replica_share(batch)
         with self.precision_plugin.train_step_context():
             loss = self.executor.train_step(batch)
-        return torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
+        mean = torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
+        if not self._step_outputs:
+            return mean
+        outputs, self._step_outputs = self._step_outputs, {}
+        sizes = self.executor.microbatch_sizes
+        return {"loss": mean, **merge_step_outputs([outputs.get(i, {}) for i in range(len(sizes))], sizes)}
 
     def _replica_share(self, batch: Any) -> Any:
         """This replica's share of the global batch in training; records which slice of it the step trains on."""
