@@ -645,6 +645,20 @@ class StageExecutor:
         mb.input_value = self._rebuild(inputs, msg.header.is_tuple)
         mb.sample_id = msg.header.aux  # stage 0's checksum of the micro-batch's samples, passed on by every stage
 
+    def _check_stashed_weights(self) -> None:
+        """Refuses live weights written in place outside an update while a micro-batch in flight uses them."""
+        assert self.stash is not None
+        written = self.stash.written_in_place()
+        if written:
+            raise ConfigurationError(
+                f"Stage {self.stage_idx}'s weights {written[:3]} were written in place outside an optimizer update "
+                f"(in a hook such as on_train_batch_end, or after optimizer.step() in optimizer_step) while "
+                f"{self.in_flight} micro-batch(es) in flight still use them: under schedule={self.schedule.name!r} "
+                "each backward must use the weights its forward saw, and these are gone. Write the weights in "
+                "on_before_optimizer_step (the weight stash keeps a copy first), or use schedule='sync', where no "
+                "micro-batch is in flight between steps."
+            )
+
     def _weights(self) -> list[float]:
         """The step's micro-batch weights: ``loss_terms`` of each, checked, else the sample counts."""
         if self._loss_terms is None:
@@ -777,6 +791,8 @@ class StageExecutor:
                     grad_outputs.append(g)
         if mb.version is not None:
             assert self.stash is not None
+            if mb.version == self.stash.version:  # its forward's weights are the live ones: still unwritten?
+                self._check_stashed_weights()
             snap = self.stash.params(mb.version)
             params = [snap[n] for n in self._names]
         else:
@@ -827,6 +843,7 @@ class StageExecutor:
     def _update(self, instr: OptimizerStep) -> None:
         t0 = time.perf_counter()
         if self.stash is not None and self.stash.shares_live:
+            self._check_stashed_weights()
             if self._fresh_storage_updates:
                 self.update_stash = self.stash
             else:

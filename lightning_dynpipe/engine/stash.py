@@ -48,6 +48,8 @@ class WeightStash:
         self.spares_reused = 0  # tensors of released versions that an update wrote the new weights into
         self._ptrs: dict[int, frozenset[int]] = {}  # per version in use, the addresses of its tensors
         self._spare: dict[int, Tensor] = {}  # id(live parameter) -> a released version's tensor for it
+        self._live_counts: tuple[int, ...] = ()  # the live parameters' version counters when the current version
+        # was stashed (see written_in_place)
 
     def acquire(self) -> int:
         """Binds one micro-batch to the current version and returns that version."""
@@ -56,6 +58,7 @@ class WeightStash:
             self._versions[v] = {name: p.data.requires_grad_(p.requires_grad) for name, p in self._named}
             self._ptrs[v] = frozenset(t.data_ptr() for t in self._versions[v].values())
             self._refs[v] = 0
+            self._live_counts = tuple(p._version for p in self._live)
         self._refs[v] += 1
         self.max_depth = max(self.max_depth, len(self._versions))
         return v
@@ -70,6 +73,16 @@ class WeightStash:
         update must then leave that storage alone (copy first with :meth:`before_update`, or write the new
         weights to fresh storage, :mod:`~lightning_dynpipe.engine.outofplace`)."""
         return self.version in self._versions
+
+    def written_in_place(self) -> list[str]:
+        """The live parameters written in place since the current version was stashed, while a micro-batch in flight
+        still uses that version: its tensors are the live ones, so its backward would differentiate at the new
+        values instead of those its forward used. Seen by the parameters' autograd version counters, which an
+        in-place operation on the parameter itself bumps (``with torch.no_grad(): p.clamp_(...)``); a write through
+        ``p.data`` does not bump it and goes unseen. Empty when no micro-batch uses the current version."""
+        if self.version not in self._versions:
+            return []
+        return [name for (name, p), n in zip(self._named, self._live_counts) if p._version != n]
 
     def before_update(self) -> None:
         """Must run right before the live weights are updated in place (the optimizer step)."""

@@ -409,3 +409,41 @@ def test_a_stage_whose_buffers_no_forward_writes_runs_under_sync_with_the_check_
           microbatch_statistics=False).train(_batches())  # fmt: skip
     for p, q in zip(model.state_dict().values(), ref.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_microbatches", "drained", "refused"),
+    [("async+2", 1, False, True), ("async+2", 1, True, False), ("async", 4, False, False)],
+    ids=["live-version-in-flight", "drained", "only-older-versions-in-flight"],
+)
+def test_weights_written_in_place_under_micro_batches_in_flight_are_refused(
+    schedule: str, num_microbatches: int, drained: bool, refused: bool
+) -> None:
+    """A stage can end a step with backwards in flight whose forwards used the live weights (the current stashed
+    version is their storage): stage 0 of ``async+2`` with one micro-batch per step. Writing those weights in
+    place then (a weight clamp in ``on_train_batch_end``) would have the backwards differentiate at other weights
+    than their forwards saw: the next step refuses it, naming the weights. After a drain nothing is in flight, and
+    where the micro-batches in flight use older versions (``async`` with 4 micro-batches: an update followed
+    their forwards, and it wrote the live weights to fresh storage), they keep their own copies: the same write is
+    allowed."""
+    model = _model()
+    kw = dict(schedule=schedule, num_microbatches=num_microbatches, make_optimizer=_sgd, loss_fn=_loss, timeout=2.0)
+    pipe = build(model, [1, 3], fresh_storage=True, **kw)  # type: ignore[arg-type]
+    first, *later = _batches(4)
+    assert _errors_of_one_step(pipe, first) == [None, None]
+    stash = pipe.executors[0].stash
+    assert stash is not None and pipe.executors[0].in_flight > 0
+    if drained:
+        run_stages(lambda k: pipe.executors[k].drain(), 2)
+    assert stash.shares_live == refused
+    with torch.no_grad():
+        model[0][0].weight.clamp_(-0.1, 0.1)
+    for batch in later:  # the backwards in flight run within the next steps (async+2, M=1: the third)
+        errors = _errors_of_one_step(pipe, batch)
+        if errors != [None, None]:
+            break
+    if not refused:
+        assert errors == [None, None]
+        return
+    assert isinstance(errors[0], ConfigurationError)
+    assert "Stage 0's weights ['0.0.weight'] were written in place outside an optimizer update" in str(errors[0])
