@@ -385,8 +385,9 @@ class StageExecutor:
     def train_step(self, batch: Any) -> float:
         """Runs this stage's instructions for one step on ``batch``; returns the mean loss known here.
 
-        The last stage returns the mean loss of the ``M`` micro-batches of this batch. Other stages return the
-        mean loss of the micro-batches they back-propagated during the step (the loss travels upstream with
+        The last stage returns the mean loss of the ``M`` micro-batches of this batch, weighted by their samples (or
+        their ``loss_terms``): the batch's loss, for a loss averaged over them. Other stages return the plain mean
+        of the losses of the micro-batches they back-propagated during the step (the loss travels upstream with
         the gradients), or NaN when they have not back-propagated any yet.
         """
         t0 = time.perf_counter()
@@ -415,9 +416,18 @@ class StageExecutor:
         self.stats.in_flight = self.in_flight
         self.stats.stash_depth = self.stash.depth if self.stash is not None else 0
         if self._step_losses:
-            self.last_loss = sum(self._step_losses) / len(self._step_losses)
+            self.last_loss = self._mean_loss(self._step_losses)
             return self.last_loss
         return float("nan")
+
+    def _mean_loss(self, losses: list[float]) -> float:
+        """The step's mean loss: on the last stage weighted as the step's micro-batches are (their samples, or their
+        ``loss_terms``, a micro-batch of weight 0 left out), the batch's loss for a loss averaged over them; on
+        other stages, which know neither, the plain mean of the losses that travelled upstream."""
+        w = self._step_weights
+        if self.is_last and len(w) == len(losses) and len(set(w)) > 1 and sum(w) > 0:
+            return sum(wi * li for wi, li in zip(w, losses) if wi > 0) / sum(w)
+        return sum(losses) / len(losses)  # (equal weights: the same mean)
 
     def drain(self) -> None:
         """Finishes every micro-batch in flight (their backwards and updates), then waits for all sends."""

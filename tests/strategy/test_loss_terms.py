@@ -58,15 +58,15 @@ def _loader() -> DataLoader:
 
 
 class _StepLosses(L.Callback):
-    """Every step's logged ``train_loss``, written by rank 0 (the last stage) to ``path``."""
+    """Every step's logged ``train_loss`` and ``outputs["loss"]``, written by rank 0 (the last stage) to ``path``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.losses: list[float] = []
+        self.losses: list[tuple[float, float]] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         if trainer.global_rank == 0:
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+            self.losses.append((float(trainer.callback_metrics["train_loss"]), float(outputs["loss"])))
             self.path.write_text(json.dumps(self.losses))
 
 
@@ -83,7 +83,8 @@ def _fit(model: TokenNet, path: Path, devices: int) -> None:
 @pytest.mark.multiprocess
 def test_sync_with_loss_terms_trains_and_logs_as_one_device(tmp_path: Path) -> None:
     """Two ``sync`` stages, two micro-batches of 6 samples whose targets differ in number: the weights equal one
-    device's to 1e-6 and so does every step's logged ``train_loss``. Without the hook the weights differ."""
+    device's to 1e-6, and so do every step's logged ``train_loss`` and the loss ``on_train_batch_end`` receives.
+    Without the hook the weights differ."""
     plain, weighted, by_samples = TokenNet(), WeightedTokenNet(), TokenNet()
     _fit(plain, tmp_path / "plain.json", devices=1)
     _fit(weighted, tmp_path / "weighted.json", devices=2)
@@ -91,8 +92,10 @@ def test_sync_with_loss_terms_trains_and_logs_as_one_device(tmp_path: Path) -> N
     for a, b in zip(weighted.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     logged = json.loads((tmp_path / "weighted.json").read_text())
-    assert logged == pytest.approx(json.loads((tmp_path / "plain.json").read_text()), abs=1e-6, rel=0)
-    assert len(logged) == 4
+    plain_logged = json.loads((tmp_path / "plain.json").read_text())
+    assert len(logged) == len(plain_logged) == 4
+    for got, want in zip(logged, plain_logged):
+        assert got == pytest.approx(want, abs=1e-6, rel=0)
     assert max((a - b).abs().max().item() for a, b in zip(by_samples.parameters(), plain.parameters())) > 1e-3
 
 
