@@ -1,0 +1,51 @@
+"""Where a stage's gradients can be read: ``on_before_optimizer_step`` sees them before every update;
+``on_after_backward`` fires once per step after the step's updates have applied and cleared them (the executor
+back-propagated each micro-batch inside the step), so it sees none: log gradient norms in
+``on_before_optimizer_step``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+from pipeline_models import TinyNet, loader, trainer_kwargs
+
+from lightning_dynpipe import DynPipeStrategy
+
+pytestmark = pytest.mark.multiprocess
+
+
+class _Seen(L.Callback):
+    """Per rank: how many parameters had a gradient at each hook, written to ``<directory>/rank<r>.json``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.seen: dict[str, list[int]] = {"before_optimizer_step": [], "after_backward": []}
+
+    def _record(self, trainer: L.Trainer, module: L.LightningModule, hook: str) -> None:
+        self.seen[hook].append(sum(p.grad is not None for p in module.parameters()))
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._record(trainer, pl_module, "before_optimizer_step")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record(trainer, pl_module, "after_backward")
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_gradients_are_seen_before_each_update_and_gone_after_the_step(schedule: str, tmp_path: Path) -> None:
+    strategy = DynPipeStrategy(
+        num_microbatches=2, schedule=schedule, start_method="fork", balance=[2, 3], adaptive=False
+    )
+    kw = trainer_kwargs(max_steps=3, callbacks=[_Seen(tmp_path)])
+    L.Trainer(devices=2, strategy=strategy, **kw).fit(TinyNet(), loader())
+    # TinyNet's 5 layers split [2, 3]: stage 0 (rank 1) owns one Linear (2 tensors), stage 1 (rank 0) two (4)
+    for rank, owned in ((1, 2), (0, 4)):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        updates = seen["before_optimizer_step"]
+        assert updates and all(n == owned for n in updates), (rank, seen)
+        assert seen["after_backward"] == [0, 0, 0], (rank, seen)
