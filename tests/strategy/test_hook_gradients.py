@@ -49,3 +49,22 @@ def test_gradients_are_seen_before_each_update_and_gone_after_the_step(schedule:
         updates = seen["before_optimizer_step"]
         assert updates and all(n == owned for n in updates), (rank, seen)
         assert seen["after_backward"] == [0, 0, 0], (rank, seen)
+
+
+class _NormNet(TinyNet):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grads = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.log(f"grad_norm_stage{self.trainer.strategy.stage_idx}", sum(grads))  # type: ignore[attr-defined]
+
+
+def test_a_value_logged_on_another_rank_does_not_reach_the_logger(tmp_path: Path) -> None:
+    """Loggers write on rank 0, the last stage: its own gradient norm reaches ``metrics.csv``, stage 0's (logged on
+    rank 1) does not. What the user guide says under "Where your code runs"."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = DynPipeStrategy(num_microbatches=2, schedule="sync", start_method="fork", balance=[2, 3], adaptive=False)
+    kw = trainer_kwargs(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    L.Trainer(devices=2, strategy=strategy, **kw).fit(_NormNet(), loader())
+    [metrics] = list(tmp_path.glob("**/metrics.csv"))
+    columns = metrics.read_text().splitlines()[0].split(",")
+    assert "grad_norm_stage1" in columns and "grad_norm_stage0" not in columns, columns
