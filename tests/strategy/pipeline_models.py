@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,22 @@ class TinyNet(L.LightningModule):
         if self.hparams.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class RecordEachStep(L.Callback):
+    """On rank 0 (the last stage), ``record(trainer, outputs)`` at the end of every training batch, the list so far
+    written to ``path`` as JSON after each: what a test reads back from a fit whose ranks are processes of their own
+    (a fork launcher's callbacks stay in the workers)."""
+
+    def __init__(self, path: Path, record: Any) -> None:
+        self.path = path
+        self.record = record
+        self.rows: list[Any] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            self.rows.append(self.record(trainer, outputs))
+            self.path.write_text(json.dumps(self.rows))
 
 
 def make_optimizer(params: list[nn.Parameter], optimizer: str = "sgd") -> torch.optim.Optimizer:

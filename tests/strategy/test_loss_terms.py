@@ -13,7 +13,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_models import trainer_kwargs
+from pipeline_models import RecordEachStep, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,17 +57,9 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=12, shuffle=False)
 
 
-class _StepLosses(L.Callback):
-    """Every step's logged ``train_loss`` and ``outputs["loss"]``, written by rank 0 (the last stage) to ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.losses: list[tuple[float, float]] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        if trainer.global_rank == 0:
-            self.losses.append((float(trainer.callback_metrics["train_loss"]), float(outputs["loss"])))
-            self.path.write_text(json.dumps(self.losses))
+def _losses(trainer: L.Trainer, outputs: Any) -> tuple[float, float]:
+    """A step's logged ``train_loss`` and the ``outputs["loss"]`` that ``on_train_batch_end`` receives."""
+    return float(trainer.callback_metrics["train_loss"]), float(outputs["loss"])
 
 
 def _fit(model: TokenNet, path: Path, devices: int) -> None:
@@ -76,7 +68,7 @@ def _fit(model: TokenNet, path: Path, devices: int) -> None:
         if devices > 1
         else "auto"
     )
-    kw = trainer_kwargs(max_epochs=1, callbacks=[_StepLosses(path)])
+    kw = trainer_kwargs(max_epochs=1, callbacks=[RecordEachStep(path, _losses)])
     L.Trainer(devices=devices, strategy=strategy, **kw).fit(model, _loader())
 
 

@@ -13,7 +13,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_models import TinyNet, loader, trainer_kwargs
+from pipeline_models import RecordEachStep, TinyNet, loader, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy
 from lightning_dynpipe.engine.microbatch import merge_step_outputs
@@ -26,17 +26,8 @@ class OutputsNet(TinyNet):
         return {"loss": F.cross_entropy(logits, y), "preds": logits.argmax(-1), "n": x.shape[0]}
 
 
-class _Outputs(L.Callback):
-    """Every step's ``outputs`` on rank 0 (the last stage), written to ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.seen: list[dict[str, Any]] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        if trainer.global_rank == 0:
-            self.seen.append({"loss": float(outputs["loss"]), "preds": outputs["preds"].tolist(), "n": outputs["n"]})
-            self.path.write_text(json.dumps(self.seen))
+def _outputs(trainer: L.Trainer, outputs: Any) -> dict[str, Any]:
+    return {"loss": float(outputs["loss"]), "preds": outputs["preds"].tolist(), "n": outputs["n"]}
 
 
 @pytest.mark.multiprocess
@@ -50,7 +41,7 @@ def test_on_train_batch_end_sees_the_batch_outputs_merged_over_the_micro_batches
             if schedule
             else "auto"
         )
-        kw = trainer_kwargs(max_epochs=1, callbacks=[_Outputs(tmp_path / f"{name}.json")])
+        kw = trainer_kwargs(max_epochs=1, callbacks=[RecordEachStep(tmp_path / f"{name}.json", _outputs)])
         L.Trainer(devices=devices, strategy=strategy, **kw).fit(OutputsNet(), loader(n=48))
     one, two, stale = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "sync", "async"))
     # async: the last stage runs every micro-batch of a step within it, so its outputs are whole batches too
