@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -425,9 +425,13 @@ def loss_terms_hook(module: LightningModule) -> Callable[[Any], Any] | None:
     (micro-)batch averages, for example the targets a token-mean cross-entropy counts (those not ``ignore_index``).
     Under ``sync`` and ``gpipe`` each micro-batch's loss is then weighted by its share of the step's terms instead of
     its share of the samples (:class:`~lightning_dynpipe.engine.executor.StageExecutor`), so the update is the
-    gradient of the whole batch's mean, as on one device."""
-    hook = getattr(module, "loss_terms", None)
-    return hook if callable(hook) else None
+    gradient of the whole batch's mean, as on one device.
+
+    Only a method of the module's class counts: an attribute of the same name (a list of loss modules, say, which
+    ``nn.Module`` makes callable) is not the hook."""
+    if not inspect.isfunction(inspect.getattr_static(type(module), "loss_terms", None)):
+        return None
+    return cast(Callable[[Any], Any], module.loss_terms)
 
 
 def check_loss_terms(module: LightningModule, *, num_replicas: int) -> None:

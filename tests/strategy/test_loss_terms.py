@@ -91,6 +91,19 @@ def test_sync_with_loss_terms_trains_and_logs_as_one_device(tmp_path: Path) -> N
     assert max((a - b).abs().max().item() for a, b in zip(by_samples.parameters(), plain.parameters())) > 1e-3
 
 
+def test_only_a_method_named_loss_terms_is_the_hook() -> None:
+    """An attribute named ``loss_terms`` that is not a method (a list of loss modules, which ``nn.Module`` makes
+    callable) is not the hook, and is not refused with replicas."""
+    from lightning_dynpipe.strategy.contract import loss_terms_hook
+
+    module = TokenNet()
+    module.loss_terms = nn.ModuleList([nn.CrossEntropyLoss()])
+    assert loss_terms_hook(module) is None and loss_terms_hook(TokenNet()) is None
+    check_loss_terms(module, num_replicas=2)
+    hook = loss_terms_hook(WeightedTokenNet())
+    assert hook is not None and int(hook((None, torch.tensor([[1, IGNORE], [2, 0]])))) == 3
+
+
 def test_loss_terms_with_several_pipeline_replicas_is_refused() -> None:
     check_loss_terms(WeightedTokenNet(), num_replicas=1)
     check_loss_terms(TokenNet(), num_replicas=2)  # no hook: the samples weigh, as the replicas' average does
