@@ -1122,11 +1122,13 @@ class DynPipeStrategy(DDPStrategy):
                 out = self._lm.training_step(micro_batch, self._batch_idx)
         else:
             out = self._lm.training_step(micro_batch, self._batch_idx)
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if isinstance(out, Mapping) and len(out) > 1:  # detached, as Lightning keeps a step's other outputs
-            self._step_outputs[mb_slot] = {
-                k: v.detach() if isinstance(v, Tensor) else v for k, v in out.items() if k != "loss"
-            }
+        loss = out
+        if isinstance(out, Mapping):
+            loss = out.get("loss")
+            if len(out) > 1:  # detached, as Lightning keeps a step's other outputs
+                self._step_outputs[mb_slot] = {
+                    k: v.detach() if isinstance(v, Tensor) else v for k, v in out.items() if k != "loss"
+                }
         if not isinstance(loss, Tensor):
             raise ConfigurationError(
                 f"training_step must return the loss (a Tensor, or a dict with key 'loss') on every micro-batch; "
@@ -1169,9 +1171,8 @@ class DynPipeStrategy(DDPStrategy):
         mean = torch.tensor(loss if not math.isnan(loss) else self.executor.last_loss, device=self.root_device)
         if not self._step_outputs:
             return mean
-        outputs, self._step_outputs = self._step_outputs, {}
-        sizes = self.executor.microbatch_sizes
-        return {"loss": mean, **merge_step_outputs([outputs.get(i, {}) for i in range(len(sizes))], sizes)}
+        sizes = self.executor.microbatch_sizes  # (kept until the next step starts: it clears them)
+        return {"loss": mean, **merge_step_outputs([self._step_outputs.get(i, {}) for i in range(len(sizes))], sizes)}
 
     def _replica_share(self, batch: Any) -> Any:
         """This replica's share of the global batch in training; records which slice of it the step trains on."""
