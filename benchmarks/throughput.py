@@ -88,6 +88,7 @@ EXTRA_SYSTEMS: tuple[str, ...] = (
     "async-forest-one-rank",
     "async-bare",
     "async-copy",
+    "async-spare",
     "hand-async",
 )
 """Run only when named in ``--systems``: ``async`` with the strategy's defaults (stage monitor every 10 steps and
@@ -99,7 +100,9 @@ default measured predictor), the same without waiting at set-up for the refit pr
 rows and pricing only: an untrained forest prices with its prior), the same with each refit fitted on one rank and
 broadcast to the others (``ForestPredictor(one_rank_refits=True)``; by default every rank fits every refit itself),
 ``async`` with both off, and ``async`` whose weight stash copies the live weights before each update instead of
-letting SGD write fresh storage (:mod:`lightning_dynpipe.engine.outofplace` switched off), and PipeDream's
+letting SGD write fresh storage (:mod:`lightning_dynpipe.engine.outofplace` switched off), ``async`` whose SGD
+writes the new weights into a released weight version's memory or new memory, never into the gradient's
+(``async-spare``: :func:`~lightning_dynpipe.engine.outofplace.private_grad` answering ``False``), and PipeDream's
 asynchronous 1F1B written by hand on raw gloo messages (``hand-async``, :mod:`benchmarks.baselines.handwritten`:
 the same arithmetic and updates as ``async`` with no framework around them). ``async`` itself has the monitor on and
 the adaptive loop off (it compares schedules on one fixed partition)."""
@@ -119,6 +122,7 @@ LABELS = {
     "async-forest-one-rank": "DynPipe async, defaults, forest refitting on one rank",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
+    "async-spare": "DynPipe async, new weights not into the gradients",
     "hand-async": "hand-written async, raw gloo",
 }
 NUM_STAGES = 2
@@ -539,16 +543,21 @@ def _run_dynpipe(system: str, cfg: Config, batches: list[tuple[torch.Tensor, tor
 @contextmanager
 def stash_updates(system: str) -> Iterator[None]:
     """For ``async-copy``, no optimizer writes fresh storage in the block: the weight stash copies the live weights
-    before each update it shares them with, as it did before (:mod:`lightning_dynpipe.engine.outofplace`)."""
-    from lightning_dynpipe.engine.outofplace import OUT_OF_PLACE_STEPS
+    before each update it shares them with, as it did before (:mod:`lightning_dynpipe.engine.outofplace`). For
+    ``async-spare``, no update writes the new weights into the gradients' memory."""
+    from lightning_dynpipe.engine import outofplace
 
-    saved = dict(OUT_OF_PLACE_STEPS)
+    saved = dict(outofplace.OUT_OF_PLACE_STEPS)
+    private_grad = outofplace.private_grad
     if system == "async-copy":
-        OUT_OF_PLACE_STEPS.clear()
+        outofplace.OUT_OF_PLACE_STEPS.clear()
+    if system == "async-spare":
+        outofplace.private_grad = lambda param: False
     try:
         yield
     finally:
-        OUT_OF_PLACE_STEPS.update(saved)
+        outofplace.OUT_OF_PLACE_STEPS.update(saved)
+        outofplace.private_grad = private_grad
 
 
 def _quiet() -> None:
@@ -749,6 +758,7 @@ _SIM_MODEL = {
     "async-forest-one-rank": "async",
     "async-bare": "async",
     "async-copy": "async",
+    "async-spare": "async",
     "hand-async": "async",
 }
 
@@ -764,10 +774,11 @@ def ratio_table(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
         sps = [by[s][rep]["samples_per_s"] for rep in sorted(by[s])]
         q1, q3 = quartiles(sps)
         row: dict[str, Any] = {"median": median(sps), "q1": q1, "q3": q3, "n": len(sps)}
-        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-defaults", "hand-async"):
+        for ref in ("sync", "torch-1f1b", "async-bare", "async-copy", "async-spare", "async-defaults", "hand-async"):
             only = {
                 "async-bare": ("async-defaults", "async-defaults-50", *_FORESTS),
                 "async-copy": ("async",),
+                "async-spare": ("async",),
                 "async-defaults": _FORESTS,
                 "hand-async": ("async", "async-bare", "torch-1f1b"),
             }.get(ref)
@@ -1208,6 +1219,12 @@ def render_targets(summary: dict[str, Any]) -> str:
         out.append(
             f"async with SGD writing fresh storage against the stash copying first: {c['median']:.3f}x "
             f"[{c['q1']:.3f}-{c['q3']:.3f}]"
+        )
+    g = a.get("vs_async-spare")
+    if g is not None:
+        out.append(
+            f"async with SGD writing the new weights into the gradients against other memory: {g['median']:.3f}x "
+            f"[{g['q1']:.3f}-{g['q3']:.3f}]"
         )
     costs = (
         ("async-defaults", "async-bare", 0.98, "the defaults (monitor + adaptive loop) cost <= 2% against both off"),

@@ -46,6 +46,7 @@ class WeightStash:
         self.copies_made = 0  # updates before which the live weights were copied
         self.copies_avoided = 0  # updates that wrote the new weights to fresh storage instead
         self.spares_reused = 0  # tensors of released versions that an update wrote the new weights into
+        self.grads_reused = 0  # gradients whose memory an update wrote the new weights into
         self._ptrs: dict[int, frozenset[int]] = {}  # per version in use, the addresses of its tensors
         self._spare: dict[int, Tensor] = {}  # id(live parameter) -> a released version's tensor for it
         self._live_counts: tuple[int, ...] = ()  # the live parameters' version counters when the current version
@@ -127,6 +128,12 @@ class WeightStash:
             return None
         self.spares_reused += 1
         return t
+
+    def took_grad_memory(self, param: Tensor) -> None:
+        """Records that ``param``'s next value went into its gradient's memory, and frees the released version's
+        tensor kept for it (no update needs it now)."""
+        self._spare.pop(id(param), None)
+        self.grads_reused += 1
 
     def drop_spares(self) -> None:
         """Frees the kept tensors of released versions (outside training: after a drain)."""

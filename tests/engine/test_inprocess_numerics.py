@@ -90,6 +90,9 @@ def test_async_equals_the_pipedream_replay_bit_for_bit(
     counts = (stash.copies_avoided, stash.copies_made)
     used, unused = counts if fresh_storage else counts[::-1]
     assert used > 0 and unused == 0  # SGD and AdamW on CPU write fresh storage instead of a copy
+    if fresh_storage:  # into the memory of the gradients the stage's backward produced: nothing else holds them
+        num_params = len(list(pipe.executors[0].stage_module.parameters()))
+        assert (stash.grads_reused, stash.spares_reused) == (stash.copies_avoided * num_params, 0)
     ref_losses = replay_async(reference, balance, make_optimizer, _batches(), M, _loss)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lightning_dynpipe.engine.outofplace import direct_step, out_of_place_step, stash_aware_step
+from lightning_dynpipe.engine.outofplace import direct_step, out_of_place_step, private_grad, stash_aware_step
 from lightning_dynpipe.engine.stash import WeightStash
 
 _SGD_CONFIGS = [
@@ -40,19 +40,29 @@ def _reproduction(opt: torch.optim.Optimizer, in_place: bool) -> Any:
     return step
 
 
-def _check_storage(
-    opt: torch.optim.Optimizer, model: nn.Module, old: list[tuple[torch.Tensor, torch.Tensor, int]], in_place: bool
-) -> None:
+Before = list[tuple[torch.Tensor, torch.Tensor, int, "int | None"]]
+
+
+def _before(model: nn.Module) -> Before:
+    """Each parameter's memory, values, version counter and its gradient's address, before a step."""
+    return [
+        (p.data, p.data.clone(), p._version, None if p.grad is None else p.grad.data_ptr()) for p in model.parameters()
+    ]
+
+
+def _check_storage(opt: torch.optim.Optimizer, model: nn.Module, old: Before, in_place: bool) -> None:
     """Fresh storage leaves the old memory as it was; in place writes it and bumps the version counter, as
-    ``step()`` does (autograd's check that a saved tensor was not modified relies on it)."""
+    ``step()`` does (autograd's check that a saved tensor was not modified relies on it). Out of place, the new
+    weights went into the gradient's memory (nothing else held these gradients), and the gradient is gone."""
     updated = {id(p) for g in opt.param_groups for p in g["params"]}
-    for p, (storage, values, version) in zip(model.parameters(), old):
-        if p.grad is None or id(p) not in updated:
+    for p, (storage, values, version, grad_ptr) in zip(model.parameters(), old):
+        if grad_ptr is None or id(p) not in updated:
             assert p.data_ptr() == storage.data_ptr() and torch.equal(p.data, values)
         elif in_place:
             assert p.data_ptr() == storage.data_ptr() and p._version > version
         else:
             assert p.data_ptr() != storage.data_ptr() and torch.equal(storage, values)
+            assert p.data_ptr() == grad_ptr and p.grad is None
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["fresh", "in_place"])
@@ -73,7 +83,7 @@ def test_sgd_reproductions_equal_step_bit_for_bit(config: dict, dtype: torch.dty
         for step in range(6):
             _set_grads(ours, step)
             _set_grads(theirs, step)
-            old = [(p.data, p.data.clone(), p._version) for p in ours.parameters()]
+            old = _before(ours)
             _reproduction(opts[0], in_place)()
             opts[1].step()
             for s in scheds:
@@ -109,7 +119,7 @@ def test_adam_reproductions_equal_step_bit_for_bit(cls: type, config: dict, dtyp
     for step in range(6):
         _set_grads(ours, step)
         _set_grads(theirs, step)
-        old = [(p.data, p.data.clone(), p._version) for p in ours.parameters()]
+        old = _before(ours)
         _reproduction(opts[0], in_place)()
         opts[1].step()
         for p, q in zip(ours.parameters(), theirs.parameters()):
@@ -209,24 +219,28 @@ def test_stash_aware_step_copies_or_writes_fresh_storage() -> None:
     assert stash_aware_step(rmsprop, stash, user_code_first=False) == rmsprop.step and stash.copies_made == 2
 
 
-def _grads(layer: nn.Module, skip: frozenset[str] = frozenset()) -> None:
+def _grads(layer: nn.Module, skip: frozenset[str] = frozenset()) -> list[torch.Tensor]:
+    """Sets the gradients, and returns them: while the caller holds them, an update cannot take their memory."""
     for name, p in layer.named_parameters():
         p.grad = None if name in skip else torch.ones_like(p)
+    return [p.grad for p in layer.parameters() if p.grad is not None]
 
 
 def test_released_versions_are_written_again_instead_of_new_memory() -> None:
+    # the test holds every gradient (held): an update cannot take a gradient's memory, so it takes a spare
     layer = nn.Linear(3, 2)
+    held: list[torch.Tensor] = []
     stash = WeightStash(layer)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     v0 = stash.acquire()
-    _grads(layer)
+    held += _grads(layer)
     stash_aware_step(opt, stash, user_code_first=False)()
     stash.bump()
     v0_ptrs = {n: t.data_ptr() for n, t in stash.params(v0).items()}
     v1 = stash.acquire()
     stash.release(v0)  # v0's memory is neither live nor used by v1: the next update writes into it
     expected = layer.weight.detach() - 0.1
-    _grads(layer)
+    held += _grads(layer)
     stash_aware_step(opt, stash, user_code_first=False)()
     stash.bump()
     assert stash.spares_reused == 2 and layer.weight.data_ptr() == v0_ptrs["weight"]
@@ -244,21 +258,22 @@ def test_released_versions_are_written_again_instead_of_new_memory() -> None:
 
 def test_memory_a_version_still_uses_is_never_recycled() -> None:
     layer = nn.Linear(3, 2)
+    held: list[torch.Tensor] = []
     stash = WeightStash(layer)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     v0 = stash.acquire()
-    _grads(layer, skip=frozenset({"bias"}))  # the update skips the bias: v0's bias is still the live bias
+    held += _grads(layer, skip=frozenset({"bias"}))  # the update skips the bias: v0's bias is still the live bias
     stash_aware_step(opt, stash, user_code_first=False)()
     stash.bump()
     v1 = stash.acquire()  # v1's bias: the same memory as v0's
-    _grads(layer)
+    held += _grads(layer)
     stash_aware_step(opt, stash, user_code_first=False)()  # now the bias moves to new memory
     stash.bump()
     bias_v1 = stash.params(v1)["bias"].clone()
     stash.release(v0)  # v0's weight memory is free, its bias memory is still v1's
     assert stash.spare(layer.bias) is None
     v2 = stash.acquire()
-    _grads(layer)
+    held += _grads(layer)
     stash_aware_step(opt, stash, user_code_first=False)()  # takes v0's weight memory, new memory for the bias
     stash.bump()
     assert stash.spares_reused == 1
@@ -269,3 +284,71 @@ def test_memory_a_version_still_uses_is_never_recycled() -> None:
     fresh = WeightStash(nn.Linear(3, 2))
     fresh.release(fresh.acquire())  # the current version is the live weights: releasing it recycles nothing
     assert all(fresh.spare(p) is None for p in fresh._live)
+    assert held
+
+
+def test_an_update_writes_the_new_weights_into_a_gradient_nothing_else_holds() -> None:
+    layer = nn.Linear(3, 2)
+    stash = WeightStash(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    v0 = stash.acquire()
+    held = _grads(layer)
+    stash_aware_step(opt, stash, user_code_first=False)()  # held: new memory, the gradients as they were
+    stash.bump()
+    assert stash.grads_reused == 0 and all(torch.equal(g, torch.ones_like(g)) for g in held)
+    assert layer.weight.grad is held[0] and layer.weight.data_ptr() != held[0].data_ptr()
+    del held
+    v1 = stash.acquire()
+    stash.release(v0)  # a spare for each parameter
+    expected = {n: p.detach() - 0.1 for n, p in layer.named_parameters()}
+    _grads(layer)  # not held
+    grad_ptrs = {n: p.grad.data_ptr() for n, p in layer.named_parameters() if p.grad is not None}
+    stash_aware_step(opt, stash, user_code_first=False)()
+    stash.bump()
+    assert stash.grads_reused == 2 and stash.spares_reused == 0
+    for n, p in layer.named_parameters():
+        assert p.data_ptr() == grad_ptrs[n] and p.grad is None and torch.equal(p, expected[n])
+        assert stash.spare(p) is None  # the spare went back to the allocator
+    stash.release(v1)
+
+
+@pytest.mark.parametrize(
+    "hold",
+    ["reference", "view", "detached", "data", "base", "strides", "requires_grad", "offset"],
+)
+def test_a_gradient_held_elsewhere_or_laid_out_otherwise_is_not_private(hold: str) -> None:
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, 6))
+    p.grad = torch.randn(4, 6)
+    assert private_grad(p)
+    p.grad = torch.randn(24).view(4, 6)  # a view of a tensor nobody else holds, of its size: as good as its own
+    is_view = p.grad._base is not None  # (pytest keeps what an assert reads: not in the assert)
+    assert is_view
+    assert private_grad(p)
+    keep: object = None
+    if hold == "reference":
+        keep = [p.grad]
+    elif hold == "view":
+        keep = p.grad[1:]
+    elif hold == "detached":
+        keep = p.grad.detach()
+    elif hold == "data":
+        keep = p.grad.data
+    elif hold == "base":
+        keep = p.grad._base
+    elif hold == "strides":
+        p.grad = torch.randn(6, 4).t()
+    elif hold == "requires_grad":
+        p.grad = torch.randn(4, 6, requires_grad=True)
+    elif hold == "offset":
+        p.grad = torch.randn(30)[6:].view(4, 6)
+    assert not private_grad(p)
+    if hold in ("reference", "view", "detached", "data", "base"):  # and an update leaves that gradient alone
+        grad = p.grad.clone()
+        expected = torch.add(p.detach(), grad, alpha=-0.1)
+        step = out_of_place_step(torch.optim.SGD([p], lr=0.1))
+        assert step is not None
+        step()
+        assert torch.equal(p.grad, grad) and torch.equal(p, expected)
+        assert p.data_ptr() != p.grad.data_ptr()
+    del keep
