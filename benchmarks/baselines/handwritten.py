@@ -4,9 +4,10 @@ One stage per rank of an already initialised process group (gloo on CPU), the sa
 The batches form one stream of micro-batches (``num_microbatches`` per batch) with no flush between batches:
 stage ``k`` of ``S`` keeps ``S - k`` micro-batches in flight, alternates one forward and one backward once full,
 and applies SGD after every backward. Weight stashing costs no copy: the update writes the new weights to fresh
-storage (:func:`lightning_dynpipe.engine.outofplace.out_of_place_step`), so each backward differentiates through
-the weights its forward saw, kept alive by the autograd graph. Messages are raw ``isend``/``irecv`` of
-contiguous float tensors; each receive is posted one message ahead, so it lands while the stage computes.
+storage, the gradient's memory (:func:`lightning_dynpipe.engine.outofplace.out_of_place_step`), as DynPipe's
+updates do, so each backward differentiates through the weights its forward saw, kept alive by the autograd graph.
+Messages are raw ``isend``/``irecv`` of contiguous float tensors; each receive is posted one message ahead, so it
+lands while the stage computes.
 
 What it leaves out is what a framework brings: no Lightning loop, hooks or ``self.log``, no message headers, no
 schedule interpreter, no per-step broadcast, no monitor. Its throughput against the simulated ideal (the

@@ -780,6 +780,8 @@ class StageExecutor:
     def _backward(self, instr: Backward) -> None:
         t0 = time.perf_counter()
         mb = self._mbs[instr.mb_idx]
+        if self.stash is not None:  # what the last update left of the released versions: free for the gradients
+            self.stash.drop_spares()
         if self.is_last:
             assert mb.loss is not None
             if not mb.loss.requires_grad:
