@@ -22,7 +22,10 @@ class WeightStash:
     the live weights included; :meth:`release` ends a version when its last micro-batch was back-propagated, and
     keeps its memory (where nothing else uses it) for the next update to write the new weights into
     (:meth:`spare`) instead of new memory: the released copy stands in for the one that update would allocate,
-    so the total stays within ``S-k``; :meth:`drop_spares` frees it outside training.
+    so the total stays within ``S-k``. An update that wrote the new weights into the gradients' memory instead
+    (:meth:`took_grad_memory`) leaves the released copy to the executor, which frees it when the next backward
+    starts, where the gradients it replaces would be allocated; :meth:`drop_spares` frees it (and outside
+    training).
 
     Example::
 
