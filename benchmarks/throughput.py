@@ -122,7 +122,7 @@ LABELS = {
     "async-forest-one-rank": "DynPipe async, defaults, forest refitting on one rank",
     "async-bare": "DynPipe async, bare",
     "async-copy": "DynPipe async, stash copies",
-    "async-spare": "DynPipe async, new weights not into the gradients",
+    "async-spare": "DynPipe async, update into spares",
     "hand-async": "hand-written async, raw gloo",
 }
 NUM_STAGES = 2
