@@ -88,6 +88,21 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _tensor_hooks(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` through ``param``'s gradient hooks (``param.register_hook``), in order, as autograd applies them
+    to a leaf's gradient: a hook may return a replacement."""
+    for hook in list((param._backward_hooks or {}).values()):
+        out = hook(grad)
+        if out is not None:
+            if not isinstance(out, Tensor) or out.shape != grad.shape:
+                raise ConfigurationError(
+                    f"A gradient hook of a parameter of shape {tuple(grad.shape)} returned {_describe(out)}; a hook "
+                    "registered with register_hook must return None or a tensor of the gradient's shape."
+                )
+            grad = out
+    return grad
+
+
 def _copy_received(value: Any) -> tuple[Any, list[Tensor]]:
     """``value`` (a received activation: a tensor or a tuple) with a copy of each tensor that requires grad, and
     the copies. A copy is a non-leaf: the layers may write it in place, and its backward passes the gradient to the
@@ -828,10 +843,17 @@ class StageExecutor:
                 if g is None:
                     continue
                 live = self._live[i]
+                if mb.version is not None and live._backward_hooks:
+                    # differentiated at the stashed version's tensor, which has none of the parameter's hooks: run
+                    # them here, as autograd runs them on the parameter's gradient before accumulating it
+                    g = _tensor_hooks(live, g)
                 if live.grad is None:
                     live.grad = g
                 else:
                     live.grad.add_(g)
+                if live._post_accumulate_grad_hooks:  # autograd.grad accumulates nothing, so it runs none of these
+                    for hook in list(live._post_accumulate_grad_hooks.values()):
+                        hook(live)
             for i, g in zip(in_idx, grads[len(p_idx) :]):
                 input_grads[i] = g
         mb.input_grads = input_grads

@@ -450,3 +450,55 @@ def test_weights_written_in_place_under_micro_batches_in_flight_are_refused(
         return
     assert isinstance(errors[0], ConfigurationError)
     assert "Stage 0's weights ['0.0.weight'] were written in place outside an optimizer update" in str(errors[0])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+@pytest.mark.parametrize("schedule", ["async", "async+1", "sync", "gpipe"])
+def test_gradient_hooks_of_a_stage_parameter_run_once_per_micro_batch_as_in_plain_training(
+    schedule: str, kind: str
+) -> None:
+    """A hook on a parameter (``register_hook``, ``register_post_accumulate_grad_hook``) runs on every backward of
+    its gradient, as in plain training, also where the backward differentiates at a stashed weight version (the
+    stages before the last under ``async``), which carries none of the parameter's hooks."""
+    model = _model()
+    weight = model[0][0].weight  # stage 0 of [2, 2]: stashed under async
+    before = weight.detach().clone()
+    calls: list[int] = []
+    if kind == "tensor":
+        weight.register_hook(lambda g: (calls.append(1), torch.zeros_like(g))[1])
+    else:
+
+        def zero_grad(p: Tensor) -> None:
+            calls.append(1)
+            assert p.grad is not None
+            p.grad.zero_()
+
+        weight.register_post_accumulate_grad_hook(zero_grad)
+    pipe = build(
+        model, [2, 2], schedule=schedule, num_microbatches=M, make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        loss_fn=_loss, fresh_storage=True,
+    )  # fmt: skip
+    pipe.train(_batches(3))
+    assert len(calls) == 3 * M  # once per micro-batch's backward
+    assert torch.equal(weight, before)  # its gradient was zero every time: as plain training with the hook
+    assert not torch.equal(model[0][0].bias, _model()[0][0].bias)  # the rest trained
+
+
+def test_a_gradient_hook_halving_a_stashed_parameters_gradient_equals_halving_its_lr_bit_for_bit() -> None:
+    """``async``, the hook on a parameter of stage 0 (stashed): the same weights as the run without the hook whose
+    optimizer gives that parameter half the learning rate (SGD; halving is exact in floating point)."""
+    hooked, reference = _model(), _model()
+    hooked[0][0].weight.register_hook(lambda g: g * 0.5)
+    target = reference[0][0].weight
+
+    def halved_lr(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        rest = [p for p in params if p is not target]
+        groups = [{"params": rest}] + ([{"params": [target], "lr": 0.05}] if len(rest) < len(params) else [])
+        return torch.optim.SGD(groups, lr=0.1)
+
+    for model, make in ((hooked, lambda ps: torch.optim.SGD(ps, lr=0.1)), (reference, halved_lr)):
+        build(model, [2, 2], schedule="async", num_microbatches=M, make_optimizer=make, loss_fn=_loss,
+              fresh_storage=True).train(_batches())  # fmt: skip
+    assert not torch.equal(hooked[0][0].weight, _model()[0][0].weight)
+    for p, q in zip(hooked.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

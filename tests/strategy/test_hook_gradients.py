@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
+import torch
 from pipeline_models import TinyNet, loader, trainer_kwargs
 
 from lightning_dynpipe import DynPipeStrategy
@@ -68,3 +69,25 @@ def test_a_value_logged_on_another_rank_does_not_reach_the_logger(tmp_path: Path
     [metrics] = list(tmp_path.glob("**/metrics.csv"))
     columns = metrics.read_text().splitlines()[0].split(",")
     assert "grad_norm_stage1" in columns and "grad_norm_stage0" not in columns, columns
+
+
+class _FrozenByHook(TinyNet):
+    """The first layer's weight gets a gradient hook that zeroes its gradient (a user's way to freeze it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline[0].weight.register_hook(torch.zeros_like)
+
+
+def test_a_gradient_hook_on_a_stashed_stages_parameter_runs_under_async() -> None:
+    """Stage 0 of ``async`` back-propagates through its stashed weight versions, not the parameters: the parameter's
+    hook must still run on every micro-batch's gradient (here: the weight it zeroes stays as it was)."""
+    strategy = DynPipeStrategy(
+        num_microbatches=2, schedule="async", start_method="fork", balance=[2, 3], adaptive=False
+    )
+    model = _FrozenByHook()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=3)).fit(model, loader())
+    after = dict(model.named_parameters())  # gathered on rank 0 after the fit
+    assert torch.equal(after["pipeline.0.weight"], before["pipeline.0.weight"])
+    assert not torch.equal(after["pipeline.0.bias"], before["pipeline.0.bias"])  # the rest of stage 0 trained
