@@ -106,11 +106,23 @@ def test_framework_costs_feed_the_simulator_per_stage_and_message() -> None:
     ) + max(costs["step_overhead"])
 
 
+def _check_compared_with_async_only(system: str, target_line: str) -> None:
+    """A system that only ``async`` is compared with: the ratio is in ``async``'s row alone, and in the targets."""
+    from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets
+
+    sps = {"async": [1100.0, 1000.0, 990.0], system: [1000.0, 1000.0, 1000.0], "sync": [900.0] * 3}
+    runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
+    table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
+    assert table["async"][f"vs_{system}"]["per_rep"] == pytest.approx([1.1, 1.0, 0.99])
+    assert f"vs_{system}" not in table["sync"] and f"vs_{system}" not in table[system]
+    assert f"{target_line}: 1.000x" in render_targets({"table": table})
+
+
 def test_async_copy_switches_the_fresh_storage_updates_off_for_its_fit_only() -> None:
     """``async-copy`` runs with the stash copying first; ``async`` is compared with it, nothing else is."""
     import torch
 
-    from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets, stash_updates
+    from benchmarks.throughput import stash_updates
     from lightning_dynpipe.engine.outofplace import out_of_place_step
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
@@ -119,20 +131,14 @@ def test_async_copy_switches_the_fresh_storage_updates_off_for_its_fit_only() ->
     with stash_updates("async-copy"):
         assert out_of_place_step(opt) is None
     assert out_of_place_step(opt) is not None  # restored after the fit
-
-    sps = {"async": [1100.0, 1000.0, 990.0], "async-copy": [1000.0, 1000.0, 1000.0], "sync": [900.0] * 3}
-    runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
-    table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
-    assert table["async"]["vs_async-copy"]["per_rep"] == pytest.approx([1.1, 1.0, 0.99])
-    assert "vs_async-copy" not in table["sync"] and "vs_async-copy" not in table["async-copy"]
-    assert "against the stash copying first: 1.000x" in render_targets({"table": table})
+    _check_compared_with_async_only("async-copy", "against the stash copying first")
 
 
 def test_async_spare_keeps_the_new_weights_out_of_the_gradients_for_its_fit_only() -> None:
     """``async-spare`` runs with no gradient private, so no update writes into one; ``async`` is compared with it."""
     import torch
 
-    from benchmarks.throughput import ALL_SYSTEMS, ratio_table, render_targets, stash_updates
+    from benchmarks.throughput import stash_updates
     from lightning_dynpipe.engine import outofplace
 
     p = torch.nn.Parameter(torch.ones(2))
@@ -143,13 +149,7 @@ def test_async_spare_keeps_the_new_weights_out_of_the_gradients_for_its_fit_only
         assert not outofplace.private_grad(p)
         assert outofplace.out_of_place_step(torch.optim.SGD([p], lr=0.1)) is not None  # still out of place
     assert outofplace.private_grad(p)  # restored after the fit
-
-    sps = {"async": [1100.0, 1000.0, 990.0], "async-spare": [1000.0, 1000.0, 1000.0], "sync": [900.0] * 3}
-    runs = [{"rep": rep, "system": s, "samples_per_s": v[rep]} for s, v in sps.items() for rep in range(3)]
-    table = ratio_table(runs, [s for s in ALL_SYSTEMS if s in sps])
-    assert table["async"]["vs_async-spare"]["per_rep"] == pytest.approx([1.1, 1.0, 0.99])
-    assert "vs_async-spare" not in table["sync"] and "vs_async-spare" not in table["async-spare"]
-    assert "into the gradients against other memory: 1.000x" in render_targets({"table": table})
+    _check_compared_with_async_only("async-spare", "into the gradients against other memory")
 
 
 def test_steal_share_is_the_hypervisors_part_of_the_machines_cpu_time_between_two_readings() -> None:
