@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dynpipe.engine.collectives import Collectives
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 
 __all__ = [
@@ -148,6 +149,11 @@ def sum_shared_gradients(
     Every stage calls it with the same ``ties`` (those split across stages): a stage that holds a copy
     contributes its gradient (zeros without one), one that holds none contributes zeros and ignores the result.
     Afterwards every copy's ``.grad`` is the gradient plain training would have.
+
+    Raises:
+        ConfigurationError: a copy has a gradient hook (``register_hook``, ``register_post_accumulate_grad_hook``).
+            Plain training runs it once on the sum of both uses' gradients; here each stage's copy would run it on
+            its own part of that sum, which differs for any hook that is not linear (a clamp, a norm).
     """
     if not ties:
         return
@@ -160,6 +166,14 @@ def sum_shared_gradients(
         if here:
             owner, leaf = resolve(pipeline[here[0][0]], here[0][1])
             p = owner._parameters[leaf]
+            if p is not None and (p._backward_hooks or p._post_accumulate_grad_hooks):
+                raise ConfigurationError(
+                    f"The tied parameter {tie.describe()} is used by layers on different stages and has a gradient "
+                    "hook (register_hook or register_post_accumulate_grad_hook). Plain training runs the hook once on "
+                    "the sum of both uses' gradients; here each stage holds a copy and would run it on its own part "
+                    "before the sum. Remove the hook (for clipping, use Trainer(gradient_clip_val=...)), or choose a "
+                    "balance that puts every layer using the parameter on one stage."
+                )
         local.append(p)
         grad = p.grad if p is not None and p.grad is not None else None
         parts.append(grad.reshape(-1) if grad is not None else torch.zeros(_numel(tie.shape), dtype=tie.dtype))

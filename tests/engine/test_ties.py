@@ -19,6 +19,7 @@ from torch import nn
 import lightning_dynpipe.engine.ties
 from lightning_dynpipe.engine.shard import OptimizerSlots, StageShard
 from lightning_dynpipe.engine.ties import retie, shared_parameters, split_ties
+from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 from tests.engine.inprocess import build
 
@@ -102,3 +103,20 @@ def test_retie_makes_materialised_copies_one_parameter_again() -> None:
     model[4].out.weight = nn.Parameter(model[0].tok.weight.detach().clone())  # as after a re-assembly
     retie(model, [shared_parameters(TinyGPT(tie=True).pipeline)[0]], range(5))
     assert model[4].out.weight is model[0].tok.weight
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+def test_a_gradient_hook_on_a_tied_parameter_split_across_stages_is_refused(kind: str) -> None:
+    """Each stage's copy would run the hook on its part of the gradient, not on the sum as plain training does."""
+    model = TinyGPT(tie=True)
+    copies = [copy.deepcopy(model.pipeline) for _ in range(2)]
+    for c in copies:  # every process builds the model, and with it the hook
+        if kind == "tensor":
+            c[0].tok.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        else:
+            c[0].tok.weight.register_post_accumulate_grad_hook(lambda p: None)
+    pipe = build(copies, [2, 3], schedule="sync", num_microbatches=M, make_optimizer=_adam, loss_fn=gpt_loss)
+    with pytest.raises(
+        ConfigurationError, match=r"pipeline\.0\.tok\.weight = pipeline\.4\.out\.weight .* gradient hook"
+    ):
+        pipe.train(list(token_loader())[:1])
