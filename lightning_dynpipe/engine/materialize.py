@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_dynpipe.engine.shard import layer_tensors
+from lightning_dynpipe.engine.shard import keeping_grad_hooks, layer_tensors
 from lightning_dynpipe.engine.ties import SharedParameter, resolve, retie
 from lightning_dynpipe.errors import ConfigurationError
 
@@ -123,7 +123,8 @@ def _shared_names(layer: nn.Module) -> list[list[str]]:
 
 
 def _empty_on_cpu(layer: nn.Module, shared: list[list[str]], fill: int) -> None:
-    layer.to_empty(device="cpu")
+    with keeping_grad_hooks(layer):
+        layer.to_empty(device="cpu")
     for names in shared:
         owner, leaf = resolve(layer, names[0])
         keep = owner._parameters[leaf]
@@ -197,7 +198,8 @@ def materialize_layers(
                             owner, leaf = resolve(layer, name)
                             with torch.no_grad():
                                 owner._parameters[leaf].copy_(kept[t_idx])  # type: ignore[union-attr]
-            layer.to(device if i in owned_set else torch.device("meta"))
+            with keeping_grad_hooks(layer):
+                layer.to(device if i in owned_set else torch.device("meta"))
     retie(pipeline, ties, owned_set)
 
 

@@ -22,7 +22,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.partition import Partition
 
-__all__ = ["Placeholder", "StageShard", "OptimizerSlots", "layer_tensors", "load_layer_tensors"]
+__all__ = ["Placeholder", "StageShard", "OptimizerSlots", "keeping_grad_hooks", "layer_tensors", "load_layer_tensors"]
 
 
 def layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
@@ -45,6 +46,40 @@ def layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {name: p.detach() for name, p in layer.named_parameters()}
     out.update(layer.named_buffers())
     return out
+
+
+@contextmanager
+def keeping_grad_hooks(layer: nn.Module) -> Iterator[None]:
+    """Gives the parameters of ``layer`` after the block the gradient hooks its parameters of the same names had
+    before it (``register_hook``, ``register_post_accumulate_grad_hook``).
+
+    ``Module.to("meta")`` and ``Module.to_empty(...)`` replace every parameter by a new ``Parameter`` object, which
+    has none of the hooks the user registered on the old one: a layer offloaded to ``meta`` and materialised again
+    (moved to another stage, gathered after fit, built on the meta device) would lose them silently. The hooks move
+    as the same dictionaries, so a handle the user kept still removes them.
+
+    Example::
+
+        with keeping_grad_hooks(layer):
+            layer.to_empty(device="cpu")
+    """
+    hooks = {
+        name: (p._backward_hooks, p._post_accumulate_grad_hooks)
+        for name, p in layer.named_parameters(remove_duplicate=False)
+        if p._backward_hooks or p._post_accumulate_grad_hooks
+    }
+    yield
+    if not hooks:
+        return
+    params = dict(layer.named_parameters(remove_duplicate=False))
+    for name, (tensor_hooks, post_hooks) in hooks.items():
+        p = params.get(name)
+        if p is None:
+            continue
+        if tensor_hooks and p._backward_hooks is not tensor_hooks:
+            p._backward_hooks = tensor_hooks
+        if post_hooks and p._post_accumulate_grad_hooks is not post_hooks:
+            p._post_accumulate_grad_hooks = post_hooks
 
 
 def load_layer_tensors(layer: nn.Module, tensors: dict[str, Tensor]) -> None:
@@ -113,7 +148,8 @@ class StageShard:
     def offload(self, layer_idx: int, owner_stage: int) -> nn.Module:
         """Moves layer ``layer_idx`` out of this process (to ``meta``) and puts a placeholder in its place."""
         layer = self.pipeline[layer_idx]
-        layer.to("meta")
+        with keeping_grad_hooks(layer):  # a new Parameter per tensor: the hooks go with the names
+            layer.to("meta")
         self.offloaded[layer_idx] = layer
         self.pipeline[layer_idx] = Placeholder(layer_idx, owner_stage)
         return layer
@@ -147,7 +183,8 @@ class StageShard:
         :func:`layer_tensors`, so non-persistent buffers come back right too)."""
         for layer_idx in sorted(self.offloaded):
             layer = self.offloaded[layer_idx]
-            layer.to_empty(device=device)
+            with keeping_grad_hooks(layer):
+                layer.to_empty(device=device)
             load_layer_tensors(layer, tensors[layer_idx])
             self.pipeline[layer_idx] = layer
         self.offloaded.clear()

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_dynpipe.engine.collectives import Collectives, DistCollectives
 from lightning_dynpipe.engine.optstate import recv_state, send_state
-from lightning_dynpipe.engine.shard import StageShard, layer_tensors
+from lightning_dynpipe.engine.shard import StageShard, keeping_grad_hooks, layer_tensors
 from lightning_dynpipe.plan.moves import LayerMove
 
 __all__ = ["send_layer", "recv_layer", "move_layers"]
@@ -44,7 +44,8 @@ def recv_layer(
     skeleton: nn.Module, optimizer: Optimizer | None, src: int, coll: Collectives, device: torch.device
 ) -> None:
     """Materialises ``skeleton`` on ``device`` with the state ``src`` sends, and its optimizer state."""
-    skeleton.to_empty(device=device)
+    with keeping_grad_hooks(skeleton):
+        skeleton.to_empty(device=device)
     for t in layer_tensors(skeleton).values():
         coll.recv(t, src)  # these tensors share storage with the module's
     if optimizer is None:

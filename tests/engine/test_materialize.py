@@ -80,3 +80,39 @@ def test_a_draw_from_its_own_generator_is_noticed() -> None:
     with record_random_state() as draws:
         torch.empty(3).uniform_(generator=torch.Generator().manual_seed(1))
     assert draws.own_generator
+
+
+def test_gradient_hooks_registered_on_the_meta_build_stay_on_every_layer() -> None:
+    """A model built on ``meta`` with a hook on a parameter (registered in ``__init__``, say): materialising an
+    owned layer, or sending a layer another stage owns back to ``meta``, makes new ``Parameter`` objects; the hook
+    stays with the parameter's name."""
+    with record_random_state() as draws:
+        meta = stack()
+    assert draws.state is not None
+    for i in (0, 3):
+        meta[i].weight.register_hook(lambda g: g * 0)
+    materialize_layers(meta, [0, 1, 2], CPU, random_state=draws.state)  # layer 3 belongs to another stage
+    assert not meta[0].weight.is_meta and meta[3].weight.is_meta
+    assert meta[0].weight._backward_hooks and meta[3].weight._backward_hooks
+    meta[0](torch.ones(2, 8)).sum().backward()
+    assert torch.equal(meta[0].weight.grad, torch.zeros(16, 8)) and meta[0].bias.grad is not None
+
+
+def test_offloaded_layers_restored_after_fit_keep_their_gradient_hooks() -> None:
+    """What gathering after fit does: layers another stage trained come back from ``meta`` into the module."""
+    from lightning_dynpipe.engine.shard import StageShard, layer_tensors
+
+    pipeline = stack()
+
+    def zero_grad(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        p.grad.zero_()
+
+    pipeline[3].weight.register_post_accumulate_grad_hook(zero_grad)
+    values = {i: {k: v.clone() for k, v in layer_tensors(pipeline[i]).items()} for i in range(len(pipeline))}
+    shard = StageShard(pipeline, Partition((3, 3)), 0)
+    shard.partition_module()
+    shard.restore({i: values[i] for i in (3, 4, 5)}, CPU)
+    assert not pipeline[3].weight.is_meta and pipeline[3].weight._post_accumulate_grad_hooks
+    pipeline[3](torch.ones(2, 16)).sum().backward()
+    assert torch.equal(pipeline[3].weight.grad, torch.zeros(16, 16))

@@ -91,3 +91,34 @@ def test_a_parametrized_layer_moves_with_its_parametrization_buffers_and_optimiz
     sender.eval(), receiver.eval()
     assert torch.equal(receiver(x), sender(x))
     assert len(recv_opt.state) == len(list(sender.parameters()))
+
+
+def test_a_layer_offloaded_and_moved_keeps_the_gradient_hooks_of_its_parameters() -> None:
+    """Every rank builds the model with its hooks; the receiving rank's copy of a moving layer goes to ``meta`` when
+    the stages are split and is materialised when the layer arrives, both of which make new ``Parameter`` objects.
+    The hooks the user registered on the originals must be on them, and still removable by their handles."""
+    from lightning_dynpipe.engine.shard import StageShard
+    from lightning_dynpipe.plan.partition import Partition
+
+    calls: list[str] = []
+    sender, receiving_copy = _layer(), _layer()
+    handles = []
+    for model in (sender, receiving_copy):  # the same model, hooks included, in every process
+        w = model[0].weight
+        handles.append(w.register_hook(lambda g: (calls.append("tensor"), g * 0)[1]))
+        w.register_post_accumulate_grad_hook(lambda p: calls.append("post"))
+    pipeline = nn.Sequential(receiving_copy, nn.Linear(4, 4))
+    shard = StageShard(pipeline, Partition((1, 1)), 1)  # stage 1: layer 0 belongs to stage 0
+    shard.partition_module()
+    skeleton = shard.skeleton(0)
+    assert skeleton[0].weight.is_meta and skeleton[0].weight._backward_hooks
+    opt = torch.optim.SGD(sender.parameters(), lr=0.1)
+    _move(sender, opt, skeleton, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    arrived = shard.adopt(0)
+    arrived(torch.ones(2, 3)).sum().backward()
+    assert calls == ["tensor", "post"]
+    assert torch.equal(arrived[0].weight.grad, torch.zeros(4, 3)) and arrived[0].bias.grad is not None
+    handles[1].remove()  # the handle the user kept still removes the hook
+    calls.clear()
+    arrived(torch.ones(2, 3)).sum().backward()
+    assert calls == ["post"]
