@@ -9,9 +9,9 @@ old weights and writes the new ones to fresh storage leaves the old storage to t
 arithmetic, the copy gone. The new weights go into the parameter's gradient when nothing else holds it or its
 memory (:func:`private_grad`): the update reads the gradient for the last time just before, so its memory is free,
 and it is in cache, having just been written by the backward. Writing a released version's memory or new memory
-instead cost about twice the arithmetic of the in-place update on the throughput benchmark's MLP (stage 0 under
-``async``: 2.2-2.6 against 1.3-1.6 ms of CPU per step, four updates), mostly in reading the destination into the
-cache first. The update then sets that parameter's ``grad`` to ``None``: the step consumed it.
+instead cost 1.4-2.0x as much on the throughput benchmark's MLP (stage 0 under ``async``: 2.2-2.6 against 1.3-1.6
+ms of CPU per step for its four updates; an in-place update of a stage that size, 1.4), the destination having to
+be read into the cache first. The update then sets that parameter's ``grad`` to ``None``: the step consumed it.
 
 :func:`out_of_place_step` returns such an update for the optimizers whose step this module reproduces exactly,
 and ``None`` for everything else (the caller then copies and runs the optimizer's own ``step``). Today those are
@@ -60,10 +60,10 @@ __all__ = [
 _TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 
-Holders = tuple[int, int, int, int, int]
+_Holders = tuple[int, int, int, int, int]
 
 
-def _grad_holders(param: Tensor) -> Holders:
+def _grad_holders(param: Tensor) -> _Holders:
     """Who holds ``param.grad``: Python references to it (this function's own included), its tensor's C++ owners
     (the parameter, its Python object, views of it), the tensors on its memory (plus the storage object read here);
     and where the gradient is a view (autograd's gradient of a transposed weight can be), the same two counts of the
@@ -82,12 +82,14 @@ def _grad_holders(param: Tensor) -> Holders:
 
 
 @functools.cache
-def _alone() -> dict[bool, Holders] | None:
+def _alone() -> dict[bool, _Holders] | None:
     """:func:`_grad_holders` of a gradient nobody else holds, measured on this interpreter, for a gradient of its own
     (``False``) and for a view of a tensor nobody else holds (``True``); ``None`` if the counts do not tell a gradient
     held elsewhere (another reference, a view, an alias of its memory) from one that is not: :func:`private_grad`
-    then finds no gradient private."""
-    alone: dict[bool, Holders] = {}
+    then finds no gradient private. ``None`` too where torch lacks one of the counters read."""
+    if not (hasattr(Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
+        return None
+    alone: dict[bool, _Holders] = {}
     for is_view in (False, True):
         p = torch.zeros(3, 2, requires_grad=True)
         p.grad = torch.ones(2, 3).t() if is_view else torch.ones(3, 2)

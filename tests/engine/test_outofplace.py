@@ -354,3 +354,24 @@ def test_a_gradient_held_elsewhere_or_laid_out_otherwise_is_not_private(hold: st
         assert torch.equal(p.grad, grad) and torch.equal(p, expected)
         assert p.data_ptr() != p.grad.data_ptr()
     del keep
+
+
+def test_without_the_counters_no_gradient_is_private_and_the_update_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    from lightning_dynpipe.engine import outofplace
+
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")  # a torch without it: the probe cannot run
+    outofplace._alone.cache_clear()
+    request.addfinalizer(outofplace._alone.cache_clear)  # before monkeypatch restores the counter
+    ours, theirs = _model(torch.float32), _model(torch.float32)
+    _set_grads(ours, 0)
+    _set_grads(theirs, 0)
+    assert not any(private_grad(p) for p in ours.parameters())
+    old = _before(ours)
+    out_of_place_step(torch.optim.SGD(ours.parameters(), lr=0.1))()  # type: ignore[misc]
+    torch.optim.SGD(theirs.parameters(), lr=0.1).step()
+    for p, q, (storage, _, _, grad_ptr) in zip(ours.parameters(), theirs.parameters(), old):
+        assert torch.equal(p, q)
+        if grad_ptr is not None:  # new memory, and the gradient left as it was
+            assert p.data_ptr() not in (storage.data_ptr(), grad_ptr) and p.grad is not None
