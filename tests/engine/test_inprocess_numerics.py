@@ -502,3 +502,16 @@ def test_a_gradient_hook_halving_a_stashed_parameters_gradient_equals_halving_it
     assert not torch.equal(hooked[0][0].weight, _model()[0][0].weight)
     for p, q in zip(hooked.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_gradient_hook_returning_another_shape_on_a_stashed_stage_is_refused() -> None:
+    """Autograd refuses such a hook on the parameter itself; the stage, which runs the hooks of a stashed stage's
+    parameters, refuses it too instead of accumulating a gradient of the wrong shape."""
+    model = _model()
+    model[0][0].weight.register_hook(lambda g: g.sum(0))
+    pipe = build(
+        model, [2, 2], schedule="async", num_microbatches=M, make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        loss_fn=_loss, fresh_storage=True, timeout=2.0,
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"gradient hook of a parameter of shape \(16, 6\) returned"):
+        pipe.train(_batches(2))
