@@ -12,7 +12,9 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
   ``python -m lightning_dynpipe calibrate`` file), which prices the candidates;
   :class:`~lightning_dynpipe.repartition.policy.GainOverCostPolicy` migrates layers;
 * ``forest-shared``: ``forest`` with ``ForestPredictor(one_rank_refits=True)``: each refit runs on the process with
-  the most CPU to spare at the check and the others receive its forests; opt-in through ``--systems``;
+  the most CPU to spare at the check and the others receive its forests (the default ``"auto"`` does that only while
+  a process runs under a CPU limit); ``forest-every``: with ``one_rank_refits=False``, every rank fits every refit;
+  opt-in through ``--systems``;
 * ``forest-any``, ``forest-shared-any``: ``forest`` and ``forest-shared`` with ``ForestPredictor(refit_cores="any")``
   (the default): the refit process may run on every core, not only on its stage's pinned one; ``forest-own``,
   ``forest-shared-own``: with ``refit_cores="own"``, the stage's pinned core only; opt-in through ``--systems``;
@@ -208,6 +210,7 @@ SCENARIOS: tuple[str, ...] = (
 FOREST_SYSTEMS: dict[str, dict[str, bool | str]] = {
     "forest": {},
     "forest-shared": {"one_rank_refits": True},
+    "forest-every": {"one_rank_refits": False},
     "forest-any": {"refit_cores": "any"},
     "forest-shared-any": {"one_rank_refits": True, "refit_cores": "any"},
     "forest-own": {"refit_cores": "own"},
@@ -1215,6 +1218,57 @@ def render_check_outcomes(runs: Sequence[dict[str, Any]], *, markdown: bool = Fa
     return format_table(["scenario", "system", *CHECK_OUTCOMES], rows, markdown=markdown)
 
 
+def step_windows(runs: Sequence[dict[str, Any]], every: int) -> dict[tuple[str, str], dict[str, float]]:
+    """Per scenario and system (the cuts left out), the speed of each run between its monitor windows, from rank 0's
+    clock after the first window (``every`` steps, the runs' ``monitor_every``): its mean ms per step, the median and
+    the slowest window's ms per step, and the slowest over the median (a refit that takes CPU from a limited stage, a
+    migration's pause or a burst of other load shows as a slow window); each the median over seeds, the last also
+    the largest. A run with fewer than two windows after the first is left out."""
+    per: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r in runs:
+        if r["system"].startswith("cut") or not r.get("steps"):
+            continue
+        t = {c["step"]: c["t"] for c in r["steps"][-1]}
+        first = every + 1
+        starts = [s for s in range(first, max(t, default=0) - every + 1, every) if s in t and s + every in t]
+        if len(starts) < 2:
+            continue
+        windows = [(t[s + every] - t[s]) * 1e3 / every for s in starts]
+        last = starts[-1] + every
+        mean = (t[last] - t[first]) * 1e3 / (last - first)
+        per.setdefault((r["scenario"], r["system"]), []).append((mean, statistics.median(windows), max(windows)))
+    return {
+        key: {
+            "seeds": float(len(v)),
+            "ms_per_step": statistics.median(x[0] for x in v),
+            "median_window_ms": statistics.median(x[1] for x in v),
+            "slowest_window_ms": statistics.median(x[2] for x in v),
+            "slowest_over_median": statistics.median(x[2] / x[1] for x in v),
+            "slowest_over_median_max": max(x[2] / x[1] for x in v),
+        }
+        for key, v in per.items()
+    }
+
+
+def render_step_windows(runs: Sequence[dict[str, Any]], every: int, *, markdown: bool = False) -> str:
+    """:func:`step_windows` as a table."""
+    rows = [
+        [
+            scenario,
+            system,
+            str(int(e["seeds"])),
+            f"{e['ms_per_step']:.1f}",
+            f"{e['median_window_ms']:.1f}",
+            f"{e['slowest_window_ms']:.1f}",
+            f"{e['slowest_over_median']:.2f}x",
+            f"{e['slowest_over_median_max']:.2f}x",
+        ]
+        for (scenario, system), e in step_windows(runs, every).items()
+    ]
+    columns = ["ms/step", "median window", "slowest window", "slowest/median", "slowest/median, max"]
+    return format_table(["scenario", "system", "seeds", *columns], rows, markdown=markdown)
+
+
 PRICING_COLUMNS: tuple[str, ...] = (
     "checks",
     "running: median error",
@@ -1840,6 +1894,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print()
     print("the adaptive systems' checks, all seeds (see check_outcome):")
     print(render_check_outcomes(payload["runs"]))
+    print()
+    print(
+        f"ms per step after the first monitor window (step {cfg.monitor_every + 1} on, rank 0's clock), and per "
+        f"window of {cfg.monitor_every} steps: the median window, the slowest; medians over seeds (see step_windows):"
+    )
+    print(render_step_windows(payload["runs"], cfg.monitor_every))
     pricing = render_pricing(payload["runs"])
     if pricing.count("\n") > 1:
         print()
@@ -1861,6 +1921,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "table": render_table(summary, cfg, markdown=True),
         "targets": render_targets(summary, noise=cfg.noise),
         "checks": render_check_outcomes(payload["runs"], markdown=True),
+        "step_windows": render_step_windows(payload["runs"], cfg.monitor_every, markdown=True),
         "pricing": render_pricing(payload["runs"], markdown=True),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)  # a merge of --from-json files writes into --out-dir

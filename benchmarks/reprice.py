@@ -13,6 +13,13 @@ What it cannot show: the windows are those the recorded run saw, whatever the re
 decided (a predictor that would have moved elsewhere would have measured other windows); the pricing is compared,
 not the decisions.
 
+**The table's noise floor** (``--cuts-from OTHER.json``): the truth each price is scored against is one run of each
+cut, 60 steps in its own processes, and a second run of the same cut under the same scenario and seed measures
+another time. The pseudo-predictor ``the cuts run again`` prices every partition of every check at what ``OTHER``'s run
+of that cut measured (same scenario and seed; a check whose running partition ``OTHER`` did not run is left out). Its
+errors are what a predictor that knew every cut's time exactly as one run measures it would score: a predictor's
+error at or below that floor cannot be told from a perfect one's by this table.
+
 Predictors (``--predictors``):
 
 * ``measured``: :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`, the default predictor;
@@ -35,6 +42,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/reprice.py benchmarks/out/interference-<stamp>.json
     .venv/bin/python benchmarks/reprice.py RECORD.json --predictors measured,prior --systems forest
+    .venv/bin/python benchmarks/reprice.py RECORD.json --cuts-from OTHER.json  # the noise floor
 
 Outputs: the tables on stdout, ``benchmarks/out/reprice-<stamp>.json`` (machine, versions, commit, command, the
 record replayed and its commit, the replayed prices) and ``benchmarks/out/reprice-<stamp>.png`` (predicted
@@ -159,6 +167,34 @@ def replay(run: dict[str, Any], predictor: Any) -> list[dict[str, Any]]:
     return out
 
 
+def priced_by_cuts(
+    run: dict[str, Any], cuts: dict[tuple[str, int], dict[tuple[int, ...], float]]
+) -> list[dict[str, Any]] | None:
+    """Every check of ``run`` with each partition priced at what ``cuts`` (another record's
+    :func:`~benchmarks.interference.cut_steps`) measured for it under the run's scenario and seed, shaped as
+    :func:`replay`'s; the partitions those cuts lack are left out, and so is a check whose running partition they
+    lack. ``None`` where they hold nothing of the run's scenario and seed."""
+    known = cuts.get((run["scenario"], run["seed"]))
+    if not known:
+        return None
+    out = []
+    for d in run["decisions"]:
+        priced = d.get("priced") or []
+        if not priced or tuple(priced[0]["partition"]) not in known:
+            continue
+        out.append(
+            {
+                "step": d["step"],
+                "priced": [
+                    {"partition": list(p["partition"]), "step_s": s, "step_high_s": s}
+                    for p in priced
+                    if (s := known.get(tuple(p["partition"]))) is not None
+                ],
+            }
+        )
+    return out
+
+
 def self_check(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]]) -> float:
     """The largest relative difference between a recorded and a replayed price of the same partition at the same
     check (``nan`` where no partition is in both)."""
@@ -255,6 +291,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--systems", default=None, help="replay only these recorded systems' runs (comma-separated)")
     parser.add_argument("--out", type=Path, default=_OUT, help="folder of the result file and the plot")
+    parser.add_argument(
+        "--cuts-from",
+        type=Path,
+        default=None,
+        help="another interference.py result file with the same scenarios' cuts: also price every check at what its "
+        "runs of the cuts measured (the pseudo-predictor 'the cuts run again': the table's noise floor)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.predictors.split(",") if n]
     unknown = [n for n in names if n not in PREDICTORS]
@@ -297,6 +340,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "max_rel_diff": self_check(run["decisions"], again),
                     }
                 )
+    if args.cuts_from is not None:
+        again_cuts = cut_steps(json.loads(args.cuts_from.read_text(encoding="utf-8"))["runs"])
+        for run in todo:
+            priced = priced_by_cuts(run, again_cuts)
+            if priced is not None:
+                pseudo.append({**run, "system": f"the cuts run again ({run['system']} run)", "decisions": priced})
     cuts = [r for r in runs if r["system"].startswith("cut")]
     print(f"\nReplayed {len(todo)} runs x {len(names)} predictors in {time.perf_counter() - t0:.1f} s.\n")
     print("As recorded:")
@@ -314,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": command_line(),
         "record": str(args.record),
         "record_commit": record.get("machine", {}).get("git_commit"),
+        "cuts_from": None if args.cuts_from is None else str(args.cuts_from),
         "predictors": names,
         "self_check": checks,
         "pricing": {f"{s}|{p}": e for (s, p), e in pricing_errors([*pseudo, *cuts]).items()},

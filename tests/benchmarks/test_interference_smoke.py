@@ -394,3 +394,37 @@ def test_the_prices_of_each_check_are_set_against_the_cuts_run_fixed_under_the_s
     assert e["fastest_priced_fastest"] == pytest.approx(1.0)
     table = render_pricing(runs)
     assert all(c in table for c in PRICING_COLUMNS) and "+0.0%" in table and "20.0%" in table and "-1.0%" in table
+
+
+def test_a_slow_monitor_window_shows_against_the_median_window() -> None:
+    """``step_windows``: the speed after the first window, and its slowest window of ``every`` steps over the median
+    one; the cuts and a run too short for two windows are left out."""
+    from benchmarks.interference import render_step_windows, step_windows
+
+    def run(system: str, seed: int, ms: list[float]) -> dict[str, Any]:
+        t, clock = 0.0, []
+        for step, dt in enumerate(ms):
+            clock.append({"step": step, "t": t})
+            t += dt / 1e3
+        clock.append({"step": len(ms), "t": t})
+        return {"system": system, "scenario": "quota25", "seed": seed, "steps": [[], clock]}
+
+    steady = [50.0] * 51
+    refit = [50.0] * 21 + [150.0] * 10 + [50.0] * 20  # steps 21-30: three times as slow
+    runs = [
+        run("forest", 0, refit),
+        run("forest", 1, steady),
+        run("measured", 0, steady),
+        run("measured", 1, [50.0] * 15),  # one window after the first: left out
+        run("cut4,1", 0, refit),
+    ]
+    out = step_windows(runs, 10)
+    assert set(out) == {("quota25", "forest"), ("quota25", "measured")}
+    forest, measured = out[("quota25", "forest")], out[("quota25", "measured")]
+    assert forest["seeds"] == 2 and measured["seeds"] == 1
+    assert measured["ms_per_step"] == pytest.approx(50.0) and measured["slowest_over_median"] == pytest.approx(1.0)
+    assert forest["slowest_over_median_max"] == pytest.approx(3.0)  # seed 0's refit window
+    assert forest["slowest_over_median"] == pytest.approx(2.0)  # the median of 3x and 1x
+    assert forest["ms_per_step"] == pytest.approx((75.0 + 50.0) / 2)  # seed 0: (30 x 50 + 10 x 150) / 40 steps
+    table = render_step_windows(runs, 10)
+    assert "slowest/median" in table and "3.00x" in table

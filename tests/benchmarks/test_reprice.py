@@ -156,3 +156,41 @@ def test_a_calibrated_forest_run_is_replayed_from_the_rows_saved_beside_its_reco
     record.write_text(json.dumps(data))
     result = main([str(record), "--predictors", "forest-cal,prior", "--out", str(tmp_path)])
     assert list(result["pricing"]) == ["quota50|prior (forest-cal run)"] and result["self_check"] == []
+
+
+def test_the_cuts_of_another_run_price_the_checks_as_that_run_measured_them(tmp_path: Path) -> None:
+    """``--cuts-from``: the noise floor. Cuts that measured the same times score no error; cuts that all ran 10%
+    slower score 10% on each step but none on the speed-ups (the offset cancels); a check whose running partition
+    the other record did not run is left out."""
+    import json
+
+    data = _record()
+    record = tmp_path / "interference-a.json"
+    record.write_text(json.dumps(data))
+    same = tmp_path / "interference-b.json"
+    same.write_text(json.dumps(data))
+    result = main([str(record), "--predictors", "prior", "--cuts-from", str(same), "--out", str(tmp_path)])
+    floor = result["pricing"]["quota50|the cuts run again (measured run)"]
+    assert floor["checks"] == 6 and result["cuts_from"] == str(same)
+    assert floor["others_median_abs_error"] == pytest.approx(0.0, abs=1e-12)
+    assert floor["others_median_abs_speedup_error"] == pytest.approx(0.0, abs=1e-12)
+
+    slower = json.loads(json.dumps(data))
+    for r in slower["runs"]:
+        if r["system"].startswith("cut"):
+            r["steps"][1] = [{"step": c["step"], "t": c["t"] * 1.1} for c in r["steps"][1]]
+    other = tmp_path / "interference-c.json"
+    other.write_text(json.dumps(slower))
+    floor = main([str(record), "--predictors", "", "--cuts-from", str(other), "--out", str(tmp_path)])["pricing"][
+        "quota50|the cuts run again (measured run)"
+    ]
+    assert floor["others_median_abs_error"] == pytest.approx(0.1, rel=1e-9)
+    assert floor["others_median_abs_speedup_error"] == pytest.approx(0.0, abs=1e-12)
+
+    # the other record ran only [3, 1]: the checks under [2, 2] have no running price and are left out
+    slower["runs"] = [r for r in slower["runs"] if r["system"] in ("measured", "cut3,1")]
+    other.write_text(json.dumps(slower))
+    floor = main([str(record), "--predictors", "", "--cuts-from", str(other), "--out", str(tmp_path)])["pricing"][
+        "quota50|the cuts run again (measured run)"
+    ]
+    assert floor["checks"] == 3
