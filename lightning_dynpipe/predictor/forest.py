@@ -77,20 +77,25 @@ check without waiting for it:
 * used alone (no ``agreed_refit``), it switches ``adopt_after`` observations after the refit started, waiting for
   the refit there if it is still running (logged).
 
-**One rank refits** (``one_rank_refits=True``, opt-in). In a fit of several processes the strategy then calls
+**One rank refits** while a process of the fit runs under a CPU limit (``one_rank_refits="auto"``, the default;
+``True``: always). In a fit of several processes the strategy then calls
 :meth:`ForestPredictor.share_refits`: each refit runs on one rank, :attr:`ForestPredictor.refit_rank`, which the
 strategy sets at every check from the snapshot (every rank sees the same snapshot, so all name the same rank;
-:func:`~lightning_dynpipe.strategy.adaptation.spare_cpu_rank`): with the refits on any core (``refit_cores="any"``,
+:func:`~lightning_dynpipe.strategy.adaptation.refit_rank`; ``None``, every rank fits its own, under ``"auto"`` while no
+process reports a cgroup CPU limit): within a limit a refit's CPU is taken from the limit whatever its priority (on
+the CNN under a quarter-core quota on its last stage, the ten steps in which every rank refitted took 1.8-2.8x as long
+as the median ten, and over 300 steps the fit ran at 55.9 ms per step against 47.9 with one rank refitting:
+benchmarks/results/2026-12-08-refits-under-a-limit.md). The rank is
+:func:`~lightning_dynpipe.strategy.adaptation.spare_cpu_rank`: with the refits on any core (``refit_cores="any"``,
 the default), the process with the highest CPU limit, then the most spare CPU, so that a stage under a CPU limit
 refits only when every stage is limited (its refit process's CPU would come out of its limit); with the refits on
 their own cores, the process with the most spare CPU on its cores. The other ranks report the refit as finished, so
 the switch comes when the fitting rank's is done, at the same check on every rank as before, and at the switch every
 rank receives its forests in one broadcast on the monitor's CPU process group (:meth:`StageMonitor.broadcast_object
-<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere. By
-default every rank fits the same forest from the same rows: the same answer for ``S x R`` times the CPU, on cores
-the stages use, and on a limited stage out of its limit; yet on the 2-core benchmark machine the shared refits
-measured about 2% fewer samples/s than that (the cause not located) and no gain under a CPU quota, so they are not
-the default.
+<lightning_dynpipe.monitor.callback.StageMonitor.broadcast_object>`): byte for byte the same forests everywhere.
+Without a CPU limit every rank fits the same forest from the same rows (``one_rank_refits=False``: always): the same
+answer for ``S x R`` times the CPU, at the lowest priority in idle time, and no broadcast; on the 2-core benchmark
+machine without a limit the shared refits measured about 2% fewer samples/s than that (the cause not located).
 
 **Files.** :meth:`ForestPredictor.save` writes the training rows, the hyperparameters, the feature schema and the
 library versions to an ``.npz`` file (no pickle); :meth:`ForestPredictor.load` checks the schema and refits
@@ -439,7 +444,7 @@ class _Refit:
     result: _Pair | None = None
     done: bool = False
     remote: bool = False  # another rank fits it; this rank receives its forests at the switch
-    src: int = 0  # with shared refits, the rank that fits it
+    src: int | None = None  # with shared refits, the rank that fits it; None: every rank fits its own
 
 
 class ForestPredictor:
@@ -469,9 +474,12 @@ class ForestPredictor:
             ``refit_every`` windows.
         one_rank_refits: in a fit of several processes, run each refit on one rank only, the one with the most
             CPU to spare (with ``refit_cores="any"``, the highest CPU limit first), and send its forests to the
-            others (see "One rank refits" in the module). Off by default: on the 2-core benchmark machine it saved
-            the other ranks' refit CPU but measured about 2% fewer samples/s than every rank refitting
-            (benchmarks/results/2026-12-04-one-rank-refits.md).
+            others (see "One rank refits" in the module): ``"auto"`` (the default) while a process of the fit runs
+            under a cgroup CPU limit, whose quota a refit would spend (on the CNN under a quarter-core quota, 1.17x
+            the time per step with every rank refitting: benchmarks/results/2026-12-08-refits-under-a-limit.md),
+            every rank its own otherwise; ``True`` always (without a limit, on the 2-core benchmark machine, about
+            2% fewer samples/s than every rank refitting: benchmarks/results/2026-12-04-one-rank-refits.md);
+            ``False`` never.
         refit_cores: where the refit process may run: ``"own"``, the cores this process may use (a stage pinned
             to its core pins its refits too), or ``"any"``, every core the machine lets it use (a cgroup cpuset
             still applies). At the lowest priority a refit then runs in any core's idle time, such as what a CPU
@@ -506,7 +514,7 @@ class ForestPredictor:
         refit_every: int = 5,
         adopt_after: int = 2,
         refit_on: str = "miss",
-        one_rank_refits: bool = False,
+        one_rank_refits: bool | Literal["auto"] = "auto",
         refit_cores: Literal["own", "any"] = "any",
         anchored: bool = True,
         stratified: bool = True,
@@ -534,7 +542,13 @@ class ForestPredictor:
         self.refit_every = refit_every
         self.adopt_after = adopt_after
         self.refit_on = refit_on
-        self.one_rank_refits = bool(one_rank_refits)
+        if one_rank_refits not in (True, False, "auto"):
+            raise ConfigurationError(
+                f"ForestPredictor(one_rank_refits=...) takes True (one rank fits every refit), False (every rank fits "
+                f"its own) or 'auto' (one rank while a process of the fit runs under a CPU limit); got "
+                f"{one_rank_refits!r}."
+            )
+        self.one_rank_refits: bool | Literal["auto"] = one_rank_refits
         if refit_cores not in ("own", "any"):
             raise ConfigurationError(
                 f"ForestPredictor(refit_cores=...) takes 'own' (the refit process runs on this process's cores) or "
@@ -590,8 +604,9 @@ class ForestPredictor:
         self._refit_cpu_s = 0.0  # refits' CPU of closed refit processes and of refit threads
         self._rank: int | None = None  # this process's global rank when refits are shared
         self._broadcast: Callable[[Any, int], Any] | None = None
-        self.refit_rank = 0
-        """With shared refits (:meth:`share_refits`), the global rank that runs the next refit."""
+        self.refit_rank: int | None = 0
+        """With shared refits (:meth:`share_refits`), the global rank that runs the next refit; ``None``: every rank
+        runs its own (``one_rank_refits="auto"`` while no process of the fit runs under a CPU limit)."""
         self.share_s = 0.0
         """Seconds spent in the broadcasts of shared refits (:meth:`share_refits`), waits for the fitting rank
         included."""
@@ -801,7 +816,7 @@ class ForestPredictor:
     @property
     def fits_here(self) -> bool:
         """Whether the next refit runs on this rank (see :meth:`share_refits`)."""
-        return self._rank is None or self._rank == self.refit_rank
+        return self._rank is None or self.refit_rank is None or self._rank == self.refit_rank
 
     def _ensure_worker(self) -> RefitProcess | None:
         """The refit process (started if needed), or ``None`` when refits run in a thread."""
@@ -851,7 +866,7 @@ class ForestPredictor:
             except RuntimeError as exc:  # keep the current forest; the next refit tries again
                 log.error("DynPipe forest: a refit failed; the current forest stays in use: %s", exc)
                 self._close_worker()
-        if self._broadcast is not None:
+        if self._broadcast is not None and pending.src is not None:  # one rank fitted it: every rank receives it
             t0 = time.perf_counter()
             pending.result = self._broadcast(None if pending.remote else pending.result, pending.src)
             self.share_s += time.perf_counter() - t0
@@ -880,7 +895,7 @@ class ForestPredictor:
         self._since_refit = self._rows_since_refit = self._misses_since_refit = 0
         self._refits_started += 1
         refit = _Refit(adopt_at=self._observed + self.adopt_after, started=self._observed, number=self._refits_started)
-        refit.src = self.refit_rank
+        refit.src = self.refit_rank if self._rank is not None else None
         self._refit = refit
         if not self.fits_here:  # another rank fits it: nothing to copy, run or wait for here
             refit.remote = refit.done = True

@@ -128,9 +128,10 @@ class AdaptationWiring:
             if callable(ready):  # each rank's finished refit travels with its monitor report: the ranks agree
                 monitor.report_token = ready
             share = getattr(self.config.predictor, "share_refits", None)
-            wanted = bool(getattr(self.config.predictor, "one_rank_refits", False))
+            wanted = getattr(self.config.predictor, "one_rank_refits", False) in (True, "auto")
             if callable(share) and wanted and getattr(trainer, "world_size", 1) > 1:
-                # one rank refits (the one with CPU to spare at each check), the others receive its forests
+                # one rank refits (the one with CPU to spare at each check; "auto": only while a process runs under
+                # a CPU limit), the others receive its forests
                 share(rank=int(getattr(trainer, "global_rank", 0)), broadcast=monitor.broadcast_object)
                 self._shares_refits = True
             prepare = getattr(self.config.predictor, "prepare", None)
@@ -162,8 +163,11 @@ class AdaptationWiring:
         agreed = int(snapshot.agreed_token) if self.monitor is not None and self.monitor.report_token else None
         if self._shares_refits:
             predictor: Any = self.config.predictor
-            any_core = getattr(predictor, "refit_cores", "own") == "any"
-            predictor.refit_rank = spare_cpu_rank(snapshot, any_core=any_core)
+            predictor.refit_rank = refit_rank(
+                snapshot,
+                one_rank_refits=getattr(predictor, "one_rank_refits", True),
+                any_core=getattr(predictor, "refit_cores", "own") == "any",
+            )
         decision = self.controller.check(
             step,
             times,
@@ -264,6 +268,20 @@ class AdaptationWiring:
         if self._own_monitor is not None and self._own_monitor in callbacks:
             callbacks.remove(self._own_monitor)
         self.monitor = self._own_monitor = None
+
+
+def refit_rank(snapshot: PipelineSnapshot, *, one_rank_refits: bool | str, any_core: bool = False) -> int | None:
+    """The global rank that fits a forest's next refit, ``None`` for every rank its own
+    (:attr:`ForestPredictor.refit_rank <lightning_dynpipe.predictor.ForestPredictor.refit_rank>`), from the snapshot
+    every rank sees: with ``one_rank_refits=True`` always :func:`spare_cpu_rank`; with ``"auto"`` that rank while any
+    process of the fit runs under a cgroup CPU limit (``cpu_limit``), else ``None``. Within a limit a refit's CPU,
+    at whatever priority, is taken from the limit: on the CNN under a quarter-core quota on its last stage, the ten
+    steps in which both ranks refitted took 1.8-2.8x as long as the median ten."""
+    if one_rank_refits == "auto" and not any(
+        r.summary.cpu_limit is not None and math.isfinite(r.summary.cpu_limit) for r in snapshot.replicas
+    ):
+        return None
+    return spare_cpu_rank(snapshot, any_core=any_core)
 
 
 def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int:

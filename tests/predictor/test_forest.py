@@ -704,6 +704,71 @@ def test_with_shared_refits_one_rank_fits_and_every_rank_switches_to_its_forests
         ranks[1].share_refits(rank=1, broadcast=None)
 
 
+def test_with_shared_refits_and_no_refitting_rank_named_every_rank_fits_its_own_and_nothing_is_broadcast() -> None:
+    """``refit_rank = None`` (``one_rank_refits="auto"`` while no process runs under a CPU limit): each rank fits the
+    refit itself from the same rows, and the switch needs no broadcast; a refit started while a rank was named is
+    still received from it, whatever is named when it is adopted."""
+    ranks = [
+        ForestPredictor(n_estimators=8, min_samples=6, refit_every=3, buffer_size=40, refit_on="every")
+        for _ in range(2)
+    ]
+    calls: list[int] = []
+    sent: list[object] = []
+
+    def broadcast(rank: int) -> Any:
+        def send(obj: object, src: int) -> object:
+            calls.append(src)
+            if rank == src:
+                sent.append(obj)
+            return sent[-1]
+
+        return send
+
+    for r, f in enumerate(ranks):
+        f.refit_in_process = False  # threads: quick, and the same fit
+        f.share_refits(rank=r, broadcast=broadcast(r))
+    rng = np.random.default_rng(9)
+    env = sim.Env(quota=(0.5, None))
+
+    def step(named: int | None) -> None:
+        window = sim.window(COST, PARTS[3], env, M, rng)
+        agreed = min(f.ready_refit() for f in ranks)
+        pending = ranks[0]._refit
+        first = pending.src if pending is not None and pending.src is not None else named
+        for f in sorted(ranks, key=lambda f: f._rank != first):  # a fitting rank first (see broadcast)
+            f.refit_rank = named
+            f.observe(COST, sim.LINK, window, agreed_refit=agreed)
+        time.sleep(0.02)
+
+    deadline = time.monotonic() + 60.0
+    while ranks[0].refits < 2 and time.monotonic() < deadline:
+        step(None)
+    assert ranks[0].refits == ranks[1].refits >= 2 and not calls
+    assert ranks[0].refits_fitted >= 2 and ranks[1].refits_fitted >= 2
+    window = sim.window(COST, PARTS[3], env, M, rng)
+    answers = [f.predict_many(COST, sim.LINK, window, PARTS) for f in ranks]
+    assert answers[0] == answers[1]
+    for f in ranks:  # no new refit until the one in flight has switched
+        f.refit_every = 1 << 30
+    while ranks[0]._refit is not None and time.monotonic() < deadline:
+        step(None)
+    # rank 1 named: the next refit runs there only and is received by both at the switch
+    fitted, refits = [f.refits_fitted for f in ranks], ranks[0].refits
+    for f in ranks:
+        f.refit_every = 1
+    step(1)
+    for f in ranks:
+        f.refit_every = 1 << 30
+    assert ranks[0]._refit is not None and ranks[0]._refit.src == 1 and ranks[1]._refit is not None
+    assert ranks[0]._refit.remote and not ranks[1]._refit.remote
+    while ranks[0].refits == refits and time.monotonic() < deadline:
+        step(None)
+    assert calls and set(calls) == {1} and ranks[0].refits == ranks[1].refits == refits + 1
+    assert ranks[0].refits_fitted == fitted[0] and ranks[1].refits_fitted == fitted[1] + 1
+    for f in ranks:
+        f.close()
+
+
 def test_refits_run_in_a_child_process_that_fits_the_same_forest_and_close_ends() -> None:
     """A refit thread shares the training thread's GIL (and stalled it on a contended core): refits run in a child
     process, which fits the same forest as this process would, and close() ends it and removes its files."""

@@ -12,7 +12,7 @@ import pytest
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.stats import StageReport, StageSample, StageSummary
 from lightning_dynpipe.plan.partition import Partition
-from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring, spare_cpu_rank
+from lightning_dynpipe.strategy.adaptation import MIN_SAMPLES, AdaptationWiring, refit_rank, spare_cpu_rank
 from lightning_dynpipe.strategy.config import DynPipeConfig
 
 
@@ -162,7 +162,7 @@ def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spa
     from lightning_dynpipe.monitor.callback import StageMonitor
     from lightning_dynpipe.predictor import ForestPredictor
 
-    every = ForestPredictor(n_estimators=8)  # the default: every rank fits every refit
+    every = ForestPredictor(n_estimators=8, one_rank_refits=False)  # every rank fits every refit
     wiring, trainer = _attached(DynPipeConfig.from_arguments(predictor=every), world_size=2, global_rank=1)
     wiring.detach(trainer)  # type: ignore[arg-type]
     assert every._rank is None and every._broadcast is None and every.fits_here
@@ -194,6 +194,63 @@ def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spa
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
     assert forest.fits_here and forest._broadcast is None  # a later fit in one process refits on its own
+
+
+def test_by_default_one_rank_refits_only_while_a_process_of_the_fit_runs_under_a_cpu_limit() -> None:
+    """``one_rank_refits="auto"`` (the default): every rank fits its own refits (no broadcast at the switch) until a
+    snapshot shows a process under a CPU limit, whose refits would spend its quota; then the rank with the highest
+    limit fits them, as with ``True``, and back when the limit is gone."""
+    from lightning_dynpipe.predictor import ForestPredictor
+
+    forest = ForestPredictor(n_estimators=8)
+    assert forest.one_rank_refits == "auto"
+    wiring, trainer = _attached(
+        DynPipeConfig.from_arguments(predictor=forest),
+        world_size=2,
+        global_rank=1,
+        global_step=40,
+        estimated_stepping_batches=100,
+    )
+    try:
+        monitor = trainer.callbacks[0]
+        assert forest._broadcast == monitor.broadcast_object and forest._rank == 1
+        free = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+        limited = dataclasses.replace(free, cpu_limit=0.25)
+
+        def snapshot(last: StageSummary) -> Any:
+            return SimpleNamespace(
+                stages=[free, last],
+                replicas=[StageReport(0, 0, free, rank=1), StageReport(0, 1, last, rank=0)],
+                agreed_token=0.0,
+                step=40,
+            )
+
+        wiring.controller = _Controller()  # type: ignore[assignment]
+        for last, rank in ((free, None), (limited, 1), (free, None)):
+            wiring.on_snapshot(snapshot(last), trainer)  # type: ignore[arg-type]
+            assert forest.refit_rank == rank and forest.fits_here
+    finally:
+        wiring.detach(trainer)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="one_rank_refits"):
+        ForestPredictor(one_rank_refits="yes")  # type: ignore[arg-type]
+
+
+def test_the_refitting_rank_is_every_rank_without_a_cpu_limit_under_auto_and_the_spare_one_otherwise() -> None:
+    base = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+
+    def snap(*summaries: StageSummary) -> Any:
+        return SimpleNamespace(replicas=[StageReport(0, k, s, rank=k) for k, s in enumerate(summaries)])
+
+    def with_(**kw: Any) -> StageSummary:
+        return dataclasses.replace(base, **kw)
+
+    assert refit_rank(snap(base, base), one_rank_refits="auto") is None
+    assert refit_rank(snap(with_(cpu_limit=float("inf")), base), one_rank_refits="auto") is None  # no limit read
+    assert refit_rank(snap(with_(cpu_limit=0.25, cpu_share=0.2), base), one_rank_refits="auto", any_core=True) == 1
+    # every process under one container's limit: one rank's refits spend the shared limit once, not once per rank
+    assert refit_rank(snap(with_(cpu_limit=4.0), with_(cpu_limit=4.0)), one_rank_refits="auto") == 0
+    assert refit_rank(snap(base, base), one_rank_refits=True) == 0
+    assert refit_rank(snap(with_(cpu_share=0.95), with_(cpu_share=0.6)), one_rank_refits=True) == 1
 
 
 def test_the_rank_with_spare_cpu_is_the_one_whose_limit_leaves_the_most_over_its_use_and_other_load() -> None:
