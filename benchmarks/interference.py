@@ -39,6 +39,8 @@ windows' bytes predicted exactly), in a 2-stage pipeline on CPU, from the same i
 * ``measured-norecall``: ``measured`` with the policy's recall off (``GainOverCostPolicy(recall_steps=0)``: no move
   back to a partition measured faster under the same conditions, no averaging over conditions that come and go);
   opt-in through ``--systems``;
+* ``measured-nomsg``: ``measured`` with ``MeasuredSlowdownPredictor(message_cpu=False)``: a limited stage's CPU is
+  not changed by the bytes its boundaries carry; opt-in through ``--systems``;
 * ``measured-window``: ``measured`` with each window's slowdowns relative to that window alone
   (``MeasuredSlowdownPredictor(remember=0)``: a hog on the least slowed stage reads as no slowdown); opt-in through
   ``--systems``;
@@ -235,6 +237,7 @@ ALL_SYSTEMS: tuple[str, ...] = (
     "measured-beta",
     "measured-depth",
     "measured-norecall",
+    "measured-nomsg",
     "measured-window",
     "measured-1s",
     "measured-checks",
@@ -541,6 +544,8 @@ def system_config(system: str, cfg: Config) -> tuple[Any, Any]:
         return True, "measured"
     if system == "measured-norecall":
         return GainOverCostPolicy(recall_steps=0), "measured"
+    if system == "measured-nomsg":
+        return True, MeasuredSlowdownPredictor(message_cpu=False)
     if system == "measured-window":
         return True, MeasuredSlowdownPredictor(remember=0)
     if system == "measured-checks":

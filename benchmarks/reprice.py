@@ -23,6 +23,8 @@ error at or below that floor cannot be told from a perfect one's by this table.
 Predictors (``--predictors``):
 
 * ``measured``: :class:`~lightning_dynpipe.predictor.MeasuredSlowdownPredictor`, the default predictor;
+* ``measured-nomsg``: the same with ``message_cpu=False`` (a limited stage's CPU not changed by the bytes at its
+  boundaries);
 * ``prior``: an untrained :class:`~lightning_dynpipe.predictor.ForestPredictor`, its analytic prior alone;
 * ``forest``: a :class:`~lightning_dynpipe.predictor.ForestPredictor` learning from the replayed windows as it would
   in the run (refits in its refit process, each adopted ``adopt_after`` windows after it started);
@@ -52,6 +54,7 @@ against measured speed-up of every partition priced, per scenario and predictor)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -91,6 +94,7 @@ def _calibrated(run: dict[str, Any], **options: Any) -> ForestPredictor | None:
 
 PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "measured": lambda run: MeasuredSlowdownPredictor(),
+    "measured-nomsg": lambda run: MeasuredSlowdownPredictor(message_cpu=False),
     "prior": _prior,
     "forest": lambda run: ForestPredictor(),
     "forest-cal": _calibrated,
@@ -102,6 +106,7 @@ PREDICTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 _OWN = {
     "measured": ("measured",),
+    "measured-nomsg": ("measured-nomsg",),
     "forest": LEARNING_ONLINE,
     "forest-cal": ("forest-cal", "forest-cal-gain5"),
 }
@@ -118,12 +123,17 @@ class _Keep:
         pass
 
 
-def controller_for(setup: dict[str, Any], predictor: Any) -> AdaptiveController:
-    """A fresh controller priced as the recorded one was (its profile, link, schedule, micro-batches, replicas)."""
+def controller_for(setup: dict[str, Any], predictor: Any, cpu_s_per_byte: float | None = None) -> AdaptiveController:
+    """A fresh controller priced as the recorded one was (its profile, link, schedule, micro-batches, replicas);
+    ``cpu_s_per_byte``: the link's CPU per message byte instead of the recorded one (a record from before the probe
+    measured it has none)."""
+    comm = CommModel(**setup["comm"])
+    if cpu_s_per_byte is not None:
+        comm = dataclasses.replace(comm, cpu_s_per_byte=cpu_s_per_byte)
     return AdaptiveController(
         _Keep(),
         model_cost=ModelCost(tuple(LayerCost(**layer) for layer in setup["layers"])),
-        comm=CommModel(**setup["comm"]),
+        comm=comm,
         schedule=setup["schedule"],
         num_microbatches=int(setup["num_microbatches"]),
         replicas=int(setup["replicas"]),
@@ -133,10 +143,10 @@ def controller_for(setup: dict[str, Any], predictor: Any) -> AdaptiveController:
     )
 
 
-def replay(run: dict[str, Any], predictor: Any) -> list[dict[str, Any]]:
+def replay(run: dict[str, Any], predictor: Any, cpu_s_per_byte: float | None = None) -> list[dict[str, Any]]:
     """Every check of ``run`` priced again by ``predictor``: per check, ``{"step", "priced"}`` shaped as the record's
-    (the running partition first)."""
-    controller = controller_for(run["setup"], predictor)
+    (the running partition first); ``cpu_s_per_byte``: see :func:`controller_for`."""
+    controller = controller_for(run["setup"], predictor, cpu_s_per_byte)
     fields = set(StageTimes.__dataclass_fields__)
     out = []
     try:
@@ -292,6 +302,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--systems", default=None, help="replay only these recorded systems' runs (comma-separated)")
     parser.add_argument("--out", type=Path, default=_OUT, help="folder of the result file and the plot")
     parser.add_argument(
+        "--cpu-ns-per-byte",
+        type=float,
+        default=None,
+        help="price with this CPU per message byte (ns) instead of the link's recorded cpu_s_per_byte (records from "
+        "before the probe measured it have 0)",
+    )
+    parser.add_argument(
         "--cuts-from",
         type=Path,
         default=None,
@@ -328,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             predictor = PREDICTORS[name](run)
             if predictor is None:
                 continue
-            again = replay(run, predictor)
+            again = replay(run, predictor, None if args.cpu_ns_per_byte is None else args.cpu_ns_per_byte * 1e-9)
             label = f"{name} ({run['system']} run)"
             pseudo.append({**run, "system": label, "decisions": again})
             if run["system"] in _OWN.get(name, ()):
@@ -364,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "record": str(args.record),
         "record_commit": record.get("machine", {}).get("git_commit"),
         "cuts_from": None if args.cuts_from is None else str(args.cuts_from),
+        "cpu_ns_per_byte": args.cpu_ns_per_byte,
         "predictors": names,
         "self_check": checks,
         "pricing": {f"{s}|{p}": e for (s, p), e in pricing_errors([*pseudo, *cuts]).items()},

@@ -45,8 +45,12 @@ def probe_p2p(
         bandwidth = sizes[1] / (median(large round trip) / 2 - latency)
 
     (if the large transfer is not slower than the latency, the bandwidth is ``sizes[1]`` over its one-way
-    time, a lower bound). The initiator sends its result to the peer through ``group`` as a tensor, so both
-    ranks return the identical :class:`~lightning_dynpipe.plan.costs.CommModel`; ``overlap`` is 0.
+    time, a lower bound). On CPU buffers (gloo) it also measures the initiator's process CPU (all its threads) per
+    round trip of each size: the large round trip's excess over the small one, over the two messages of
+    ``sizes[1] - sizes[0]`` bytes it sent and received, is ``cpu_s_per_byte`` (0 on CUDA, where the copies are
+    the GPU's and a synchronising receive spins the CPU). The initiator sends its result to the peer through
+    ``group`` as a tensor, so both ranks return the identical :class:`~lightning_dynpipe.plan.costs.CommModel`;
+    ``overlap`` is 0.
 
     It uses point-to-point operations only, so the group may hold other ranks that do not take part. Before
     timing, the two ranks exchange their ``sizes`` and ``repeats`` and both raise if they differ (rather
@@ -131,43 +135,50 @@ def probe_p2p(
         )
 
     round_trips: list[list[float]] = []
+    cpu_per_round_trip: list[float] = []
     for nbytes in (small, large):
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         times: list[float] = []
+        cpu_s = 0.0
         for i in range(_WARMUP_ROUND_TRIPS + repeats):
             if initiator:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 send(buf)
                 recv(buf)
                 if i >= _WARMUP_ROUND_TRIPS:
                     times.append(time.perf_counter() - t0)
+                    cpu_s += time.process_time() - c0
             else:
                 recv(buf)
                 send(buf)
         round_trips.append(times)
+        cpu_per_round_trip.append(cpu_s / repeats)
 
-    result = torch.zeros(2, dtype=torch.float64, device=device)
+    result = torch.zeros(3, dtype=torch.float64, device=device)
     if initiator:
         latency = statistics.median(round_trips[0]) / 2
         one_way = statistics.median(round_trips[1]) / 2
         payload_s = one_way - latency if one_way > latency else one_way
         result[0], result[1] = latency, large / payload_s
+        if device.type == "cpu":
+            result[2] = max(cpu_per_round_trip[1] - cpu_per_round_trip[0], 0.0) / (2 * (large - small))
         send(result)
     else:
         recv(result)
-    latency_s, bandwidth_Bps = (float(v) for v in result.tolist())
+    latency_s, bandwidth_Bps, cpu_s_per_byte = (float(v) for v in result.tolist())
     if not (latency_s > 0 and bandwidth_Bps > 0):
         raise CommunicationError(
             f"probe_p2p measured latency {latency_s!r} s and bandwidth {bandwidth_Bps!r} B/s between ranks {rank} "
             f"and {peer}; both must be positive. The clock may be too coarse: raise sizes[1] or repeats."
         )
-    comm = CommModel(latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
+    comm = CommModel(latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, cpu_s_per_byte=cpu_s_per_byte)
     log.debug(
-        "P2P probe rank %d <-> %d: latency %.1f us, bandwidth %.3f GB/s",
+        "P2P probe rank %d <-> %d: latency %.1f us, bandwidth %.3f GB/s, %.3f ns of CPU per byte",
         rank,
         peer,
         latency_s * 1e6,
         bandwidth_Bps / 1e9,
+        cpu_s_per_byte * 1e9,
     )
     return comm
 

@@ -358,15 +358,25 @@ class CommModel:
             compute, as measured by the runtime. Either one number for every boundary, or a tuple with one
             entry per possible cut (``num_layers - 1`` entries; entry ``l`` is the cut after layer ``l``).
             The default 0 charges every transfer in full: overlap must be measured, not assumed.
+        cpu_s_per_byte: CPU seconds a process spends per byte of a message it sends or receives (its side of the
+            copies through the transport), measured by the set-up probe where the messages go through the CPU
+            (gloo); 0: not measured. A stage under a CPU limit pays it out of its limit, so a cut with a larger
+            activation at the limited stage's boundary costs it more
+            (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`).
     """
 
     latency_s: float = 0.0
     bandwidth_Bps: float = math.inf
     overlap: float | tuple[float, ...] = 0.0
+    cpu_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ConfigurationError(f"CommModel.latency_s must be finite and >= 0; got {self.latency_s!r}.")
+        if not (math.isfinite(self.cpu_s_per_byte) and self.cpu_s_per_byte >= 0):
+            raise ConfigurationError(
+                f"CommModel.cpu_s_per_byte must be finite and >= 0 (0: not measured); got {self.cpu_s_per_byte!r}."
+            )
         if not self.bandwidth_Bps > 0:
             raise ConfigurationError(
                 f"CommModel.bandwidth_Bps must be > 0 (math.inf for free transfers); got {self.bandwidth_Bps!r}."

@@ -21,7 +21,8 @@ The forest predicts the **residual** over an analytic prior, as a log ratio:
   measured compute over the profile of the layers it held plus ``fixed`` (:func:`prior_slowdowns` without it), at least
   ``1/q`` under a CPU limit of ``q`` cores, and there at least all the stage's measured CPU per step over ``q``,
   with the layers it gains or gives away priced by their profile (the framework's CPU around the layers stays with
-  the process: :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where that floor applies, the
+  the process, but for its messages' copies, which follow the bytes at its boundaries:
+  :func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`). Where that floor applies, the
   slowdown is taken from the layers' forward+backward time, not from the CPU over the limit, which the floor
   already holds: a stage left with a small layer spends most of its CPU around it, and that CPU read as a stretch
   would multiply every layer it receives. Where the predictor has seen the
@@ -180,7 +181,7 @@ class FeatureSchema:
         )
 
 
-FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 7, STAGE_FEATURES, BOUNDARY_FEATURES)
+FEATURE_SCHEMA = FeatureSchema("dynpipe-interference", 8, STAGE_FEATURES, BOUNDARY_FEATURES)
 """The schema this version builds (2: the working set counts what a micro-batch keeps for the backward, not only the
 layers' outputs; 3: a CPU-limited stage's prior keeps the CPU its process spends around its layers, and a boundary
 beside a limited stage is measured on its other side; 4: a stage's prior carries what it read quiet as a fixed cost,
@@ -190,7 +191,8 @@ that competes for its cores under no CPU limit is floored like a limited one at 
 and a boundary beside such a stage is the lower of its two sides' readings; 6: a stage's prior, without a quiet
 reading, stretches its layers' profile plus the pipeline's fixed cost per micro-batch and stage measured by the
 calibration sweep, and ``fixed_share`` says how much of the prior that is; 7: where a CPU floor prices a stage, its
-stretch comes from its layers' forward+backward time, not from its CPU over the limit)."""
+stretch comes from its layers' forward+backward time, not from its CPU over the limit; 8: where a CPU floor prices a
+stage, the bytes its boundaries carry change its CPU at the link's ``cpu_s_per_byte``)."""
 
 
 class QuietReadings(Protocol):
@@ -369,22 +371,30 @@ def stage_priors(
     candidate: Partition,
     quiet: QuietReadings | None = None,
     fixed_s: float = 0.0,
+    message_cpu_s_per_byte: float = 0.0,
 ) -> FloatArray:
     """Per stage of ``candidate``, the analytic prior of its compute per micro-batch (seconds): its layers' profile
     plus ``fixed_s`` (:func:`estimate_fixed_s`), stretched as the stage's reading stretches its own, with what the
     stage read quiet carried as a fixed cost instead where ``quiet`` holds such a reading (see
     :func:`_stage_parts`), and under a CPU limit no less than all the stage's CPU per step over the limit, the layers
-    it gains or gives away priced by their profile
+    it gains or gives away priced by their profile and its messages by their bytes at ``message_cpu_s_per_byte``
     (:func:`~lightning_dynpipe.predictor.measured.cpu_limited_floors`)."""
     check_same_pipeline(window, candidate)
-    return _priors(model_cost, window, candidate, _stage_parts(model_cost, window, quiet, fixed_s))
+    parts = _stage_parts(model_cost, window, quiet, fixed_s)
+    return _priors(model_cost, window, candidate, parts, message_cpu_s_per_byte)
 
 
 def _priors(
-    model_cost: ModelCost, window: PipelineWindow, candidate: Partition, parts: list[tuple[float, float]]
+    model_cost: ModelCost,
+    window: PipelineWindow,
+    candidate: Partition,
+    parts: list[tuple[float, float]],
+    message_cpu_s_per_byte: float = 0.0,
 ) -> FloatArray:
     """:func:`stage_priors` from the window's :func:`_stage_parts`."""
-    floors = cpu_limited_floors(model_cost, window, candidate, seconds=True)
+    floors = cpu_limited_floors(
+        model_cost, window, candidate, seconds=True, message_cpu_s_per_byte=message_cpu_s_per_byte
+    )
     return np.asarray(
         [
             max(stretch * (_profile_s(model_cost, candidate, k) + fixed), floors[k] or 0.0)
@@ -399,14 +409,15 @@ def stage_rows(
     candidate: Partition,
     quiet: QuietReadings | None = None,
     fixed_s: float = 0.0,
+    message_cpu_s_per_byte: float = 0.0,
 ) -> FloatArray:
     """One row of :data:`STAGE_FEATURES` per stage of ``candidate``, shape ``(S, len(STAGE_FEATURES))``, with the
-    priors of :func:`stage_priors` under the same ``quiet`` readings and ``fixed_s``."""
+    priors of :func:`stage_priors` under the same ``quiet`` readings, ``fixed_s`` and ``message_cpu_s_per_byte``."""
     check_same_pipeline(window, candidate)
     M = window.num_microbatches
     slow = measured_slowdowns(model_cost, window.partition, window.stages, M)
     parts = _stage_parts(model_cost, window, quiet, fixed_s)
-    priors = _priors(model_cost, window, candidate, parts)
+    priors = _priors(model_cost, window, candidate, parts, message_cpu_s_per_byte)
     rows = []
     for k, t in enumerate(window.stages):
         measured_profile = _profile_s(model_cost, window.partition, k)
@@ -640,8 +651,8 @@ def samples_from_windows(
     prediction from ``before`` used).
     """
     cand = after.partition
-    sx = stage_rows(model_cost, before, cand, quiet, fixed_s)
-    prior = stage_priors(model_cost, before, cand, quiet, fixed_s)
+    sx = stage_rows(model_cost, before, cand, quiet, fixed_s, comm.cpu_s_per_byte)
+    prior = stage_priors(model_cost, before, cand, quiet, fixed_s, comm.cpu_s_per_byte)
     measured = np.asarray([effective_compute_s(t) / after.num_microbatches for t in after.stages])
     keep = (prior > _FLOOR_S) & (measured > _FLOOR_S)
     sy = np.log(np.where(keep, measured, 1.0) / np.where(keep, prior, 1.0))

@@ -956,8 +956,9 @@ class ForestPredictor:
         quiet = self._readings(model_cost)
         # the window's own partition is priced too: its residuals are what the forest gets wrong about it now
         priced = [window.partition, *candidates]
-        sx = np.concatenate([stage_rows(model_cost, window, c, quiet, self.fixed_s) for c in priced])
-        sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s) for c in priced])
+        msg = comm.cpu_s_per_byte
+        sx = np.concatenate([stage_rows(model_cost, window, c, quiet, self.fixed_s, msg) for c in priced])
+        sp = np.concatenate([stage_priors(model_cost, window, c, quiet, self.fixed_s, msg) for c in priced])
         bx = np.concatenate([boundary_rows(model_cost, comm, window, c) for c in priced])
         bp = np.concatenate([boundary_priors(model_cost, comm, window, c) for c in priced])
         s_val, s_lo, s_hi = _residuals(self._stage, sx[:, self._stage_cols], _layer_sets(sx), _strata(sx))

@@ -23,7 +23,8 @@ one-size rule below, after the boundary had measured two), and answers the
   the controller prices in full) then hid the move to the smallest activation in some runs.
 
 With several boundaries, the one slowed most (measured over modelled) sets the model: the planner prices every
-boundary with one link.
+boundary with one link. A re-fitted model keeps the set-up model's ``cpu_s_per_byte``: the CPU a process spends on
+a message's copies belongs to the transport on this host, not to the link's delay.
 
 Pure: no torch.
 """
@@ -112,13 +113,19 @@ class LinkEstimate:
         fitted = _line([pt for pt in [*worst, *older] if self._slowed(*pt) > 1.0])
         if fitted is not None:
             latency, per_byte = fitted
-            return CommModel(latency_s=latency, bandwidth_Bps=1.0 / per_byte if per_byte > 0 else math.inf)
+            return CommModel(
+                latency_s=latency,
+                bandwidth_Bps=1.0 / per_byte if per_byte > 0 else math.inf,
+                cpu_s_per_byte=self.base.cpu_s_per_byte,
+            )
         nbytes, seconds = worst[-1]
         excess = seconds - self.base.latency_s
         if math.isinf(worst_ratio) or nbytes <= 0 or excess <= 0:  # nothing to charge per byte: all latency
-            return CommModel(latency_s=seconds, bandwidth_Bps=math.inf)
+            return CommModel(latency_s=seconds, bandwidth_Bps=math.inf, cpu_s_per_byte=self.base.cpu_s_per_byte)
         # one size: the probe's latency, and the rest of the measured time charged per byte
-        return CommModel(latency_s=self.base.latency_s, bandwidth_Bps=nbytes / excess)
+        return CommModel(
+            latency_s=self.base.latency_s, bandwidth_Bps=nbytes / excess, cpu_s_per_byte=self.base.cpu_s_per_byte
+        )
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:

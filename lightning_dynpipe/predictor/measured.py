@@ -44,7 +44,14 @@ layers that is most of its CPU. So where the window measured the stage's CPU per
 stage under a limit of ``q`` cores is predicted at no less than ``(other + M * layers) / q`` per step: ``layers``
 the candidate's layers' profile, ``other`` the measured CPU per step less the profile of the layers (and updates)
 it ran, both in the profile's units (the measured CPU over the least slowed stage's speed against its profile).
-The layers moved in or out change the stage's CPU by their profile; the rest stays with the process.
+The layers moved in or out change the stage's CPU by their profile; the rest stays with the process, except its
+messages' copies: where the set-up probe measured the CPU a process spends per byte of a message
+(:attr:`CommModel.cpu_s_per_byte <lightning_dynpipe.plan.costs.CommModel>`; gloo), a candidate whose boundaries
+next to the stage carry other activations changes the stage's CPU by that many bytes (per micro-batch, each
+boundary's activation one way and its gradient the other). On the CNN under a quarter-core quota on its last
+stage, the move from ``[4, 1]`` (an 8 KB activation at the boundary) to ``[2, 3]`` (400 KB) was priced 14% too fast
+without it (``message_cpu=False``); the limited stage's CPU besides its layers grew by about 2 ns per byte of its
+messages, of which the probe measures gloo's part, 0.15-0.29 ns (benchmarks/results/2026-12-08-refits-under-a-limit.md).
 
 **The CPU a stage beside another process gets.** Another process busy on a stage's core (a co-located job's CPU
 hog) takes a share of the core, and everything the stage does per step runs at the share it is left, its updates
@@ -75,7 +82,7 @@ from lightning_dynpipe.predictor.base import (
     cpu_contended,
 )
 
-__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns", "quiet_split"]
+__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns", "message_bytes", "quiet_split"]
 
 
 def measured_slowdowns(
@@ -166,12 +173,16 @@ def cpu_limited_floors(
     *,
     seconds: bool = False,
     reference: float | None = None,
+    message_cpu_s_per_byte: float = 0.0,
 ) -> tuple[float | None, ...]:
     """Per stage of ``candidate``, the least compute per micro-batch the CPU it gets allows, in the profile's units
     (the module's "CPU a limited stage spends besides its layers" and "CPU a stage beside another process gets";
     ``seconds=True``: in seconds at the machine's present speed, the least slowed stage's measured compute over its
     profile, or ``reference`` where lower, as in :func:`measured_slowdowns`); ``None`` for a stage without a measured
     CPU per step, or under no limit below one core and not competing for its cores (or not measurably slowed by it).
+    ``message_cpu_s_per_byte``: the CPU a process spends per byte of a message it sends or receives; the bytes the
+    candidate's boundaries next to a stage carry beyond those of the window's partition (per micro-batch an
+    activation and its gradient per boundary) add that CPU to the stage's.
 
     Example (the profile: 1 ms per layer; the unlimited stage runs at its profile; the limited one, a quarter of a
     core, used 5 ms of CPU per step of 2 micro-batches, of which its layers 2 ms)::
@@ -202,11 +213,31 @@ def cpu_limited_floors(
             continue
         ran = window.partition.stage_layers(k)
         own = M * model_cost.compute_s(ran.start, ran.stop) + t.num_updates * model_cost.update_s(ran.start, ran.stop)
-        other = max(0.0, t.cpu_s / base - own)
+        moved = message_bytes(model_cost, candidate, k) - message_bytes(model_cost, window.partition, k)
+        other = max(0.0, (t.cpu_s + M * moved * message_cpu_s_per_byte) / base - own)
         layers = candidate.stage_layers(k)
         floor = (other / M + model_cost.compute_s(layers.start, layers.stop)) / q
         floors.append(floor * base if seconds else floor)
     return tuple(floors)
+
+
+def message_bytes(model_cost: ModelCost, partition: Partition, stage: int) -> int:
+    """The bytes stage ``stage`` of ``partition`` sends and receives per micro-batch: per boundary next to it, the
+    activation that crosses it one way and its gradient (as large) the other.
+
+    Example::
+
+        >>> cost = ModelCost.from_arrays([1.0] * 3, [1.0] * 3, activation_bytes=[100, 10, 1])
+        >>> [message_bytes(cost, Partition((1, 1, 1)), k) for k in range(3)]
+        [200, 220, 20]
+    """
+    S = partition.num_stages
+    out = 0
+    if stage > 0:
+        out += 2 * model_cost.layers[partition.stage_layers(stage - 1)[-1]].activation_bytes
+    if stage < S - 1:
+        out += 2 * model_cost.layers[partition.stage_layers(stage)[-1]].activation_bytes
+    return out
 
 
 def _cpu_obtained(times: StageTimes, contended: bool) -> float | None:
@@ -252,9 +283,14 @@ class MeasuredSlowdownPredictor:
         fixed_costs: carry what a stage reads over the pipeline's speed while it shows no sign of interference as a
             fixed cost per micro-batch (see the module docstring); ``False``: as a stretch of every layer it would
             hold. Needs ``remember >= 1``.
+        message_cpu: price the CPU a limited stage's messages cost by their bytes (``CommModel.cpu_s_per_byte``;
+            see the module docstring); ``False``: the CPU it measured around its layers stays the same whatever its
+            boundaries carry.
     """
 
-    def __init__(self, remember: int = 3, tolerance: float = 0.1, fixed_costs: bool = True) -> None:
+    def __init__(
+        self, remember: int = 3, tolerance: float = 0.1, fixed_costs: bool = True, message_cpu: bool = True
+    ) -> None:
         if isinstance(remember, bool) or not isinstance(remember, int) or remember < 0:
             raise ConfigurationError(
                 f"MeasuredSlowdownPredictor(remember=...) takes a whole number of windows >= 0; got {remember!r}. "
@@ -270,9 +306,14 @@ class MeasuredSlowdownPredictor:
             raise ConfigurationError(
                 f"MeasuredSlowdownPredictor(fixed_costs=...) takes True or False; got {fixed_costs!r}."
             )
+        if not isinstance(message_cpu, bool):
+            raise ConfigurationError(
+                f"MeasuredSlowdownPredictor(message_cpu=...) takes True or False; got {message_cpu!r}."
+            )
         self.remember = remember
         self.tolerance = float(tolerance)
         self.fixed_costs = fixed_costs
+        self.message_cpu = message_cpu
         self._cost: ModelCost | None = None
         self._least: list[float] = []
         # per (stage, first layer, end layer): the lowest ratios the stage measured holding those layers, in windows
@@ -331,7 +372,14 @@ class MeasuredSlowdownPredictor:
         ratios = _ratios(model_cost, window.partition, window.stages, window.num_microbatches)
         base = _base(ratios, reference)
         slowdowns = _slowdowns(ratios, base, window.stages)
-        floors = cpu_limited_floors(model_cost, window, candidate, seconds=True, reference=reference)
+        floors = cpu_limited_floors(
+            model_cost,
+            window,
+            candidate,
+            seconds=True,
+            reference=reference,
+            message_cpu_s_per_byte=comm.cpu_s_per_byte if self.message_cpu else 0.0,
+        )
         fixed = self._fixed_parts(model_cost, window, slowdowns, base)
         compute = []
         for k in range(candidate.num_stages):

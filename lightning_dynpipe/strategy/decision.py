@@ -235,7 +235,11 @@ def decide(
             rows, calibration, calibration_s = sweep
             _fit_predictor(config, rows, calibration)
         cost_all = ModelCost.from_arrays(**arrays) if arrays is not None else None
-        comm_all = CommModel(latency_s=link[0], bandwidth_Bps=link[1]) if link is not None else CommModel()
+        comm_all = (
+            CommModel(latency_s=link[0], bandwidth_Bps=link[1], cpu_s_per_byte=link[2])
+            if link is not None
+            else CommModel()
+        )
         if error is not None:
             rank_zero_warn(
                 f"DynPipe could not profile/plan this run ({error}); "
@@ -295,7 +299,7 @@ def _profile_and_plan(
             balance, table = plan.partition.balance, plan.table()
         elif config.memory_cap is not None and balance is not None:
             _warn_over_cap(config, cost, balance, world_size)
-        link = (comm.latency_s, comm.bandwidth_Bps)
+        link = (comm.latency_s, comm.bandwidth_Bps, comm.cpu_s_per_byte)
         stages = len(balance) if balance is not None else num_stages
         sweep = None
         if config.calibrate is not None:

@@ -40,6 +40,9 @@ def test_quick_run_prints_scenario_table(
     assert payload["machine"]["torch"] and payload["command"]
     decisions = [d for r in payload["runs"] if r["system"] == "forest" for d in r["decisions"]]
     assert decisions and all(len(d["stages"]) == 2 and d["stages"][0]["compute_s"] > 0 for d in decisions)
+    # the controller prices with the link the set-up probe measured, its CPU per message byte included (gloo)
+    setups = [r["setup"] for r in payload["runs"] if r["system"] == "forest"]
+    assert setups and all(s["comm"]["bandwidth_Bps"] > 0 and s["comm"]["cpu_s_per_byte"] > 0 for s in setups)
     assert (tmp_path / "interference_accuracy.png").exists() and (tmp_path / "interference_stages.png").exists()
 
 

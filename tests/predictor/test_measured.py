@@ -70,6 +70,37 @@ def test_a_limited_stage_pays_its_framework_cpu_out_of_its_quota() -> None:
     assert cpu_limited_floors(cost, slow, Partition((3, 1)))[1] == pytest.approx((8.0 + 1.0) / 0.25)
 
 
+def test_a_limited_stage_pays_for_the_bytes_its_boundaries_carry_at_the_links_cpu_per_byte() -> None:
+    """The same quarter-core stage, with the link's CPU at 0.01 s per byte of a message: a candidate whose boundary
+    next to it carries 100 bytes more per micro-batch (each way: an activation in, its gradient out) costs it 2 s more
+    CPU per micro-batch, priced over its quota, and one that carries fewer costs it less; ``message_cpu=False``
+    keeps the CPU as measured; a stage under no limit is not floored, so its messages are not priced there."""
+    cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4, activation_bytes=[100, 200, 300, 400])
+    limited = StageTimes(12.0, 80.0, cpu_limit=0.25, cpu_s=20.0)
+    window = PipelineWindow(Partition((2, 2)), (StageTimes(4.0, 80.0), limited), 2)
+    link = CommModel(cpu_s_per_byte=0.01)
+    # [2, 2] -> [3, 1]: the boundary moves from layer 1's 200-byte output to layer 2's 300 bytes
+    assert cpu_limited_floors(cost, window, Partition((3, 1)), message_cpu_s_per_byte=0.01)[1] == pytest.approx(
+        (8.0 + 2 * 100 * 0.01 + 1.0) / 0.25
+    )
+    assert cpu_limited_floors(cost, window, Partition((1, 3)), message_cpu_s_per_byte=0.01)[1] == pytest.approx(
+        (8.0 - 2 * 100 * 0.01 + 3.0) / 0.25
+    )
+    # the window's own partition: no bytes moved, priced at what it measured
+    assert cpu_limited_floors(cost, window, Partition((2, 2)), message_cpu_s_per_byte=0.01)[1] == pytest.approx(
+        20.0 / 2 / 0.25
+    )
+    priced = MeasuredSlowdownPredictor().predict(cost, link, window, Partition((3, 1)))
+    assert priced.stage_compute_s[1].value == pytest.approx((8.0 + 2.0 + 1.0) / 0.25)
+    unpriced = MeasuredSlowdownPredictor(message_cpu=False).predict(cost, link, window, Partition((3, 1)))
+    assert unpriced.stage_compute_s[1].value == pytest.approx((8.0 + 1.0) / 0.25)
+    assert priced.stage_compute_s[0] == unpriced.stage_compute_s[0]
+    with pytest.raises(ConfigurationError, match="message_cpu"):
+        MeasuredSlowdownPredictor(message_cpu=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="cpu_s_per_byte"):
+        CommModel(cpu_s_per_byte=-1.0)
+
+
 def test_the_cpu_floor_needs_a_limit_and_a_measured_cpu() -> None:
     cost = ModelCost.from_arrays([1.0] * 4, [0.0] * 4)
     for limited in (
