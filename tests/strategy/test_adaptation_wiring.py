@@ -158,6 +158,28 @@ def test_attaching_a_forest_starts_its_refit_process_and_imports_scikit_learn_be
     assert forest._worker is None  # the fit's end closes it
 
 
+def _rank1_of_two(predictor: Any) -> tuple[AdaptationWiring, Any]:
+    """A wiring of ``predictor`` attached as global rank 1 of a 2-process fit at step 40 of 100."""
+    return _attached(
+        DynPipeConfig.from_arguments(predictor=predictor),
+        world_size=2,
+        global_rank=1,
+        global_step=40,
+        estimated_stepping_batches=100,
+    )
+
+
+def _two_rank_snapshot(last: StageSummary) -> Any:
+    """A snapshot of a 2-stage fit: stage 0 on rank 1, quiet; stage 1 on rank 0, its summary ``last``."""
+    free = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
+    return SimpleNamespace(
+        stages=[free, last],
+        replicas=[StageReport(0, 0, free, rank=1), StageReport(0, 1, last, rank=0)],
+        agreed_token=0.0,
+        step=40,
+    )
+
+
 def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spare() -> None:
     from lightning_dynpipe.monitor.callback import StageMonitor
     from lightning_dynpipe.predictor import ForestPredictor
@@ -167,13 +189,7 @@ def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spa
     wiring.detach(trainer)  # type: ignore[arg-type]
     assert every._rank is None and every._broadcast is None and every.fits_here
     forest = ForestPredictor(n_estimators=8, one_rank_refits=True)
-    wiring, trainer = _attached(
-        DynPipeConfig.from_arguments(predictor=forest),
-        world_size=2,
-        global_rank=1,
-        global_step=40,
-        estimated_stepping_batches=100,
-    )
+    wiring, trainer = _rank1_of_two(forest)
     try:
         monitor = trainer.callbacks[0]
         assert isinstance(monitor, StageMonitor) and forest._broadcast == monitor.broadcast_object
@@ -181,15 +197,8 @@ def test_with_one_rank_refits_a_fit_of_several_processes_refits_where_cpu_is_spa
         assert monitor.broadcast_object("rank 0's forests", 0) == "rank 0's forests"  # one process: no collective
         # each check names the rank with spare CPU: here rank 0 runs the last stage under a CPU limit of a quarter
         free = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
-        limited = dataclasses.replace(free, cpu_limit=0.25)
-        snapshot = SimpleNamespace(
-            stages=[free, limited],
-            replicas=[StageReport(0, 0, free, rank=1), StageReport(0, 1, limited, rank=0)],
-            agreed_token=0.0,
-            step=40,
-        )
         wiring.controller = _Controller()  # type: ignore[assignment]
-        wiring.on_snapshot(snapshot, trainer)  # type: ignore[arg-type]
+        wiring.on_snapshot(_two_rank_snapshot(dataclasses.replace(free, cpu_limit=0.25)), trainer)  # type: ignore[arg-type]
         assert forest.refit_rank == 1 and forest.fits_here
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
@@ -204,30 +213,15 @@ def test_by_default_one_rank_refits_only_while_a_process_of_the_fit_runs_under_a
 
     forest = ForestPredictor(n_estimators=8)
     assert forest.one_rank_refits == "auto"
-    wiring, trainer = _attached(
-        DynPipeConfig.from_arguments(predictor=forest),
-        world_size=2,
-        global_rank=1,
-        global_step=40,
-        estimated_stepping_batches=100,
-    )
+    wiring, trainer = _rank1_of_two(forest)
     try:
         monitor = trainer.callbacks[0]
         assert forest._broadcast == monitor.broadcast_object and forest._rank == 1
         free = StageSummary.of([StageSample(step_s=0.1, forward_s=0.02, backward_s=0.04)] * MIN_SAMPLES)
         limited = dataclasses.replace(free, cpu_limit=0.25)
-
-        def snapshot(last: StageSummary) -> Any:
-            return SimpleNamespace(
-                stages=[free, last],
-                replicas=[StageReport(0, 0, free, rank=1), StageReport(0, 1, last, rank=0)],
-                agreed_token=0.0,
-                step=40,
-            )
-
         wiring.controller = _Controller()  # type: ignore[assignment]
         for last, rank in ((free, None), (limited, 1), (free, None)):
-            wiring.on_snapshot(snapshot(last), trainer)  # type: ignore[arg-type]
+            wiring.on_snapshot(_two_rank_snapshot(last), trainer)  # type: ignore[arg-type]
             assert forest.refit_rank == rank and forest.fits_here
     finally:
         wiring.detach(trainer)  # type: ignore[arg-type]
