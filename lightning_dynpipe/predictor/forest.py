@@ -84,7 +84,7 @@ strategy sets at every check from the snapshot (every rank sees the same snapsho
 :func:`~lightning_dynpipe.strategy.adaptation.refit_rank`; ``None``, every rank fits its own, under ``"auto"`` while no
 process reports a cgroup CPU limit): within a limit a refit's CPU is taken from the limit whatever its priority (on
 the CNN under a quarter-core quota on its last stage, the ten steps in which every rank refitted took 1.8-2.8x as long
-as the median ten, and over 300 steps the fit ran at 55.9 ms per step against 47.9 with one rank refitting:
+as the median ten, and over 300 steps the fit ran at 56.1 ms per step against 48.0 with one rank refitting:
 benchmarks/results/2026-12-08-refits-under-a-limit.md). The rank is
 :func:`~lightning_dynpipe.strategy.adaptation.spare_cpu_rank`: with the refits on any core (``refit_cores="any"``,
 the default), the process with the highest CPU limit, then the most spare CPU, so that a stage under a CPU limit
