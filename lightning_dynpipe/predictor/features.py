@@ -58,7 +58,7 @@ from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.predictor.base import PipelineWindow, StageTimes, check_same_pipeline, cpu_contended
-from lightning_dynpipe.predictor.measured import cpu_limited_floors, measured_slowdowns, quiet_split
+from lightning_dynpipe.predictor.measured import boundary_bytes, cpu_limited_floors, measured_slowdowns, quiet_split
 
 __all__ = [
     "FeatureSchema",
@@ -508,15 +508,11 @@ def measured_message_s(window: PipelineWindow) -> tuple[tuple[float, float], ...
     return tuple(out)
 
 
-def _boundary_bytes(model_cost: ModelCost, partition: Partition) -> list[int]:
-    return [model_cost.layers[partition.stage_layers(b)[-1]].activation_bytes for b in range(partition.num_stages - 1)]
-
-
 def boundary_priors(model_cost: ModelCost, comm: CommModel, window: PipelineWindow, candidate: Partition) -> FloatArray:
     """Per boundary of ``candidate``, the analytic prior of its time per message (seconds)."""
     check_same_pipeline(window, candidate)
     measured = measured_message_s(window)
-    old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
+    old, new = boundary_bytes(model_cost, window.partition), boundary_bytes(model_cost, candidate)
     out = []
     for b in range(candidate.num_stages - 1):
         link_new = float(comm.transfer_time(new[b]))
@@ -529,7 +525,7 @@ def boundary_rows(model_cost: ModelCost, comm: CommModel, window: PipelineWindow
     """One row of :data:`BOUNDARY_FEATURES` per boundary of ``candidate``, shape ``(S-1, len(BOUNDARY_FEATURES))``."""
     check_same_pipeline(window, candidate)
     measured = measured_message_s(window)
-    old, new = _boundary_bytes(model_cost, window.partition), _boundary_bytes(model_cost, candidate)
+    old, new = boundary_bytes(model_cost, window.partition), boundary_bytes(model_cost, candidate)
     per_mib = _MIB / comm.bandwidth_Bps if math.isfinite(comm.bandwidth_Bps) else 0.0
     rows = [
         [

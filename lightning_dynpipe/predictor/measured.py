@@ -51,7 +51,8 @@ next to the stage carry other activations changes the stage's CPU by that many b
 boundary's activation one way and its gradient the other). On the CNN under a quarter-core quota on its last
 stage, the move from ``[4, 1]`` (an 8 KB activation at the boundary) to ``[2, 3]`` (400 KB) was priced 14% too fast
 without it (``message_cpu=False``); the limited stage's CPU besides its layers grew by about 2 ns per byte of its
-messages, of which the probe measures gloo's part, 0.15-0.29 ns (benchmarks/results/2026-12-08-refits-under-a-limit.md).
+messages, of which the probe measures gloo's part, 0.16-1.0 ns, median 0.5, in one benchmark's 24 runs
+(benchmarks/results/2026-12-08-refits-under-a-limit.md).
 
 **The CPU a stage beside another process gets.** Another process busy on a stage's core (a co-located job's CPU
 hog) takes a share of the core, and everything the stage does per step runs at the share it is left, its updates
@@ -82,7 +83,14 @@ from lightning_dynpipe.predictor.base import (
     cpu_contended,
 )
 
-__all__ = ["MeasuredSlowdownPredictor", "cpu_limited_floors", "measured_slowdowns", "message_bytes", "quiet_split"]
+__all__ = [
+    "MeasuredSlowdownPredictor",
+    "boundary_bytes",
+    "cpu_limited_floors",
+    "measured_slowdowns",
+    "message_bytes",
+    "quiet_split",
+]
 
 
 def measured_slowdowns(
@@ -221,6 +229,11 @@ def cpu_limited_floors(
     return tuple(floors)
 
 
+def boundary_bytes(model_cost: ModelCost, partition: Partition) -> list[int]:
+    """Per boundary of ``partition``, the bytes of the activation that crosses it (its last layer's output)."""
+    return [model_cost.layers[partition.stage_layers(b)[-1]].activation_bytes for b in range(partition.num_stages - 1)]
+
+
 def message_bytes(model_cost: ModelCost, partition: Partition, stage: int) -> int:
     """The bytes stage ``stage`` of ``partition`` sends and receives per micro-batch: per boundary next to it, the
     activation that crosses it one way and its gradient (as large) the other.
@@ -231,13 +244,8 @@ def message_bytes(model_cost: ModelCost, partition: Partition, stage: int) -> in
         >>> [message_bytes(cost, Partition((1, 1, 1)), k) for k in range(3)]
         [200, 220, 20]
     """
-    S = partition.num_stages
-    out = 0
-    if stage > 0:
-        out += 2 * model_cost.layers[partition.stage_layers(stage - 1)[-1]].activation_bytes
-    if stage < S - 1:
-        out += 2 * model_cost.layers[partition.stage_layers(stage)[-1]].activation_bytes
-    return out
+    crossing = boundary_bytes(model_cost, partition)
+    return 2 * sum(crossing[b] for b in (stage - 1, stage) if 0 <= b < len(crossing))
 
 
 def _cpu_obtained(times: StageTimes, contended: bool) -> float | None:
@@ -387,10 +395,7 @@ class MeasuredSlowdownPredictor:
             stretch, own = fixed[k]
             # in seconds: the relative stretch at the pipeline's speed, as the messages are
             compute.append(Interval.point(max(base * stretch * (profile + own), floors[k] or 0.0)))
-        boundaries = []
-        for k in range(candidate.num_stages - 1):
-            last = candidate.stage_layers(k)[-1]
-            boundaries.append(Interval.point(float(comm.transfer_time(model_cost.layers[last].activation_bytes))))
+        boundaries = [Interval.point(float(comm.transfer_time(n))) for n in boundary_bytes(model_cost, candidate)]
         return PartitionPrediction(candidate, tuple(base * s for s in slowdowns), tuple(compute), tuple(boundaries))
 
     def _fixed_parts(
