@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_dynpipe.errors import ConfigurationError
 from lightning_dynpipe.monitor.callback import StageMonitor
-from lightning_dynpipe.monitor.stats import PipelineSnapshot, StageReport, interference_excess
+from lightning_dynpipe.monitor.stats import PipelineSnapshot, StageReport, StageSummary, interference_excess
 from lightning_dynpipe.plan.costs import CommModel, ModelCost
 from lightning_dynpipe.plan.partition import Partition
 from lightning_dynpipe.plan.replicas import ReplicaSplit
@@ -277,11 +277,15 @@ def refit_rank(snapshot: PipelineSnapshot, *, one_rank_refits: bool | str, any_c
     process of the fit runs under a cgroup CPU limit (``cpu_limit``), else ``None``. Within a limit a refit's CPU,
     at whatever priority, is taken from the limit: on the CNN under a quarter-core quota on its last stage, the ten
     steps in which both ranks refitted took 1.8-2.8x as long as the median ten."""
-    if one_rank_refits == "auto" and not any(
-        r.summary.cpu_limit is not None and math.isfinite(r.summary.cpu_limit) for r in snapshot.replicas
-    ):
+    if one_rank_refits == "auto" and all(math.isinf(_cpu_limit(r.summary)) for r in snapshot.replicas):
         return None
     return spare_cpu_rank(snapshot, any_core=any_core)
+
+
+def _cpu_limit(summary: StageSummary) -> float:
+    """The process's cgroup CPU limit in cores; ``math.inf`` where none is read."""
+    limit = summary.cpu_limit
+    return limit if limit is not None and math.isfinite(limit) else math.inf
 
 
 def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int:
@@ -310,7 +314,7 @@ def spare_cpu_rank(snapshot: PipelineSnapshot, *, any_core: bool = False) -> int
 
     def key(r: StageReport) -> tuple[float, float, int]:
         s = r.summary
-        limit = s.cpu_limit if s.cpu_limit is not None and math.isfinite(s.cpu_limit) else math.inf
+        limit = _cpu_limit(s)
         other = s.other_cpu_load if s.other_cpu_load is not None and math.isfinite(s.other_cpu_load) else 0.0
         used = s.cpu_share if math.isfinite(s.cpu_share) else 0.0
         spare = -round((min(limit, 1.0) - used - other) * 4)
